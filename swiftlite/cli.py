@@ -1,0 +1,262 @@
+"""The `swiftlite` command line.
+
+`sft` and `pt` take ms-swift-style flags generated from the RunConfig fields (both `--max_length`
+and `--max-length`, lists as `--dataset a.jsonl b.jsonl`, booleans as `--packing` or
+`--packing true`), so a new config field is a new flag with no code here. The other commands are
+plain Typer commands. Heavy imports (torch, transformers) happen inside commands: `--help` is fast.
+Each command parses, builds a config, and calls one function.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Optional
+
+import typer
+
+from swiftlite.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="swiftlite: fine-tune LLMs with FSDP2, DeepSpeed ZeRO or DDP, and ship them.")
+
+IGNORED_FLAGS = {"--local_rank", "--local-rank"}  # appended by the DeepSpeed launcher
+SHORTHANDS = {"--lora": ("train_type", "lora"), "--qlora": ("train_type", "qlora"),
+              "--full": ("train_type", "full")}
+
+
+@app.callback()
+def _root() -> None:
+    """swiftlite: fine-tune LLMs with FSDP2, DeepSpeed ZeRO or DDP, and ship them."""
+
+
+# -- sft / pt: flags from the config fields ------------------------------------------------------
+
+def _flag_table() -> dict[str, Any]:
+    from swiftlite.config import field_specs
+    table: dict[str, Any] = {}
+    for spec in field_specs().values():
+        if spec.cli:
+            for f in spec.flags:
+                table[f] = spec
+    return table
+
+
+def parse_run_args(args: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """argv of `sft`/`pt` -> (config file, flat overrides). Unknown flags are errors naming them."""
+    from swiftlite.config import _FALSE, _TRUE
+    table = _flag_table()
+    values: dict[str, Any] = {}
+    config_file = None
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        if not tok.startswith("--"):
+            raise UserError(f"unexpected argument {tok!r} (options start with --)")
+        name, eq, inline = tok.partition("=")
+        i += 1
+        if name in IGNORED_FLAGS:
+            if not eq and i < len(args) and not args[i].startswith("--"):
+                i += 1
+            continue
+        if name == "--config":
+            if eq:
+                config_file = inline
+            elif i < len(args):
+                config_file, i = args[i], i + 1
+            else:
+                raise UserError("--config needs a file")
+            continue
+        if name in SHORTHANDS:
+            key, val = SHORTHANDS[name]
+            values[key] = val
+            continue
+        spec = table.get(name)
+        if spec is None:
+            import difflib
+            close = difflib.get_close_matches(name, list(table) + ["--config", *SHORTHANDS], n=1, cutoff=0.7)
+            raise UserError(f"unknown option {name}" + (f" (did you mean {close[0]}?)" if close else ""))
+        if spec.base_type is bool:
+            if eq:
+                values[spec.name] = inline
+            elif i < len(args) and args[i].lower() in _TRUE | _FALSE:
+                values[spec.name], i = args[i], i + 1
+            else:
+                values[spec.name] = True
+            continue
+        if eq:
+            vals = [inline]
+        else:
+            vals = []
+            while i < len(args) and not (args[i].startswith("--") and len(args[i]) > 2):
+                vals.append(args[i])
+                i += 1
+                if not spec.is_list:
+                    break
+        if not vals:
+            raise UserError(f"{name} needs a value")
+        values[spec.name] = vals if spec.is_list else vals[0]
+    return config_file, values
+
+
+def _run_help(task: str) -> str:
+    from swiftlite.config import SECTIONS, field_specs
+    lines = [f"Usage: swiftlite {task} [OPTIONS]", "",
+             ("Supervised fine-tuning on chat data." if task == "sft" else "Continued pre-training on text."),
+             "Every option also accepts its underscore spelling (--max_length = --max-length).", "",
+             "  --config FILE                YAML or JSON with option values (flags override it)",
+             "  --lora / --qlora / --full    shorthands for --train-type"]
+    specs = field_specs()
+    for sec in SECTIONS:
+        lines.append(f"\n{sec}:")
+        for spec in specs.values():
+            if spec.section != sec or not spec.cli:
+                continue
+            flag = spec.flags[0] + ("" if spec.base_type is bool else " LIST" if spec.is_list else " VALUE")
+            extra = [a for a in spec.aliases]
+            default = "" if spec.default in (None, [], False) else f" [default: {spec.default}]"
+            lines.append(f"  {flag:<36} {spec.help}{default}" + (f" (also {', '.join(extra)})" if extra else ""))
+    return "\n".join(lines)
+
+
+def run_command(task: str, args: list[str]) -> int:
+    """`swiftlite sft|pt ...`: validate, then launch or train here."""
+    if any(a in ("--help", "-h") for a in args):
+        print(_run_help(task))
+        return 0
+    from swiftlite.config import load_config
+    config_file, values = parse_run_args(args)
+    cfg = load_config(config_file, values, task=task)
+    from swiftlite.launch import plan_launch, record_rank_failure, run_launched
+    plan = plan_launch(cfg, [task, *args])
+    if cfg.parallel.dry_run:
+        print_plan(cfg, plan)
+        return 0
+    if plan.command is not None:
+        return run_launched(plan, cfg)
+    try:
+        from swiftlite.trainer import train
+        train(cfg)
+    except UserError as e:
+        record_rank_failure(cfg, str(e), user_error=True)
+        raise
+    except BaseException as e:
+        import traceback
+        record_rank_failure(cfg, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", user_error=False)
+        raise
+    finally:
+        from swiftlite.distributed import teardown
+        teardown()
+    return 0
+
+
+def print_plan(cfg: Any, plan: Any) -> None:
+    """--dry-run: the resolved backend, world, batch arithmetic and launch command."""
+    import shlex
+    world = plan.world_size if not os.environ.get("WORLD_SIZE") else int(os.environ["WORLD_SIZE"])
+    backend = cfg.backend_name
+    reason = ""
+    if backend == "auto":
+        from swiftlite.parallel.plan import resolve_auto
+        d = resolve_auto(cfg, world, None)
+        backend, reason = d.backend, f" ({d.reason})"
+    elif backend == "ddp" and world == 1:
+        backend = "single"
+    t = cfg.train
+    print(f"backend:        {backend}{reason}")
+    if cfg.deepspeed_source:
+        print(f"deepspeed:      {cfg.deepspeed_source}")
+    print(f"world:          {plan.nnodes} node(s) x {plan.nproc_per_node} process(es) = {world}")
+    print(f"batch:          per-device {t.per_device_train_batch_size} x {world} x accumulation "
+          f"{t.gradient_accumulation_steps} = global {t.per_device_train_batch_size * world * t.gradient_accumulation_steps}")
+    print(f"model:          {cfg.model.model} ({cfg.train.train_type}, {cfg.model.torch_dtype})")
+    print(f"output:         {cfg.train.output_dir}")
+    print("launch:         " + (shlex.join(plan.command) if plan.command else "this process"))
+
+
+_RUN_SETTINGS = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
+
+
+@app.command("sft", context_settings=_RUN_SETTINGS, add_help_option=False)
+def sft_cmd(ctx: typer.Context) -> None:
+    """Supervised fine-tuning on chat data (see `swiftlite sft --help`)."""
+    raise typer.Exit(run_command("sft", list(ctx.args)))
+
+
+@app.command("pt", context_settings=_RUN_SETTINGS, add_help_option=False)
+def pt_cmd(ctx: typer.Context) -> None:
+    """Continued pre-training on text (see `swiftlite pt --help`)."""
+    raise typer.Exit(run_command("pt", list(ctx.args)))
+
+
+# -- other commands -------------------------------------------------------------------------------
+
+@app.command("models")
+def models_cmd() -> None:
+    """List the built-in model presets."""
+    from swiftlite.models.presets import PRESETS, param_count
+    for p in PRESETS.values():
+        n = param_count(p.config)
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+        src = "built-in (random init, shipped tokenizer)" if p.builtin else p.hub_id
+        print(f"{p.name:<16} {size:>8}  {p.config['model_type']:<8} {src}  {p.description}".rstrip())
+
+
+@app.command("estimate")
+def estimate_cmd(
+    model: str = typer.Option("tiny-llama", "--model", help="Preset name or local HF folder."),
+    train_type: str = typer.Option("full", "--train-type", "--train_type", help="full, lora or qlora."),
+    gpus: int = typer.Option(1, "--gpus", "--nproc-per-node", "--nproc_per_node", help="GPUs per node."),
+    nodes: int = typer.Option(1, "--nodes", "--nnodes", help="Number of nodes."),
+    gpu_memory: str = typer.Option("80GB", "--gpu-memory", "--gpu_memory", help="Memory per GPU (80GB, 24GiB)."),
+    max_length: int = typer.Option(2048, "--max-length", "--max_length", help="Sequence length."),
+    micro_batch: int = typer.Option(1, "--per-device-train-batch-size", "--per_device_train_batch_size",
+                                    "--batch-size", help="Micro-batch per GPU."),
+    gradient_checkpointing: bool = typer.Option(True, "--gradient-checkpointing/--no-gradient-checkpointing",
+                                                help="Activation checkpointing."),
+    dtype: str = typer.Option("bf16", "--torch-dtype", "--torch_dtype", "--dtype", help="bf16, fp16 or fp32."),
+    lora_rank: int = typer.Option(8, "--lora-rank", "--lora_rank", help="LoRA rank."),
+    quant_bits: Optional[int] = typer.Option(None, "--quant-bits", "--quant_bits", help="4 or 8 (QLoRA)."),
+) -> None:
+    """Memory per GPU for each backend, what fits, and the recommended backend."""
+    from swiftlite.estimate import render, run_estimate
+    decision = run_estimate(model=model, train_type=train_type, gpus=gpus, nodes=nodes, gpu_memory=gpu_memory,
+                            max_length=max_length, micro_batch=micro_batch,
+                            gradient_checkpointing=gradient_checkpointing, dtype=dtype, lora_rank=lora_rank,
+                            quant_bits=quant_bits)
+    render(decision)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: one-line errors with exit code 2 for user mistakes, never a traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from swiftlite import cli_extra
+    cli_extra.register_all(app)
+    group = typer.main.get_command(app)
+    try:
+        group.main(args=argv, prog_name="swiftlite", standalone_mode=False)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception as e:
+        # click's own usage errors (bad option value, missing argument): one line, exit 2
+        if hasattr(e, "format_message") and hasattr(e, "exit_code"):
+            if type(e).__name__ == "Exit":
+                return e.exit_code
+            if type(e).__name__ == "Abort":
+                return 130
+            print(f"error: {e.format_message()}", file=sys.stderr)
+            return 2 if e.exit_code in (1, 2) else e.exit_code
+        if type(e).__name__ == "Exit":
+            return getattr(e, "exit_code", 0)
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

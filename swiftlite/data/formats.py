@@ -1,0 +1,127 @@
+"""Row formats -> one conversation form (a list of {"role", "content"} messages).
+
+Formats are detected per row from its keys, through a registry of (name, detector, converter), so a
+new format is one entry. Supported: messages (OpenAI / ms-swift), sharegpt (conversations/from/value),
+alpaca (instruction/input/output, optional system/history), query/response (optional
+system/history), and plain text (for `swiftlite pt`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from swiftlite.errors import UserError
+
+Message = dict[str, str]
+Converter = Callable[[dict[str, Any], str], list[Message]]
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _text(v: Any, where: str, key: str) -> str:
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise UserError(f"{where}: '{key}' must be a string, got {type(v).__name__}")
+    return v
+
+
+def _history(row: dict, where: str) -> list[Message]:
+    out: list[Message] = []
+    hist = row.get("history") or []
+    if not isinstance(hist, list):
+        raise UserError(f"{where}: 'history' must be a list of [query, response] pairs")
+    for i, pair in enumerate(hist):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            raise UserError(f"{where}: history[{i}] must be a [query, response] pair")
+        out += [{"role": "user", "content": _text(pair[0], where, f"history[{i}][0]")},
+                {"role": "assistant", "content": _text(pair[1], where, f"history[{i}][1]")}]
+    return out
+
+
+def _system(row: dict, where: str) -> list[Message]:
+    s = row.get("system")
+    return [{"role": "system", "content": _text(s, where, "system")}] if s else []
+
+
+def from_messages(row: dict, where: str) -> list[Message]:
+    msgs = row["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        raise UserError(f"{where}: 'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise UserError(f"{where}: messages[{i}] needs 'role' and 'content'")
+        if m["role"] not in ROLES:
+            raise UserError(f"{where}: messages[{i}] has unknown role {m['role']!r} (use {', '.join(ROLES)})")
+        out.append({"role": m["role"], "content": _text(m["content"], where, f"messages[{i}].content")})
+    return out
+
+
+def from_sharegpt(row: dict, where: str) -> list[Message]:
+    conv = row["conversations"]
+    if not isinstance(conv, list) or not conv:
+        raise UserError(f"{where}: 'conversations' must be a non-empty list")
+    out = _system(row, where)
+    for i, m in enumerate(conv):
+        if not isinstance(m, dict) or "from" not in m or "value" not in m:
+            raise UserError(f"{where}: conversations[{i}] needs 'from' and 'value'")
+        role = SHAREGPT_ROLES.get(str(m["from"]).lower())
+        if role is None:
+            raise UserError(f"{where}: conversations[{i}] has unknown speaker {m['from']!r}")
+        out.append({"role": role, "content": _text(m["value"], where, f"conversations[{i}].value")})
+    return out
+
+
+def from_alpaca(row: dict, where: str) -> list[Message]:
+    instruction = _text(row.get("instruction"), where, "instruction")
+    inp = _text(row.get("input"), where, "input")
+    query = f"{instruction}\n{inp}" if inp else instruction
+    return (_system(row, where) + _history(row, where)
+            + [{"role": "user", "content": query},
+               {"role": "assistant", "content": _text(row.get("output"), where, "output")}])
+
+
+def from_query_response(row: dict, where: str) -> list[Message]:
+    return (_system(row, where) + _history(row, where)
+            + [{"role": "user", "content": _text(row.get("query"), where, "query")},
+               {"role": "assistant", "content": _text(row.get("response"), where, "response")}])
+
+
+# (name, detector, converter): the first detector that accepts a row wins.
+FORMATS: list[tuple[str, Callable[[dict], bool], Converter]] = [
+    ("messages", lambda r: "messages" in r, from_messages),
+    ("sharegpt", lambda r: "conversations" in r, from_sharegpt),
+    ("alpaca", lambda r: "instruction" in r and "output" in r, from_alpaca),
+    ("query_response", lambda r: "query" in r and "response" in r, from_query_response),
+]
+
+
+def detect_format(row: dict) -> str | None:
+    for name, det, _conv in FORMATS:
+        if det(row):
+            return name
+    return None
+
+
+def to_messages(row: dict, where: str) -> list[Message]:
+    """Convert one row (any chat format) to messages; a row that fits no format is an error naming its keys."""
+    for _name, det, conv in FORMATS:
+        if det(row):
+            msgs = conv(row, where)
+            if not any(m["role"] == "assistant" for m in msgs):
+                raise UserError(f"{where}: the conversation has no assistant turn to learn from")
+            return msgs
+    keys = ", ".join(sorted(map(str, row))) or "none"
+    raise UserError(f"{where}: row matches no known format (found keys: {keys}; expected messages, "
+                    "conversations, instruction+output, query+response, or text for pt)")
+
+
+def to_text(row: dict, where: str) -> str:
+    """Pre-training rows: {"text": ...}; chat rows are flattened by the caller's template instead."""
+    if "text" in row:
+        return _text(row["text"], where, "text")
+    keys = ", ".join(sorted(map(str, row))) or "none"
+    raise UserError(f"{where}: pre-training row needs a 'text' field (found keys: {keys})")

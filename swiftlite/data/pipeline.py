@@ -1,0 +1,159 @@
+"""Dataset specs -> tokenized train/validation rows, cached on disk.
+
+Rows are converted (formats.py) and tokenized (tokenize.py) in plain Python with the fast tokenizer;
+the result is cached as a NumPy .npz (no pickle) keyed by the source files, tokenizer, template,
+max length, task and packing, so a second run or every rank after the first skips the work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from swiftlite.data.collate import pack_rows
+from swiftlite.data.formats import to_messages, to_text
+from swiftlite.data.sources import load_rows, parse_spec
+from swiftlite.data.tokenize import IGNORE, encode_messages, encode_text
+from swiftlite.errors import UserError
+
+CACHE_VERSION = 2
+
+
+@dataclass
+class DataStats:
+    rows: int = 0
+    truncated: int = 0
+    skipped: list[str] = field(default_factory=list)
+    no_target: int = 0
+
+
+@dataclass
+class Tokenized:
+    rows: list[dict[str, Any]]  # {"input_ids": [...], "labels": [...], (position_ids)}
+    stats: DataStats
+
+    def targets(self, i: int) -> int:
+        lab = self.rows[i]["labels"]
+        return sum(1 for x in lab[1:] if x != IGNORE)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SWIFTLITE_CACHE", Path.home() / ".cache" / "swiftlite")) / "tokenized"
+
+
+def _fingerprint(specs: list[str], tokenizer: Any, extra: dict) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({"v": CACHE_VERSION, **extra}, sort_keys=True).encode())
+    for spec in specs:
+        path, _ = parse_spec(spec)
+        p = Path(path)
+        h.update(spec.encode())
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+        elif p.is_dir():
+            for f in sorted(p.rglob("*")):
+                if f.is_file():
+                    st = f.stat()
+                    h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update((getattr(tokenizer, "chat_template", "") or "").encode())
+    h.update(str(getattr(tokenizer, "name_or_path", "")).encode())
+    h.update(str(len(tokenizer)).encode())
+    return h.hexdigest()[:24]
+
+
+def _save_cache(path: Path, tok: Tokenized) -> None:
+    lengths = np.array([len(r["input_ids"]) for r in tok.rows], dtype=np.int64)
+    ids = np.concatenate([np.asarray(r["input_ids"], dtype=np.int64) for r in tok.rows]) if tok.rows else np.zeros(0, np.int64)
+    labels = np.concatenate([np.asarray(r["labels"], dtype=np.int64) for r in tok.rows]) if tok.rows else np.zeros(0, np.int64)
+    arrays = {"lengths": lengths, "ids": ids, "labels": labels}
+    if tok.rows and "position_ids" in tok.rows[0]:
+        arrays["pos"] = np.concatenate([np.asarray(r["position_ids"], dtype=np.int64) for r in tok.rows])
+    stats = json.dumps({"rows": tok.stats.rows, "truncated": tok.stats.truncated,
+                        "skipped": tok.stats.skipped, "no_target": tok.stats.no_target})
+    arrays["stats"] = np.frombuffer(stats.encode(), dtype=np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+
+def _load_cache(path: Path) -> Tokenized | None:
+    try:
+        z = np.load(path, allow_pickle=False)
+        lengths, ids, labels = z["lengths"], z["ids"], z["labels"]
+        pos = z["pos"] if "pos" in z.files else None
+        st = json.loads(bytes(z["stats"]).decode())
+    except (OSError, ValueError, KeyError):
+        return None
+    rows = []
+    off = 0
+    for n in lengths.tolist():
+        r = {"input_ids": ids[off:off + n].tolist(), "labels": labels[off:off + n].tolist()}
+        if pos is not None:
+            r["position_ids"] = pos[off:off + n].tolist()
+        rows.append(r)
+        off += n
+    return Tokenized(rows, DataStats(**st))
+
+
+def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: int, packing: bool,
+                   skip_bad_rows: bool, use_cache: bool = True,
+                   progress: Callable[[str, int], Any] | None = None) -> Tokenized:
+    """Load, convert and tokenize every spec; rows with no target token are dropped and counted."""
+    key = _fingerprint(specs, tokenizer, {"task": task, "max_length": max_length, "packing": packing,
+                                          "skip": skip_bad_rows})
+    cpath = cache_dir() / f"{key}.npz"
+    if use_cache and cpath.is_file():
+        cached = _load_cache(cpath)
+        if cached is not None:
+            return cached
+    stats = DataStats()
+    rows: list[dict] = []
+    for spec in specs:
+        src = load_rows(spec, skip_bad_rows=skip_bad_rows)
+        stats.skipped += src.skipped
+        it = zip(src.rows, src.where)
+        if progress is not None:
+            it = progress(f"tokenizing {spec}", len(src.rows))(it)
+        for row, where in it:
+            try:
+                if task == "pt":
+                    enc = encode_text(tokenizer, to_text(row, where), max_length)
+                else:
+                    enc = encode_messages(tokenizer, to_messages(row, where), max_length, where)
+            except UserError as e:
+                if skip_bad_rows:
+                    stats.skipped.append(str(e))
+                    continue
+                raise
+            stats.rows += 1
+            stats.truncated += int(enc.truncated)
+            if not any(x != IGNORE for x in enc.labels[1:]):
+                stats.no_target += 1  # nothing to learn (e.g. the answer was truncated away)
+                continue
+            rows.append({"input_ids": enc.input_ids, "labels": enc.labels})
+    if packing:
+        rows = pack_rows(rows, max_length)
+    tok = Tokenized(rows, stats)
+    if use_cache:
+        _save_cache(cpath, tok)
+    return tok
+
+
+def split_validation(tok: Tokenized, ratio: float, seed: int) -> tuple[Tokenized, Tokenized]:
+    """Hold out a seeded share of the rows for validation."""
+    import random
+    idx = list(range(len(tok.rows)))
+    random.Random(seed).shuffle(idx)
+    n_val = max(1, int(round(len(idx) * ratio)))
+    val_set = set(idx[:n_val])
+    train = [r for i, r in enumerate(tok.rows) if i not in val_set]
+    val = [r for i, r in enumerate(tok.rows) if i in val_set]
+    return Tokenized(train, tok.stats), Tokenized(val, DataStats(rows=len(val)))

@@ -1,0 +1,77 @@
+"""Conversations -> input_ids + labels with the chat template; loss only on assistant tokens.
+
+The whole conversation is rendered once with the template and tokenized once (so token boundaries
+are exactly what inference sees). Assistant spans are found as character ranges by rendering the
+prefixes: the text before assistant turn i is `render(messages[:i], add_generation_prompt=True)` and
+the turn ends where `render(messages[:i+1])` ends. Tokens whose characters fall in an assistant span
+keep their label; every other label is -100. The span includes the end-of-turn token, so the model
+learns to stop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from swiftlite.errors import UserError
+
+IGNORE = -100
+
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    labels: list[int]
+    truncated: bool
+
+
+def render(tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_spans(tokenizer: Any, messages: list[dict], full: str, where: str = "") -> list[tuple[int, int]]:
+    """Character ranges of each assistant turn in `full` (the rendered conversation)."""
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start_text = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        end_text = render(tokenizer, messages[: i + 1])
+        if not full.startswith(end_text) or not end_text.startswith(start_text):
+            raise UserError(f"{where}: the chat template does not render conversations prefix by prefix; "
+                            "pass a --template that does")
+        spans.append((len(start_text), len(end_text)))
+    return spans
+
+
+def encode_messages(tokenizer: Any, messages: list[dict], max_length: int, where: str = "") -> Encoded:
+    """Tokenize one conversation; labels are -100 except on assistant turns."""
+    full = render(tokenizer, messages)
+    spans = assistant_spans(tokenizer, messages, full, where)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids: list[int] = enc["input_ids"]
+    labels = [IGNORE] * len(ids)
+    si = 0
+    for t, (a, b) in enumerate(enc["offset_mapping"]):
+        while si < len(spans) and a >= spans[si][1]:
+            si += 1
+        if si < len(spans) and a >= spans[si][0] and b <= spans[si][1] and b > a:
+            labels[t] = ids[t]
+    truncated = len(ids) > max_length
+    return Encoded(ids[:max_length], labels[:max_length], truncated)
+
+
+def encode_text(tokenizer: Any, text: str, max_length: int) -> Encoded:
+    """Pre-training: every token is a target; EOS appended so documents end."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        ids = ids + [tokenizer.eos_token_id]
+    truncated = len(ids) > max_length
+    ids = ids[:max_length]
+    return Encoded(ids, list(ids), truncated)
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Token ids of a prompt ready for generation (used by eval accuracy and `infer`)."""
+    text = render(tokenizer, messages, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

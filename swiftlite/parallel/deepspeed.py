@@ -1,0 +1,393 @@
+"""DeepSpeed backend (ZeRO-1/2/3, CPU/NVMe offload) behind the swiftlite `Engine` interface.
+
+    engine = build_engine(model, cfg, world, total_steps)       # registered as "deepspeed"
+
+How the numerics are made to equal the torch backends (verified on deepspeed 0.19.8):
+
+* Optimizer and schedule: swiftlite's own `build_optimizer` (torch AdamW, foreach=False) and
+  `build_scheduler` (LambdaLR) are passed to `deepspeed.initialize` as client objects, so no DeepSpeed
+  op (fused_adam, cpu_adam) is compiled and every backend runs the same update. torch AdamW is on
+  ZeRO's tested list; `zero_force_ds_cpu_optimizer: false` lets it run with offload_optimizer too
+  (slower than DeepSpeedCPUAdam, identical maths). A DeepSpeed "optimizer"/"scheduler" block in a
+  user JSON is dropped by `ds_config.fill_auto` after checking it agrees with the flags.
+* Gradient accumulation: the trainer calls forward/backward once per micro-batch and `step()` once
+  per optimizer step. We run DeepSpeed with `"managed_gradient_accumulation": false` (new in 0.19):
+  `engine.backward` then only accumulates (ZeRO-2/3 still reduce-scatter each micro-batch into the
+  rank's gradient partition, which is what bounds their memory), and `engine.step()` is *the*
+  accumulation boundary: it finalises the partitions, clips, steps the optimizer and the scheduler
+  and zeroes the gradients. `gradient_accumulation_steps` in the config keeps its real value
+  (DeepSpeed checks train_batch_size = micro * gas * world with it) but drives nothing.
+* Loss scaling: DeepSpeed divides the loss by gradient_accumulation_steps inside `backward` (and in
+  a hook on the module outputs when `tensor.backward()` is used directly). The trainer has already
+  scaled the loss (base.py's gradient contract), so we call `engine.backward(loss,
+  scale_wrt_gas=False)`, which also marks the graph so the output hook leaves it alone. ZeRO
+  averages gradients over the data-parallel ranks like DDP/FSDP.
+* Clipping: DeepSpeed clips with `gradient_clipping` (= --max-grad-norm) on the global norm of the
+  averaged gradients, as torch's clip_grad_norm_ does (DeepSpeed divides by (norm+1e-6)/max where
+  torch multiplies by max/(norm+1e-6): the last bit can differ). `step()` returns the pre-clip norm.
+* Precision: bf16/fp16 follow --torch-dtype; DeepSpeed then keeps fp32 master weights (this is
+  mixed precision, unlike the pure-bf16 torch backends). fp32 runs match the torch backends.
+
+No op is compiled on the default path: DeepSpeed's CPU accelerator builds the `shm_comm` op when the
+communication backend starts, only for `inference_all_reduce`, which training never calls; we skip
+that build (2-3 minutes the first time). NVMe offload needs the async_io op (compiled on first use,
+cached in TORCH_EXTENSIONS_DIR, needs libaio-dev). See docs/deepspeed.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import socket
+import sys
+from typing import TYPE_CHECKING, Any, Iterator
+
+from swiftlite.errors import UserError
+from swiftlite.parallel.base import World, register_backend
+from swiftlite.parallel.ds_config import ds_stage, offload_devices, resolve_ds_config
+
+if TYPE_CHECKING:
+    import torch
+
+    from swiftlite.config import RunConfig
+
+CKPT_TAG = "ds"
+DEFAULT_EXT_DIR = os.path.join("~", ".cache", "swiftlite", "torch_extensions")
+
+# Keeps the transformers ZeRO-3 marker alive for the whole run (transformers holds only a weakref).
+_HF_DS_CONFIG: Any = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Environment
+
+def ds_env_defaults() -> dict[str, str]:
+    """Set the environment DeepSpeed needs before it is imported; returns what was set.
+
+    * DS_ACCELERATOR=cpu when there is no CUDA device (DeepSpeed then uses gloo).
+    * TORCH_EXTENSIONS_DIR=~/.cache/swiftlite/torch_extensions (compiled ops are cached there).
+    * RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT for a single process not started by a
+      launcher (DeepSpeed otherwise tries MPI discovery and asks for mpi4py).
+    """
+    import torch
+
+    set_: dict[str, str] = {}
+
+    def default(k: str, v: str) -> None:
+        if k not in os.environ:
+            os.environ[k] = v
+            set_[k] = v
+
+    if not torch.cuda.is_available():
+        default("DS_ACCELERATOR", "cpu")
+    default("TORCH_EXTENSIONS_DIR", os.path.expanduser(DEFAULT_EXT_DIR))
+    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
+        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                     ("MASTER_ADDR", "127.0.0.1")):
+            default(k, v)
+        if "MASTER_PORT" not in os.environ:
+            default("MASTER_PORT", str(_free_port()))
+    return set_
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stale_extension_locks(ext_dir: str | None = None) -> list[str]:
+    """`lock` files left in the op-build cache (torch's cpp_extension FileBaton)."""
+    root = os.path.expanduser(ext_dir or os.environ.get("TORCH_EXTENSIONS_DIR") or DEFAULT_EXT_DIR)
+    return sorted(set(glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))))
+
+
+def check_extension_locks(ext_dir: str | None = None) -> None:
+    """A compile killed half-way leaves `<TORCH_EXTENSIONS_DIR>/<op>/lock`, and every later build of
+    that op waits on it forever. Call before any rank can start compiling (local rank 0, then a
+    barrier): a lock present then is stale unless another job shares the cache."""
+    locks = stale_extension_locks(ext_dir)
+    if locks:
+        raise UserError(f"stale DeepSpeed op-build lock {locks[0]} (a compile was interrupted; later builds "
+                        "would hang): delete it, unless another DeepSpeed job is compiling into this cache")
+
+
+def _skip_shm_comm_build() -> None:
+    """DeepSpeed's CPU comm backend builds the shm_comm op at start-up (minutes, first time) only for
+    inference_all_reduce; training never uses it. SWIFTLITE_DS_SHM_COMM=1 keeps DeepSpeed's behaviour."""
+    if os.environ.get("SWIFTLITE_DS_SHM_COMM") == "1":
+        return
+    import deepspeed.comm.torch  # noqa: F401  (the name is shadowed by torch in deepspeed.comm)
+    mod = sys.modules["deepspeed.comm.torch"]
+    if hasattr(mod, "build_shm_op"):
+        mod.build_shm_op = lambda: None
+
+
+def _prepare_deepspeed(world: World) -> Any:
+    """Environment, lock check, import; returns the deepspeed module."""
+    ds_env_defaults()
+    if world.local_rank == 0:
+        check_extension_locks()
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no rank may start a compile before local rank 0 has looked for stale locks
+    import deepspeed
+    _skip_shm_comm_build()
+    return deepspeed
+
+
+# --------------------------------------------------------------------------------------------------
+# Config for this run
+
+def engine_ds_config(cfg: "RunConfig", world_size: int, hidden_size: int | None) -> dict[str, Any]:
+    """The filled, validated JSON plus the settings the engine relies on (see module docstring)."""
+    ds = resolve_ds_config(cfg, world_size, hidden_size)
+    ds["managed_gradient_accumulation"] = False
+    ds["zero_allow_untested_optimizer"] = True
+    ds["zero_force_ds_cpu_optimizer"] = False
+    ds.setdefault("steps_per_print", 10 ** 9)
+    ds.setdefault("wall_clock_breakdown", False)
+    if "nvme" in offload_devices(ds):
+        _check_libaio()
+    return ds
+
+
+def _check_libaio() -> None:
+    import ctypes.util
+    if ctypes.util.find_library("aio") is None:
+        raise UserError("NVMe offload (zero3_offload_nvme) needs libaio: install it (Debian/Ubuntu: "
+                        "apt-get install libaio-dev) or use zero3_offload")
+
+
+def _hidden_size(model: "torch.nn.Module") -> int | None:
+    conf = getattr(model, "config", None)
+    for attr in ("hidden_size", "d_model", "n_embd"):
+        v = getattr(conf, attr, None) if conf is not None else None
+        if isinstance(v, int):
+            return v
+    base = getattr(model, "base_model", None)
+    if base is not None and base is not model:
+        return _hidden_size(base)
+    return None
+
+
+class _HfZero3Marker:
+    """What transformers asks of its HfDeepSpeedConfig (`is_zero3()` and `.config`), without the
+    `accelerate` dependency that transformers' own class requires."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.config = config
+
+    def is_zero3(self) -> bool:
+        return ds_stage(self.config) == 3
+
+
+def _set_hf_ds_config(ds: dict[str, Any]) -> None:
+    global _HF_DS_CONFIG
+    from transformers.integrations import deepspeed as hf_ds
+    try:
+        obj: Any = hf_ds.HfDeepSpeedConfig(ds)
+    except Exception:  # accelerate missing (transformers' class needs it): same contract, no dependency
+        obj = _HfZero3Marker(ds)
+        hf_ds.set_hf_deepspeed_config(obj)
+    _HF_DS_CONFIG = obj
+
+
+@contextlib.contextmanager
+def zero_init_context(cfg: "RunConfig", world: World, hidden_size: int | None) -> Iterator[None]:
+    """Build or load the model inside this so that a ZeRO-3 rank never holds the whole model.
+
+        with zero_init_context(cfg, world, model_config.hidden_size):
+            model = AutoModelForCausalLM.from_pretrained(...)   # or from_config / Model(config)
+
+    ZeRO-3: registers the config with transformers (kept alive for the run, so from_pretrained
+    loads shard by shard and resize/generation gather) and enters `deepspeed.zero.Init`, so even a
+    model built directly (`LlamaForCausalLM(config)`) is partitioned module by module as it is
+    constructed. Other stages: a no-op. Weights initialised under zero.Init are initialised on the
+    full tensor before partitioning (torch's default init, seeded); transformers skips its own
+    `_init_weights` under ZeRO-3 for from_pretrained (the checkpoint overwrites them anyway).
+    """
+    ds = engine_ds_config(cfg, world.world_size, hidden_size)
+    if ds_stage(ds) != 3:
+        yield
+        return
+    deepspeed = _prepare_deepspeed(world)
+    _set_hf_ds_config(ds)
+    with deepspeed.zero.Init(config_dict_or_path=ds):
+        yield
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine
+
+def token_ce_sum(logits: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
+    """Summed next-token cross-entropy in fp32: logits[:, :-1] predict labels[:, 1:]; -100 ignored."""
+    import torch.nn.functional as F
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:].to(shift_logits.device)
+    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+                           ignore_index=-100, reduction="sum")
+
+
+class DeepSpeedEngine:
+    """swiftlite's Engine over a `deepspeed.DeepSpeedEngine` (see the module docstring)."""
+
+    def __init__(self, model: "torch.nn.Module", cfg: "RunConfig", world: World, total_steps: int):
+        from swiftlite.optim import build_optimizer, build_scheduler
+
+        deepspeed = _prepare_deepspeed(world)
+        self.cfg, self.world = cfg, world
+        self.ds_config = engine_ds_config(cfg, world.world_size, _hidden_size(model))
+        self.stage = ds_stage(self.ds_config)
+        if self.stage == 3:
+            _set_hf_ds_config(self.ds_config)
+        optimizer = build_optimizer(model, cfg)          # right after wrapping, before any forward
+        scheduler = build_scheduler(optimizer, cfg, total_steps)
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
+            dist_init_required=None)
+        self.module = self.ds.module
+        self.device = self.ds.device
+
+    # -- training ---------------------------------------------------------------------------------
+    def forward(self, batch: dict[str, "torch.Tensor"]) -> "torch.Tensor":
+        inputs = {k: batch[k].to(self.device) for k in ("input_ids", "attention_mask") if k in batch}
+        out = self.ds(**inputs, use_cache=False)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return token_ce_sum(logits, batch["labels"])
+
+    def backward(self, loss: "torch.Tensor") -> None:
+        self.ds.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        self.ds.step()
+        norm = self.ds.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def lr(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    def train(self) -> None:
+        self.ds.train()
+
+    def eval(self) -> None:
+        self.ds.eval()
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """Sharded training state (module, ZeRO optimizer partitions, scheduler) under path/ds/."""
+        self.ds.save_checkpoint(path, tag=CKPT_TAG)
+
+    def load(self, path: str) -> None:
+        saved = _saved_world_size(path)
+        if saved is not None and saved != self.world.world_size:
+            raise UserError(f"{path}: this DeepSpeed checkpoint was written by {saved} processes; resume it "
+                            f"with {saved} processes (ZeRO checkpoints are tied to the world size), or export "
+                            f"its weights and start a new run (got {self.world.world_size})")
+        load_path, _ = self.ds.load_checkpoint(path, tag=CKPT_TAG, load_optimizer_states=True,
+                                               load_lr_scheduler_states=True)
+        if load_path is None:
+            raise UserError(f"{path}: no DeepSpeed checkpoint (expected {os.path.join(path, CKPT_TAG)}/)")
+
+    # -- gathering --------------------------------------------------------------------------------
+    def _gathered(self, keep) -> dict[str, "torch.Tensor"]:
+        """state_dict-named CPU copies on rank 0 of the parameters (and buffers) selected by
+        keep(name, tensor); ZeRO-3 params are gathered one module at a time on every rank."""
+        import deepspeed
+        import torch
+
+        module = self.module
+        names_of: dict[int, list[str]] = {}
+        sd = module.state_dict(keep_vars=True)
+        for k, v in sd.items():
+            names_of.setdefault(id(v), []).append(k)
+        out: dict[str, torch.Tensor] = {}
+        main = self.world.rank == 0
+        done: set[int] = set()
+        for _mname, sub in module.named_modules():
+            params = [p for _n, p in sub.named_parameters(recurse=False)
+                      if id(p) not in done and id(p) in names_of and keep(names_of[id(p)][0], p)]
+            if not params:
+                continue
+            done.update(id(p) for p in params)
+            ctx = (deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+                   if self.stage == 3 else contextlib.nullcontext())
+            with ctx:
+                if main:
+                    for p in params:
+                        t = p.detach().to("cpu", copy=True)
+                        for name in names_of[id(p)]:
+                            out[name] = t
+        if main:
+            for k, v in sd.items():
+                if k not in out and not isinstance(v, torch.nn.Parameter) and keep(k, v):
+                    out[k] = v.detach().to("cpu", copy=True)  # buffers are never partitioned
+        return out
+
+    def full_state_dict(self) -> dict[str, "torch.Tensor"]:
+        """Every weight with its state_dict (HF) name, CPU, on rank 0; {} on other ranks. All ranks
+        must call it (ZeRO-3 gathers). The caller writes safetensors (never save_16bit_model)."""
+        return self._gathered(lambda _n, _t: True)
+
+    def adapter_state_dict(self) -> dict[str, "torch.Tensor"]:
+        """peft adapter weights with peft's names, on rank 0; {} elsewhere. All ranks must call it:
+        under ZeRO-3 the trainable params are gathered first (else peft saves shape-(0,) tensors)."""
+        import torch
+        trainable = self._gathered(lambda _n, t: isinstance(t, torch.nn.Parameter) and t.requires_grad)
+        if self.world.rank != 0:
+            return {}
+        from peft import get_peft_model_state_dict
+        return {k: v for k, v in get_peft_model_state_dict(self.module, state_dict=trainable).items()}
+
+    # -- memory -----------------------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds, from the tensors themselves.
+
+        params: module parameters (ZeRO-3: the rank's partition `ds_tensor`, plus persistent params);
+        grads: the rank's gradient partition buffers plus any `.grad` on module params;
+        optimizer: the fp32 master partition ZeRO keeps plus the AdamW moments."""
+        import torch
+
+        def nbytes(t: Any) -> int:
+            return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+        params = grads = 0
+        seen: set[int] = set()
+        for p in self.module.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if hasattr(p, "ds_tensor"):
+                params += nbytes(p.ds_tensor)
+                if getattr(p, "ds_persist", False):
+                    params += p.ds_numel * p.ds_tensor.element_size()
+            else:
+                params += nbytes(p)
+            grads += nbytes(p.grad)
+        opt = self.optimizer
+        for attr in ("grads_in_partition", "grad_partitions_flat_buffer"):
+            buf = getattr(opt, attr, None)
+            grads += sum(nbytes(b) for b in buf) if isinstance(buf, (list, tuple)) else nbytes(buf)
+        masters: list = []
+        for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            masters += list(getattr(opt, attr, None) or [])
+        optim = sum(nbytes(m) for m in masters)
+        base = getattr(opt, "optimizer", opt)
+        for state in getattr(base, "state", {}).values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    optim += nbytes(v)
+        return {"params": params, "grads": grads, "optimizer": optim}
+
+
+def _saved_world_size(path: str) -> int | None:
+    """Number of ZeRO optimizer shards in a checkpoint (its data-parallel world size), if any."""
+    files = glob.glob(os.path.join(path, CKPT_TAG, "*zero_pp_rank_*_optim_states.pt"))
+    return len(files) or None
+
+
+@register_backend("deepspeed")
+def build_deepspeed_engine(model: "torch.nn.Module", cfg: "RunConfig", world: World,
+                           total_steps: int) -> DeepSpeedEngine:
+    return DeepSpeedEngine(model, cfg, world, total_steps)

@@ -1,0 +1,302 @@
+"""DeepSpeed JSON configs: presets, "auto" filling, and the checks DeepSpeed does not do itself.
+
+    ds = resolve_ds_config(cfg, world_size, hidden_size)        # load + fill_auto + validate
+    ds = load_ds_config("zero3")  /  load_ds_config("my_ds.json")
+    ds = fill_auto(ds, cfg, world_size, hidden_size)
+    validate_ds_config(ds, world_size)
+
+Presets live in ``swiftlite/ds_configs/*.json`` (shipped with the package; the top-level
+``ds_configs/`` folder of the repository is a symlink to it). They follow ms-swift's presets:
+every value that depends on the run is "auto" and is filled here the way the Hugging Face
+Trainer integration fills it:
+
+    train_micro_batch_size_per_gpu      --per-device-train-batch-size
+    gradient_accumulation_steps         --gradient-accumulation-steps
+    train_batch_size                    micro * accumulation * world size
+    gradient_clipping                   --max-grad-norm
+    bf16.enabled / fp16.enabled         --torch-dtype bf16 / fp16
+    reduce_bucket_size                  hidden_size * hidden_size
+    stage3_prefetch_bucket_size         int(0.9 * hidden_size * hidden_size)
+    stage3_param_persistence_threshold  10 * hidden_size
+    nvme_path                           --offload-dir (required when a preset says "auto")
+    optimizer / scheduler blocks        dropped: swiftlite always builds AdamW + its schedule from the
+                                        flags (explicit values there must agree with the flags)
+
+An explicit value (not "auto") that contradicts a flag is a UserError naming both, never silently
+overridden. Rejected outright: offload_param with ZeRO stage < 3 (DeepSpeed ignores it silently),
+train_batch_size != micro * accumulation * world, fp16 and bf16 both enabled, an "auto" that
+swiftlite cannot fill, and nvme offload without a path.
+
+This module is import-light (no torch, no deepspeed) so the CLI can check a config before launch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from swiftlite.errors import UserError
+
+if TYPE_CHECKING:
+    from swiftlite.config import RunConfig
+
+AUTO = "auto"
+PRESET_DIR = Path(__file__).resolve().parent.parent / "ds_configs"
+
+
+def preset_names() -> list[str]:
+    """The shipped presets (file stems of swiftlite/ds_configs/*.json)."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def preset_path(name: str) -> Path | None:
+    stem = name[:-5] if name.endswith(".json") else name
+    p = PRESET_DIR / f"{stem}.json"
+    return p if "/" not in name and p.is_file() else None
+
+
+def load_ds_config(source: str) -> dict[str, Any]:
+    """Read a DeepSpeed config: an existing JSON file, else a preset name (zero2, zero3, ...)."""
+    if not source or not str(source).strip():
+        raise UserError(f"--deepspeed: empty DeepSpeed config name (presets: {', '.join(preset_names())})")
+    path = Path(source).expanduser()
+    if not path.is_file():
+        pre = preset_path(str(source))
+        if pre is None:
+            if str(source).endswith(".json") or "/" in str(source):
+                raise UserError(f"--deepspeed: file not found: {source} (or use a preset: "
+                                f"{', '.join(preset_names())})")
+            raise UserError(f"--deepspeed: unknown DeepSpeed preset {source!r} (presets: "
+                            f"{', '.join(preset_names())}; or a path to a .json file)")
+        path = pre
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{source}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: a DeepSpeed config must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def ds_stage(ds: dict[str, Any]) -> int:
+    """ZeRO stage of a config (0 when there is no zero_optimization block)."""
+    zo = ds.get("zero_optimization") or {}
+    try:
+        return int(zo.get("stage", 0))
+    except (TypeError, ValueError):
+        raise UserError(f"DeepSpeed config: zero_optimization.stage must be 0-3, got {zo.get('stage')!r}") from None
+
+
+def _offload_device(ds: dict[str, Any], key: str) -> str:
+    block = (ds.get("zero_optimization") or {}).get(key) or {}
+    dev = block.get("device", "none") if isinstance(block, dict) else "none"
+    return str(dev or "none").lower()
+
+
+def offload_devices(ds: dict[str, Any]) -> tuple[str, str]:
+    """(optimizer, param) offload devices: each "none", "cpu" or "nvme"."""
+    return _offload_device(ds, "offload_optimizer"), _offload_device(ds, "offload_param")
+
+
+def _is_auto(v: Any) -> bool:
+    return isinstance(v, str) and v.strip().lower() == AUTO
+
+
+def _num(v: Any, key: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise UserError(f"DeepSpeed config: {key} must be a number or \"auto\", got {v!r}")
+    return v
+
+
+def _fill(block: dict, key: str, value: Any, *, label: str, flag: str | None, flag_value: Any = None) -> None:
+    """block[key]: "auto" -> value; an explicit value must equal `value` when it comes from a flag."""
+    if key not in block:
+        return
+    cur = block[key]
+    if _is_auto(cur):
+        block[key] = value
+    elif flag is not None:
+        n = _num(cur, label)
+        if n != value:
+            shown = flag_value if flag_value is not None else value
+            raise UserError(f"DeepSpeed config {label}={cur} contradicts {flag} {shown}: "
+                            f"set it to \"auto\" or make them agree")
+
+
+def fill_auto(ds: dict[str, Any], cfg: "RunConfig", world_size: int, hidden_size: int | None) -> dict[str, Any]:
+    """A copy of `ds` with every "auto" filled from the run (see the module docstring).
+
+    `hidden_size` is the model's hidden size (for the bucket sizes); None drops those "auto" keys so
+    DeepSpeed uses its own defaults."""
+    ds = copy.deepcopy(ds)
+    t, o = cfg.train, cfg.optim
+    micro, gas = t.per_device_train_batch_size, t.gradient_accumulation_steps
+    _fill(ds, "train_micro_batch_size_per_gpu", micro, label="train_micro_batch_size_per_gpu",
+          flag="--per-device-train-batch-size")
+    _fill(ds, "gradient_accumulation_steps", gas, label="gradient_accumulation_steps",
+          flag="--gradient-accumulation-steps")
+    _fill(ds, "train_batch_size", micro * gas * world_size, label="train_batch_size", flag=None)
+    _fill(ds, "gradient_clipping", o.max_grad_norm, label="gradient_clipping", flag="--max-grad-norm")
+    # The flags are the source of truth: a config that leaves a batch key out gets it from the flags.
+    ds.setdefault("train_micro_batch_size_per_gpu", micro)
+    ds.setdefault("gradient_accumulation_steps", gas)
+    ds.setdefault("gradient_clipping", o.max_grad_norm)
+
+    dtype = cfg.model.torch_dtype
+    for prec in ("bf16", "fp16"):
+        want = dtype == prec
+        block = ds.get(prec)
+        if block is None:
+            if want:
+                ds[prec] = {"enabled": True}
+            continue
+        if not isinstance(block, dict):
+            raise UserError(f"DeepSpeed config: {prec} must be an object like {{\"enabled\": \"auto\"}}")
+        en = block.get("enabled", False)
+        if _is_auto(en):
+            block["enabled"] = want
+        elif bool(en) != want:
+            raise UserError(f"DeepSpeed config {prec}.enabled={str(bool(en)).lower()} contradicts "
+                            f"--torch-dtype {dtype}: set it to \"auto\" or make them agree")
+
+    zo = ds.get("zero_optimization")
+    if isinstance(zo, dict):
+        sizes = {"reduce_bucket_size": lambda h: h * h,
+                 "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+                 "stage3_param_persistence_threshold": lambda h: 10 * h}
+        for key, fn in sizes.items():
+            if _is_auto(zo.get(key)):
+                if hidden_size:
+                    zo[key] = fn(int(hidden_size))
+                else:
+                    del zo[key]
+        offload_dir = cfg.parallel.offload_dir
+        for key in ("offload_optimizer", "offload_param"):
+            block = zo.get(key)
+            if not isinstance(block, dict) or "nvme_path" not in block:
+                continue
+            if _is_auto(block["nvme_path"]):
+                if str(block.get("device", "none")).lower() != "nvme":
+                    block.pop("nvme_path")
+                    continue
+                if not offload_dir:
+                    raise UserError(f"DeepSpeed config zero_optimization.{key}.nvme_path is \"auto\": "
+                                    "give the NVMe folder with --offload-dir")
+                block["nvme_path"] = offload_dir
+            elif offload_dir and str(Path(block["nvme_path"])) != str(Path(offload_dir)):
+                raise UserError(f"DeepSpeed config zero_optimization.{key}.nvme_path={block['nvme_path']} "
+                                f"contradicts --offload-dir {offload_dir}: set it to \"auto\" or make them agree")
+
+    _drop_optimizer_and_scheduler(ds, cfg)
+    return ds
+
+
+_OPT_FLAGS = {"lr": "--learning-rate", "eps": "--adam-epsilon", "weight_decay": "--weight-decay"}
+
+
+def _drop_optimizer_and_scheduler(ds: dict[str, Any], cfg: "RunConfig") -> None:
+    """swiftlite always passes its own AdamW and schedule (so every backend has the same numerics):
+    a DeepSpeed optimizer/scheduler block may stay for compatibility with HF configs only if it
+    says the same thing as the flags (or "auto")."""
+    opt = ds.pop("optimizer", None)
+    if opt is not None:
+        if not isinstance(opt, dict):
+            raise UserError("DeepSpeed config: optimizer must be an object")
+        kind = str(opt.get("type", "AdamW"))
+        if kind.lower() not in ("adam", "adamw"):
+            raise UserError(f"DeepSpeed config optimizer.type={kind}: swiftlite trains with AdamW "
+                            "(set by --learning-rate, --adam-beta1/2, --adam-epsilon, --weight-decay); "
+                            "remove the optimizer block")
+        params = opt.get("params") or {}
+        o = cfg.optim
+        wanted = {"lr": cfg.learning_rate, "eps": o.adam_epsilon, "weight_decay": o.weight_decay}
+        for k, v in params.items():
+            if _is_auto(v):
+                continue
+            if k in wanted:
+                if _num(v, f"optimizer.params.{k}") != wanted[k]:
+                    raise UserError(f"DeepSpeed config optimizer.params.{k}={v} contradicts "
+                                    f"{_OPT_FLAGS[k]} {wanted[k]}: set it to \"auto\" or make them agree")
+            elif k == "betas":
+                if not isinstance(v, (list, tuple)) or [float(b) for b in v] != [o.adam_beta1, o.adam_beta2]:
+                    raise UserError(f"DeepSpeed config optimizer.params.betas={v} contradicts --adam-beta1 "
+                                    f"{o.adam_beta1} / --adam-beta2 {o.adam_beta2}: set it to \"auto\"")
+            elif k in ("torch_adam", "adam_w_mode", "fused"):
+                continue
+            else:
+                raise UserError(f"DeepSpeed config optimizer.params.{k}: not supported by swiftlite's AdamW; "
+                                "remove it")
+    sch = ds.pop("scheduler", None)
+    if sch is not None:
+        params = (sch.get("params") or {}) if isinstance(sch, dict) else {}
+        explicit = [k for k, v in params.items() if not _is_auto(v)]
+        if explicit:
+            raise UserError(f"DeepSpeed config scheduler.params.{explicit[0]} is set: swiftlite schedules the "
+                            "learning rate itself (--lr-scheduler, --warmup-steps, --warmup-ratio); "
+                            "remove the scheduler block or set its params to \"auto\"")
+
+
+def _find_auto(obj: Any, prefix: str = "") -> list[str]:
+    out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += _find_auto(v, f"{prefix}.{k}" if prefix else str(k))
+    elif _is_auto(obj):
+        out.append(prefix)
+    return out
+
+
+def validate_ds_config(ds: dict[str, Any], world_size: int) -> None:
+    """Reject what DeepSpeed would accept silently or fail on obscurely (call after fill_auto)."""
+    left = _find_auto(ds)
+    if left:
+        raise UserError(f"DeepSpeed config {left[0]} is \"auto\" but swiftlite has no value for it: "
+                        "set it explicitly")
+    stage = ds_stage(ds)
+    if stage not in (0, 1, 2, 3):
+        raise UserError(f"DeepSpeed config: zero_optimization.stage must be 0-3, got {stage}")
+    opt_dev, par_dev = offload_devices(ds)
+    for key, dev in (("offload_optimizer", opt_dev), ("offload_param", par_dev)):
+        if dev not in ("none", "cpu", "nvme"):
+            raise UserError(f"DeepSpeed config zero_optimization.{key}.device={dev!r}: use none, cpu or nvme")
+    if par_dev != "none" and stage < 3:
+        raise UserError(f"DeepSpeed config: offload_param (device {par_dev}) needs ZeRO stage 3, got stage "
+                        f"{stage} (DeepSpeed would silently ignore it): use zero3_offload, or drop offload_param")
+    if opt_dev != "none" and stage < 1:
+        raise UserError("DeepSpeed config: offload_optimizer needs ZeRO stage 1-3, got stage 0")
+    for key, dev in (("offload_optimizer", opt_dev), ("offload_param", par_dev)):
+        if dev == "nvme":
+            block = ds["zero_optimization"][key]
+            if not block.get("nvme_path"):
+                raise UserError(f"DeepSpeed config zero_optimization.{key}: device nvme needs nvme_path "
+                                "(or \"auto\" with --offload-dir)")
+    bf16 = bool((ds.get("bf16") or {}).get("enabled", False))
+    fp16 = bool((ds.get("fp16") or {}).get("enabled", False))
+    if bf16 and fp16:
+        raise UserError("DeepSpeed config: bf16.enabled and fp16.enabled are both true: pick one")
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    gas = ds.get("gradient_accumulation_steps")
+    tbs = ds.get("train_batch_size")
+    for k, v in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", gas),
+                 ("train_batch_size", tbs)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            if not (isinstance(v, float) and v.is_integer() and v > 0):
+                raise UserError(f"DeepSpeed config {k} must be a positive integer, got {v!r}")
+    if tbs is not None and micro is not None and gas is not None and int(tbs) != int(micro) * int(gas) * world_size:
+        raise UserError(f"DeepSpeed config train_batch_size={tbs} != train_micro_batch_size_per_gpu {micro} x "
+                        f"gradient_accumulation_steps {gas} x world size {world_size} = "
+                        f"{int(micro) * int(gas) * world_size}: set it to \"auto\"")
+
+
+def resolve_ds_config(cfg: "RunConfig", world_size: int, hidden_size: int | None,
+                      source: str | None = None) -> dict[str, Any]:
+    """The run's DeepSpeed config, filled and validated (what the engine passes to DeepSpeed)."""
+    src = source or cfg.deepspeed_source
+    if not src:
+        raise UserError("--parallelism: no DeepSpeed config (use zero2, zero3, ... or --deepspeed FILE)")
+    ds = fill_auto(load_ds_config(src), cfg, world_size, hidden_size)
+    validate_ds_config(ds, world_size)
+    return ds

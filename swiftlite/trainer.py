@@ -1,0 +1,330 @@
+"""The training run, top to bottom: data, model, engine, the step loop, eval, checkpoints.
+
+Numerics (DESIGN.md): each optimizer step consumes one global batch (per-device x world x
+accumulation samples, the same samples whatever the world size). Each micro-batch's summed token loss
+is scaled by world_size / (target tokens of the whole global batch), so the averaged gradient is the
+gradient of the global token-mean loss, and the logged loss (summed over ranks) equals the
+single-process one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from swiftlite import checkpoint as ckpt
+from swiftlite.config import RunConfig, save_args
+from swiftlite.errors import UserError
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    final_checkpoint: Path | None
+    losses: list[float]
+    steps: int
+
+
+def _progress_factory(enabled: bool):
+    """A rich progress bar around an iterable (rank 0, interactive terminals only)."""
+    import sys
+
+    def make(desc: str, total: int):
+        def wrap(it):
+            if not enabled or not sys.stderr.isatty() or total < 1000:
+                return it
+            from rich.progress import track
+            return track(it, description=desc, total=total, transient=True)
+        return wrap
+    return make
+
+
+def prepare_run_dir(cfg: RunConfig, world_is_main: bool) -> Path:
+    """Create the run folder; refuse to mix a new run into an old one unless asked."""
+    run_dir = Path(cfg.train.output_dir).expanduser().resolve()
+    resuming = cfg.checkpoint.resume or cfg.checkpoint.resume_from
+    if world_is_main:
+        if run_dir.exists() and not run_dir.is_dir():
+            raise UserError(f"--output-dir {cfg.train.output_dir}: exists and is not a folder")
+        if (run_dir.is_dir() and ckpt.list_checkpoints(run_dir) and not resuming
+                and not cfg.train.overwrite_output_dir):
+            raise UserError(f"--output-dir {cfg.train.output_dir}: already holds checkpoints; "
+                            "pass --resume to continue or --overwrite-output-dir to start over")
+        if cfg.train.overwrite_output_dir and not resuming and run_dir.is_dir():
+            for p in ckpt.list_checkpoints(run_dir):
+                shutil.rmtree(p)
+            for name in ("logging.jsonl", ckpt.LATEST):
+                (run_dir / name).unlink(missing_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.clean_partial(run_dir)
+    return run_dir
+
+
+def train(cfg: RunConfig) -> TrainResult:
+    """Run one training job in this process (one rank of it when launched under torchrun)."""
+    import torch
+
+    from swiftlite.data.collate import collate
+    from swiftlite.data.loader import BatchPlan, select
+    from swiftlite.data.pipeline import split_validation, tokenize_specs
+    from swiftlite.distributed import all_reduce_sum, barrier, init_distributed
+    from swiftlite.metrics import RunLogger, plot_run
+    from swiftlite.models.loading import load_tokenizer, prepare_model, resolve_model
+    from swiftlite.parallel.base import build_engine
+
+    t0 = time.perf_counter()
+    world = init_distributed(cfg.parallel.ddp_timeout)
+    backend = resolve_backend(cfg, world.world_size)
+    run_dir = prepare_run_dir(cfg, world.is_main)
+    barrier()
+
+    resume_path: Path | None = None
+    if cfg.checkpoint.resume_from:
+        resume_path = ckpt.resolve_resume_arg(cfg.checkpoint.resume_from)
+    elif cfg.checkpoint.resume:
+        resume_path = ckpt.find_resume(run_dir, log=print if world.is_main else (lambda *_: None))
+
+    source = resolve_model(cfg.model.model)
+    tokenizer = load_tokenizer(cfg, source)
+
+    # Rank 0 tokenizes (and fills the cache) first; the others then read the cache.
+    def tokenize(specs):
+        return tokenize_specs(specs, tokenizer, task=cfg.task, max_length=cfg.data.max_length,
+                              packing=cfg.data.packing, skip_bad_rows=cfg.data.skip_bad_rows,
+                              progress=_progress_factory(world.is_main))
+    if world.is_main:
+        train_data = tokenize(cfg.data.dataset)
+    barrier()
+    if not world.is_main:
+        train_data = tokenize(cfg.data.dataset)
+    val_data = None
+    if cfg.data.val_dataset:
+        val_data = tokenize(cfg.data.val_dataset)
+    elif cfg.data.split_dataset_ratio > 0:
+        train_data, val_data = split_validation(train_data, cfg.data.split_dataset_ratio, cfg.train.seed)
+    if not train_data.rows:
+        raise UserError(f"--dataset {' '.join(cfg.data.dataset)}: no usable rows "
+                        f"(read {train_data.stats.rows}, skipped {len(train_data.stats.skipped)}, "
+                        f"{train_data.stats.no_target} without an answer)")
+
+    plan = BatchPlan(len(train_data.rows), cfg.train.per_device_train_batch_size, world.world_size,
+                     cfg.train.gradient_accumulation_steps, cfg.train.seed)
+    if plan.steps_per_epoch == 0:
+        raise UserError(f"--dataset has {len(train_data.rows)} rows, fewer than one global batch of "
+                        f"{plan.global_batch} (per-device {plan.per_device} x {plan.world_size} processes x "
+                        f"accumulation {plan.accumulation})")
+    total_steps = (cfg.train.max_steps if cfg.train.max_steps > 0
+                   else max(1, math.ceil(cfg.train.num_train_epochs * plan.steps_per_epoch)))
+
+    torch.manual_seed(cfg.train.seed + world.rank)
+    model = prepare_model(cfg, source)
+    peft_model = model
+    engine = build_engine(model, cfg, world, total_steps, backend)
+
+    start_step = 0
+    if resume_path is not None:
+        state = load_training_state(engine, resume_path, world, cfg)
+        start_step = state["global_step"]
+
+    log = RunLogger(run_dir, enabled=world.is_main, total_steps=total_steps,
+                    report_to=cfg.train.report_to, start_step=start_step)
+    if world.is_main:
+        save_args(cfg, run_dir / "args.json")
+        st = train_data.stats
+        log.print(f"swiftlite: {backend} x {world.world_size} process(es) on {world.device}, "
+                  f"{len(train_data.rows)} train rows ({st.truncated} truncated to {cfg.data.max_length}, "
+                  f"{len(st.skipped)} skipped, {st.no_target} without target), "
+                  f"{len(val_data.rows) if val_data else 0} validation rows, global batch {plan.global_batch}, "
+                  f"{total_steps} steps" + (f", resuming from {resume_path.name}" if resume_path else ""))
+        for msg in st.skipped[:5]:
+            log.print(f"skipped: {msg}")
+        if len(st.skipped) > 5:
+            log.print(f"skipped: ... and {len(st.skipped) - 5} more")
+
+    targets = [train_data.targets(i) for i in range(len(train_data.rows))]
+    pad_id = tokenizer.pad_token_id
+    losses: list[float] = []
+    last_ckpt: Path | None = resume_path
+    tokens_window, t_window = 0, time.perf_counter()
+    eval_every = cfg.train.eval_steps or cfg.checkpoint.save_steps
+    engine.train()
+    for step in range(start_step, total_steps):
+        global_targets = sum(targets[i] for mb in plan.all_micro_batches(step) for i in mb)
+        scale = world.world_size / max(1, global_targets)
+        local_loss = 0.0
+        local_tokens = 0
+        for mb in plan.micro_batches(step, world.rank):
+            batch = {k: v.to(world.device) for k, v in collate(select(train_data.rows, mb), pad_id).items()}
+            local_tokens += int(batch["attention_mask"].sum())
+            loss_sum = engine.forward(batch)
+            engine.backward(loss_sum * scale)
+            local_loss += float(loss_sum.detach())
+        grad_norm = engine.step()
+        loss_total, tokens_total = all_reduce_sum([local_loss, float(local_tokens)])
+        loss = loss_total / max(1, global_targets)
+        losses.append(loss)
+        tokens_window += tokens_total
+        done = step + 1
+        if world.is_main and done == start_step + 1:
+            log.print(f"first step done {time.perf_counter() - t0:.2f} s after start")
+        if done % cfg.train.logging_steps == 0 or done == total_steps or done == start_step + 1:
+            dt = time.perf_counter() - t_window
+            rec = {"step": done, "loss": round(loss, 6), "lr": engine.lr(), "grad_norm": round(grad_norm, 6),
+                   "tokens_per_s": round(tokens_window / dt, 1) if dt > 0 else 0.0,
+                   "epoch": round(done / plan.steps_per_epoch, 4), "elapsed_s": round(time.perf_counter() - t0, 2)}
+            rec.update(_memory())
+            log.log(rec)
+            tokens_window, t_window = 0, time.perf_counter()
+        log.advance(done, f"loss {loss:.4f}")
+        if val_data is not None and eval_every and done % eval_every == 0 and done != total_steps:
+            log.log({"step": done, "eval_loss": evaluate(engine, val_data, cfg, world, pad_id)})
+        if cfg.checkpoint.save_steps and done % cfg.checkpoint.save_steps == 0 and done != total_steps:
+            last_ckpt = save_training_state(engine, peft_model, tokenizer, cfg, world, run_dir, done, backend)
+    if val_data is not None:
+        log.log({"step": total_steps, "eval_loss": evaluate(engine, val_data, cfg, world, pad_id)})
+    if start_step < total_steps or last_ckpt is None:
+        last_ckpt = save_training_state(engine, peft_model, tokenizer, cfg, world, run_dir, total_steps, backend)
+    if world.is_main:
+        log.print(f"saved {last_ckpt}")
+        plot_run(run_dir)
+    log.close()
+    barrier()
+    return TrainResult(run_dir, last_ckpt, losses, total_steps)
+
+
+def resolve_backend(cfg: RunConfig, world_size: int) -> str:
+    """The backend key for this run; `auto` asks the planner."""
+    name = cfg.backend_name
+    if name == "auto":
+        from swiftlite.parallel.plan import resolve_auto
+        return resolve_auto(cfg, world_size, None).backend
+    if name == "ddp" and world_size == 1:
+        return "single"
+    return name
+
+
+def _memory() -> dict[str, float]:
+    """Peak memory of this rank: the CUDA allocator on GPU, max RSS on CPU (MiB)."""
+    import torch
+    if torch.cuda.is_available():
+        return {"memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+    import resource
+    return {"max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+
+
+def evaluate(engine: Any, val_data: Any, cfg: RunConfig, world: Any, pad_id: int) -> float:
+    """Token-mean validation loss over all ranks. Every rank runs the same number of forwards
+    (sharded backends need every rank in each collective), padding with fully masked batches."""
+    import torch
+
+    from swiftlite.data.collate import collate
+    from swiftlite.data.tokenize import IGNORE
+    from swiftlite.distributed import all_reduce_sum
+    rows = val_data.rows
+    bs = cfg.train.per_device_eval_batch_size
+    mine = list(range(world.rank, len(rows), world.world_size))
+    per_rank = math.ceil(len(rows) / world.world_size)
+    n_batches = math.ceil(per_rank / bs)
+    total, count = 0.0, 0
+    engine.eval()
+    with torch.no_grad():
+        for b in range(n_batches):
+            idx = mine[b * bs:(b + 1) * bs]
+            if idx:
+                batch_rows = [rows[i] for i in idx]
+            else:  # this rank ran out: a dummy batch that contributes nothing
+                batch_rows = [{"input_ids": rows[0]["input_ids"], "labels": [IGNORE] * len(rows[0]["labels"])}]
+            batch = {k: v.to(world.device) for k, v in collate(batch_rows, pad_id).items()}
+            total += float(engine.forward(batch))
+            count += int((batch["labels"][:, 1:] != IGNORE).sum())
+    engine.train()
+    total, count = all_reduce_sum([total, float(count)])
+    return round(total / max(1.0, count), 6)
+
+
+def save_training_state(engine: Any, model: Any, tokenizer: Any, cfg: RunConfig, world: Any,
+                        run_dir: Path, step: int, backend: str) -> Path:
+    """Write checkpoint-<step> atomically (temp folder, manifest, rename, then `latest`)."""
+    import json
+
+    from swiftlite.distributed import barrier
+    name = f"{ckpt.PREFIX}{step}"
+    tmp = run_dir / f".tmp-{name}"
+    final = run_dir / name
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    engine.save(str(tmp))
+    ckpt.save_rng(tmp / "rng", world.rank)
+    if cfg.checkpoint.save_hf_model:
+        export_weights(engine, model, tokenizer, cfg, world, tmp)
+    barrier()
+    if world.is_main:
+        state = {"global_step": step, "backend": backend, "world_size": world.world_size,
+                 "train_type": cfg.train.train_type, "model": cfg.model.model,
+                 "torch_dtype": cfg.model.torch_dtype}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+        ckpt.write_manifest(tmp)
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        ckpt.write_latest(run_dir, name)
+        ckpt.prune(run_dir, cfg.checkpoint.save_total_limit, keep=final)
+    barrier()
+    return final
+
+
+def export_weights(engine: Any, model: Any, tokenizer: Any, cfg: RunConfig, world: Any, ckpt_dir: Path) -> None:
+    """model/ (an HF folder of the full weights) or adapter/ (peft format) inside a checkpoint."""
+    from swiftlite.hf_io import drop_tied, write_sharded
+    from swiftlite.models.loading import save_hf_config
+    if cfg.is_peft:
+        sd = engine.adapter_state_dict()
+        if world.is_main:
+            write_adapter(model, sd, ckpt_dir / "adapter")
+        return
+    sd = engine.full_state_dict()
+    if world.is_main:
+        out = ckpt_dir / "model"
+        tie = bool(getattr(model.config, "tie_word_embeddings", False))
+        write_sharded(drop_tied(sd.items(), tie), out, dtype=cfg.model.torch_dtype, max_shard_size=5 * 10**9)
+        save_hf_config(model, out, cfg.model.torch_dtype)
+        tokenizer.save_pretrained(str(out))
+
+
+def write_adapter(peft_model: Any, sd: dict, out: Path) -> None:
+    """adapter_config.json + adapter_model.safetensors, loadable by PeftModel.from_pretrained."""
+    from safetensors.torch import save_file
+    out.mkdir(parents=True, exist_ok=True)
+    empty = [k for k, v in sd.items() if v.numel() == 0]
+    if empty or not sd:
+        raise RuntimeError(f"adapter gather produced empty tensors: {empty[:3] or 'no tensors'}")
+    peft_model.peft_config["default"].save_pretrained(str(out))
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def load_training_state(engine: Any, path: Path, world: Any, cfg: RunConfig) -> dict:
+    """Restore model, optimizer, scheduler and RNG from a checkpoint; returns trainer_state."""
+    import json
+    state = json.loads((path / "trainer_state.json").read_text())
+    if state.get("train_type") != cfg.train.train_type:
+        raise UserError(f"--resume: {path} was trained with --train-type {state.get('train_type')}, "
+                        f"this run uses {cfg.train.train_type}")
+    backend = state.get("backend")
+    if (backend == "deepspeed") != (cfg.backend_name == "deepspeed"):
+        raise UserError(f"--resume: {path} holds a {backend} checkpoint; resume it with a "
+                        f"{'DeepSpeed' if backend == 'deepspeed' else 'torch'} backend")
+    if backend == "deepspeed" and state.get("world_size") != world.world_size:
+        raise UserError(f"--resume: {path} is a DeepSpeed checkpoint of {state.get('world_size')} processes; "
+                        f"ZeRO checkpoints resume only with the same world size (this run: {world.world_size})")
+    engine.load(str(path))
+    if state.get("world_size") == world.world_size:
+        ckpt.load_rng(path / "rng", world.rank)
+    return state
