@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NamedTuple
 
@@ -57,9 +57,9 @@ SHARDING: dict[str, tuple[bool, bool, bool]] = {
 #: (The steady state between forward and backward is 4; a run OOMs at the peak.)
 LOGIT_BYTES = 12
 
-#: DeepSpeed's all-gather bucket of ds_configs/zero2.json (elements). ZeRO-2 all-gathers updated
-#: params into the existing 16-bit buffer, so the bucket only chunks; it is not extra memory.
-#: ZeRO's "auto" sizes (ds_config.py): reduce_bucket_size = h*h, stage3_prefetch = 0.9*h*h.
+#: ZeRO-3 prefetch bucket in units of h*h elements: ds_config.py fills DeepSpeed's "auto" sizes the
+#: Hugging Face way (reduce_bucket_size = h*h, stage3_prefetch_bucket_size = 0.9*h*h). ZeRO-2's
+#: allgather_bucket_size only chunks the gather into the existing 16-bit buffer: no extra memory.
 ZERO3_PREFETCH_FACTOR = 0.9
 
 
@@ -657,21 +657,28 @@ RULES: tuple[Rule, ...] = (
     Rule("fsdp", lambda w: w.world_size > 1, None,
          "a full replica does not fit with room; FSDP2 shards params, grads and optimizer state over "
          "{n} GPUs ({used} of {gpu}; {comm}/step)"),
-    # Only reached when FSDP2 is unavailable (fp16, old torch): ZeRO-3 shards the same states.
+    # Reached when FSDP2 is unavailable (fp16, old torch) or its larger gather units (two layers
+    # plus the unsharded root) do not fit: ZeRO-3 shards the same states in smaller pieces.
     Rule("zero3", lambda w: w.world_size > 1, None,
-         "shards params, grads and optimizer state over {n} GPUs with DeepSpeed ZeRO-3 ({used} of "
-         "{gpu}; {comm}/step)"),
+         "{fsdp_status}; DeepSpeed ZeRO-3 shards params, grads and optimizer state over {n} GPUs and "
+         "gathers one module at a time ({used} of {gpu}; {comm}/step)"),
     Rule("zero3_offload", lambda w: True, None,
          "only offload fits: params, grads and optimizer state move to CPU memory ({cpu}/node{cpu_check}); "
          "GPUs hold {used} of {gpu}; expect PCIe-bound steps"),
 )
 
 
-def _reason(rule: Rule, est: MemoryEstimate, w: Workload) -> str:
+def _reason(rule: Rule, est: MemoryEstimate, w: Workload, table: dict[str, MemoryEstimate]) -> str:
     cpu_check = "" if w.cpu_memory_bytes is not None else ", not checked: pass --cpu-memory"
+    fsdp = table.get("fsdp")
+    if fsdp is None or not fsdp.available:
+        fsdp_status = f"fsdp is out ({fsdp.note if fsdp else 'not estimated'})"
+    else:
+        fsdp_status = f"fsdp does not fit ({fmt_gb(fsdp.total)} with its root and two layers unsharded)"
     return f"{est.backend}: " + rule.reason.format(
         used=fmt_gb(est.total), gpu=fmt_gb(est.gpu_memory_bytes or 0), n=w.world_size,
-        comm=fmt_gb(est.comm_bytes_per_step), cpu=fmt_gb(est.cpu_per_node), cpu_check=cpu_check)
+        comm=fmt_gb(est.comm_bytes_per_step), cpu=fmt_gb(est.cpu_per_node), cpu_check=cpu_check,
+        fsdp_status=fsdp_status)
 
 
 def recommend(shape: ModelShape, workload: Workload, rules: tuple[Rule, ...] = RULES) -> Decision:
@@ -688,7 +695,7 @@ def recommend(shape: ModelShape, workload: Workload, rules: tuple[Rule, ...] = R
         cpu_ok = (not est.cpu_per_node or w.cpu_memory_bytes is None
                   or est.cpu_per_node <= w.usable_fraction * w.cpu_memory_bytes)
         if est.total <= limit * w.gpu_memory_bytes and cpu_ok:
-            return Decision(rule.backend, _reason(rule, est, w), table, shape, w)
+            return Decision(rule.backend, _reason(rule, est, w, table), table, shape, w)
     return Decision("none", _nothing_fits(table, w), table, shape, w)
 
 
@@ -765,5 +772,5 @@ __all__ = [
     "BACKENDS", "Decision", "GiB", "Linear", "MemoryEstimate", "ModelShape", "RULES", "Rule", "Workload",
     "activation_bytes", "comm_bytes_per_step", "estimate", "estimate_all", "model_state_bytes",
     "quantized_bytes", "recommend", "resolve_auto", "shape_from_config", "shape_from_model_arg",
-    "temp_buffer_bytes", "unavailable_reason", "workload_from_config", "replace",
+    "temp_buffer_bytes", "unavailable_reason", "workload_from_config",
 ]
