@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     cli_extra.register_all(app)
     group = typer.main.get_command(app)
     try:
-        group.main(args=argv, prog_name="swiftlite", standalone_mode=False)
+        rc = group.main(args=argv, prog_name="swiftlite", standalone_mode=False)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         if type(e).__name__ == "Exit":
             return getattr(e, "exit_code", 0)
         raise
-    return 0
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from swiftlite import checkpoint as ckpt
+from swiftlite import faults
 from swiftlite.config import RunConfig, save_args
 from swiftlite.errors import UserError
 
@@ -77,7 +78,10 @@ def train(cfg: RunConfig) -> TrainResult:
     from swiftlite.models.loading import load_tokenizer, prepare_model, resolve_model
     from swiftlite.parallel.base import build_engine
 
+    import warnings
     t0 = time.perf_counter()
+    # DCP warns on every single-process save that no process group exists: that is intended here.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     world = init_distributed(cfg.parallel.ddp_timeout)
     backend = resolve_backend(cfg, world.world_size)
     run_dir = prepare_run_dir(cfg, world.is_main)
@@ -164,7 +168,12 @@ def train(cfg: RunConfig) -> TrainResult:
             loss_sum = engine.forward(batch)
             engine.backward(loss_sum * scale)
             local_loss += float(loss_sum.detach())
+        if step == start_step:
+            before = engine.state_bytes()  # grads exist only between backward and step
         grad_norm = engine.step()
+        if step == start_step:
+            record_state_bytes(run_dir, world.rank, before, engine.state_bytes())
+        faults.maybe_inject(step + 1, "step")
         loss_total, tokens_total = all_reduce_sum([local_loss, float(local_tokens)])
         loss = loss_total / max(1, global_targets)
         losses.append(loss)
@@ -174,7 +183,7 @@ def train(cfg: RunConfig) -> TrainResult:
             log.print(f"first step done {time.perf_counter() - t0:.2f} s after start")
         if done % cfg.train.logging_steps == 0 or done == total_steps or done == start_step + 1:
             dt = time.perf_counter() - t_window
-            rec = {"step": done, "loss": round(loss, 6), "lr": engine.lr(), "grad_norm": round(grad_norm, 6),
+            rec = {"step": done, "loss": loss, "lr": engine.lr(), "grad_norm": round(grad_norm, 6),
                    "tokens_per_s": round(tokens_window / dt, 1) if dt > 0 else 0.0,
                    "epoch": round(done / plan.steps_per_epoch, 4), "elapsed_s": round(time.perf_counter() - t0, 2)}
             rec.update(_memory())
@@ -197,14 +206,24 @@ def train(cfg: RunConfig) -> TrainResult:
     return TrainResult(run_dir, last_ckpt, losses, total_steps)
 
 
+def record_state_bytes(run_dir: Path, rank: int, before_step: dict, after_step: dict) -> None:
+    """logs/state_rank<r>.json: model-state bytes this rank holds, counted from its tensors
+    (parameters and gradients after the first backward, optimizer state after the first step)."""
+    import json
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    rec = {"params": before_step["params"], "grads": before_step["grads"], "optimizer": after_step["optimizer"]}
+    (logs / f"state_rank{rank}.json").write_text(json.dumps(rec) + "\n")
+
+
 def resolve_backend(cfg: RunConfig, world_size: int) -> str:
     """The backend key for this run; `auto` asks the planner."""
     name = cfg.backend_name
     if name == "auto":
         from swiftlite.parallel.plan import resolve_auto
         return resolve_auto(cfg, world_size, None).backend
-    if name == "ddp" and world_size == 1:
-        return "single"
+    if name in ("ddp", "fsdp", "fsdp1") and world_size == 1:
+        return "single"  # nothing to replicate or shard on one process
     return name
 
 
@@ -264,6 +283,7 @@ def save_training_state(engine: Any, model: Any, tokenizer: Any, cfg: RunConfig,
     ckpt.save_rng(tmp / "rng", world.rank)
     if cfg.checkpoint.save_hf_model:
         export_weights(engine, model, tokenizer, cfg, world, tmp)
+    faults.maybe_inject(step, "checkpoint")
     barrier()
     if world.is_main:
         state = {"global_step": step, "backend": backend, "world_size": world.world_size,

@@ -40,7 +40,13 @@ def apply_lora(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
     conf = LoraConfig(r=lc.lora_rank, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout,
                       target_modules=targets, modules_to_save=lc.modules_to_save or None,
                       task_type="CAUSAL_LM", bias="none")
-    try:
-        return get_peft_model(model, conf)
-    except ValueError as e:
-        raise UserError(f"--target-modules: {str(e).splitlines()[0]}") from None
+    # The LoRA A matrices are random: draw them from --seed alone, so every rank builds the same
+    # adapter (the trainer seeds each rank differently for dropout; sharded backends keep each rank's
+    # own slice, so per-rank inits would mix) and a 2-process run starts where a 1-process run does.
+    import torch
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed)
+        try:
+            return get_peft_model(model, conf)
+        except ValueError as e:
+            raise UserError(f"--target-modules: {str(e).splitlines()[0]}") from None

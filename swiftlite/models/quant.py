@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from typing import TYPE_CHECKING, Any
 
@@ -35,13 +36,21 @@ def bnb_config(cfg: "RunConfig") -> Any:
 def quantize_in_place(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
     """Quantize a model built from a config (built-in presets) through the same from_pretrained path
     a real checkpoint takes, so tests exercise exactly what users run."""
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
     from swiftlite.models.loading import torch_dtype
     with tempfile.TemporaryDirectory(prefix="swiftlite-q-") as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        # Not model.save_pretrained: under an initialised process group transformers writes only on
+        # rank 0, and every rank quantizes its own copy into its own temp folder.
+        model.config.save_pretrained(tmp)
+        save_model(model, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         q = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch_dtype(cfg.model.torch_dtype),
                                                  quantization_config=bnb_config(cfg))
     q.config.use_cache = False
+    # Like a preset built from its config: no source path (the temp folder is gone; peft would look
+    # it up on the hub when writing the adapter).
+    q.config.name_or_path = ""
+    q.name_or_path = ""
     disable_cpu_repack(q)
     return q
 

@@ -124,16 +124,22 @@ def _skip_shm_comm_build() -> None:
         mod.build_shm_op = lambda: None
 
 
-def _prepare_deepspeed(world: World) -> Any:
-    """Environment, lock check, import; returns the deepspeed module."""
+def _prepare_deepspeed(world: World, timeout_s: int = 1800) -> Any:
+    """Environment, stale-lock check, import, process group; returns the deepspeed module.
+
+    The process group must exist before `zero.Init` or a DeepSpeed config is built: DeepSpeed
+    otherwise takes world size 1 and fails its train_batch_size check (or partitions for 1 rank)."""
     ds_env_defaults()
     if world.local_rank == 0:
         check_extension_locks()
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # no rank may start a compile before local rank 0 has looked for stale locks
+    import datetime
+
     import deepspeed
+    import torch.distributed as dist
     _skip_shm_comm_build()
+    if not dist.is_initialized():
+        deepspeed.init_distributed(verbose=False, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.barrier()  # no rank may start a compile before local rank 0 has looked for stale locks
     return deepspeed
 
 
@@ -212,7 +218,7 @@ def zero_init_context(cfg: "RunConfig", world: World, hidden_size: int | None) -
     if ds_stage(ds) != 3:
         yield
         return
-    deepspeed = _prepare_deepspeed(world)
+    deepspeed = _prepare_deepspeed(world, cfg.parallel.ddp_timeout)
     _set_hf_ds_config(ds)
     with deepspeed.zero.Init(config_dict_or_path=ds):
         yield
@@ -236,7 +242,7 @@ class DeepSpeedEngine:
     def __init__(self, model: "torch.nn.Module", cfg: "RunConfig", world: World, total_steps: int):
         from swiftlite.optim import build_optimizer, build_scheduler
 
-        deepspeed = _prepare_deepspeed(world)
+        deepspeed = _prepare_deepspeed(world, cfg.parallel.ddp_timeout)
         self.cfg, self.world = cfg, world
         self.ds_config = engine_ds_config(cfg, world.world_size, _hidden_size(model))
         self.stage = ds_stage(self.ds_config)

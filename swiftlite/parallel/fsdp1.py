@@ -32,7 +32,7 @@ def apply_fsdp1(model: torch.nn.Module, world: World, *, mp: tuple | None, resha
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_cls)
     mixed = MixedPrecision(param_dtype=mp[0], reduce_dtype=mp[1], buffer_dtype=mp[0]) if mp else None
     strategy = ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
-    device_id = torch.device(world.device) if world.device.startswith("cuda") else None
+    device_id = torch.device(world.device)  # explicit "cpu" too: FSDP1 refuses to guess a CPU device
     return FSDP(model, auto_wrap_policy=policy, mixed_precision=mixed, sharding_strategy=strategy,
                 cpu_offload=CPUOffload(offload_params=True) if cpu_offload else None,
                 device_id=device_id, use_orig_params=True, sync_module_states=False)

@@ -384,8 +384,9 @@ class MemoryEstimate:
         return self.total / self.gpu_memory_bytes if self.gpu_memory_bytes else None
 
 
-def _ceil_div(a: int | float, b: int) -> int:
-    return int(math.ceil(a / b))
+def _ceil_div(a: int, b: int) -> int:
+    """a / b rounded up, in integers (byte counts of 405B models exceed float precision margins)."""
+    return -(-a // b)
 
 
 def quantized_bytes(n_weights: int, w: Workload, out_rows: int = 0) -> int:
@@ -403,14 +404,15 @@ def quantized_bytes(n_weights: int, w: Workload, out_rows: int = 0) -> int:
     raise ValueError(f"quant_bits {w.quant_bits}")
 
 
-def _base_bytes(shape: ModelShape, w: Workload, n_linear: int, n_other: int, out_rows: int) -> int:
+def _base_bytes(w: Workload, n_linear: int, n_other: int, out_rows: int) -> int:
     """Bytes of frozen/gathered base weights: quantized linears (if any) + the rest in the dtype."""
     if w.quant_bits is None:
         return (n_linear + n_other) * w.elem
     return quantized_bytes(n_linear, w, out_rows) + n_other * w.elem
 
 
-def _trainable(shape: ModelShape, w: Workload) -> int:
+def trainable_params(shape: ModelShape, w: Workload) -> int:
+    """Parameters the optimizer updates: all of them (full) or the LoRA adapters."""
     return shape.n_params if w.train_type == "full" else shape.lora_params(w.lora_rank, w.lora_targets)
 
 
@@ -439,11 +441,11 @@ def model_state_bytes(shape: ModelShape, workload: Workload, backend: str) -> di
     n = 1 if backend == "single" else w.world_size
     shard_p, shard_g, shard_o = SHARDING[backend]
     p_b, g_b, o_b = _state_bytes_per_param(w, backend)
-    trainable = _trainable(shape, w)
+    trainable = trainable_params(shape, w)
     frozen = 0
     if w.peft:
         n_other = shape.n_params - shape.n_linear_params
-        frozen = _base_bytes(shape, w, shape.n_linear_params, n_other, shape.linear_out_rows)
+        frozen = _base_bytes(w, shape.n_linear_params, n_other, shape.linear_out_rows)
 
     def part(nbytes: int, sharded: bool) -> int:
         return _ceil_div(nbytes, n) if sharded else nbytes
@@ -489,7 +491,7 @@ def activation_bytes(shape: ModelShape, w: Workload) -> int:
 def _gathered_layer_bytes(shape: ModelShape, w: Workload) -> int:
     """One decoder layer unsharded in its compute/storage form (what an all-gather materialises)."""
     n_other = shape.n_layer_params - shape.n_layer_linear_params
-    base = _base_bytes(shape, w, shape.n_layer_linear_params, n_other,
+    base = _base_bytes(w, shape.n_layer_linear_params, n_other,
                        shape.linear_out_rows // max(1, shape.layers))
     adapters = _ceil_div(shape.lora_params(w.lora_rank, w.lora_targets), shape.layers) * w.elem if w.peft else 0
     return base + adapters
@@ -505,12 +507,12 @@ def temp_buffer_bytes(shape: ModelShape, w: Workload, backend: str) -> int:
     zero3 / zero3_offload: the largest module gathered (embedding/lm_head for large vocabularies)
          + the prefetch bucket (0.9*h*h) + the reduce bucket (h*h).
     fsdp / fsdp1 (wrapped per decoder layer, then the root): the root unit (embeddings, final norm,
-         lm_head) stays unsharded from forward through backward (FSDP skips resharding the root),
-         with its gradients for a full fine-tune; two decoder layers are unsharded at a time (the
-         current one and the prefetched next one), plus one layer's unsharded gradients.
+         lm_head) is one all-gather that stays unsharded for the whole backward (lm_head is used
+         first, the embedding last), with its unsharded gradients for a full fine-tune; two decoder
+         layers are unsharded at a time (current + prefetched), plus one layer's unsharded gradients.
     """
     e = w.elem
-    trainable = _trainable(shape, w)
+    trainable = trainable_params(shape, w)
     h2 = shape.hidden * shape.hidden
     if backend == "single":
         return 0
@@ -547,7 +549,7 @@ def comm_bytes_per_step(shape: ModelShape, w: Workload, backend: str) -> int:
     if n == 1:
         return 0
     ring = (n - 1) / n
-    trainable = _trainable(shape, w)
+    trainable = trainable_params(shape, w)
     if backend == "ddp":
         return int(2 * ring * trainable * _state_bytes_per_param(w, backend)[1])
     if backend == "zero2":
@@ -555,7 +557,7 @@ def comm_bytes_per_step(shape: ModelShape, w: Workload, backend: str) -> int:
     if w.train_type == "full":
         gathered = shape.n_params * w.elem
     else:
-        gathered = (_base_bytes(shape, w, shape.n_linear_params, shape.n_params - shape.n_linear_params,
+        gathered = (_base_bytes(w, shape.n_linear_params, shape.n_params - shape.n_linear_params,
                                 shape.linear_out_rows) + trainable * w.elem)
     return int(ring * (2 * gathered + trainable * w.elem))
 
@@ -651,7 +653,7 @@ RULES: tuple[Rule, ...] = (
          "fits on every GPU with room ({used} of {gpu}); no sharding communication, only a gradient "
          "all-reduce ({comm}/step)"),
     # fp16 rules out the torch backends (no loss scaling); ZeRO-2 is DeepSpeed's closest to DDP.
-    Rule("zero2", lambda w: w.world_size > 1 and w.dtype == "fp16", ROOM,
+    Rule("zero2", lambda w: w.dtype == "fp16", ROOM,
          "fits on every GPU with room ({used} of {gpu}); fp16 needs DeepSpeed's loss scaling, and ZeRO-2 "
          "only shards grads and optimizer state"),
     Rule("fsdp", lambda w: w.world_size > 1, None,
@@ -691,10 +693,9 @@ def recommend(shape: ModelShape, workload: Workload, rules: tuple[Rule, ...] = R
         est = table.get(rule.backend)
         if est is None or not est.available or not rule.applies(w):
             continue
+        # est.fits covers the usable share of the GPU and, for offload, the CPU memory per node.
         limit = w.usable_fraction if rule.limit is None else rule.limit
-        cpu_ok = (not est.cpu_per_node or w.cpu_memory_bytes is None
-                  or est.cpu_per_node <= w.usable_fraction * w.cpu_memory_bytes)
-        if est.total <= limit * w.gpu_memory_bytes and cpu_ok:
+        if est.fits and est.total <= limit * w.gpu_memory_bytes:
             return Decision(rule.backend, _reason(rule, est, w, table), table, shape, w)
     return Decision("none", _nothing_fits(table, w), table, shape, w)
 
@@ -703,7 +704,7 @@ def _nothing_fits(table: dict[str, MemoryEstimate], w: Workload) -> str:
     usable = w.usable_fraction * (w.gpu_memory_bytes or 0)
     candidates = [e for e in table.values() if e.available]
     best = min(candidates, key=lambda e: e.total)
-    need = f"{best.backend} needs {fmt_gb(best.total)} per GPU"
+    need = f"{best.backend}'s {fmt_gb(best.total)} per GPU"
     if best.total <= usable and best.cpu_per_node:
         need += f" and {fmt_gb(best.cpu_per_node)} of CPU memory per node (have {fmt_gb(w.cpu_memory_bytes or 0)})"
     hints = ["more GPUs"]
@@ -772,5 +773,5 @@ __all__ = [
     "BACKENDS", "Decision", "GiB", "Linear", "MemoryEstimate", "ModelShape", "RULES", "Rule", "Workload",
     "activation_bytes", "comm_bytes_per_step", "estimate", "estimate_all", "model_state_bytes",
     "quantized_bytes", "recommend", "resolve_auto", "shape_from_config", "shape_from_model_arg",
-    "temp_buffer_bytes", "unavailable_reason", "workload_from_config",
+    "temp_buffer_bytes", "trainable_params", "unavailable_reason", "workload_from_config",
 ]

@@ -102,7 +102,10 @@ class TorchEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer with HF names, full tensors on CPU, on rank 0 ({} elsewhere)."""
-        sd = get_model_state_dict(self.inner, options=self._opts(full_state_dict=True, cpu_offload=True))
+        # cpu_offload copies to CPU on rank 0 only; on a CPU run that copy is pointless, and with
+        # FSDP1 on gloo it crashes (SIGSEGV in the rank-0 offload): gather plainly instead.
+        offload = self.world.device != "cpu"
+        sd = get_model_state_dict(self.inner, options=self._opts(full_state_dict=True, cpu_offload=offload))
         return sd if self.world.is_main else {}
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:

@@ -118,9 +118,9 @@ def ds_run(preset: str, out: str) -> None:
     world = World.from_env()
     assert world.world_size == WORLD, world
     ds_json = None
-    if preset == "zero3":
+    if preset.startswith("zero3"):
         from swiftlite.parallel.ds_config import load_ds_config
-        d = load_ds_config("zero3")
+        d = load_ds_config(preset)
         d["zero_optimization"]["stage3_param_persistence_threshold"] = 0   # tiny models hide gather bugs
         ds_json = os.path.join(tempfile.gettempdir(), f"swiftlite_ds_test_{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}.json")
         if world.rank == 0:

@@ -1,0 +1,65 @@
+"""Shared test helpers: the CLI in a subprocess, demo data, reading a run's logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run_cli(args: list[str], *, timeout: float = 600, check: bool = True, env: dict | None = None,
+            cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m swiftlite ARGS` in a subprocess; on failure (check=True) show its output."""
+    proc = subprocess.run([sys.executable, "-m", "swiftlite", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env or cli_env(), cwd=cwd)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"swiftlite {' '.join(map(str, args))} exited {proc.returncode}\n"
+                             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_losses(run_dir: str | Path) -> dict[int, float]:
+    """step -> training loss from logging.jsonl (the last record of a step wins: resumed runs)."""
+    out: dict[int, float] = {}
+    for line in (Path(run_dir) / "logging.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def read_state_bytes(run_dir: str | Path) -> dict[int, dict]:
+    logs = Path(run_dir) / "logs"
+    return {int(p.stem.replace("state_rank", "")): json.loads(p.read_text())
+            for p in logs.glob("state_rank*.json")}
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> tuple[Path, Path]:
+    """(train.jsonl, val.jsonl) of the demo task, small."""
+    from swiftlite.demo import write_demo_data
+    d = tmp_path_factory.mktemp("demo_data")
+    return write_demo_data(d, n_train=256, n_val=32)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    """Tokenization cache per test session (never the user's)."""
+    os.environ["SWIFTLITE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield

@@ -1,0 +1,142 @@
+"""Torch backends on 2 CPU processes (gloo) against one process: same losses, real sharding, exact resume.
+
+Every run trains the tiny 2-layer Llama for 10 steps on the same global batch of 4 samples
+(1 process x 4, 1 process x 2 x accumulation 2, 2 processes x 2), fp32, through the real CLI.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import cli_env, read_losses, read_state_bytes, run_cli
+
+STEPS = 10
+REL_FP32 = 1e-4
+REL_BF16 = 2e-2
+
+
+def _base(train, out):
+    return ["sft", "--model", "tiny-llama-2l", "--dataset", train, "--torch-dtype", "fp32",
+            "--learning-rate", "1e-3", "--max-steps", STEPS, "--logging-steps", 1, "--save-steps", 5,
+            "--output-dir", out, "--seed", 7]
+
+
+@pytest.fixture(scope="module")
+def runs(demo_data, tmp_path_factory):
+    """Train each configuration once; tests compare their logs."""
+    train, _val = demo_data
+    root = tmp_path_factory.mktemp("parity")
+    configs = {
+        "single_b4": ["--parallelism", "single", "--per-device-train-batch-size", 4],
+        "single_b2_ga2": ["--parallelism", "single", "--per-device-train-batch-size", 2,
+                          "--gradient-accumulation-steps", 2],
+        "ddp": ["--parallelism", "ddp", "--nproc-per-node", 2, "--per-device-train-batch-size", 2],
+        "fsdp": ["--parallelism", "fsdp", "--nproc-per-node", 2, "--per-device-train-batch-size", 2],
+        "fsdp_b1_ga2": ["--parallelism", "fsdp", "--nproc-per-node", 2, "--per-device-train-batch-size", 1,
+                        "--gradient-accumulation-steps", 2],
+        "fsdp1": ["--parallelism", "fsdp1", "--nproc-per-node", 2, "--per-device-train-batch-size", 2],
+        "fsdp_bf16": ["--parallelism", "fsdp", "--nproc-per-node", 2, "--per-device-train-batch-size", 2,
+                      "--mixed-precision", "bf16"],
+    }
+    out = {}
+    for name, extra in configs.items():
+        d = root / name
+        run_cli(_base(train, d) + extra, timeout=300)
+        out[name] = d
+    return out
+
+
+def _assert_close(a: dict, b: dict, rel: float, steps=range(1, STEPS + 1)):
+    for s in steps:
+        assert abs(a[s] - b[s]) <= rel * abs(b[s]), f"step {s}: {a[s]} vs {b[s]} (rel tol {rel})"
+
+
+def test_loss_falls(runs):
+    losses = read_losses(runs["single_b4"])
+    assert losses[STEPS] < losses[1] - 0.5, losses
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp1", "fsdp_b1_ga2"])
+def test_two_process_losses_equal_single_process(runs, name):
+    _assert_close(read_losses(runs[name]), read_losses(runs["single_b4"]), REL_FP32)
+
+
+def test_accumulation_equals_bigger_micro_batch(runs):
+    _assert_close(read_losses(runs["single_b2_ga2"]), read_losses(runs["single_b4"]), REL_FP32)
+
+
+def test_bf16_mixed_precision_close_to_fp32(runs):
+    _assert_close(read_losses(runs["fsdp_bf16"]), read_losses(runs["single_b4"]), REL_BF16)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp1"])
+def test_sharded_backends_hold_half_the_state(runs, name):
+    full = read_state_bytes(runs["single_b4"])[0]
+    per_rank = read_state_bytes(runs[name])
+    assert sorted(per_rank) == [0, 1]
+    for rank, sb in per_rank.items():
+        for key in ("params", "grads", "optimizer"):
+            assert full[key] > 0
+            assert abs(sb[key] - full[key] / 2) <= 0.02 * full[key] / 2, (name, rank, key, sb[key], full[key])
+
+
+def test_ddp_holds_a_full_replica(runs):
+    full = read_state_bytes(runs["single_b4"])[0]
+    for rank, sb in read_state_bytes(runs["ddp"]).items():
+        assert sb == full, (rank, sb, full)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "ddp", "fsdp1"])
+def test_resume_from_checkpoint_is_bitwise_exact(runs, demo_data, tmp_path, name):
+    train, _ = demo_data
+    src = runs[name]
+    out = tmp_path / "resumed"
+    extra = {"fsdp": ["--parallelism", "fsdp"], "ddp": ["--parallelism", "ddp"],
+             "fsdp1": ["--parallelism", "fsdp1"]}[name]
+    run_cli(_base(train, out) + extra + ["--nproc-per-node", 2, "--per-device-train-batch-size", 2,
+                                         "--resume-from", src / "checkpoint-5"], timeout=300)
+    resumed, ref = read_losses(out), read_losses(src)
+    assert min(resumed) == 6, "the resumed run must start after the checkpoint"
+    for s in range(6, STEPS + 1):
+        assert resumed[s] == ref[s], f"step {s}: {resumed[s]!r} != {ref[s]!r}"
+
+
+def test_fsdp_checkpoint_resumes_on_another_world_size(runs, demo_data, tmp_path):
+    """DCP reshards: a 2-process FSDP2 checkpoint continues on 1 process with the same losses."""
+    train, _ = demo_data
+    out = tmp_path / "one_proc"
+    run_cli(_base(train, out) + ["--parallelism", "fsdp", "--per-device-train-batch-size", 4,
+                                 "--resume-from", runs["fsdp"] / "checkpoint-5"], timeout=300)
+    _assert_close(read_losses(out), read_losses(runs["fsdp"]), REL_FP32, steps=range(6, STEPS + 1))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_one_machine_match_single_node(runs, demo_data, tmp_path):
+    """Two torchrun 'nodes' (one process each) rendezvous on 127.0.0.1 and train together."""
+    train, _ = demo_data
+    port = _free_port()
+    out = tmp_path / "multinode"
+    procs = []
+    for node_rank in (0, 1):
+        args = _base(train, out) + ["--parallelism", "fsdp", "--per-device-train-batch-size", 2,
+                                    "--nnodes", 2, "--node-rank", node_rank, "--nproc-per-node", 1,
+                                    "--master-addr", "127.0.0.1", "--master-port", port]
+        procs.append(subprocess.Popen([sys.executable, "-m", "swiftlite", *map(str, args)], env=cli_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        time.sleep(0.5)  # node 0 first: it checks the port is free, then hosts the store
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, text in zip(procs, outputs):
+        assert p.returncode == 0, text[-4000:]
+    _assert_close(read_losses(out), read_losses(runs["fsdp"]), REL_FP32)
+    shutil.rmtree(out, ignore_errors=True)

@@ -1,0 +1,360 @@
+"""Memory model and backend recommendation (swiftlite/parallel/plan.py, swiftlite/estimate.py).
+
+The scenario expectations below were worked out by hand from the formulas in docs/estimate.md
+(GB = 1e9; usable = 90% of a GPU, "with room" = 80%; bf16, gradient checkpointing, micro-batch 1,
+1 GiB = 1.07 GB overhead unless a row says otherwise). The comments keep the arithmetic, and every
+case sits well clear of its threshold, so small refinements of the model do not flip them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from swiftlite.errors import UserError
+from swiftlite.models.presets import PRESETS, param_count
+from swiftlite.parallel.plan import (
+    GiB, Workload, comm_bytes_per_step, estimate, model_state_bytes, quantized_bytes, recommend,
+    resolve_auto, shape_from_config, shape_from_model_arg,
+)
+
+GB = 10**9
+
+
+def work(**kw) -> Workload:
+    defaults = dict(dtype="bf16", gradient_checkpointing=True, max_length=2048, micro_batch=1)
+    defaults.update(kw)
+    return Workload(**defaults)
+
+
+# Llama-3 numbers used below (param_count of the presets):
+#   llama-1b  Ψ = 1.236e9 (tied), h 2048;   llama-8b Ψ = 8.03e9, h 4096, i 14336, 32 layers
+#   llama-70b Ψ = 70.55e9, h 8192, 80 layers, linear weights 68.45e9; vocab 128256
+#   logits at 2048 tokens: 2048 * 128256 * 12 B = 3.15 GB; at 1024: 1.58 GB
+SCENARIOS = [
+    # id, model, workload kwargs, expected backend, reason substring
+    ("1b-full-8x80-ddp", "llama-1b", dict(train_type="full", world_size=8, gpu_memory_bytes=80 * GB),
+     # 16Ψ = 19.8 GB + DDP bucket copy 2Ψ = 2.5 + acts ~3.5 (logits 3.15) + 1.07 = 26.8 GB <= 64 (80%)
+     "ddp", "fits on every GPU with room"),
+    ("1b-full-8x30-no-room", "llama-1b", dict(train_type="full", world_size=8, gpu_memory_bytes=30 * GB),
+     # ddp 26.8 GB: under 27 (90%) but over 24 (80%) -> no room; fsdp: 16Ψ/8 = 2.5 + 3.5 + root
+     # (tied embed 0.53 + its grads 0.53) + 2 layers 0.24 + 0.12 + 1.07 = 8.5 GB
+     "fsdp", "shards params, grads and optimizer state over 8 GPUs"),
+    ("8b-full-8x40-fsdp", "llama-8b", dict(train_type="full", world_size=8, gpu_memory_bytes=40 * GB),
+     # ddp 16Ψ = 128 GB no; fsdp 16Ψ/8 = 16.1 + acts 4.3 + root 2.1 + root grads 2.1 + 2 layers 0.87
+     # + layer grads 0.44 + 1.07 = 27 GB <= 36
+     "fsdp", "FSDP2 shards"),
+    ("70b-full-32x80-fsdp", "llama-70b", dict(train_type="full", world_size=32, gpus_per_node=8,
+                                              gpu_memory_bytes=80 * GB),
+     # 16Ψ/32 = 35.3 + acts 6.6 + root 4.2 + root grads 4.2 + 2 layers 3.4 + layer grads 1.7 + 1.07
+     # = 56.5 GB <= 72
+     "fsdp", "over 32 GPUs"),
+    ("70b-full-8x80-offload", "llama-70b", dict(train_type="full", world_size=8, gpu_memory_bytes=80 * GB),
+     # fsdp/zero3: 16Ψ/8 = 141 GB > 72 before anything else; offload leaves ~10 GB on each GPU
+     "zero3_offload", "only offload fits"),
+    ("70b-full-8x40-offload", "llama-70b", dict(train_type="full", world_size=8, gpu_memory_bytes=40 * GB),
+     # GPU: acts 6.6 + largest module (embedding 1.05e9 * 2 = 2.1) + buckets 0.25 + 1.07 = 10 GB <= 36
+     "zero3_offload", "not checked: pass --cpu-memory"),
+    ("70b-full-8x80-1TB-none", "llama-70b", dict(train_type="full", world_size=8, gpu_memory_bytes=80 * GB,
+                                                 cpu_memory_bytes=1000 * GB),
+     # offload CPU per node: 8 ranks * (2 + 4 + 12)Ψ/8 = 18Ψ = 1270 GB > 900 GB usable
+     "none", "of CPU memory per node"),
+    ("7b-full-1x80-offload", "qwen2.5-7b", dict(train_type="full", world_size=1, gpu_memory_bytes=80 * GB),
+     # 16 * 7.6e9 = 122 GB > 72 GB on one GPU: no sharding possible, only offload
+     "zero3_offload", "only offload fits"),
+    ("405b-full-8x80-offload", "llama-405b", dict(train_type="full", world_size=8, gpu_memory_bytes=80 * GB),
+     # fsdp 16Ψ/8 = 812 GB; offload GPU side: acts ~13 + largest module 4.2 + buckets + 1 = ~19 GB
+     "zero3_offload", "only offload fits"),
+    ("405b-full-8x80-2TB-none", "llama-405b", dict(train_type="full", world_size=8, gpu_memory_bytes=80 * GB,
+                                                   cpu_memory_bytes=2000 * GB),
+     # offload needs 18Ψ = 7.3 TB per node > 1.8 TB usable
+     "none", "no backend fits"),
+    ("8b-lora-1x24-single", "llama-8b", dict(train_type="lora", world_size=1, gpu_memory_bytes=24 * GB,
+                                             max_length=1024),
+     # base 2Ψ = 16.06 + adapters 21e6 * 16 B = 0.34 + acts (inputs 0.27 + one layer 0.33 + logits 1.58)
+     # + 1.07 = 19.6 GB <= 21.6
+     "single", "one GPU holds the whole run"),
+    ("8b-qlora-1x24-single", "llama-8b", dict(train_type="qlora", world_size=1, gpu_memory_bytes=24 * GB),
+     # 4-bit linears 6.98e9 * 0.516 = 3.6 + embed/head 2.1 + adapters 0.34 + acts 4.3 + 1.07 = 11.4 GB
+     "single", "no communication"),
+    ("70b-qlora-2x24-none", "llama-70b", dict(train_type="qlora", world_size=2, gpu_memory_bytes=24 * GB),
+     # base (35.3 four-bit + 4.2 embed/head) / 2 = 19.8 GB + logits 3.15 + 1.07 > 21.6 for every
+     # sharded backend, and bitsandbytes weights cannot be offloaded
+     "none", "the smallest requirement is"),
+    ("70b-qlora-4x24-fsdp", "llama-70b", dict(train_type="qlora", world_size=4, gpu_memory_bytes=24 * GB,
+                                              max_length=1024),
+     # base/4 = 9.9 + adapters 104e6 * 16 / 4 = 0.41 + acts (1.34 + 0.65 + 1.58) + root 4.2 + 2 layers
+     # 0.89 + 1.07 = 20.0 GB <= 21.6; ddp holds the whole 39.5 GB base
+     "fsdp", "FSDP2 shards"),
+    ("1b-fp16-8x80-zero2", "llama-1b", dict(train_type="full", dtype="fp16", world_size=8,
+                                            gpu_memory_bytes=80 * GB),
+     # ddp/fsdp cannot do fp16; zero2 = 2Ψ + 14Ψ/8 = 4.6 + acts 3.5 + 1.07 = 9.2 GB <= 64
+     "zero2", "fp16 needs DeepSpeed's loss scaling"),
+    ("1b-fp16-1x80-zero2", "llama-1b", dict(train_type="full", dtype="fp16", world_size=1,
+                                            gpu_memory_bytes=80 * GB),
+     # single is out for fp16; one-rank zero2 = 16Ψ = 19.8 + 3.5 + 1.07 = 24.4 GB <= 64
+     "zero2", "fp16"),
+    ("8b-fp16-8x40-zero3", "llama-8b", dict(train_type="full", dtype="fp16", world_size=8,
+                                            gpu_memory_bytes=40 * GB),
+     # zero2 = 2Ψ + 14Ψ/8 = 16.1 + 14.1 = 30.1 + 4.3 + 1.07 = 35.5 > 32 (80%); zero3 = 16Ψ/8 = 16.1 + 4.3
+     # + embedding 1.05 + buckets 0.06 + 1.07 = 22.5 GB <= 36
+     "zero3", "fsdp is out"),
+    ("8b-full-8x40-old-torch", "llama-8b", dict(train_type="full", world_size=8, gpu_memory_bytes=40 * GB,
+                                                fsdp2_available=False),
+     # as 8b-full-8x40 but without fully_shard: zero3 22.5 GB <= 36
+     "zero3", "needs torch >= 2.4"),
+    ("tiny-1x80-single", "tiny-llama", dict(train_type="full", dtype="fp32", world_size=1,
+                                            gpu_memory_bytes=80 * GB, gradient_checkpointing=False),
+     "single", "single: one GPU"),
+]
+
+
+@pytest.mark.parametrize("model, kw, backend, reason", [s[1:] for s in SCENARIOS], ids=[s[0] for s in SCENARIOS])
+def test_recommend_scenarios(model, kw, backend, reason):
+    decision = recommend(shape_from_model_arg(model), work(**kw))
+    assert decision.backend == backend, decision.reason
+    assert reason in decision.reason
+
+
+def test_no_room_case_really_fits_ddp():
+    """The 20% room rule, not a failure to fit, is what moves 1B full on 8x30GB to fsdp."""
+    decision = recommend(shape_from_model_arg("llama-1b"),
+                         work(train_type="full", world_size=8, gpu_memory_bytes=30 * GB))
+    assert decision.table["ddp"].fits is True
+    assert decision.backend == "fsdp"
+
+
+def test_unavailable_backends_are_marked():
+    d = recommend(shape_from_model_arg("llama-8b"), work(train_type="qlora", world_size=2, gpu_memory_bytes=24 * GB))
+    assert not d.table["zero3_offload"].available and "bitsandbytes" in d.table["zero3_offload"].note
+    d = recommend(shape_from_model_arg("llama-1b"), work(dtype="fp16", world_size=2, gpu_memory_bytes=80 * GB))
+    assert all(not d.table[b].available for b in ("ddp", "fsdp", "fsdp1"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Accounting
+
+TINY = shape_from_model_arg("tiny-llama")
+PSI = TINY.n_params
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_bf16_full_model_states(n):
+    w = work(train_type="full", world_size=n)
+    for backend in ("zero3", "fsdp", "fsdp1"):
+        s = model_state_bytes(TINY, w, backend)
+        assert (s["params"], s["grads"], s["optimizer"]) == (2 * PSI // n, 2 * PSI // n, 12 * PSI // n)
+        assert sum(s.values()) == 16 * PSI // n
+    s = model_state_bytes(TINY, w, "zero2")
+    assert s["params"] == 2 * PSI and s["grads"] + s["optimizer"] == 14 * PSI // n
+    assert sum(model_state_bytes(TINY, w, "ddp").values()) == 16 * PSI
+
+
+def test_fp32_full_model_states_match_torch_layout():
+    """fp32, no mixed precision: what FSDP2/DDP + AdamW hold (the lead's distributed test compares)."""
+    w = work(train_type="full", dtype="fp32", world_size=2, overhead_bytes=0)
+    assert model_state_bytes(TINY, w, "fsdp") == {"params": 4 * PSI // 2, "grads": 4 * PSI // 2,
+                                                  "optimizer": 8 * PSI // 2}
+    assert model_state_bytes(TINY, w, "ddp") == {"params": 4 * PSI, "grads": 4 * PSI, "optimizer": 8 * PSI}
+    assert model_state_bytes(TINY, w, "zero2") == {"params": 4 * PSI, "grads": 4 * PSI // 2,
+                                                   "optimizer": 8 * PSI // 2}
+    assert sum(model_state_bytes(TINY, w, "ddp").values()) == 16 * PSI
+    est = estimate(TINY, w, "fsdp")
+    assert est.overhead == 0 and est.params + est.grads + est.optimizer == 16 * PSI // 2
+
+
+def test_offload_moves_states_to_cpu():
+    w = work(train_type="full", world_size=4, gpus_per_node=4)
+    est = estimate(TINY, w, "zero3_offload")
+    assert est.params == est.grads == est.optimizer == 0
+    # params 2Ψ + fp32 grads 4Ψ + optimizer 12Ψ, sharded over 4 ranks, 4 ranks per node
+    assert est.cpu_offloaded == 18 * PSI // 4 and est.cpu_per_node == 18 * PSI
+
+
+def _tiny_hf_model(cfg: dict):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
+
+
+def _peft_trainable(model, r: int) -> int:
+    from peft import LoraConfig, get_peft_model
+    peft_model = get_peft_model(model, LoraConfig(r=r, target_modules="all-linear", task_type="CAUSAL_LM"))
+    return sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+
+
+def test_lora_params_equal_peft_count():
+    model = _tiny_hf_model(PRESETS["tiny-llama"].config)
+    assert TINY.n_params == sum(p.numel() for p in model.parameters())
+    assert TINY.lora_params(8) == _peft_trainable(model, 8)
+
+
+def test_lora_state_bytes():
+    n_lora = TINY.lora_params(8)
+    w = work(train_type="lora", world_size=2)
+    s = model_state_bytes(TINY, w, "fsdp")
+    # frozen bf16 base 2Ψ + fp32 adapters (peft upcasts them) 4 * n, all sharded by 2
+    assert s == {"params": (2 * PSI + 4 * n_lora) // 2, "grads": 4 * n_lora // 2, "optimizer": 8 * n_lora // 2}
+    s = model_state_bytes(TINY, w, "zero3")  # DeepSpeed: 16-bit adapters + fp32 master in the optimizer
+    assert s == {"params": (2 * PSI + 2 * n_lora) // 2, "grads": 2 * n_lora // 2, "optimizer": 12 * n_lora // 2}
+
+
+def test_qlora_base_bytes():
+    w = work(train_type="qlora")
+    assert w.quant_bits == 4
+    n = 64 * 256 * 10
+    assert quantized_bytes(n, w) == n // 2 + n // 64 + 4 * n // (64 * 256)  # 4.127 bits per weight
+    assert abs(quantized_bytes(n, w) * 8 / n - 4.127) < 0.001
+    s = model_state_bytes(TINY, w, "single")
+    other = PSI - TINY.n_linear_params  # embeddings, norms, lm_head stay bf16
+    assert s["params"] == quantized_bytes(TINY.n_linear_params, w) + 2 * other + 4 * TINY.lora_params(8)
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_comm_bytes(n):
+    w = work(train_type="full", world_size=n)
+    ring = (n - 1) / n
+    for backend in ("fsdp", "fsdp1", "zero3", "zero3_offload"):
+        assert comm_bytes_per_step(TINY, w, backend) == int(3 * ring * 2 * PSI)
+    assert comm_bytes_per_step(TINY, w, "ddp") == int(2 * ring * 2 * PSI)
+    assert comm_bytes_per_step(TINY, w, "zero2") == int(2 * ring * 2 * PSI)
+    assert comm_bytes_per_step(TINY, work(world_size=1), "single") == 0
+
+
+def test_activations_checkpointing_and_logits():
+    shape = shape_from_model_arg("llama-8b")
+    on = estimate(shape, work(world_size=1, gradient_checkpointing=True), "single").activations
+    off = estimate(shape, work(world_size=1, gradient_checkpointing=False), "single").activations
+    logits = 2048 * shape.vocab * 12
+    # checkpointing keeps each layer's input (s*h*2 bytes) plus one layer recomputed at a time
+    per_layer = (off - logits) // shape.layers
+    assert on == logits + shape.layers * 2048 * shape.hidden * 2 + per_layer
+    assert off - logits > 5 * (on - logits)
+    # doubling the micro-batch doubles activations
+    twice = estimate(shape, work(world_size=1, micro_batch=2), "single").activations
+    assert twice == 2 * on
+
+
+# --------------------------------------------------------------------------------------------------
+# Shapes
+
+
+def test_preset_shapes_match_param_count():
+    for name, preset in PRESETS.items():
+        assert shape_from_model_arg(name).n_params == param_count(preset.config), name
+
+
+@pytest.mark.parametrize("cfg", [
+    PRESETS["tiny-llama"].config,
+    {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "tie_word_embeddings": True},
+], ids=["llama", "qwen2-bias-tied"])
+def test_formula_matches_meta_device(cfg):
+    from swiftlite.parallel.plan import _shape_from_meta
+    formula, meta = shape_from_config(cfg), _shape_from_meta(cfg, "")
+    for f in ("n_params", "n_linear_params", "n_layer_params", "n_layer_linear_params", "largest_module_params"):
+        assert getattr(formula, f) == getattr(meta, f), f
+    assert formula.lora_params(8) == meta.lora_params(8)
+
+
+def test_unknown_architecture_uses_meta_device():
+    cfg = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300, "n_positions": 128}
+    shape = shape_from_config(cfg, "gpt2-tiny")
+    model = _tiny_hf_model(cfg)
+    assert shape.n_params == sum(p.numel() for p in model.parameters())
+    assert shape.layers == 2 and shape.hidden == 64
+    assert shape.lora_params(8) == _peft_trainable(model, 8)  # GPT-2's Conv1D counts as linear
+
+
+def test_shape_from_model_arg_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["llama-8b"].config))
+    assert shape_from_model_arg(str(tmp_path)).n_params == param_count(PRESETS["llama-8b"].config)
+
+
+@pytest.mark.parametrize("setup, arg, words", [
+    (None, "no-such-model", ["no-such-model", "not a preset"]),
+    ("empty", "{tmp}", ["no config.json"]),
+    ("bad-json", "{tmp}", ["invalid JSON"]),
+    ("no-type", "{tmp}", ["no model_type"]),
+    ("weird-type", "{tmp}", ["not-a-real-arch"]),
+])
+def test_shape_from_model_arg_errors(tmp_path, setup, arg, words):
+    if setup == "bad-json":
+        (tmp_path / "config.json").write_text("{oops")
+    elif setup == "no-type":
+        (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    elif setup == "weird-type":
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "not-a-real-arch"}))
+    with pytest.raises(UserError) as e:
+        shape_from_model_arg(arg.format(tmp=tmp_path))
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_workload_rejects_bad_combinations():
+    with pytest.raises(UserError, match="--quant-bits"):
+        Workload(train_type="full", quant_bits=4)
+    with pytest.raises(UserError, match="--train-type"):
+        Workload(train_type="dpo")
+    with pytest.raises(UserError, match="--max-length"):
+        Workload(max_length=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# estimate CLI helpers and --parallelism auto
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("80GB", 80 * 10**9), ("80gb", 80 * 10**9), ("24GiB", 24 * 2**30), ("80", 80 * 10**9),
+    ("40 GB", 40 * 10**9), ("79.6GiB", int(79.6 * 2**30)), ("512MiB", 512 * 2**20), ("2TB", 2 * 10**12),
+    (80, 80 * 10**9),
+])
+def test_parse_size(text, expected):
+    from swiftlite.estimate import parse_size
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GB", "80XB", "eighty", "-5GB", "0", "1e400GB", "80 G B"])
+def test_parse_size_errors(text):
+    from swiftlite.estimate import parse_size
+    with pytest.raises(UserError) as e:
+        parse_size(text, "--gpu-memory")
+    assert "--gpu-memory" in str(e.value) and repr(text) in str(e.value)
+
+
+def test_run_estimate_and_render():
+    from rich.console import Console
+
+    from swiftlite.estimate import render, run_estimate
+    d = run_estimate("llama-8b", train_type="lora", gpus=2, gpu_memory="24GB", gradient_checkpointing=True)
+    assert d.backend in {"fsdp", "ddp"} and d.workload.world_size == 2
+    buf = io.StringIO()
+    render(d, Console(file=buf, width=80))
+    out = buf.getvalue()
+    assert "Recommendation" in out and "zero3_offload" in out and "comm/step" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    json.dumps(d.to_dict())  # plain data for --json
+
+
+def test_run_estimate_errors():
+    from swiftlite.estimate import run_estimate
+    with pytest.raises(UserError, match="--gpus"):
+        run_estimate("tiny-llama", gpus=0)
+    with pytest.raises(UserError, match="'lots'"):
+        run_estimate("tiny-llama", gpu_memory="lots")
+
+
+def test_resolve_auto():
+    from swiftlite.config import build_config
+    cfg = build_config({"model": "tiny-llama", "dataset": ["x.jsonl"]})
+    assert resolve_auto(cfg, 1, None).backend == "single"
+    cpu = resolve_auto(cfg, 2, None)
+    assert cpu.backend == "fsdp" and "CPU" in cpu.reason
+    assert resolve_auto(cfg, 1, 80 * GB).backend == "single"
+    assert resolve_auto(cfg, 4, 80 * GB).backend == "ddp"
+    big = build_config({"model": "llama-70b", "dataset": ["x.jsonl"], "torch_dtype": "bf16"})
+    with pytest.raises(UserError, match="--parallelism auto"):
+        resolve_auto(big, 1, 1 * GiB)
