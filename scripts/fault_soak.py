@@ -137,7 +137,10 @@ def soak(work: Path, *, kills: int = 20, seed: int = 0, steps: int = 10, log=pri
         raise RuntimeError(f"reference run failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
     ref_time = time.monotonic() - t0
     ref = weights(ref_dir, steps)
-    log(f"reference: {steps} steps uninterrupted in {ref_time:.1f} s")
+    recs = [json.loads(x) for x in (ref_dir / "logging.jsonl").read_text().splitlines() if x.strip()]
+    el = {rec["step"]: rec["elapsed_s"] for rec in recs if "elapsed_s" in rec}
+    per_step = max(0.05, (el[steps] - el[1]) / max(1, steps - 1))
+    log(f"reference: {steps} steps uninterrupted in {ref_time:.1f} s ({per_step:.2f} s per step + save)")
 
     summary = {"kills": 0, "episodes": 0, "launches": 1, "problems": [], "mismatches": [],
                "kinds": {"timed": 0, "startup": 0, "fault": 0}, "landed": {}, "resumed_from": []}
@@ -156,7 +159,7 @@ def soak(work: Path, *, kills: int = 20, seed: int = 0, steps: int = 10, log=pri
                 mode = rng.choices(["timed", "startup", "fault"], weights=[6, 1, 2])[0]
                 fault, delay = None, 0.0
                 if mode == "timed":
-                    delay = rng.uniform(0.0, 0.45 * max(1, steps - at))
+                    delay = rng.uniform(0.0, per_step * max(1, steps - at - 1))
                 elif mode == "startup":
                     delay = rng.uniform(0.5, 5.0)
                 elif at + 1 <= steps:

@@ -127,13 +127,21 @@ def run_command(task: str, args: list[str]) -> int:
     from swiftlite.config import load_config
     config_file, values = parse_run_args(args)
     cfg = load_config(config_file, values, task=task)
-    from swiftlite.launch import plan_launch, record_rank_failure, run_launched
+    from swiftlite.launch import (PREFLIGHT_ENV, finish_rank_diagnostics, inside_launcher,
+                                  install_rank_diagnostics, plan_launch, preflight, record_rank_failure,
+                                  run_launched)
     plan = plan_launch(cfg, [task, *args])
+    # Everything that can be checked without a process group is checked here, once, before any
+    # folder is created or any rank starts: a run that fails validation leaves nothing behind.
+    if not os.environ.get(PREFLIGHT_ENV):
+        world = int(os.environ["WORLD_SIZE"]) if inside_launcher() else plan.world_size
+        preflight(cfg, world, data=not cfg.parallel.dry_run and not inside_launcher())
     if cfg.parallel.dry_run:
         print_plan(cfg, plan)
         return 0
     if plan.command is not None:
         return run_launched(plan, cfg)
+    install_rank_diagnostics(cfg)
     try:
         from swiftlite.trainer import train
         train(cfg)
@@ -145,6 +153,7 @@ def run_command(task: str, args: list[str]) -> int:
         record_rank_failure(cfg, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", user_error=False)
         raise
     finally:
+        finish_rank_diagnostics()
         from swiftlite.distributed import teardown
         teardown()
     return 0
@@ -171,7 +180,8 @@ def print_plan(cfg: Any, plan: Any) -> None:
           f"{t.gradient_accumulation_steps} = global {t.per_device_train_batch_size * world * t.gradient_accumulation_steps}")
     print(f"model:          {cfg.model.model} ({cfg.train.train_type}, {cfg.model.torch_dtype})")
     print(f"output:         {cfg.train.output_dir}")
-    print("launch:         " + (shlex.join(plan.command) if plan.command else "this process"))
+    from swiftlite.launch import redact_argv
+    print("launch:         " + (shlex.join(redact_argv(plan.command)) if plan.command else "this process"))
 
 
 _RUN_SETTINGS = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}

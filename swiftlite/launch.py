@@ -10,6 +10,7 @@ shows the first failing rank's error.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -92,33 +93,241 @@ def plan_launch(cfg: RunConfig, argv: list[str]) -> LaunchPlan:
     return LaunchPlan(nproc, nnodes, node_rank, addr, port, cmd)
 
 
+# -- preflight: every check that needs no process group, before anything is created ------------------
+
+def check_output_dir(cfg: RunConfig) -> Path:
+    """The resolved --output-dir, checked without creating anything: not a file, not an old run's
+    checkpoints (unless --resume / --overwrite-output-dir), and creatable (nearest existing parent is
+    a writable folder)."""
+    from swiftlite import checkpoint as ckpt
+    raw = cfg.train.output_dir
+    if not str(raw).strip():
+        raise UserError("--output-dir is empty")
+    run_dir = Path(raw).expanduser().resolve()
+    resuming = cfg.checkpoint.resume or cfg.checkpoint.resume_from
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--output-dir {raw}: exists and is not a folder")
+    if run_dir.is_dir():
+        if ckpt.list_checkpoints(run_dir) and not resuming and not cfg.train.overwrite_output_dir:
+            raise UserError(f"--output-dir {raw}: already holds checkpoints; "
+                            "pass --resume to continue or --overwrite-output-dir to start over")
+        if not os.access(run_dir, os.W_OK | os.X_OK):
+            raise UserError(f"--output-dir {raw}: folder is not writable")
+        return run_dir
+    parent = run_dir.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"--output-dir {raw}: cannot be created ({parent} is not a folder)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"--output-dir {raw}: cannot be created ({parent} is not writable)")
+    return run_dir
+
+
+def _check_model_folder(cfg: RunConfig, folder: Path) -> None:
+    """A local model folder has weights, and needs no code of its own unless --trust-remote-code."""
+    import json
+    arg = cfg.model.model
+    try:
+        conf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"--model {arg}: config.json is not valid JSON ({e})") from None
+    if not isinstance(conf, dict):
+        raise UserError(f"--model {arg}: config.json must hold a JSON object")
+    if not cfg.model.trust_remote_code:
+        from transformers import CONFIG_MAPPING
+        mtype = conf.get("model_type")
+        if mtype not in CONFIG_MAPPING:
+            extra = " and ships its own Python code (auto_map)" if conf.get("auto_map") else ""
+            raise UserError(f"--model {arg}: model_type {mtype!r} is not built into transformers{extra}; "
+                            "swiftlite runs no code from a model folder unless you pass --trust-remote-code")
+    weights = [p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")]
+    if not weights:
+        raise UserError(f"--model {arg}: folder has config.json but no weights (*.safetensors, pytorch_model.bin)")
+
+
+def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> None:
+    """Validate everything a run can get wrong before any process starts or any file is written:
+    output folder, resume checkpoint (intact and free of unsafe pickles), model, DeepSpeed config,
+    and (data=True) the datasets themselves: every row read, converted and tokenized (which fills the
+    tokenization cache the ranks then read), the usable-row count against one global batch.
+    Raises a one-line UserError; creates nothing but cache files."""
+    from swiftlite import checkpoint as ckpt
+    from swiftlite.data.sources import check_spec
+    run_dir = check_output_dir(cfg)
+    if cfg.checkpoint.resume_from:
+        ckpt.resolve_resume_arg(cfg.checkpoint.resume_from, log=lambda *_: None)
+    elif cfg.checkpoint.resume and run_dir.is_dir():
+        ckpt.find_resume(run_dir, log=lambda *_: None)
+    for spec in [*cfg.data.dataset, *cfg.data.val_dataset]:
+        check_spec(spec)
+    if cfg.backend_name == "deepspeed":
+        from swiftlite.parallel.ds_config import resolve_ds_config
+        resolve_ds_config(cfg, world_size, None)
+    from swiftlite.models.loading import resolve_model
+    source = resolve_model(cfg.model.model)
+    if source.kind == "folder":
+        _check_model_folder(cfg, Path(source.ref))
+    if not data:
+        return
+    from swiftlite.data.pipeline import prepare_datasets
+    from swiftlite.models.loading import load_tokenizer
+    tokenizer = load_tokenizer(cfg, source)
+    prepare_datasets(cfg, tokenizer, world_size)
+
+
 def _is_local(addr: str) -> bool:
     return addr in ("127.0.0.1", "localhost", "0.0.0.0") or addr == socket.gethostname()
 
 
+SECRET_FLAG = re.compile(r"token|secret|password|passwd|api[-_]?key|credential", re.IGNORECASE)
+SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})\b")
+REDACTED = "***"
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line safe to print or log: values of token/secret/password flags and anything
+    shaped like a hub token become ***."""
+    out: list[str] = []
+    hide_next = False
+    for a in argv:
+        if hide_next and not a.startswith("--"):
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        hide_next = False
+        if a.startswith("--") and SECRET_FLAG.search(a.partition("=")[0]):
+            if "=" in a:
+                a = a.partition("=")[0] + "=" + REDACTED
+            else:
+                hide_next = True
+        out.append(SECRET_VALUE.sub(REDACTED, a))
+    return out
+
+
+# Error text of a rank that failed only because another rank stopped answering.
+_COLLECTIVE = re.compile(r"timed out|timeout|connection (closed|reset)|broken pipe|DistBackendError|"
+                         r"gloo|nccl|ProcessGroup|peer|watchdog", re.IGNORECASE)
+PREFLIGHT_ENV = "SWIFTLITE_PREFLIGHT_DONE"
+
+
 def run_launched(plan: LaunchPlan, cfg: RunConfig) -> int:
-    """Run the launcher; on failure show the failing rank's error. Returns the exit code."""
+    """Run the launcher; on failure name the rank that caused it (see `explain_failure`)."""
+    import threading
+    import time
     assert plan.command is not None
-    print("launching: " + shlex.join(plan.command), flush=True)
-    logs = Path(cfg.train.output_dir) / "logs"
-    for old in logs.glob("rank*.err") if logs.is_dir() else []:
+    print("launching: " + shlex.join(redact_argv(plan.command)), flush=True)
+    logs = Path(cfg.train.output_dir).expanduser() / "logs"
+    for old in [*logs.glob("rank*.err"), *logs.glob("rank*.stack")] if logs.is_dir() else []:
         old.unlink()
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env[PREFLIGHT_ENV] = "1"
+    t0 = time.monotonic()
+    tail: list[str] = []
     try:
-        rc = subprocess.run(plan.command, env=env).returncode
+        # stderr passes through line by line; its tail is kept to read the launcher's failure summary
+        proc = subprocess.Popen(plan.command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+
+        def pump() -> None:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+                tail.append(line)
+                del tail[:-200]
+        t = threading.Thread(target=pump, daemon=True)
+        t.start()
+        rc = proc.wait()
+        t.join(10)
     except KeyboardInterrupt:
         return 130
     if rc == 0:
         return 0
-    errs = sorted(logs.glob("rank*.err")) if logs.is_dir() else []
-    for e in errs:
-        text = e.read_text(errors="replace").strip()
-        if text:
-            print(f"error: {e.stem} failed: {text.splitlines()[0]}", file=sys.stderr)
-            return 2 if text.startswith("user error:") else 1
-    print(f"error: the launcher exited with code {rc} (see the rank output above)", file=sys.stderr)
-    return rc if rc > 0 else 1
+    msg, code = explain_failure(logs, plan.world_size, "".join(tail), cfg.parallel.ddp_timeout,
+                                time.monotonic() - t0)
+    print(f"error: {msg}", file=sys.stderr)
+    return code if code else (rc if rc > 0 else 1)
+
+
+def _first_line(text: str) -> str:
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    return lines[0].strip() if lines else ""
+
+
+def _where_stuck(stack: str) -> str:
+    """The innermost frame of the main thread in a faulthandler dump."""
+    blocks = stack.split("\n\n")
+    main = next((b for b in blocks if "most recent call first" in b and ("Current thread" in b or "Thread" in b)
+                 and "MainThread" in b), None) or next((b for b in blocks if "most recent call first" in b), "")
+    for line in main.splitlines():
+        m = re.search(r'File "([^"]+)", line (\d+) in (\S+)', line)
+        if m:
+            return f"{Path(m.group(1)).name}:{m.group(2)} in {m.group(3)}()"
+    return "an unknown place"
+
+
+def _launcher_exit_codes(tail: str) -> dict[int, int]:
+    """rank -> exit code from torchrun's failure summary ("rank: 1 (local_rank: 1)" / "exitcode: -9")."""
+    codes: dict[int, int] = {}
+    for m in re.finditer(r"rank\s*:\s*(\d+)\s*\(local_rank[^)]*\)\s*exitcode\s*:\s*(-?\d+)", tail, re.IGNORECASE):
+        codes[int(m.group(1))] = int(m.group(2))
+    return codes
+
+
+def explain_failure(logs: Path, world_size: int, launcher_tail: str, ddp_timeout: int,
+                    elapsed: float) -> tuple[str, int]:
+    """One line naming the rank that brought the job down, and the exit code (2: a user error).
+
+    Ranks write logs/rank<r>.err when they raise, and dump their stack to logs/rank<r>.stack when
+    the launcher terminates them. A rank whose error is only a failed collective (timeout, peer
+    gone) is a victim: the culprit is then a rank that reported nothing (killed, or hung: its stack
+    says where it was stuck)."""
+    errs: dict[int, str] = {}
+    stacks: dict[int, str] = {}
+    for kind, store in ((".err", errs), (".stack", stacks)):
+        for f in sorted(logs.glob(f"rank*{kind}")) if logs.is_dir() else []:
+            try:
+                text = f.read_text(errors="replace").strip()
+                r = int(f.stem[4:])
+            except (OSError, ValueError):
+                continue
+            if text:
+                store[r] = text
+    codes = _launcher_exit_codes(launcher_tail)
+    primary = [r for r, t in sorted(errs.items()) if not _COLLECTIVE.search(_first_line(t))]
+    if primary:
+        r = primary[0]
+        text = errs[r]
+        user = text.startswith("user error:")
+        line = _first_line(text[len("user error:"):] if user else text)
+        return f"rank{r} failed: {line}", (2 if user else 1)
+    silent = [r for r in range(world_size) if r not in errs]
+    victims = sorted(errs)
+    if victims and silent:
+        c = silent[0]
+        v = victims[0]
+        code = codes.get(c)
+        if c in stacks and (code is None or code in (-15, 143, 1)):
+            what = (f"rank{c} hung: stopped answering collectives (stuck at {_where_stuck(stacks[c])} "
+                    f"when the job was stopped)")
+        elif code is not None and code < 0:
+            what = f"rank{c} died from signal {-code} without reporting an error"
+        elif code is not None:
+            what = f"rank{c} exited with code {code} without reporting an error"
+        else:
+            what = f"rank{c} stopped without reporting an error (killed or crashed in native code)"
+        timed_out = re.search(r"timed out|timeout", errs[v], re.IGNORECASE)
+        after = f" after --ddp-timeout {ddp_timeout}s" if timed_out else ""
+        return f"{what}; rank{v} gave up{after}: {_first_line(errs[v])[:300]}", 1
+    if victims:
+        v = victims[0]
+        return f"rank{v} failed: {_first_line(errs[v])[:300]}", 1
+    if codes:
+        r, code = sorted(codes.items())[0]
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        return f"rank{r} ended with {how} without reporting an error", 1
+    return f"the launcher failed after {elapsed:.0f} s with no rank reporting an error (see the output above)", 0
 
 
 def record_rank_failure(cfg: RunConfig | None, message: str, user_error: bool) -> None:
@@ -126,9 +335,48 @@ def record_rank_failure(cfg: RunConfig | None, message: str, user_error: bool) -
     rank = os.environ.get("RANK")
     if rank is None or cfg is None:
         return
-    logs = Path(cfg.train.output_dir) / "logs"
+    logs = Path(cfg.train.output_dir).expanduser() / "logs"
     try:
         logs.mkdir(parents=True, exist_ok=True)
         (logs / f"rank{rank}.err").write_text(("user error: " if user_error else "") + message + "\n")
     except OSError:
         pass
+
+
+_stack_file = None
+
+
+def install_rank_diagnostics(cfg: RunConfig) -> None:
+    """In a launched rank: when the launcher terminates it (SIGTERM), dump every thread's stack to
+    logs/rank<r>.stack first, even if it is blocked inside a collective, so a hung rank can be named
+    and located. Removed again by `finish_rank_diagnostics` when the rank ends normally."""
+    global _stack_file
+    import faulthandler
+    import signal
+    rank = os.environ.get("RANK")
+    if rank is None or _stack_file is not None:
+        return
+    logs = Path(cfg.train.output_dir).expanduser() / "logs"
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        _stack_file = (logs / f"rank{rank}.stack").open("w")
+        faulthandler.register(signal.SIGTERM, file=_stack_file, all_threads=True, chain=True)
+    except (OSError, RuntimeError, ValueError):
+        _stack_file = None
+
+
+def finish_rank_diagnostics() -> None:
+    global _stack_file
+    if _stack_file is None:
+        return
+    import faulthandler
+    import signal
+    try:
+        faulthandler.unregister(signal.SIGTERM)
+        name = _stack_file.name
+        _stack_file.close()
+        if os.path.getsize(name) == 0:
+            os.unlink(name)
+    except (OSError, RuntimeError, ValueError):
+        pass
+    _stack_file = None

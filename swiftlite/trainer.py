@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from swiftlite import checkpoint as ckpt
-from swiftlite import faults
+from swiftlite import faults, profiling
 from swiftlite.config import RunConfig, save_args
 from swiftlite.errors import UserError
 
@@ -158,6 +158,7 @@ def train(cfg: RunConfig) -> TrainResult:
     eval_every = cfg.train.eval_steps or cfg.checkpoint.save_steps
     engine.train()
     for step in range(start_step, total_steps):
+        profiling.step_hook(step, run_dir, world.rank)  # no-op unless SWIFTLITE_PROFILE/_BENCH_STATS
         global_targets = sum(targets[i] for mb in plan.all_micro_batches(step) for i in mb)
         scale = world.world_size / max(1, global_targets)
         local_loss = 0.0

@@ -157,3 +157,42 @@ def split_validation(tok: Tokenized, ratio: float, seed: int) -> tuple[Tokenized
     train = [r for i, r in enumerate(tok.rows) if i not in val_set]
     val = [r for i, r in enumerate(tok.rows) if i in val_set]
     return Tokenized(train, tok.stats), Tokenized(val, DataStats(rows=len(val)))
+
+
+def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
+                     progress: Callable[[str, int], Any] | None = None
+                     ) -> tuple[Tokenized, Tokenized | None, Any]:
+    """--dataset / --val-dataset / --split-dataset-ratio -> (train, validation or None, BatchPlan),
+    with the checks a run needs before it starts: some usable rows, and at least one global batch
+    (per-device x world size x accumulation) of them. UserErrors name the culprit."""
+    from swiftlite.data.loader import BatchPlan
+    d, t = cfg.data, cfg.train
+
+    def tok(specs: list[str]) -> Tokenized:
+        return tokenize_specs(specs, tokenizer, task=cfg.task, max_length=d.max_length, packing=d.packing,
+                              skip_bad_rows=d.skip_bad_rows, progress=progress)
+    train = tok(d.dataset)
+    val = None
+    if d.val_dataset:
+        val = tok(d.val_dataset)
+        if not val.rows:
+            raise UserError(f"--val-dataset {' '.join(d.val_dataset)}: no usable rows "
+                            f"(read {val.stats.rows}, skipped {len(val.stats.skipped)}, "
+                            f"{val.stats.no_target} without an answer)")
+    elif d.split_dataset_ratio > 0:
+        if len(train.rows) < 2:
+            raise UserError(f"--split-dataset-ratio {d.split_dataset_ratio}: --dataset has "
+                            f"{len(train.rows)} usable row(s), too few to hold some out")
+        train, val = split_validation(train, d.split_dataset_ratio, t.seed)
+    if not train.rows:
+        raise UserError(f"--dataset {' '.join(d.dataset)}: no usable rows "
+                        f"(read {train.stats.rows}, skipped {len(train.stats.skipped)}, "
+                        f"{train.stats.no_target} without an answer)")
+    plan = BatchPlan(len(train.rows), t.per_device_train_batch_size, world_size,
+                     t.gradient_accumulation_steps, t.seed)
+    if plan.steps_per_epoch == 0:
+        raise UserError(f"--dataset has {len(train.rows)} usable rows, fewer than one global batch of "
+                        f"{plan.global_batch} (per-device {plan.per_device} x {plan.world_size} processes x "
+                        f"accumulation {plan.accumulation})")
+    return train, val, plan
+

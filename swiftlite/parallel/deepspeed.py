@@ -210,9 +210,10 @@ def zero_init_context(cfg: "RunConfig", world: World, hidden_size: int | None) -
     ZeRO-3: registers the config with transformers (kept alive for the run, so from_pretrained
     loads shard by shard and resize/generation gather) and enters `deepspeed.zero.Init`, so even a
     model built directly (`LlamaForCausalLM(config)`) is partitioned module by module as it is
-    constructed. Other stages: a no-op. Weights initialised under zero.Init are initialised on the
-    full tensor before partitioning (torch's default init, seeded); transformers skips its own
-    `_init_weights` under ZeRO-3 for from_pretrained (the checkpoint overwrites them anyway).
+    constructed. Other stages: a no-op. Measured: `from_pretrained` inside it gives exactly the
+    checkpoint's weights; a model *initialised* inside it (from_config, built-in seeded model) is
+    properly initialised (std = initializer_range) but not bit-identical to the same seed built
+    without ZeRO-3 (different RNG consumption). Seed every rank alike before building.
     """
     ds = engine_ds_config(cfg, world.world_size, hidden_size)
     if ds_stage(ds) != 3:
@@ -226,15 +227,6 @@ def zero_init_context(cfg: "RunConfig", world: World, hidden_size: int | None) -
 
 # --------------------------------------------------------------------------------------------------
 # The engine
-
-def token_ce_sum(logits: "torch.Tensor", labels: "torch.Tensor") -> "torch.Tensor":
-    """Summed next-token cross-entropy in fp32: logits[:, :-1] predict labels[:, 1:]; -100 ignored."""
-    import torch.nn.functional as F
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:].to(shift_logits.device)
-    return F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
-                           ignore_index=-100, reduction="sum")
-
 
 class DeepSpeedEngine:
     """swiftlite's Engine over a `deepspeed.DeepSpeedEngine` (see the module docstring)."""
@@ -258,10 +250,10 @@ class DeepSpeedEngine:
 
     # -- training ---------------------------------------------------------------------------------
     def forward(self, batch: dict[str, "torch.Tensor"]) -> "torch.Tensor":
-        inputs = {k: batch[k].to(self.device) for k in ("input_ids", "attention_mask") if k in batch}
-        out = self.ds(**inputs, use_cache=False)
-        logits = out.logits if hasattr(out, "logits") else out[0]
-        return token_ce_sum(logits, batch["labels"])
+        """Summed next-token CE in fp32 (swiftlite.parallel.loss, shared with the torch backends),
+        run through DeepSpeed's forward (ZeRO-3 fetches the shards there)."""
+        from swiftlite.parallel.loss import token_loss_sum
+        return token_loss_sum(self.ds, {k: v.to(self.device) for k, v in batch.items()})
 
     def backward(self, loss: "torch.Tensor") -> None:
         self.ds.backward(loss, scale_wrt_gas=False)

@@ -17,6 +17,25 @@ from swiftlite.parallel.fsdp2 import mixed_precision_dtypes
 from swiftlite.parallel.torch_engine import TorchEngine
 
 
+def _is_quantized(p: torch.Tensor) -> bool:
+    return type(p).__name__ in ("Params4bit", "Int8Params")
+
+
+def cast_to_uniform_dtype(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+    """FSDP1 flattens each unit's parameters into one tensor of one dtype ("Must flatten tensors
+    with uniform dtype"). A LoRA/QLoRA model mixes dtypes: peft keeps adapters in fp32 next to a
+    bf16 base, and bitsandbytes' 4-bit weights are stored as `bnb_4bit_quant_storage` (= --torch-dtype,
+    see quant.bnb_config). Cast every non-quantized floating parameter (norms, embeddings, lm_head,
+    LoRA) to `dtype`; packed 4-bit weights are never cast (that would scramble them). Returns the
+    names of the parameters cast."""
+    cast = []
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype != dtype and not _is_quantized(p):
+            p.data = p.data.to(dtype)
+            cast.append(name)
+    return cast
+
+
 def check_uniform_dtype(model: torch.nn.Module) -> None:
     """FSDP1 flattens each unit into one tensor: every parameter must share a dtype."""
     dtypes = {p.dtype for p in model.parameters()}
@@ -40,6 +59,9 @@ def apply_fsdp1(model: torch.nn.Module, world: World, *, mp: tuple | None, resha
 
 @register_backend("fsdp1")
 def fsdp1(model: torch.nn.Module, cfg: Any, world: World, total_steps: int) -> TorchEngine:
+    if cfg.is_peft:
+        from swiftlite.models.loading import torch_dtype
+        cast_to_uniform_dtype(model, torch_dtype(cfg.model.torch_dtype))
     check_uniform_dtype(model)
     if not cfg.parallel.cpu_offload:
         model = model.to(world.device)

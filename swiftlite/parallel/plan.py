@@ -162,7 +162,7 @@ def _shape_analytic(cfg: dict, name: str) -> ModelShape:
     ]
     layer_linear = sum(lin.in_features * lin.out_features for lin in per_layer)
     biases = 0
-    if model_type_has_qkv_bias(cfg):
+    if _has_qkv_bias(cfg):
         biases = heads * hd + 2 * kv * hd
     layer = layer_linear + biases + 2 * h  # + input and post-attention RMSNorm weights
     embed = vocab * h
@@ -175,7 +175,7 @@ def _shape_analytic(cfg: dict, name: str) -> ModelShape:
         linears=tuple(per_layer), name=name)
 
 
-def model_type_has_qkv_bias(cfg: dict) -> bool:
+def _has_qkv_bias(cfg: dict) -> bool:
     """Qwen2 has q/k/v biases; Llama/Mistral only when `attention_bias` says so."""
     return cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False))
 

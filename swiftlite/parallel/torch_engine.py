@@ -109,13 +109,58 @@ class TorchEngine:
         return sd if self.world.is_main else {}
 
     def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """peft adapter tensors (peft's own naming), gathered (trap 3: never peft.save on DTensors)."""
+        """peft adapter tensors (peft's own naming), full, on CPU, on rank 0 ({} elsewhere). Every rank
+        must call it (sharded backends gather).
+
+        Only the trainable parameters are gathered, never the frozen (possibly 4-bit) base:
+        * FSDP2: each trainable DTensor's `full_tensor()` (trap 3: never peft.save on DTensors);
+        * FSDP1: one unit at a time under `summon_full_params(unit, recurse=False)` (peak memory: one
+          unit); its full state dict would unshard and clone the 4-bit base too, which crashes
+          (SIGSEGV) on gloo. Trap 3: peft matches keys against the wrapped module names, so the keys
+          keep FSDP1's inner `_fsdp_wrapped_module.` parts until peft has picked the adapter's;
+        * single / DDP: the plain parameters.
+        """
         from peft import get_peft_model_state_dict
-        full = get_model_state_dict(self.inner, options=self._opts(full_state_dict=True, cpu_offload=True,
-                                                                    ignore_frozen_params=True))
-        if not self.world.is_main:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+        main = self.world.is_main
+        trainable: dict[str, torch.Tensor] = {}
+
+        root = self.inner
+        peft_model = root.module if isinstance(root, FSDP) else root
+
+        def take(name: str, p: torch.Tensor) -> None:
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p  # a collective for DTensors
+            if main:  # names as peft_model.named_modules() spells them (nested wrappers included)
+                trainable[name.removeprefix("_fsdp_wrapped_module.") if peft_model is not root else name] = \
+                    t.detach().to("cpu", copy=True)
+
+        def own_params(mod: torch.nn.Module, prefix: str):
+            """(name, param) of `mod` and its submodules, stopping at nested FSDP units."""
+            for n, p in mod.named_parameters(recurse=False):
+                yield prefix + n, p
+            for n, child in mod.named_children():
+                if not isinstance(child, FSDP):
+                    yield from own_params(child, prefix + n + ".")
+
+        if any(isinstance(m, FSDP) for m in root.modules()):
+            for prefix, unit in root.named_modules():  # same order on every rank
+                if isinstance(unit, FSDP):
+                    with FSDP.summon_full_params(unit, recurse=False, writeback=False):
+                        for name, p in own_params(unit, prefix + "." if prefix else ""):
+                            if p.requires_grad:
+                                take(name, p)
+        else:
+            for name, p in root.named_parameters():
+                if p.requires_grad:
+                    take(name, p)
+        if not main:
             return {}
-        return get_peft_model_state_dict(self.inner, state_dict=full)
+        # peft selects adapter keys by walking peft_model's modules, whose names keep FSDP1's nested
+        # `_fsdp_wrapped_module.` parts: select with those names, then clean them to peft's own.
+        sd = get_peft_model_state_dict(peft_model, state_dict=trainable)
+        return {clean_tensor_name(k): v for k, v in sd.items()}
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds, counted from the tensors themselves."""

@@ -81,7 +81,7 @@ def micro_rows(rows, k: int, rank: int, world: int, micro: int):
 
 def reference(out: str) -> None:
     from swiftlite.optim import build_optimizer, build_scheduler
-    from swiftlite.parallel.deepspeed import token_ce_sum
+    from swiftlite.parallel.loss import token_loss_sum
     cfg = make_cfg("single")
     model = make_model()
     model.train()
@@ -94,8 +94,7 @@ def reference(out: str) -> None:
         total = 0.0
         for k in range(GAS):
             b = stack(micro_rows(rows, k, 0, 1, MICRO * WORLD))
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False).logits
-            loss = token_ce_sum(logits, b["labels"])
+            loss = token_loss_sum(model, b)
             (loss / ntok).backward()
             total += float(loss.detach())
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)))

@@ -1,0 +1,194 @@
+"""Opt-in per-step instrumentation for `swiftlite bench` (and anyone chasing a slow step).
+
+Off unless an environment variable asks for it; when off, `step_hook` costs one dict lookup.
+The trainer calls one line at the top of each optimizer step:
+
+    profiling.step_hook(step, run_dir, world.rank)      # step: 0-based index of the step starting
+
+Environment:
+  SWIFTLITE_PROFILE=K:N     torch.profiler over optimizer steps K..K+N-1 (1-based, as logged; "K"
+                            alone means N=1). Each rank writes a Chrome trace
+                            <run>/profile/trace_rank<r>.json (shapes recorded, so collective sizes
+                            can be counted) once step K+N-1 has finished.
+  SWIFTLITE_PROFILE_DIR=D   write traces and stats to D instead of <run>/profile.
+  SWIFTLITE_BENCH_STATS=1   each rank writes <run>/profile/stats_rank<r>.json when it exits: the
+                            [step, start, end] of every step (perf_counter seconds since the first
+                            hook call; profiler start/stop falls between steps; the last step's
+                            end is null: nothing marks it), peak memory (CUDA allocator peak on GPU; max RSS and the
+                            model-state bytes on CPU) and the profiled step window.
+
+`maybe_profile(step, run_dir, rank)` is the same thing as a context manager around one step, for
+loops that prefer `with`. Nothing here imports torch until a profile is asked for.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+ENV_PROFILE = "SWIFTLITE_PROFILE"
+ENV_DIR = "SWIFTLITE_PROFILE_DIR"
+ENV_STATS = "SWIFTLITE_BENCH_STATS"
+
+
+def parse_window(text: str | None) -> tuple[int, int] | None:
+    """"K:N" or "K" -> (first 1-based step, number of steps); None when empty/0. Bad text raises."""
+    if not text or text.strip() in ("", "0"):
+        return None
+    head, _, count = text.strip().partition(":")
+    first, n = int(head), int(count) if count else 1
+    if first < 1 or n < 1:
+        raise ValueError(f"{ENV_PROFILE}={text!r}: expected K:N with K >= 1 and N >= 1")
+    return first, n
+
+
+class _State:
+    """What one process records; created on the first hook call when an env var asks for it."""
+
+    def __init__(self, run_dir: Path, rank: int):
+        self.rank = rank
+        self.out = Path(os.environ.get(ENV_DIR) or Path(run_dir) / "profile")
+        self.window = parse_window(os.environ.get(ENV_PROFILE))
+        self.stats = os.environ.get(ENV_STATS, "") not in ("", "0")
+        self.t0 = time.perf_counter()
+        self.steps: list[list] = []    # [1-based step, start, end] in seconds since t0
+        self.prof: Any = None
+        self.step_ctx: Any = None
+        self.profiled: list[int] = []
+        self.trace: str | None = None
+        self.finished = False
+        self.out.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.finish)
+
+    # -- profiler ---------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        import torch
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    def _start(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(ProfilerActivity.CUDA)
+        self._sync()
+        self.prof = profile(activities=acts, record_shapes=True, with_stack=False, profile_memory=False)
+        self.prof.__enter__()
+
+    def _mark(self, done_step: int | None) -> None:
+        """Close the previous step's range and open the next one (ProfilerStep-like ranges)."""
+        from torch.autograd.profiler import record_function
+        if self.step_ctx is not None:
+            self.step_ctx.__exit__(None, None, None)
+            self.step_ctx = None
+        if done_step is not None:
+            self.step_ctx = record_function(f"swiftlite_step#{done_step}")
+            self.step_ctx.__enter__()
+            self.profiled.append(done_step)
+
+    def _stop(self) -> None:
+        if self.prof is None:
+            return
+        self._mark(None)
+        self._sync()
+        prof, self.prof = self.prof, None
+        prof.__exit__(None, None, None)
+        path = self.out / f"trace_rank{self.rank}.json"
+        prof.export_chrome_trace(str(path))
+        self.trace = str(path)
+
+    # -- hook ---------------------------------------------------------------------------------------
+    def on_step(self, step: int) -> None:
+        """Called before optimizer step `step` (0-based) starts."""
+        now = time.perf_counter() - self.t0
+        if self.steps and self.steps[-1][2] is None:
+            self.steps[-1][2] = round(now, 6)    # the previous step ends here
+        done = step + 1                           # the 1-based number of the step about to run
+        if self.window is not None:
+            first, n = self.window
+            last = first + n - 1
+            if first <= done <= last:
+                if self.prof is None:
+                    self._start()
+                self._mark(done)
+            elif self.prof is not None and done > last:
+                self._stop()
+        # taken after the profiler work, so starting/stopping a trace is in no step's time
+        self.steps.append([done, round(time.perf_counter() - self.t0, 6), None])
+
+    def finish(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        end = time.perf_counter() - self.t0
+        try:
+            self._stop()
+        except Exception as e:  # a trace we cannot write must not fail the run's exit
+            print(f"swiftlite.profiling: rank {self.rank}: could not write the trace: {e}")
+        if self.stats:
+            # the last step's end is unknown (the hook is not called after it): left as None
+            rec = {"rank": self.rank, "steps": self.steps, "end_s": round(end, 6),
+                   "profiled_steps": self.profiled, "trace": self.trace, **peak_memory()}
+            (self.out / f"stats_rank{self.rank}.json").write_text(json.dumps(rec) + "\n")
+
+
+_STATE: _State | None = None
+_ENABLED: bool | None = None
+
+
+def enabled() -> bool:
+    return bool(os.environ.get(ENV_PROFILE)) or os.environ.get(ENV_STATS, "") not in ("", "0")
+
+
+def step_hook(step: int, run_dir: str | Path, rank: int = 0) -> None:
+    """The trainer's one line: mark the start of 0-based optimizer step `step`. No-op unless enabled."""
+    global _STATE, _ENABLED
+    if _ENABLED is None:
+        _ENABLED = enabled()
+    if not _ENABLED:
+        return
+    if _STATE is None:
+        _STATE = _State(Path(run_dir), rank)
+    _STATE.on_step(step)
+
+
+def finish() -> None:
+    """Stop a running profile and write the stats now (also runs at interpreter exit)."""
+    if _STATE is not None:
+        _STATE.finish()
+
+
+@contextlib.contextmanager
+def maybe_profile(step: int, run_dir: str | Path, rank: int = 0) -> Iterator[None]:
+    """`with maybe_profile(step, run_dir, rank): <one optimizer step>` (same as step_hook)."""
+    step_hook(step, run_dir, rank)
+    yield
+
+
+def peak_memory() -> dict[str, Any]:
+    """Peak memory of this process: CUDA allocator peak (GiB) on GPU, max RSS (MiB) always."""
+    out: dict[str, Any] = {}
+    try:
+        import resource
+        out["max_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    except (ImportError, OSError):
+        pass
+    try:
+        import torch
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda_max_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 4)
+            out["cuda_max_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 4)
+    except Exception:
+        pass
+    return out
+
+
+def _reset_for_tests() -> None:
+    global _STATE, _ENABLED
+    _STATE, _ENABLED = None, None
