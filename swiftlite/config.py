@@ -185,6 +185,8 @@ class RunConfig:
     def backend_name(self) -> str:
         """The canonical backend key (aliases folded: fsdp2 -> fsdp, DeepSpeed JSON -> deepspeed)."""
         p = self.parallel.parallelism
+        if p == "auto" and self.parallel.deepspeed:
+            return "deepspeed"  # --deepspeed FILE alone means DeepSpeed (it was silently ignored)
         if p == "fsdp2":
             return "fsdp"
         if p.startswith("zero") or p == "deepspeed" or p.endswith(".json"):

@@ -1083,7 +1083,9 @@ def _export_model(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_sh
                     t = t.float() + parts["B_bias"].float() * adapter.scale(k[:-5], parts["A"].shape[0])
             yield k, cast_checked(k, t, dtype)
 
+    probe = MemProbe()
     weight_map = write_sharded(tensors(), tmp, dtype=opts.dtype, max_shard_size=max_shard)
+    probe.stop()
     reader.close()
     del reader
     conf_dict = write_config(conf, arch, tmp, dtype, tie)
@@ -1112,6 +1114,52 @@ def _base_ref(src: Source, ms: Any) -> str:
         return name
     p = Path(name).expanduser()
     return str(p.resolve()) if p.exists() else name
+
+
+class MemProbe:
+    """Diagnostics (scripts/bench_export_memory.py, the memory test): with SWIFTLITE_EXPORT_MEMLOG=FILE,
+    record RSS when weight streaming starts and the peak RSS during it (VmHWM reset through
+    /proc/self/clear_refs; a 5 ms sampler where that is not allowed) into FILE as JSON."""
+
+    def __init__(self) -> None:
+        self.path = os.environ.get("SWIFTLITE_EXPORT_MEMLOG")
+        if not self.path:
+            return
+        import threading
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.hwm_reset = True
+        except OSError:
+            self.hwm_reset = False
+        self.start_rss = _proc_kb("VmRSS")
+        self.sampled = self.start_rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.sampled = max(self.sampled, _proc_kb("VmRSS"))
+
+    def stop(self) -> None:
+        if not self.path:
+            return
+        self._stop.set()
+        self._thread.join()
+        peak = _proc_kb("VmHWM") if self.hwm_reset else self.sampled
+        Path(self.path).write_text(json.dumps({"start_rss": self.start_rss, "peak_rss": max(peak, self.sampled),
+                                               "end_rss": _proc_kb("VmRSS"), "hwm_reset": self.hwm_reset}))
+
+
+def _proc_kb(field_name: str) -> int:
+    """A /proc/self/status memory field in bytes (0 where /proc is missing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _tie_candidates(model: torch.nn.Module) -> dict[str, str]:

@@ -82,7 +82,7 @@ def plan_launch(cfg: RunConfig, argv: list[str]) -> LaunchPlan:
             cmd += ["--hostfile", p.hostfile, "--master_addr", addr]
         cmd += ["--module", "swiftlite", *argv]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        cmd = [sys.executable, "-m", "swiftlite.torchrun", f"--nproc-per-node={nproc}",
                f"--nnodes={nnodes}"]
         if p.rdzv_backend:
             cmd += [f"--rdzv-backend={p.rdzv_backend}", f"--rdzv-endpoint={p.rdzv_endpoint or f'{addr}:{port}'}",
@@ -258,8 +258,8 @@ def _first_line(text: str) -> str:
 def _where_stuck(stack: str) -> str:
     """The innermost frame of the main thread in a faulthandler dump."""
     blocks = stack.split("\n\n")
-    main = next((b for b in blocks if "most recent call first" in b and ("Current thread" in b or "Thread" in b)
-                 and "MainThread" in b), None) or next((b for b in blocks if "most recent call first" in b), "")
+    main = (next((b for b in blocks if "Current thread" in b), None)
+            or next((b for b in blocks if "most recent call first" in b), ""))
     for line in main.splitlines():
         m = re.search(r'File "([^"]+)", line (\d+) in (\S+)', line)
         if m:
@@ -270,6 +270,8 @@ def _where_stuck(stack: str) -> str:
 def _launcher_exit_codes(tail: str) -> dict[int, int]:
     """rank -> exit code from torchrun's failure summary ("rank: 1 (local_rank: 1)" / "exitcode: -9")."""
     codes: dict[int, int] = {}
+    for m in re.finditer(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", tail):
+        codes[int(m.group(2))] = int(m.group(1))  # one node: local rank = rank
     for m in re.finditer(r"rank\s*:\s*(\d+)\s*\(local_rank[^)]*\)\s*exitcode\s*:\s*(-?\d+)", tail, re.IGNORECASE):
         codes[int(m.group(1))] = int(m.group(2))
     return codes

@@ -126,7 +126,7 @@ def train(cfg: RunConfig) -> TrainResult:
                    else max(1, math.ceil(cfg.train.num_train_epochs * plan.steps_per_epoch)))
 
     torch.manual_seed(cfg.train.seed + world.rank)
-    model = prepare_model(cfg, source)
+    model = prepare_model(cfg, source, world)
     peft_model = model
     engine = build_engine(model, cfg, world, total_steps, backend)
 

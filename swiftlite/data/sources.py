@@ -60,19 +60,21 @@ def check_spec(spec: str) -> None:
 
 
 def _iter_jsonl(path: Path, skip_bad: bool, skipped: list[str]) -> Iterator[tuple[dict, str]]:
-    with path.open("r", encoding="utf-8", errors="strict") as fh:
+    with path.open("rb") as fh:  # bytes, decoded line by line: a bad byte is reported on its own line
         lineno = 0
-        while True:
-            try:
-                line = fh.readline()
-            except UnicodeDecodeError as e:
-                raise UserError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason})") from None
-            if not line:
-                break
+        for raw in fh:
             lineno += 1
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                msg = f"{where}: not UTF-8 text ({e.reason} at byte {e.start + 1})"
+                if skip_bad:
+                    skipped.append(msg)
+                    continue
+                raise UserError(msg) from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:

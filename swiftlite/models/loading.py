@@ -8,6 +8,7 @@ decoder layer). Wrapping by the backend and building the optimizer follow immedi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -99,8 +100,14 @@ def model_config(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
         raise UserError(f"--model {cfg.model.model}: cannot read its config ({str(e).splitlines()[0]})") from None
 
 
-def load_model(cfg: "RunConfig", source: ModelSource | None = None) -> "torch.nn.Module":
-    """Load weights (or build a built-in preset with weights seeded by --seed), quantized if asked."""
+def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None) -> "torch.nn.Module":
+    """Load weights (or build a built-in preset with weights seeded by --seed), quantized if asked.
+
+    Under ZeRO-3 a real checkpoint is loaded inside `deepspeed.zero.Init`, so no rank ever holds the
+    whole model. Built-in presets are built normally (they are tiny, and their seeded weights must
+    equal the other backends' for parity); quantized bases are loaded normally (bnb layers are not
+    partitioned at construction).
+    """
     import torch
     from transformers import AutoModelForCausalLM
     src = source or resolve_model(cfg.model.model)
@@ -125,8 +132,13 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None) -> "torch.nn
         kwargs["quantization_config"] = quant
     if src.kind == "hub" and cfg.model.model_revision:
         kwargs["revision"] = cfg.model.model_revision
+    ctx: Any = contextlib.nullcontext()
+    if world is not None and cfg.backend_name == "deepspeed" and quant is None:
+        from swiftlite.parallel.deepspeed import zero_init_context
+        ctx = zero_init_context(cfg, world, getattr(model_config(cfg, src), "hidden_size", None))
     try:
-        model = AutoModelForCausalLM.from_pretrained(src.ref, **kwargs)
+        with ctx:
+            model = AutoModelForCausalLM.from_pretrained(src.ref, **kwargs)
     except OSError as e:
         raise UserError(f"--model {cfg.model.model}: cannot load ({str(e).splitlines()[0]})") from None
     model.config.use_cache = False
@@ -153,9 +165,9 @@ def decoder_layers(model: "torch.nn.Module") -> list["torch.nn.Module"]:
     return found
 
 
-def prepare_model(cfg: "RunConfig", source: ModelSource | None = None) -> "torch.nn.Module":
+def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None) -> "torch.nn.Module":
     """load -> quantize -> LoRA -> activation checkpointing -> compile. Wrap + optimizer come next."""
-    model = load_model(cfg, source)  # quantization happens inside loading (bnb needs it there)
+    model = load_model(cfg, source, world)  # quantization happens inside loading (bnb needs it there)
     if cfg.is_peft:
         from swiftlite.models.lora import apply_lora
         model = apply_lora(model, cfg)

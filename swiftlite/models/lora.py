@@ -25,6 +25,9 @@ def linear_module_names(model: "torch.nn.Module") -> list[str]:
 def apply_lora(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
     """Wrap with peft LoRA; a target list that matches nothing is an error listing what exists."""
     from peft import LoraConfig, get_peft_model
+
+    from swiftlite.models.quant import disable_cpu_repack
+    disable_cpu_repack(model)  # trap 1, whatever path loaded the quantized base (preset or folder)
     lc = cfg.lora
     linear = [n for n in linear_module_names(model) if n != "lm_head"]
     if not linear:

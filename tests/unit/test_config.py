@@ -104,6 +104,6 @@ def test_launch_command_is_an_argument_list(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     c = cfg_from(["--dataset", "d; rm -rf /", "--nproc-per-node", "2"], validate_paths=False)
     plan = plan_launch(c, ["sft", "--dataset", "d; rm -rf /", "--nproc-per-node", "2"])
-    assert plan.command[:3][1:] == ["-m", "torch.distributed.run"]
+    assert plan.command[1:3] == ["-m", "swiftlite.torchrun"]
     assert "d; rm -rf /" in plan.command  # passed as one argument, never through a shell
     assert "--nproc-per-node=2" in plan.command and any(a.startswith("--master-port=") for a in plan.command)

@@ -1,0 +1,281 @@
+"""Greedy generation from any model swiftlite knows: a preset (random init, --seed), an HF folder
+(an export), a run folder or checkpoint (the training-side model), a hub id, plus --adapters.
+
+    swiftlite infer --model DIR --prompt "reverse: abc"
+    swiftlite infer --model tiny-llama --seed 42 --dataset val.jsonl --metric exact_match   # "before"
+    swiftlite infer --model output/run --dataset val.jsonl --metric exact_match            # "after"
+    swiftlite infer --model DIR                                                             # chat (TTY)
+
+The prompt is rendered with the tokenizer's chat template exactly as training rendered the prompt
+part of a conversation (`data.tokenize.prompt_ids`), so a model is scored on what it was taught.
+Exact match compares the stripped greedy answer with the last assistant turn of each row.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+from swiftlite.errors import UserError
+
+METRICS = ("exact_match",)
+
+
+@dataclass
+class InferOptions:
+    model: str
+    adapters: str | None = None
+    prompt: str | None = None
+    system: str | None = None
+    max_new_tokens: int = 64
+    dataset: str | None = None
+    metric: str = "exact_match"
+    batch_size: int = 16
+    seed: int = 42
+    dtype: str = "auto"
+    show: int = 3
+
+
+@dataclass
+class Loaded:
+    model: Any
+    tokenizer: Any
+    desc: str
+
+
+def _dtype(name: str) -> Any:
+    import torch
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if name not in table:
+        raise UserError(f"--dtype {name}: choose auto, bf16, fp16 or fp32")
+    return table[name]
+
+
+def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> Loaded:
+    """The model and tokenizer --model (+ --adapters) name, on the GPU when there is one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from swiftlite.config import build_config
+    from swiftlite.models.loading import load_model, load_tokenizer, resolve_model
+    from swiftlite.models.presets import get_preset
+    dtype = _dtype(opts.dtype)
+    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    arg = opts.model
+    p = Path(arg).expanduser()
+    tokenizer = None
+    preset = get_preset(arg)
+    if preset is not None and not p.exists():
+        cfg = build_config({"model": arg, "seed": opts.seed, "torch_dtype": dtype_name}, source="--model")
+        ms = resolve_model(arg)
+        model = load_model(cfg, ms)
+        tokenizer = load_tokenizer(cfg, ms)
+        desc = (f"{arg} (built-in, random init with seed {opts.seed})" if preset.builtin else f"{arg} ({ms.ref})")
+    elif p.is_dir() and (p / "config.json").is_file():
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype)
+        except (OSError, ValueError) as e:
+            raise UserError(f"--model {arg}: cannot load ({str(e).splitlines()[0]})") from None
+        tokenizer = AutoTokenizer.from_pretrained(str(p))
+        desc = f"{p} (HF folder)"
+    elif p.is_dir() and (p / "adapter_config.json").is_file() and opts.adapters is None:
+        raise UserError(f"--model {arg}: an adapter folder; pass --model BASE --adapters {arg}")
+    elif p.is_dir():
+        from swiftlite.export import inspect_source, reference_model, resolve_base
+        src = inspect_source(arg, None, log)
+        model, desc = reference_model(src)
+        needs_base = src.is_peft or src.hf_dir is None
+        from swiftlite.export import _tokenizer_for
+        tokenizer = _tokenizer_for(src, resolve_base(src) if needs_base else None)
+        desc = f"{src.path} ({desc})"
+        model = model.to(dtype) if not (src.cfg and src.cfg.quant.quant_bits) else model
+    elif p.exists():
+        raise UserError(f"--model {arg}: is a file; pass a model folder, run folder or preset name")
+    else:
+        ms = resolve_model(arg)  # unknown preset / missing folder -> UserError
+        try:
+            model = AutoModelForCausalLM.from_pretrained(ms.ref, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(ms.ref)
+        except (OSError, ValueError) as e:
+            raise UserError(f"--model {arg}: cannot load ({str(e).splitlines()[0]})") from None
+        desc = ms.ref
+    if opts.adapters:
+        model, tokenizer, desc = _with_adapter(model, tokenizer, desc, opts.adapters)
+    if tokenizer is None:
+        raise UserError(f"--model {arg}: no tokenizer found")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if torch.cuda.is_available():
+        model = model.to("cuda")
+    from swiftlite.models.quant import disable_cpu_repack
+    disable_cpu_repack(model)
+    model.eval()
+    if hasattr(model, "config"):
+        model.config.use_cache = True
+    return Loaded(model, tokenizer, desc)
+
+
+def _with_adapter(model: Any, tokenizer: Any, desc: str, adapters: str) -> tuple[Any, Any, str]:
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+    d = Path(adapters).expanduser()
+    if not (d / "adapter_config.json").is_file():
+        if (d / "adapter" / "adapter_config.json").is_file():  # a checkpoint folder
+            d = d / "adapter"
+        else:
+            raise UserError(f"--adapters {adapters}: not a peft adapter folder (no adapter_config.json)")
+    try:
+        model = PeftModel.from_pretrained(model, str(d))
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise UserError(f"--adapters {adapters}: does not fit the model ({str(e).splitlines()[0][:200]})") from None
+    if (d / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(str(d))
+    return model, tokenizer, f"{desc} + adapter {d}"
+
+
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None)
+    for v in (getattr(gen, "eos_token_id", None), getattr(getattr(model, "config", None), "eos_token_id", None),
+              tokenizer.eos_token_id):
+        for i in (v if isinstance(v, list) else [v]):
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Chat-rendered prompt (as in training); raw text when the tokenizer has no template."""
+    if getattr(tokenizer, "chat_template", None):
+        from swiftlite.data.tokenize import prompt_ids as chat_prompt_ids
+        return chat_prompt_ids(tokenizer, messages)
+    text = "\n".join(m["content"] for m in messages)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def generate(loaded: Loaded, prompts: list[list[dict]], max_new_tokens: int) -> list[str]:
+    """Greedy answers for a batch of conversations (left-padded)."""
+    import torch
+    tok, model = loaded.tokenizer, loaded.model
+    encoded = [prompt_ids(tok, m) for m in prompts]
+    width = max(len(e) for e in encoded)
+    pad = tok.pad_token_id
+    ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for i, e in enumerate(encoded):
+        ids[i, width - len(e):] = torch.tensor(e, dtype=torch.long)
+        mask[i, width - len(e):] = 1
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos_ids(model, tok), pad_token_id=pad,
+                             num_beams=1, temperature=None, top_p=None, top_k=None)
+    return [tok.decode(row[width:], skip_special_tokens=True).strip() for row in out.cpu()]
+
+
+@dataclass
+class EvalResult:
+    correct: int
+    total: int
+    examples: list[tuple[str, str, str]]  # (prompt, expected, got)
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else 0.0
+
+
+def evaluate(loaded: Loaded, spec: str, *, max_new_tokens: int, batch_size: int,
+             system: str | None = None) -> EvalResult:
+    """Exact match of the greedy answer with each row's last assistant turn."""
+    from swiftlite.data.formats import to_messages
+    from swiftlite.data.sources import load_rows
+    rows = load_rows(spec)
+    items: list[tuple[list[dict], str]] = []
+    for row, where in zip(rows.rows, rows.where):
+        msgs = to_messages(row, where)
+        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        prompt = msgs[:last]
+        if system and not any(m["role"] == "system" for m in prompt):
+            prompt = [{"role": "system", "content": system}] + prompt
+        items.append((prompt, msgs[last]["content"]))
+    if not items:
+        raise UserError(f"--dataset {spec}: no rows")
+    correct, examples = 0, []
+    for b in range(0, len(items), batch_size):
+        chunk = items[b:b + batch_size]
+        answers = generate(loaded, [p for p, _ in chunk], max_new_tokens)
+        for (prompt, expected), got in zip(chunk, answers):
+            ok = got.strip() == expected.strip()
+            correct += ok
+            examples.append((prompt[-1]["content"] if prompt else "", expected, got))
+    return EvalResult(correct, len(items), examples)
+
+
+def chat_loop(loaded: Loaded, opts: InferOptions, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
+    """Interactive chat: history kept across turns; /clear resets, /exit (or Ctrl-D) quits."""
+    history: list[dict] = [{"role": "system", "content": opts.system}] if opts.system else []
+    print(f"swiftlite infer: {loaded.desc}. /clear resets the conversation, /exit quits.", file=stdout)
+    while True:
+        try:
+            stdout.write(">>> ")
+            stdout.flush()
+            line = stdin.readline()
+        except KeyboardInterrupt:
+            print(file=stdout)
+            return
+        if not line:
+            print(file=stdout)
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return
+        if text == "/clear":
+            history = history[:1] if opts.system else []
+            continue
+        history.append({"role": "user", "content": text})
+        answer = generate(loaded, [history], opts.max_new_tokens)[0]
+        history.append({"role": "assistant", "content": answer})
+        print(answer, file=stdout, flush=True)
+
+
+def run(opts: InferOptions) -> int:
+    """`swiftlite infer`: one prompt, a dataset score, stdin lines, or a chat loop on a TTY."""
+    import torch
+    if opts.metric not in METRICS:
+        raise UserError(f"--metric {opts.metric}: choose {', '.join(METRICS)}")
+    if opts.max_new_tokens <= 0:
+        raise UserError(f"--max-new-tokens must be > 0, got {opts.max_new_tokens}")
+    if opts.batch_size <= 0:
+        raise UserError(f"--batch-size must be > 0, got {opts.batch_size}")
+    torch.manual_seed(opts.seed)
+    loaded = load(opts)
+    if opts.dataset is not None:
+        res = evaluate(loaded, opts.dataset, max_new_tokens=opts.max_new_tokens, batch_size=opts.batch_size,
+                       system=opts.system)
+        for prompt, expected, got in res.examples[:opts.show]:
+            print(f"  {prompt!r} -> {got!r} (expected {expected!r})", file=sys.stderr)
+        print(f"{opts.metric}: {res.accuracy:.4f} ({res.correct}/{res.total}) {loaded.desc} on {opts.dataset}")
+        if opts.prompt is None:
+            return 0
+    if opts.prompt is not None:
+        msgs = ([{"role": "system", "content": opts.system}] if opts.system else [])
+        print(generate(loaded, [msgs + [{"role": "user", "content": opts.prompt}]], opts.max_new_tokens)[0])
+        return 0
+    if sys.stdin.isatty():
+        chat_loop(loaded, opts)
+        return 0
+    lines = [ln.strip() for ln in sys.stdin.read().splitlines() if ln.strip()]
+    if not lines:
+        raise UserError("--prompt or --dataset is required (stdin is empty and not a terminal)")
+    msgs = ([{"role": "system", "content": opts.system}] if opts.system else [])
+    for b in range(0, len(lines), opts.batch_size):
+        for ans in generate(loaded, [msgs + [{"role": "user", "content": ln}] for ln in lines[b:b + opts.batch_size]],
+                            opts.max_new_tokens):
+            print(ans)
+    return 0

@@ -1,0 +1,27 @@
+"""Every recipe runs with --dry-run: its flags are valid and it prints the launch plan."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, cli_env
+
+RECIPES = sorted(p for p in (ROOT / "recipes").iterdir() if p.suffix in (".sh", ".sbatch"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_dry_run(recipe: Path, demo_data, tmp_path):
+    train, _ = demo_data
+    env = cli_env(DATA=str(train), DATASET=str(train), NODE_RANK="0", MASTER_ADDR="127.0.0.1",
+                  OUTPUT_DIR=str(tmp_path / "out"), DRY_RUN="1")
+    env["PATH"] = str(Path(os.sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.pop("NPROC_PER_NODE", None)
+    proc = subprocess.run(["bash", str(recipe), "--dry-run"], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "backend:" in proc.stdout and "launch:" in proc.stdout, proc.stdout
+    assert not (tmp_path / "out").exists(), "a dry run writes nothing"
