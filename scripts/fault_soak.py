@@ -121,8 +121,10 @@ def run_until_killed(cmd: list[str], env: dict, mode: str, delay: float, timeout
     return rc, killed, lines
 
 
-def soak(work: Path, *, kills: int = 20, seed: int = 0, steps: int = 10, log=print) -> dict:
-    """Run the soak in `work`; returns a summary dict (ok: bool)."""
+def soak(work: Path, *, kills: int = 20, seed: int = 0, steps: int = 10, log=print,
+         modes: list[str] | None = None) -> dict:
+    """Run the soak in `work`; returns a summary dict (ok: bool). `modes` fixes the kinds of the
+    first kills (timed, startup, fault); the rest are drawn from the seed."""
     from swiftlite.demo import write_demo_data
     rng = random.Random(seed)
     work.mkdir(parents=True, exist_ok=True)
@@ -157,6 +159,8 @@ def soak(work: Path, *, kills: int = 20, seed: int = 0, steps: int = 10, log=pri
                 mode, fault, delay = "finish", None, 0.0
             else:
                 mode = rng.choices(["timed", "startup", "fault"], weights=[6, 1, 2])[0]
+                if modes and summary["kills"] < len(modes):
+                    mode = modes[summary["kills"]]
                 fault, delay = None, 0.0
                 if mode == "timed":
                     delay = rng.uniform(0.0, per_step * max(1, steps - at - 1))

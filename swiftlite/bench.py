@@ -133,6 +133,7 @@ class BenchConfig:
     timeout_s: int = 900                     # per backend run
     sft_args: tuple[str, ...] = ()           # extra flags for every `swiftlite sft`
     packing: bool = False
+    keep_checkpoints: bool = False           # False: delete each run's checkpoint-* after reading it
 
     def check(self) -> None:
         if self.steps < self.warmup_steps + self.profile_steps + 3:
@@ -601,12 +602,16 @@ def run_backend(cfg: BenchConfig, spec: BackendSpec, dataset: str, out: Path, np
     echo(f"bench: {spec.label}: {res.command}")
     t = time.perf_counter()
     with log_path.open("w") as log:
+        # its own session, so a timeout can end the launcher and every rank together
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             rc = proc.wait(timeout=cfg.timeout_s)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             rc = None
+        except BaseException:  # Ctrl-C, or SIGTERM from an outer timeout: take the run down with us
+            _kill_group(proc)
+            raise
     res.wall_s = round(time.perf_counter() - t, 2)
     text = log_path.read_text(errors="replace")
     if rc is None:
@@ -619,9 +624,25 @@ def run_backend(cfg: BenchConfig, spec: BackendSpec, dataset: str, out: Path, np
         res.error = res.error or f"collect: {type(e).__name__}: {e}"
     if res.status == "ok" and res.step_time_s is None:
         res.status, res.error = "failed", res.error or "no timed steps recorded"
+    if not cfg.keep_checkpoints:  # a 1B model's checkpoints are ~10-20 GB each: keep only the figures
+        import shutil
+        for ck in run_dir.glob("checkpoint-*"):
+            shutil.rmtree(ck, ignore_errors=True)
     echo(f"bench: {spec.label}: {res.status}" + (f" ({res.error})" if res.error else "")
          + (f", step {res.step_time_s:.4f} s" if res.step_time_s else "") + f", wall {res.wall_s} s")
     return res
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM (e.g. `timeout` around the bench) unwinds like Ctrl-C, so the running backend is killed too."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -646,6 +667,7 @@ def run_bench(cfg: BenchConfig, echo=print, console=None) -> dict[str, Any]:
     """Run every backend of `cfg`, write bench.json/md/png under cfg.output, print the table."""
     from swiftlite.parallel.plan import shape_from_model_arg
     cfg.check()
+    _exit_on_sigterm()
     out = Path(cfg.output).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info()
@@ -677,29 +699,36 @@ def run_bench(cfg: BenchConfig, echo=print, console=None) -> dict[str, Any]:
          f"batch {cfg.per_device_train_batch_size}/process, max length {cfg.max_length}, {dtype}, "
          f"{cfg.train_type}; peak {per_device_peak / 1e12 if per_device_peak else 0:.3g} TFLOP/s per "
          f"{'GPU' if device.get('cuda') else 'process'} ({peak_source})")
-    results = []
+    results: list[BackendResult] = []
+    report: dict[str, Any] = {}
+
+    def build_report(done: bool) -> dict[str, Any]:
+        try:
+            info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        except OSError:
+            pass
+        return {
+            "complete": done,
+            "date": time.strftime("%Y-%m-%d"),
+            "settings": {"model": cfg.model, "params": shape.n_params if shape else None, "steps": cfg.steps,
+                         "nproc_per_node": nproc, "max_length": cfg.max_length,
+                         "per_device_train_batch_size": cfg.per_device_train_batch_size, "dtype": dtype,
+                         "train_type": cfg.train_type, "gradient_checkpointing": cfg.gradient_checkpointing,
+                         "dataset": dataset, "warmup_steps": cfg.warmup_steps, "profile_steps": cfg.profile_steps,
+                         "sft_args": list(cfg.sft_args)},
+            "machine": info,
+            "device": {**device, "peak_flops_per_device": per_device_peak, "peak_source": peak_source,
+                       "datasheet_peak_flops": sheet},
+            "results": [asdict(r) for r in results],
+        }
+
     for spec in cfg.backends:
         results.append(run_backend(cfg, spec, dataset, out, nproc, dtype, per_device_peak, shape, gpu_memory,
                                    echo=echo))
-    try:
-        info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        pass
-    report = {
-        "date": time.strftime("%Y-%m-%d"),
-        "settings": {"model": cfg.model, "params": shape.n_params if shape else None, "steps": cfg.steps,
-                     "nproc_per_node": nproc, "max_length": cfg.max_length,
-                     "per_device_train_batch_size": cfg.per_device_train_batch_size, "dtype": dtype,
-                     "train_type": cfg.train_type, "gradient_checkpointing": cfg.gradient_checkpointing,
-                     "dataset": dataset, "warmup_steps": cfg.warmup_steps, "profile_steps": cfg.profile_steps,
-                     "sft_args": list(cfg.sft_args)},
-        "machine": info,
-        "device": {**device, "peak_flops_per_device": per_device_peak, "peak_source": peak_source,
-                   "datasheet_peak_flops": sheet},
-        "results": [asdict(r) for r in results],
-    }
-    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "bench.md").write_text(render_markdown(report))
+        # written after every backend: a bench killed half-way still leaves the figures it has
+        report = build_report(done=len(results) == len(cfg.backends))
+        (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out / "bench.md").write_text(render_markdown(report))
     try:
         write_chart(report, out / "bench.png")
     except Exception as e:  # a chart must never lose the figures
@@ -719,6 +748,15 @@ def _fmt(v: Any, spec: str = ".3g", scale: float = 1.0, suffix: str = "") -> str
     return f"{v * scale:{spec}}{suffix}"
 
 
+def _count(n: int | None) -> str:
+    if not n:
+        return "?"
+    for div, suffix in ((10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{suffix}"
+    return str(n)
+
+
 def _mib(x: float | None) -> str:
     return "-" if x is None else f"{x / 2**20:.2f}"
 
@@ -733,6 +771,7 @@ def columns(report: dict) -> list[tuple[str, Any]]:
     cols: list[tuple[str, Any]] = [
         ("backend", lambda r: r["label"]),
         ("status", lambda r: r["status"]),
+        ("ran as", lambda r: r["backend_resolved"] or "-"),
         ("step ms", lambda r: _fmt(r["step_time_s"], ".1f", 1000)),
         ("tokens/s", lambda r: _fmt(r["tokens_per_s"], ",.0f")),
         ("MFU", lambda r: _fmt(r["mfu"], ".2f", 100, "%")),
@@ -787,7 +826,7 @@ def render_markdown(report: dict) -> str:
     lines = [
         f"### swiftlite bench, {report['date']}",
         "",
-        f"{s['model']} ({(s['params'] or 0) / 1e6:.1f}M params), {s['train_type']}, {s['dtype']}, "
+        f"{s['model']} ({_count(s['params'])} params), {s['train_type']}, {s['dtype']}, "
         f"{s['nproc_per_node']} process(es), per-device batch {s['per_device_train_batch_size']} x "
         f"max length {s['max_length']}, {s['steps']} steps (median of the steps after {s['warmup_steps']} "
         f"warm-up, profiled steps excluded); {dev}; torch {d.get('torch', '?')}; load average "

@@ -35,6 +35,8 @@ def register(app: typer.Typer) -> None:
         profile_steps: int = typer.Option(2, "--profile-steps",
                                           help="Steps traced with torch.profiler (after the warm-up; 0: none)."),
         timeout: int = typer.Option(900, "--timeout", help="Seconds one backend's run may take."),
+        keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints",
+                                              help="Keep each run's final checkpoint (default: deleted after reading)."),
         sft_arg: List[str] = typer.Option([], "--sft-arg",
                                           help="Extra flag(s) for every `swiftlite sft` run, e.g. --sft-arg=--lora-rank=16."),
     ) -> None:
@@ -54,7 +56,8 @@ def register(app: typer.Typer) -> None:
                           nproc_per_node=nproc_per_node, max_length=max_length, per_device_train_batch_size=batch,
                           dataset=dataset, output=output, train_type=train_type, torch_dtype=dtype,
                           gradient_checkpointing=gradient_checkpointing, warmup_steps=warmup_steps,
-                          profile_steps=profile_steps, timeout_s=timeout, sft_args=tuple(extra), packing=packing)
+                          profile_steps=profile_steps, timeout_s=timeout, sft_args=tuple(extra), packing=packing,
+                          keep_checkpoints=keep_checkpoints)
         report = run_bench(cfg)
         failed = [r["label"] for r in report["results"] if r["status"] != "ok"]
         if failed and len(failed) == len(report["results"]):

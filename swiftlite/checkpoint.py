@@ -261,6 +261,10 @@ DEEPSPEED_SAFE_GLOBALS = frozenset({
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
 
 
+class _Refused(pickle.UnpicklingError):
+    """A global outside the allow-list (as opposed to a file that is merely not a pickle)."""
+
+
 class _SafeUnpickler(pickle.Unpickler):
     """Plain pickle restricted to an exact list: DCP's own data classes and enums, a few builtins."""
 
@@ -268,7 +272,7 @@ class _SafeUnpickler(pickle.Unpickler):
         import dataclasses
         import enum
         if "." in name or name.startswith("__"):  # `mod`, "os.system" would reach os through mod
-            raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+            raise _Refused(f"refusing to load {module}.{name}")
         if (module, name) in _ALLOWED_PICKLE:
             return super().find_class(module, name)
         if module == "torch":
@@ -280,7 +284,7 @@ class _SafeUnpickler(pickle.Unpickler):
             if (isinstance(obj, type) and getattr(obj, "__module__", None) == module
                     and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))):
                 return obj
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+        raise _Refused(f"refusing to load {module}.{name}")
 
 
 def _one_line(e: BaseException) -> str:
@@ -296,7 +300,7 @@ def load_dcp_metadata(dcp_dir: Path) -> Any:
     try:
         with meta.open("rb") as fh:
             md = _SafeUnpickler(fh).load()
-    except pickle.UnpicklingError as e:
+    except _Refused as e:
         raise UserError(f"{meta}: refused, unsafe pickle content ({_one_line(e)})") from None
     except Exception as e:  # truncated or garbage
         raise UserError(f"{meta}: unreadable checkpoint metadata ({type(e).__name__})") from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -501,35 +502,87 @@ def _world(c: RunConfig):
         return "--parallelism single runs one process: drop --nproc-per-node/--nnodes or pick ddp/fsdp"
 
 
+def _quant_bits(c: RunConfig) -> int | None:
+    """Bits of the bitsandbytes base (--qlora means 4 unless --quant-bits says otherwise)."""
+    if c.quant.quant_bits is not None:
+        return c.quant.quant_bits
+    return 4 if c.train.train_type == "qlora" else None
+
+
 @rule("quantization")
 def _quant(c: RunConfig):
     q = c.quant.quant_bits
     if q is not None and q not in (4, 8):
-        return f"--quant-bits must be 4 or 8, got {q}"
+        return f"--quant-bits must be 4 or 8 (bitsandbytes 4-bit nf4/fp4 or 8-bit LLM.int8), got {q}"
     if c.train.train_type == "full" and q is not None:
         return "--quant-bits needs --train-type lora/qlora (a quantized base cannot be trained in full)"
 
 
+def _ds_offload(c: RunConfig) -> tuple[str, str]:
+    """(optimizer, param) offload devices of the run's DeepSpeed config ("none" when not DeepSpeed or
+    unreadable: the DeepSpeed config checks report a bad file)."""
+    src = c.deepspeed_source
+    if not src:
+        return ("none", "none")
+    from swiftlite.parallel.ds_config import load_ds_config, offload_devices  # json only, no torch
+    try:
+        return offload_devices(load_ds_config(src))
+    except UserError:
+        return ("none", "none")
+
+
 @rule("quantized base and offload")
 def _quant_offload(c: RunConfig):
-    quant = c.train.train_type == "qlora" or c.quant.quant_bits is not None
-    if quant and c.parallel.cpu_offload:
-        return "--cpu-offload cannot move bitsandbytes-quantized weights; drop it with --qlora/--quant-bits"
-    src = c.deepspeed_source or ""
-    if quant and "offload" in src:
-        return (f"--parallelism {src}: DeepSpeed offload cannot move bitsandbytes-quantized weights; "
-                "use zero3 without offload for QLoRA")
-    if quant and c.parallel.compile:
-        return "--compile does not trace bitsandbytes 4/8-bit layers; drop it with --qlora"
+    bits = _quant_bits(c)
+    if bits is None:
+        return None
+    if c.parallel.cpu_offload:
+        return ("--cpu-offload with a bitsandbytes-quantized base (--qlora/--quant-bits) is not supported: FSDP "
+                "offload moves parameters only, and each quantized layer's quantization state (absmax, codebook) "
+                "would stay on the CPU; drop --cpu-offload (the 4-bit base is already a quarter of the size)")
+    _opt_dev, param_dev = _ds_offload(c)
+    if param_dev != "none":
+        return (f"--parallelism {c.deepspeed_source}: DeepSpeed offload cannot move bitsandbytes-quantized weights "
+                f"(offload_param to {param_dev} pages the packed weights without their quantization state); use "
+                "zero3, or zero2_offload (optimizer offload only), with --qlora/--quant-bits")
+    if c.parallel.compile:
+        return "--compile does not trace bitsandbytes 4/8-bit layers; drop it with --qlora/--quant-bits"
 
 
-@rule("lora ranges")
+@rule("quantized base and backend")
+def _quant_backend(c: RunConfig):
+    bits = _quant_bits(c)
+    b = c.backend_name
+    if bits == 8 and b in ("fsdp", "fsdp1"):
+        return (f"--quant-bits 8 with --parallelism {c.parallel.parallelism}: FSDP re-wraps every parameter as a "
+                "plain tensor and the 8-bit (LLM.int8) weights lose their scales (CB/SCB); use --qlora (4-bit) "
+                "with FSDP, or 8-bit with zero2/zero3")
+    if bits == 8 and b in ("single", "ddp"):
+        return (f"--quant-bits 8 with --parallelism {c.parallel.parallelism}: the torch backends' checkpoints "
+                "(torch.distributed.checkpoint) cannot save 8-bit (LLM.int8) layers, whose SCB/weight_format "
+                "entries are not module attributes; use --qlora (4-bit), or 8-bit with zero2/zero3")
+    mp = c.parallel.mixed_precision
+    if bits == 4 and mp not in (None, "none") and mp != c.model.torch_dtype and b in ("fsdp", "fsdp1", "auto"):
+        return (f"--mixed-precision {mp} with a 4-bit base stored as {c.model.torch_dtype}: FSDP would cast the "
+                f"packed 4-bit weights to {mp} and scramble them (their storage dtype follows --torch-dtype); "
+                f"use --torch-dtype {mp} without --mixed-precision")
+
+
+@rule("lora options")
 def _lora(c: RunConfig):
     if c.is_peft:
-        if c.lora.lora_rank <= 0:
-            return f"--lora-rank must be > 0, got {c.lora.lora_rank}"
-        if not 0 <= c.lora.lora_dropout < 1:
-            return f"--lora-dropout must be in [0, 1), got {c.lora.lora_dropout}"
+        lc = c.lora
+        if lc.lora_rank <= 0:
+            return f"--lora-rank must be > 0, got {lc.lora_rank}"
+        if not lc.lora_alpha > 0:
+            return f"--lora-alpha must be > 0, got {lc.lora_alpha}"
+        if not 0 <= lc.lora_dropout < 1:
+            return f"--lora-dropout must be in [0, 1), got {lc.lora_dropout}"
+        if not lc.target_modules:
+            return "--target-modules is empty: give all-linear or module names (q_proj v_proj ...)"
+        if "all-linear" in lc.target_modules and len(lc.target_modules) > 1:
+            return (f"--target-modules {' '.join(lc.target_modules)}: all-linear already selects every linear "
+                    "layer; give either all-linear or a list of names")
 
 
 @rule("mixed precision")
@@ -580,11 +633,26 @@ def normalize_shorthands(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_key|credential", re.IGNORECASE)
+
+
+def redact_secrets(data: Any) -> Any:
+    """A copy of nested dicts/lists with the value of every secret-looking key (hub_token, password,
+    api_key, ...) replaced by "***" (None stays None)."""
+    if isinstance(data, dict):
+        return {k: ("***" if SECRET_KEY.search(str(k)) and v is not None else redact_secrets(v))
+                for k, v in data.items()}
+    if isinstance(data, list):
+        return [redact_secrets(v) for v in data]
+    return data
+
+
 def save_args(cfg: RunConfig, path: str | os.PathLike) -> None:
-    """Write the resolved config (nested) atomically; no secrets are part of RunConfig."""
+    """Write the resolved config (nested) atomically. No secret is written: RunConfig holds none
+    today, and any field named like one (hub_token, ...) is redacted should one be added."""
     p = Path(path)
     tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=False) + "\n")
+    tmp.write_text(json.dumps(redact_secrets(cfg.to_dict()), indent=2, sort_keys=False) + "\n")
     os.replace(tmp, p)
 
 

@@ -63,6 +63,11 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
     from swiftlite.config import build_config
     from swiftlite.models.loading import load_model, load_tokenizer, resolve_model
     from swiftlite.models.presets import get_preset
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning)
     dtype = _dtype(opts.dtype)
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
     arg = opts.model
@@ -170,6 +175,8 @@ def generate(loaded: Loaded, prompts: list[list[dict]], max_new_tokens: int) -> 
         ids[i, width - len(e):] = torch.tensor(e, dtype=torch.long)
         mask[i, width - len(e):] = 1
     device = next(model.parameters()).device
+    from swiftlite.models.quant import disable_cpu_repack
+    disable_cpu_repack(model)  # trap 1: never let bitsandbytes repack 4-bit weights on an eval forward
     with torch.no_grad():
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
                              max_new_tokens=max_new_tokens, eos_token_id=eos_ids(model, tok), pad_token_id=pad,

@@ -163,11 +163,13 @@ def train(cfg: RunConfig) -> TrainResult:
         scale = world.world_size / max(1, global_targets)
         local_loss = 0.0
         local_tokens = 0
-        for mb in plan.micro_batches(step, world.rank):
+        micro = plan.micro_batches(step, world.rank)
+        for m, mb in enumerate(micro):
             batch = {k: v.to(world.device) for k, v in collate(select(train_data.rows, mb), pad_id).items()}
             local_tokens += int(batch["attention_mask"].sum())
-            loss_sum = engine.forward(batch)
-            engine.backward(loss_sum * scale)
+            with engine.micro_batch(last=m == len(micro) - 1):
+                loss_sum = engine.forward(batch)
+                engine.backward(loss_sum * scale)
             local_loss += float(loss_sum.detach())
         if step == start_step:
             before = engine.state_bytes()  # grads exist only between backward and step

@@ -25,12 +25,20 @@ def bnb_config(cfg: "RunConfig") -> Any:
     one dtype, and a uint8 storage would make the packed weights unshardable next to bf16 ones.
     """
     from transformers import BitsAndBytesConfig
+    quiet_bnb_import()
     if cfg.quant.quant_bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
     dt = compute_dtype(cfg)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=cfg.quant.bnb_4bit_quant_type,
                               bnb_4bit_use_double_quant=cfg.quant.bnb_4bit_use_double_quant,
                               bnb_4bit_compute_dtype=dt, bnb_4bit_quant_storage=dt)
+
+
+def quiet_bnb_import() -> None:
+    """bitsandbytes warns at import on AVX512-BF16 CPUs that the optional `kernels` package is missing
+    (it falls back to its own CPU kernels): noise on every rank of every run, so silence that logger."""
+    import logging
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def quantize_in_place(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
@@ -44,8 +52,15 @@ def quantize_in_place(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.M
         # rank 0, and every rank quantizes its own copy into its own temp folder.
         model.config.save_pretrained(tmp)
         save_model(model, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        q = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch_dtype(cfg.model.torch_dtype),
-                                                 quantization_config=bnb_config(cfg))
+        from transformers.utils import logging as hf_logging
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # an internal round trip, not a user-visible load
+        try:
+            q = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch_dtype(cfg.model.torch_dtype),
+                                                     quantization_config=bnb_config(cfg))
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
     q.config.use_cache = False
     # Like a preset built from its config: no source path (the temp folder is gone; peft would look
     # it up on the hub when writing the adapter).

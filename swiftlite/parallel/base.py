@@ -3,8 +3,9 @@
 The trainer sees one `Engine`, whatever the backend:
 
     engine = build_engine(model, cfg, world, total_steps)
-    loss = engine.forward(batch) * scale     # summed token cross-entropy, fp32 scalar
-    engine.backward(loss)
+    with engine.micro_batch(last):             # gradient sync only on the window's last one
+        loss = engine.forward(batch) * scale   # summed token cross-entropy, fp32 scalar
+        engine.backward(loss)
     grad_norm = engine.step()                  # clip + optimizer + scheduler + zero_grad
     engine.save(dir) / engine.load(dir)        # sharded training state (model + optimizer + scheduler)
     engine.full_state_dict()                   # HF names, gathered to rank 0, CPU tensors
@@ -60,6 +61,7 @@ class Engine(Protocol):
     """What the trainer drives. See the module docstring for the contract."""
     module: "torch.nn.Module"
 
+    def micro_batch(self, last: bool) -> Any: ...
     def forward(self, batch: dict[str, "torch.Tensor"]) -> "torch.Tensor": ...
     def backward(self, loss: "torch.Tensor") -> None: ...
     def step(self) -> float: ...

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -29,4 +30,5 @@ def ddp(model: torch.nn.Module, cfg: Any, world: World, total_steps: int) -> Tor
     if not world.distributed:
         return single(model, cfg, world, total_steps)
     wrapped = apply_ddp(model, world)
-    return TorchEngine(wrapped, cfg, world, total_steps, inner=model)
+    return TorchEngine(wrapped, cfg, world, total_steps, inner=model,
+                       no_sync=lambda last: contextlib.nullcontext() if last else wrapped.no_sync())

@@ -255,6 +255,10 @@ class DeepSpeedEngine:
         from swiftlite.parallel.loss import token_loss_sum
         return token_loss_sum(self.ds, {k: v.to(self.device) for k, v in batch.items()})
 
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
+        """ZeRO reduces gradients in its own buckets during backward; nothing to switch here."""
+        return contextlib.nullcontext()
+
     def backward(self, loss: "torch.Tensor") -> None:
         self.ds.backward(loss, scale_wrt_gas=False)
 

@@ -6,6 +6,7 @@ AdamW state. Mixed precision computes in bf16 and reduces gradients in fp32.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -50,4 +51,9 @@ def fsdp2(model: torch.nn.Module, cfg: Any, world: World, total_steps: int) -> T
     apply_fsdp2(model, mesh, mp=mixed_precision_dtypes(cfg),
                 reshard_after_forward=cfg.parallel.reshard_after_forward,
                 cpu_offload=cfg.parallel.cpu_offload)
-    return TorchEngine(model, cfg, world, total_steps)
+    def sync(last: bool):
+        # Reduce-scatter only at the end of an accumulation window (grads accumulate unsharded
+        # in between, as with DDP's no_sync).
+        model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+    return TorchEngine(model, cfg, world, total_steps, no_sync=sync)

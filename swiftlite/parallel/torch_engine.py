@@ -7,6 +7,7 @@ saves (DCP) with the model's own parameter names, and full state dicts gathered 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -28,7 +29,7 @@ class TorchEngine:
     def __init__(self, module: torch.nn.Module, cfg: Any, world: World, total_steps: int,
                  *, inner: torch.nn.Module | None = None,
                  clip: Callable[[float], torch.Tensor] | None = None,
-                 no_sync: Callable[[], Any] | None = None):
+                 no_sync: Callable[[bool], Any] | None = None):
         self.module = module              # what forward runs (possibly a wrapper)
         self.inner = inner or module      # the model with HF names (for state dicts)
         self.cfg = cfg
@@ -37,11 +38,19 @@ class TorchEngine:
         self.optimizer = build_optimizer(self.module, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg, total_steps)
         self._clip = clip
+        self._no_sync = no_sync
         self.max_grad_norm = cfg.optim.max_grad_norm
 
     # -- step loop -------------------------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return token_loss_sum(self.module, batch)
+
+    def micro_batch(self, last: bool) -> Any:
+        """Context for one micro-batch: gradients are synchronised only on the last one of an
+        accumulation window (DDP no_sync / FSDP2 requires_gradient_sync); the math is unchanged."""
+        if self._no_sync is None:
+            return contextlib.nullcontext()
+        return self._no_sync(last)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
