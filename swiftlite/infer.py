@@ -31,6 +31,7 @@ class InferOptions:
     system: str | None = None
     max_new_tokens: int = 64
     dataset: str | None = None
+    limit: int | None = None
     metric: str = "exact_match"
     batch_size: int = 16
     seed: int = 42
@@ -196,11 +197,13 @@ class EvalResult:
 
 
 def evaluate(loaded: Loaded, spec: str, *, max_new_tokens: int, batch_size: int,
-             system: str | None = None) -> EvalResult:
-    """Exact match of the greedy answer with each row's last assistant turn."""
+             system: str | None = None, limit: int | None = None) -> EvalResult:
+    """Exact match of the greedy answer with each row's last assistant turn (the first `limit` rows)."""
     from swiftlite.data.formats import to_messages
     from swiftlite.data.sources import load_rows
     rows = load_rows(spec)
+    if limit is not None:
+        rows.rows, rows.where = rows.rows[:limit], rows.where[:limit]
     items: list[tuple[list[dict], str]] = []
     for row, where in zip(rows.rows, rows.where):
         msgs = to_messages(row, where)
@@ -258,13 +261,15 @@ def run(opts: InferOptions) -> int:
         raise UserError(f"--metric {opts.metric}: choose {', '.join(METRICS)}")
     if opts.max_new_tokens <= 0:
         raise UserError(f"--max-new-tokens must be > 0, got {opts.max_new_tokens}")
+    if opts.limit is not None and opts.limit <= 0:
+        raise UserError(f"--limit must be > 0, got {opts.limit}")
     if opts.batch_size <= 0:
         raise UserError(f"--batch-size must be > 0, got {opts.batch_size}")
     torch.manual_seed(opts.seed)
     loaded = load(opts)
     if opts.dataset is not None:
         res = evaluate(loaded, opts.dataset, max_new_tokens=opts.max_new_tokens, batch_size=opts.batch_size,
-                       system=opts.system)
+                       system=opts.system, limit=opts.limit)
         for prompt, expected, got in res.examples[:opts.show]:
             print(f"  {prompt!r} -> {got!r} (expected {expected!r})", file=sys.stderr)
         print(f"{opts.metric}: {res.accuracy:.4f} ({res.correct}/{res.total}) {loaded.desc} on {opts.dataset}")

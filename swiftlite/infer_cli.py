@@ -23,6 +23,8 @@ def register(app: typer.Typer) -> None:
         dataset: Optional[str] = typer.Option(None, "--dataset", "--val-dataset", "--val_dataset",
                                               help="Score the greedy answers against the last assistant turn of "
                                                    "each row (file or file#N)."),
+        limit: Optional[int] = typer.Option(None, "--limit", "--val-dataset-sample", "--val_dataset_sample",
+                                            help="With --dataset: score only the first N rows."),
         metric: str = typer.Option("exact_match", "--metric", help="exact_match."),
         batch_size: int = typer.Option(16, "--batch-size", "--batch_size", "--max-batch-size", "--max_batch_size",
                                        help="Rows generated together with --dataset."),
@@ -34,5 +36,5 @@ def register(app: typer.Typer) -> None:
         """Greedy generation: one prompt, a chat loop, or exact-match accuracy on a dataset."""
         from swiftlite.infer import InferOptions, run
         raise typer.Exit(run(InferOptions(model=model, adapters=adapters, prompt=prompt, system=system,
-                                          max_new_tokens=max_new_tokens, dataset=dataset, metric=metric,
+                                          max_new_tokens=max_new_tokens, dataset=dataset, limit=limit, metric=metric,
                                           batch_size=batch_size, seed=seed, dtype=dtype.lower(), show=show)))

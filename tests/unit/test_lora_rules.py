@@ -106,6 +106,19 @@ def test_cli_qlora_with_offload_is_one_line_exit_2(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "--cpu-offload with a bitsandbytes" in proc.stderr
 
 
+def test_cli_target_modules_that_match_nothing_is_one_line_exit_2(tmp_path, demo_data):
+    """Checked once the model is built (after the config): still one line and exit code 2."""
+    train, _ = demo_data
+    proc = subprocess.run([sys.executable, "-m", "swiftlite", "sft", "--model", "tiny-llama-2l", "--dataset",
+                           f"{train}#4", "--qlora", "--target-modules", "query_key_value", "--max-steps", "1",
+                           "--output-dir", str(tmp_path / "o")], capture_output=True, text=True, env=cli_env(),
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: --target-modules query_key_value: no such linear module in tiny-llama-2l (its linear modules: "
+        "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj; or all-linear)"], proc.stderr
+
+
 # -- target checks (models/lora.py) --------------------------------------------------------------------
 
 def _tiny(argv=()):
