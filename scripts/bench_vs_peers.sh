@@ -107,7 +107,7 @@ if mode == "lora":
 ds = load_dataset("json", data_files=data, split="train")  # prompt/completion: loss on the completion
 cfg = SFTConfig(
     output_dir=out, per_device_train_batch_size=bs, gradient_accumulation_steps=1, max_steps=steps,
-    learning_rate=lr, lr_scheduler_type="cosine", warmup_ratio=0.0, weight_decay=0.1, adam_beta1=0.9,
+    learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.1, adam_beta1=0.9,
     adam_beta2=0.95, max_grad_norm=1.0, optim="adamw_torch", logging_steps=50, logging_first_step=True,
     save_strategy="no", report_to="none", use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
     max_length=max_len, packing=False, dataloader_num_workers=0, dataset_num_proc=1, seed=42,
@@ -275,7 +275,7 @@ def command(fw, job, run_dir, steps):
                "--lora_dropout", "0.05", "--target_modules", "all-linear",
                "--per_device_train_batch_size", str(bs), "--gradient_accumulation_steps", "1",
                "--max_length", str(MAX_LEN), "--max_steps", str(steps), "--learning_rate", str(LR),
-               "--lr_scheduler_type", "cosine", "--warmup_ratio", "0", "--weight_decay", "0.1",
+               "--lr_scheduler_type", "cosine", "--warmup_steps", "0", "--weight_decay", "0.1",
                "--adam_beta2", "0.95", "--max_grad_norm", "1.0", "--optim", "adamw_torch",
                "--gradient_checkpointing", "false", "--logging_steps", "50", "--logging_first_step", "true",
                "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0",

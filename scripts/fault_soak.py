@@ -6,11 +6,16 @@
   * every run resumes (exit 0 in the end) from where the last good checkpoint left it;
   * the final weights equal those of an uninterrupted run, bit for bit (CPU, fp32).
 
-Kills are seeded and of three kinds: at a random moment after training started (lands between
-steps, inside a checkpoint write, inside the manifest/rename/prune of a save), at a random moment of
-start-up (model load, resume), and a SIGKILL injected by SWIFTLITE_FAULT inside the checkpoint
-write of a chosen step. A run that finishes before its kill starts a new episode (fresh run folder)
-until the wanted number of kills happened.
+Kills are seeded and of three kinds, aimed at a step drawn uniformly from those left:
+  timed    wait for the log line of step k, then SIGKILL after a random fraction of one step +
+           save (lands in the next step's compute, in checkpoint-k's DCP/HF/manifest write, in the
+           rename, in the prune of an old checkpoint);
+  fault    SIGKILL injected by SWIFTLITE_FAULT inside the write of checkpoint-k (sharded state and
+           HF folder written, manifest not yet);
+  startup  at a random moment of start-up (imports, model build, verifying and loading the resume
+           checkpoint).
+An episode is one run folder: at most --kills-per-episode kills, then the run is let finish and
+its final weights are compared with the uninterrupted run's. Episodes repeat until --kills.
 
     python scripts/fault_soak.py --kills 20 --seed 0        # prints one line per kill, then a summary
 """
@@ -85,9 +90,9 @@ def audit(run: Path) -> tuple[list[str], list[str], str | None]:
     return problems, leftovers, latest
 
 
-def run_until_killed(cmd: list[str], env: dict, mode: str, delay: float, timeout: float = 300
-                     ) -> tuple[int, bool, list[str]]:
-    """Start `cmd`; SIGKILL it `delay` s after start-up (mode "startup") or after its first step
+def run_until_killed(cmd: list[str], env: dict, mode: str, delay: float, timeout: float = 300,
+                     target: int | None = None) -> tuple[int, bool, list[str]]:
+    """Start `cmd`; SIGKILL it `delay` s after start (mode "startup") or after it logs step `target`
     (mode "timed"); mode "fault" lets SWIFTLITE_FAULT kill it. Returns (rc, killed_by_us, output)."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -97,7 +102,7 @@ def run_until_killed(cmd: list[str], env: dict, mode: str, delay: float, timeout
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
-            if line.startswith("first step done") or line.startswith("step="):
+            if target is not None and line.startswith(f"step={target} "):
                 started.set()
         started.set()
 
@@ -121,8 +126,14 @@ def run_until_killed(cmd: list[str], env: dict, mode: str, delay: float, timeout
     return rc, killed, lines
 
 
+def _leftovers(run: Path) -> dict[str, int]:
+    if not run.is_dir():
+        return {}
+    return {p.name: p.stat().st_mtime_ns for p in run.iterdir() if p.name.startswith((".tmp-", ".del-"))}
+
+
 def soak(work: Path, *, kills: int = 20, seed: int = 0, steps: int = 10, log=print,
-         modes: list[str] | None = None) -> dict:
+         modes: list[str] | None = None, kills_per_episode: int = 5) -> dict:
     """Run the soak in `work`; returns a summary dict (ok: bool). `modes` fixes the kinds of the
     first kills (timed, startup, fault); the rest are drawn from the seed."""
     from swiftlite.demo import write_demo_data
@@ -142,7 +153,9 @@ def soak(work: Path, *, kills: int = 20, seed: int = 0, steps: int = 10, log=pri
     recs = [json.loads(x) for x in (ref_dir / "logging.jsonl").read_text().splitlines() if x.strip()]
     el = {rec["step"]: rec["elapsed_s"] for rec in recs if "elapsed_s" in rec}
     per_step = max(0.05, (el[steps] - el[1]) / max(1, steps - 1))
-    log(f"reference: {steps} steps uninterrupted in {ref_time:.1f} s ({per_step:.2f} s per step + save)")
+    startup = el[1]
+    log(f"reference: {steps} steps uninterrupted in {ref_time:.1f} s ({startup:.1f} s to the first step, "
+        f"{per_step:.2f} s per step + save)")
 
     summary = {"kills": 0, "episodes": 0, "launches": 1, "problems": [], "mismatches": [],
                "kinds": {"timed": 0, "startup": 0, "fault": 0}, "landed": {}, "resumed_from": []}
@@ -152,10 +165,12 @@ def soak(work: Path, *, kills: int = 20, seed: int = 0, steps: int = 10, log=pri
         run = work / f"episode{episode}"
         shutil.rmtree(run, ignore_errors=True)
         summary["episodes"] = episode
+        episode_kills = 0
         while True:
             done = ckpt.find_resume(run, log=lambda *_: None) if run.is_dir() else None
             at = ckpt.step_of(done) if done else 0
-            if summary["kills"] >= kills:
+            target = None
+            if summary["kills"] >= kills or episode_kills >= kills_per_episode or at >= steps:
                 mode, fault, delay = "finish", None, 0.0
             else:
                 mode = rng.choices(["timed", "startup", "fault"], weights=[6, 1, 2])[0]
@@ -163,15 +178,15 @@ def soak(work: Path, *, kills: int = 20, seed: int = 0, steps: int = 10, log=pri
                     mode = modes[summary["kills"]]
                 fault, delay = None, 0.0
                 if mode == "timed":
-                    delay = rng.uniform(0.0, per_step * max(1, steps - at - 1))
+                    target = rng.randint(at + 1, steps)
+                    delay = rng.uniform(0.0, per_step)
                 elif mode == "startup":
-                    delay = rng.uniform(0.5, 5.0)
-                elif at + 1 <= steps:
-                    fault = f"step={rng.randint(at + 1, steps)},phase=checkpoint,kind=kill"
+                    delay = rng.uniform(0.3, startup)
                 else:
-                    mode = "finish"
+                    fault = f"step={rng.randint(at + 1, steps)},phase=checkpoint,kind=kill"
+            before = _leftovers(run)
             rc, killed, out = run_until_killed(train_cmd(data, run, steps), env_for(work, fault),
-                                               "fault" if fault else mode, delay)
+                                               "fault" if fault else mode, delay, target=target)
             summary["launches"] += 1
             problems, leftovers, latest = audit(run)
             if rc == 0:
@@ -192,21 +207,26 @@ def soak(work: Path, *, kills: int = 20, seed: int = 0, steps: int = 10, log=pri
                 summary["problems"].append(f"episode {episode}: exit code {rc} (not a kill): {tail}")
                 break
             summary["kills"] += 1
+            episode_kills += 1
             kind = "fault" if fault else mode
+            new = {k for k, v in _leftovers(run).items() if before.get(k) != v}
             summary["kinds"][kind] += 1
             last_step = max([int(x.split()[0][5:]) for x in out if x.startswith("step=")], default=None)
-            if any(x.startswith(".tmp-") for x in leftovers):
+            if any(x.startswith(".tmp-") for x in new):
                 landed = "inside a checkpoint write"
-            elif any(x.startswith(".del-") for x in leftovers):
-                landed = "inside a checkpoint delete"
+            elif any(x.startswith(".del-") for x in new):
+                landed = "inside a checkpoint delete (prune)"
             elif last_step is None:
                 landed = "during start-up/resume"
+            elif any(x.startswith("saved ") for x in out):
+                landed = "after the final save"
             else:
-                landed = "between checkpoint writes"
+                landed = "in a training step (between saves)"
             summary["landed"][landed] = summary["landed"].get(landed, 0) + 1
             summary["resumed_from"].append(done.name if done else "scratch")
             summary["problems"] += [f"kill {summary['kills']}: {p}" for p in problems]
-            log(f"kill {summary['kills']:2d} ({kind:7s}{' ' + fault if fault else f' +{delay:.2f}s'}): "
+            aim = fault if fault else (f"step={target} +{delay:.2f}s" if target else f"+{delay:.2f}s")
+            log(f"kill {summary['kills']:2d} ({kind:7s} {aim}): "
                 f"started from {done.name if done else 'scratch':13s} last logged step {last_step}, "
                 f"landed {landed}; latest={latest} leftovers={leftovers or '-'} "
                 f"{'OK' if not problems else 'PROBLEMS: ' + '; '.join(problems)}")
@@ -219,6 +239,7 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--kills-per-episode", type=int, default=5)
     ap.add_argument("--workdir", default=None, help="kept afterwards when given (default: a temp dir)")
     a = ap.parse_args()
     tmp = None
@@ -229,7 +250,7 @@ def main() -> int:
         work = Path(tmp)
     t0 = time.monotonic()
     try:
-        s = soak(work, kills=a.kills, seed=a.seed, steps=a.steps)
+        s = soak(work, kills=a.kills, seed=a.seed, steps=a.steps, kills_per_episode=a.kills_per_episode)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -419,6 +419,10 @@ def trainable_params(shape: ModelShape, w: Workload) -> int:
 def _state_bytes_per_param(w: Workload, backend: str) -> tuple[int, int, int]:
     """(param, grad, optimizer) bytes per *trainable* parameter."""
     if not w.mixed:
+        if backend.startswith("zero"):
+            # DeepSpeed's ZeRO optimizer keeps its own fp32 flat partition of the weights even when
+            # they are fp32 already (measured: 4 + 8 bytes per trainable param, sharded).
+            return 4, 4, 12
         return 4, 4, 8                     # fp32 weights, fp32 grads, AdamW exp_avg + exp_avg_sq
     if w.peft and not backend.startswith("zero"):
         # peft keeps adapter weights in fp32 under a 16-bit base (autocast_adapter_dtype), so their
