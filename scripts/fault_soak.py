@@ -6,12 +6,15 @@
   * every run resumes (exit 0 in the end) from where the last good checkpoint left it;
   * the final weights equal those of an uninterrupted run, bit for bit (CPU, fp32).
 
-Kills are seeded and of three kinds, aimed at a step drawn uniformly from those left:
+Kills are seeded and of four kinds, aimed at one of the next three steps (so that the kills of
+an episode spread over the whole run):
   timed    wait for the log line of step k, then SIGKILL after a random fraction of one step +
            save (lands in the next step's compute, in checkpoint-k's DCP/HF/manifest write, in the
            rename, in the prune of an old checkpoint);
   fault    SIGKILL injected by SWIFTLITE_FAULT inside the write of checkpoint-k (sharded state and
            HF folder written, manifest not yet);
+  step     SIGKILL injected by SWIFTLITE_FAULT inside training step k (after its optimizer step,
+           before its loss is logged and its checkpoint started);
   startup  at a random moment of start-up (imports, model build, verifying and loading the resume
            checkpoint).
 An episode is one run folder: at most --kills-per-episode kills, then the run is let finish and
@@ -158,7 +161,7 @@ def soak(work: Path, *, kills: int = 20, seed: int = 0, steps: int = 10, log=pri
         f"{per_step:.2f} s per step + save)")
 
     summary = {"kills": 0, "episodes": 0, "launches": 1, "problems": [], "mismatches": [],
-               "kinds": {"timed": 0, "startup": 0, "fault": 0}, "landed": {}, "resumed_from": []}
+               "kinds": {"timed": 0, "startup": 0, "fault": 0, "step": 0}, "landed": {}, "resumed_from": []}
     episode = 0
     while summary["kills"] < kills:
         episode += 1
@@ -173,17 +176,19 @@ def soak(work: Path, *, kills: int = 20, seed: int = 0, steps: int = 10, log=pri
             if summary["kills"] >= kills or episode_kills >= kills_per_episode or at >= steps:
                 mode, fault, delay = "finish", None, 0.0
             else:
-                mode = rng.choices(["timed", "startup", "fault"], weights=[6, 1, 2])[0]
+                mode = rng.choices(["timed", "startup", "fault", "step"], weights=[5, 1, 2, 2])[0]
                 if modes and summary["kills"] < len(modes):
                     mode = modes[summary["kills"]]
                 fault, delay = None, 0.0
                 if mode == "timed":
-                    target = rng.randint(at + 1, steps)
+                    target = rng.randint(at + 1, min(steps, at + 3))
                     delay = rng.uniform(0.0, per_step)
                 elif mode == "startup":
                     delay = rng.uniform(0.3, startup)
+                elif mode == "fault":
+                    fault = f"step={rng.randint(at + 1, min(steps, at + 3))},phase=checkpoint,kind=kill"
                 else:
-                    fault = f"step={rng.randint(at + 1, steps)},phase=checkpoint,kind=kill"
+                    fault = f"step={rng.randint(at + 1, min(steps, at + 3))},phase=step,kind=kill"
             before = _leftovers(run)
             rc, killed, out = run_until_killed(train_cmd(data, run, steps), env_for(work, fault),
                                                "fault" if fault else mode, delay, target=target)
@@ -208,11 +213,13 @@ def soak(work: Path, *, kills: int = 20, seed: int = 0, steps: int = 10, log=pri
                 break
             summary["kills"] += 1
             episode_kills += 1
-            kind = "fault" if fault else mode
+            kind = mode
             new = {k for k, v in _leftovers(run).items() if before.get(k) != v}
             summary["kinds"][kind] += 1
             last_step = max([int(x.split()[0][5:]) for x in out if x.startswith("step=")], default=None)
-            if any(x.startswith(".tmp-") for x in new):
+            if kind == "step":
+                landed = "inside a training step (before its checkpoint)"
+            elif any(x.startswith(".tmp-") for x in new):
                 landed = "inside a checkpoint write"
             elif any(x.startswith(".del-") for x in new):
                 landed = "inside a checkpoint delete (prune)"
@@ -220,8 +227,10 @@ def soak(work: Path, *, kills: int = 20, seed: int = 0, steps: int = 10, log=pri
                 landed = "during start-up/resume"
             elif any(x.startswith("saved ") for x in out):
                 landed = "after the final save"
+            elif latest == f"{ckpt.PREFIX}{last_step}":
+                landed = "after a checkpoint was complete (before the next step)"
             else:
-                landed = "in a training step (between saves)"
+                landed = "in a training step (before its checkpoint)"
             summary["landed"][landed] = summary["landed"].get(landed, 0) + 1
             summary["resumed_from"].append(done.name if done else "scratch")
             summary["problems"] += [f"kill {summary['kills']}: {p}" for p in problems]

@@ -27,7 +27,7 @@
 #
 # Environment: OUT (results; default ./gpu_check_out), SWIFTLITE_WHEELS (wheel folder; default
 # scripts/wheels), SWIFTLITE_GPU_CHECK_WORK (runs, model, data; default /tmp/swiftlite_gpu_check),
-# SWIFTLITE_GPU_CHECK_BACKENDS (default ddp,fsdp,zero3,fsdp+compile), SWIFTLITE_GPU_CHECK_STEPS (12),
+# SWIFTLITE_GPU_CHECK_BACKENDS (default ddp,fsdp,zero3,fsdp+compile; dry run ddp,fsdp,zero3), SWIFTLITE_GPU_CHECK_STEPS (12),
 # SWIFTLITE_GPU_CHECK_BATCH (4), SWIFTLITE_GPU_CHECK_DEADLINE (seconds for the whole bench, 390).
 # A backend that fails or times out is reported as such in the table; the others still run.
 set -euo pipefail
@@ -43,8 +43,14 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then
   plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
   common=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" -d "$WHEELS")
-  "$PY" -m pip download -q "${common[@]}" "datasets>=3,<6" "dill" "multiprocess" "hjson" "pydantic>=2" \
-      "pydantic-core" "annotated-types" "typing-inspection"
+  # deepspeed's and datasets' needs that the GPU image lacks (pydantic pins pydantic-core exactly:
+  # one resolver run for that pair; typing-extensions: pydantic needs a recent one)
+  "$PY" -m pip download -q "${common[@]}" "datasets>=3,<6" "dill" "multiprocess" "hjson" "annotated-types" \
+      "typing-inspection" "typing-extensions"
+  "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
+      -d "$WHEELS" "pydantic>=2" --no-deps
+  core=$(unzip -p "$WHEELS"/pydantic-2*.whl '*/METADATA' | sed -n 's/^Requires-Dist: pydantic-core==\([0-9.]*\).*/\1/p' | tail -1)
+  "$PY" -m pip download -q "${common[@]}" "pydantic-core${core:+==$core}"
   # --no-deps downloads can pull two versions of a name over repeated runs: keep the newest only.
   if [[ "${SWIFTLITE_WHEELS_BNB:-0}" == 1 ]]; then
     "$PY" -m pip download -q "${common[@]}" "bitsandbytes>=0.45"
@@ -106,7 +112,11 @@ else
   STEPS=${SWIFTLITE_GPU_CHECK_STEPS:-12}; WARMUP=3; ROWS=30000; RUN_LIMIT=170
   DEADLINE=${SWIFTLITE_GPU_CHECK_DEADLINE:-390}
 fi
-BACKENDS=${SWIFTLITE_GPU_CHECK_BACKENDS:-ddp,fsdp,zero3,fsdp+compile}
+if [[ "$DRYRUN" == 1 ]]; then   # torch.compile on CPU builds C++ for minutes: opt in on CPU
+  BACKENDS=${SWIFTLITE_GPU_CHECK_BACKENDS:-ddp,fsdp,zero3}
+else
+  BACKENDS=${SWIFTLITE_GPU_CHECK_BACKENDS:-ddp,fsdp,zero3,fsdp+compile}
+fi
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export SWIFTLITE_CACHE="$WORK/cache"
 
@@ -115,23 +125,40 @@ SITE="$WORK/site"
 MODEL="$WORK/model-$PRESET"
 cat > "$H/install_wheels.sh" <<'EOS'
 #!/usr/bin/env bash
-# install_wheels.sh PY WHEELS SITE: install the wheels whose distribution PY does not have yet.
+# install_wheels.sh PY WHEELS SITE: install the wheels whose distribution PY lacks (or has older).
 set -euo pipefail
 PY=$1 WHEELS=$2 SITE=$3
 [[ -d "$WHEELS" ]] || { echo "no wheel folder $WHEELS: installing nothing"; exit 0; }
 todo=()
 for w in "$WHEELS"/*.whl; do
   [[ -e "$w" ]] || continue
-  dist=$(basename "$w" | cut -d- -f1)      # distribution name: the file name up to the first '-'
-  if "$PY" -c "import sys, importlib.metadata as m; m.version(sys.argv[1])" "$dist" 2>/dev/null; then
-    echo "have $dist"
+  dist=$(basename "$w" | cut -d- -f1)      # wheel names: DIST-VERSION-...
+  ver=$(basename "$w" | cut -d- -f2)
+  if have=$("$PY" - "$dist" "$ver" 2>/dev/null <<'EOP'
+import sys, importlib.metadata as m
+have = m.version(sys.argv[1])          # not installed: exits non-zero
+try:
+    from packaging.version import Version
+    ok = Version(have) >= Version(sys.argv[2])
+except Exception:
+    ok = True                          # cannot compare: keep what the image has
+print(have)
+sys.exit(0 if ok else 1)
+EOP
+  ); then
+    echo "have $dist $have"
   else
     todo+=("$w")
   fi
 done
 if (( ${#todo[@]} )); then
   echo "installing ${todo[*]##*/}"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${todo[@]}"
+  pipi=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE")
+  if ! "${pipi[@]}" "${todo[@]}"; then   # one unusable wheel must not block the others
+    rc=0
+    for w in "${todo[@]}"; do "${pipi[@]}" "$w" || { echo "could not install ${w##*/}"; rc=1; }; done
+    exit $rc
+  fi
 fi
 EOS
 # swiftlite from this tree; $SITE holds only distributions the image lacks, so its order is moot.
@@ -220,11 +247,14 @@ if p.is_file():
     r = json.loads(p.read_text())
     d, s = r["device"], r["settings"]
     dev = d.get("device_name") or "CPU"
-    lines += [f"{r['date']}, {dev}, torch {d.get('torch')}: {preset}-shaped model ({s['params'] / 1e9:.2f}B params, "
+    n = s["params"] or 0
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    tf = lambda x: f"{(x or 0) / 1e12:.3g}"
+    lines += [f"{r['date']}, {dev}, torch {d.get('torch')}: {preset}-shaped model ({size} params, "
               f"random weights), {s['dtype']}, seq {s['max_length']} x batch {s['per_device_train_batch_size']} "
               f"(packed), {s['nproc_per_node']} process, {s['steps']} steps. MFU = 6 x params x tokens/s / "
-              f"{(d.get('peak_flops_per_device') or 0) / 1e12:.0f} TFLOP/s ({d.get('peak_source')}; measured "
-              f"matmul {(d.get('measured_peak_flops') or 0) / 1e12:.0f} TFLOP/s).", "",
+              f"{tf(d.get('peak_flops_per_device'))} TFLOP/s ({d.get('peak_source')}; measured "
+              f"{d.get('probe', 'matmul')}: {tf(d.get('measured_peak_flops'))} TFLOP/s).", "",
               "| backend | ran as | status | step s | tokens/s | MFU | peak GiB (allocator) | estimate GiB | estimate / measured |",
               "|---|---|---|---|---|---|---|---|---|"]
     for b in r["results"]:

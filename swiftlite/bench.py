@@ -25,9 +25,11 @@ bench reports, per backend:
                 CPU/gloo: gloo's worker-thread collectives vs the main thread's aten ops outside
                 collective calls and waits.
   peak memory   per rank: GPU allocator peak (torch.cuda.max_memory_allocated); on CPU the
-                model-state bytes the run counted (logs/state_rank<r>.json) and max RSS (runs get
-                MALLOC_MMAP_THRESHOLD_=65536 so glibc returns freed buffers), next to the
-                estimator's figure (plan.estimate / plan.model_state_bytes).
+                model-state bytes the run counted (logs/state_rank<r>.json) and max RSS (an upper bound:
+                glibc keeps freed buffers; --exact-rss sets MALLOC_MMAP_THRESHOLD_=65536 so it returns
+                them, which makes CPU steps 2-3x slower), next to the estimator's figure
+                (plan.estimate / plan.model_state_bytes).
+CPU runs get OMP_NUM_THREADS=1 unless it is set (the peak is measured on one thread per process).
 
 Writes <output>/bench.json, bench.md, bench.png and prints a rich table. Run folders and logs stay
 in <output>/runs/<backend>/ (with their traces under profile/).
@@ -134,6 +136,7 @@ class BenchConfig:
     sft_args: tuple[str, ...] = ()           # extra flags for every `swiftlite sft`
     packing: bool = False
     keep_checkpoints: bool = False           # False: delete each run's checkpoint-* after reading it
+    exact_rss: bool = False                  # CPU: MALLOC_MMAP_THRESHOLD_=65536 (true RSS, slower steps)
 
     def check(self) -> None:
         if self.steps < self.warmup_steps + self.profile_steps + 3:
@@ -325,7 +328,9 @@ def analyze_trace(path: str | Path, world: int, default_elem: int = 4) -> dict[s
     """Comm bytes and time per profiled step and the comm/compute overlap of one rank's trace."""
     data = json.loads(Path(path).read_text())
     events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    steps = sorted([e for e in events if str(e.get("name", "")).startswith("swiftlite_step#")], key=lambda e: e["ts"])
+    # the CPU-side step ranges (on GPU the same ranges also appear as "gpu_user_annotation")
+    steps = sorted([e for e in events if str(e.get("name", "")).startswith("swiftlite_step#")
+                    and e.get("cat") != "gpu_user_annotation"], key=lambda e: e["ts"])
     if steps:
         lo, hi = steps[0]["ts"], max(e["ts"] + e["dur"] for e in steps)
         main = (steps[0]["pid"], steps[0]["tid"])
@@ -587,8 +592,13 @@ def run_backend(cfg: BenchConfig, spec: BackendSpec, dataset: str, out: Path, np
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")}
     first_profiled = cfg.warmup_steps + 1
-    env.update({"SWIFTLITE_BENCH_STATS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONUNBUFFERED": "1"})
+    env.update({"SWIFTLITE_BENCH_STATS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    if gpu_memory is None:
+        # CPU: one thread per process, as the peak was measured (torchrun does the same for several
+        # processes); two threads per process on a shared 2-core machine ran 15x slower here.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if cfg.exact_rss:  # glibc then returns freed buffers at once: honest RSS, but steps 2-3x slower
+            env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     if cfg.profile_steps > 0:
         env["SWIFTLITE_PROFILE"] = f"{first_profiled}:{cfg.profile_steps}"
     else:

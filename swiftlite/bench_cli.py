@@ -37,6 +37,8 @@ def register(app: typer.Typer) -> None:
         timeout: int = typer.Option(900, "--timeout", help="Seconds one backend's run may take."),
         keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints",
                                               help="Keep each run's final checkpoint (default: deleted after reading)."),
+        exact_rss: bool = typer.Option(False, "--exact-rss",
+                                       help="CPU: MALLOC_MMAP_THRESHOLD_=65536 for true RSS (steps 2-3x slower)."),
         sft_arg: List[str] = typer.Option([], "--sft-arg",
                                           help="Extra flag(s) for every `swiftlite sft` run, e.g. --sft-arg=--lora-rank=16."),
     ) -> None:
@@ -57,7 +59,7 @@ def register(app: typer.Typer) -> None:
                           dataset=dataset, output=output, train_type=train_type, torch_dtype=dtype,
                           gradient_checkpointing=gradient_checkpointing, warmup_steps=warmup_steps,
                           profile_steps=profile_steps, timeout_s=timeout, sft_args=tuple(extra), packing=packing,
-                          keep_checkpoints=keep_checkpoints)
+                          keep_checkpoints=keep_checkpoints, exact_rss=exact_rss)
         report = run_bench(cfg)
         failed = [r["label"] for r in report["results"] if r["status"] != "ok"]
         if failed and len(failed) == len(report["results"]):

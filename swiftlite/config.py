@@ -498,6 +498,8 @@ def _world(c: RunConfig):
         return f"--node-rank {pr.node_rank} is out of range for --nnodes {pr.nnodes}"
     if pr.master_port is not None and not 0 < pr.master_port < 65536:
         return f"--master-port must be in 1..65535, got {pr.master_port}"
+    if pr.ddp_timeout <= 0:
+        return f"--ddp-timeout must be > 0 seconds, got {pr.ddp_timeout}"
     if c.backend_name == "single" and (pr.nproc_per_node or 1) * (pr.nnodes or 1) > 1:
         return "--parallelism single runs one process: drop --nproc-per-node/--nnodes or pick ddp/fsdp"
 
@@ -546,7 +548,9 @@ def _quant_offload(c: RunConfig):
                 f"(offload_param to {param_dev} pages the packed weights without their quantization state); use "
                 "zero3, or zero2_offload (optimizer offload only), with --qlora/--quant-bits")
     if c.parallel.compile:
-        return "--compile does not trace bitsandbytes 4/8-bit layers; drop it with --qlora/--quant-bits"
+        return ("--compile with a bitsandbytes-quantized base: dynamo recompiles every decoder layer around the "
+                "4/8-bit matmuls until its recompile limit, then runs them eagerly (minutes of compiling, no "
+                "speed-up); drop --compile with --qlora/--quant-bits")
 
 
 @rule("quantized base and backend")

@@ -142,6 +142,9 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
     except OSError as e:
         raise UserError(f"--model {cfg.model.model}: cannot load ({str(e).splitlines()[0]})") from None
     model.config.use_cache = False
+    if quant is not None:
+        from swiftlite.models.quant import disable_cpu_repack
+        disable_cpu_repack(model)  # trap 1, for every quantized load (train, infer, export)
     return model
 
 

@@ -71,9 +71,10 @@ def check_targets(model: "torch.nn.Module", cfg: "RunConfig") -> str | list[str]
 def apply_lora(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
     """Wrap with peft LoRA; a target list that matches nothing is an error listing what exists."""
     import torch
-    from peft import LoraConfig, get_peft_model
 
-    from swiftlite.models.quant import disable_cpu_repack
+    from swiftlite.models.quant import disable_cpu_repack, quiet_bnb_import
+    quiet_bnb_import()  # before peft, which imports bitsandbytes when installed
+    from peft import LoraConfig, get_peft_model
     disable_cpu_repack(model)  # trap 1, whatever path loaded the quantized base (preset or folder)
     lc = cfg.lora
     targets = check_targets(model, cfg)

@@ -371,6 +371,20 @@ class DeepSpeedEngine:
         for attr in ("grads_in_partition", "grad_partitions_flat_buffer"):
             buf = getattr(opt, attr, None)
             grads += sum(nbytes(b) for b in buf) if isinstance(buf, (list, tuple)) else nbytes(buf)
+        # ZeRO-1/2 keep the reduced partition per param group in `averaged_gradients` (a flat
+        # partition buffer, or a list of tensors) when the contiguous buffer is not in use.
+        # With DeepSpeed's managed accumulation off, ZeRO-1/2 hold this rank's partition of the
+        # gradients in `all_grad_tensors` until the step; else in `averaged_gradients`.
+        for group in (getattr(opt, "all_grad_tensors", None) or {}).values():
+            grads += sum(nbytes(t) for t in group) if isinstance(group, (list, tuple)) else nbytes(group)
+        avg = getattr(opt, "averaged_gradients", None)
+        if isinstance(avg, dict) and not nbytes(getattr(opt, "grads_in_partition", None)):
+            for group in avg.values():
+                flat = getattr(group, "flat_partition", None)
+                if flat is not None:
+                    grads += nbytes(flat)
+                elif isinstance(group, (list, tuple)):
+                    grads += sum(nbytes(t) for t in group)
         masters: list = []
         for attr in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
             masters += list(getattr(opt, attr, None) or [])

@@ -59,6 +59,9 @@ def apply_fsdp1(model: torch.nn.Module, world: World, *, mp: tuple | None, resha
 
 @register_backend("fsdp1")
 def fsdp1(model: torch.nn.Module, cfg: Any, world: World, total_steps: int) -> TorchEngine:
+    if cfg.parallel.cpu_offload and not world.device.startswith("cuda"):
+        raise UserError("--cpu-offload moves parameters from the GPU to the CPU; this run has no GPU "
+                        "(everything is on the CPU already): drop --cpu-offload")
     if cfg.is_peft:
         from swiftlite.models.loading import torch_dtype
         cast_to_uniform_dtype(model, torch_dtype(cfg.model.torch_dtype))

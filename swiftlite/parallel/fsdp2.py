@@ -13,6 +13,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from swiftlite.errors import UserError
 from swiftlite.models.loading import decoder_layers
 from swiftlite.parallel.base import World, register_backend
 from swiftlite.parallel.torch_engine import TorchEngine
@@ -44,6 +45,9 @@ def apply_fsdp2(model: torch.nn.Module, mesh: Any, *, mp: tuple | None, reshard_
 
 @register_backend("fsdp")
 def fsdp2(model: torch.nn.Module, cfg: Any, world: World, total_steps: int) -> TorchEngine:
+    if cfg.parallel.cpu_offload and not world.device.startswith("cuda"):
+        raise UserError("--cpu-offload moves parameters from the GPU to the CPU; this run has no GPU "
+                        "(everything is on the CPU already): drop --cpu-offload")
     device_type = "cuda" if world.device.startswith("cuda") else "cpu"
     if not cfg.parallel.cpu_offload:
         model = model.to(world.device)

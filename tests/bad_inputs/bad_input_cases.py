@@ -30,6 +30,7 @@ class Case:
     env: dict[str, str] = field(default_factory=dict)
     holds: Callable[[Path], object] | None = None  # context manager held during the run (a bound port)
     xfail: str | None = None      # a known gap in a command owned elsewhere (reason); remove once fixed
+    script: str | None = None     # run `bash <repo>/<script> argv...` instead (a recipe); env applies
 
 
 def write(rel: str, text: str) -> Callable[[Path], None]:
@@ -205,6 +206,7 @@ CASES: list[Case] = [
          "--parallelism single runs one process"),
     Case("sft-node-rank-range", ["sft", *GOOD, *DATA, "--nnodes", "2", "--node-rank", "2"],
          "--node-rank 2 is out of range for --nnodes 2"),
+    Case("sft-ddp-timeout-0", ["sft", *GOOD, *DATA, "--ddp-timeout", "0"], "--ddp-timeout must be > 0 seconds, got 0"),
     Case("sft-hostfile-missing", ["sft", *GOOD, *DATA, "--nproc-per-node", "2", "--launcher", "deepspeed",
                                   "--hostfile", "hosts.txt"], "--hostfile hosts.txt: file not found"),
     # -- output / resume -------------------------------------------------------------------------
@@ -256,6 +258,13 @@ CASES: list[Case] = [
     Case("recipe-cpu-offload-zero3", ["sft", *GOOD, *DATA, "--parallelism", "zero3", "--cpu-offload"],
          "--cpu-offload applies to fsdp/fsdp1"),
     Case("recipe-lora-rank-0", ["sft", *GOOD, *DATA, "--lora", "--lora-rank", "0"], "--lora-rank must be > 0"),
+    Case("recipe-script-missing-data", [], "--dataset nope.jsonl: file not found", script="recipes/qlora_fsdp_2gpu.sh",
+         env={"DATA": "nope.jsonl", "MODEL": "tiny-llama-2l"}),
+    Case("recipe-script-bad-extra-flag", ["--cpu-offload"], "--cpu-offload applies to fsdp/fsdp1",
+         script="recipes/lora_zero3.sh", env={"DATA": "data/train.jsonl", "MODEL": "tiny-llama-2l"}),
+    Case("recipe-script-qlora-offload", ["--parallelism", "zero3_offload"],
+         "DeepSpeed offload cannot move bitsandbytes-quantized weights", script="recipes/qlora_fsdp_2gpu.sh",
+         env={"DATA": "data/train.jsonl", "MODEL": "tiny-llama-2l"}),
     Case("recipe-mixed-precision-ddp", ["sft", *GOOD, *DATA, "--parallelism", "ddp", "--mixed-precision", "bf16"],
          "--mixed-precision applies to fsdp/fsdp1"),
     # -- other commands --------------------------------------------------------------------------

@@ -8,7 +8,7 @@ the loss visibly falls) with the same global batch of 4 samples:
 _lora_worker.py runs each job's trainings one after the other in one process group, and records
 after the final checkpoint the trained model's logits on a probe batch and the bytes each rank holds
 of the 4-bit base. Tolerances (measured on torch 2.13 CPU; see docs/lora.md):
-  * losses, 2 processes vs 1: relative 1e-4 per step (measured <= 3e-5, FSDP1; 0 to 1e-7 others);
+  * losses, 2 processes vs 1: relative 1e-4 per step (measured <= 3.7e-5 FSDP1, <= 5.1e-8 others);
   * validation mid-training: the training losses are bitwise equal to the same run without it;
   * reloaded adapter (peft on a freshly built base) vs the trained model's logits: max abs 1e-4 for
     LoRA, 1e-3 for QLoRA (measured 0.0 for every backend);
@@ -35,7 +35,7 @@ STEPS = 8
 ROWS = 8
 REL_LOSS = 1e-4
 ATOL_LOGITS = {"lora": 1e-4, "qlora": 1e-3}
-MIN_DROP = 0.3          # loss falls by at least this much over the 8 steps (measured ~0.5-0.6)
+MIN_DROP = 0.3          # loss falls by at least this much over the 8 steps (measured 0.45)
 TIMEOUT = 900
 TORCH_BACKENDS = ("fsdp", "fsdp1", "ddp")
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, cli_env, run_cli
+from tests.conftest import cli_env, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -56,7 +56,7 @@ REJECTED = [
     (["--qlora", "--parallelism", "zero3_offload"], "DeepSpeed offload cannot move bitsandbytes-quantized"),
     (["--qlora", "--parallelism", "zero3_offload_nvme"], "DeepSpeed offload cannot move bitsandbytes-quantized"),
     (["--lora", "--quant-bits", "8", "--deepspeed", "zero3_offload"], "DeepSpeed offload cannot move"),
-    (["--qlora", "--compile"], "--compile does not trace bitsandbytes"),
+    (["--qlora", "--compile"], "--compile with a bitsandbytes-quantized base"),
     (["--lora", "--quant-bits", "8", "--parallelism", "fsdp"], "FSDP re-wraps every parameter"),
     (["--lora", "--quant-bits", "8", "--parallelism", "fsdp1"], "FSDP re-wraps every parameter"),
     (["--lora", "--quant-bits", "8", "--parallelism", "ddp"], "cannot save 8-bit (LLM.int8) layers"),
