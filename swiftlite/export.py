@@ -48,9 +48,9 @@ import torch
 
 from swiftlite import checkpoint as ckpt
 from swiftlite.errors import UserError
+from swiftlite.hf_io import DTYPE_NAMES, write_config, write_generation_config, write_tokenizer
 
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 RUN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Logit agreement of the export (run in its dtype) with the training-side model (fp32), as
@@ -737,74 +737,6 @@ def cast_checked(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
         raise UserError(f"{name}: values exceed the fp16 range (max |x| = {float(t.abs().max()):.3g}); "
                         "export with --dtype bf16")
     return out
-
-
-def write_config(conf: Any, arch: str, out: Path, dtype: torch.dtype, tie: bool) -> dict:
-    """config.json: architecture, dtype, tie_word_embeddings consistent with the written weights.
-
-    transformers 5 writes `dtype` and `rope_parameters`; `torch_dtype`, `rope_theta` (and
-    `rope_scaling` for scaled RoPE) are added for readers on transformers 4.x (vLLM, LMDeploy)."""
-    c = copy.deepcopy(conf)
-    d = c.to_dict()
-    d.pop("quantization_config", None)
-    d.pop("_name_or_path", None)
-    d["architectures"] = [arch]
-    d["tie_word_embeddings"] = bool(tie)
-    d["use_cache"] = True
-    d["dtype"] = d["torch_dtype"] = DTYPE_NAMES[dtype]
-    rp = d.get("rope_parameters")
-    if isinstance(rp, dict) and "rope_theta" in rp:
-        d.setdefault("rope_theta", rp["rope_theta"])
-        if rp.get("rope_type", "default") != "default" and not d.get("rope_scaling"):
-            d["rope_scaling"] = {k: v for k, v in rp.items() if k != "rope_theta"}
-    (out / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
-    return d
-
-
-def write_generation_config(out: Path, conf_dict: dict, tokenizer: Any, base_folder: Path | None) -> dict:
-    """generation_config.json: every id that ends a turn (config eos + the tokenizer's eos), pad, bos."""
-    gen: dict[str, Any] = {}
-    if base_folder is not None and (base_folder / "generation_config.json").is_file():
-        try:
-            gen = json.loads((base_folder / "generation_config.json").read_text())
-        except ValueError:
-            gen = {}
-    eos: list[int] = []
-    for v in (gen.get("eos_token_id"), conf_dict.get("eos_token_id"),
-              getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None):
-        for i in (v if isinstance(v, list) else [v]):
-            if isinstance(i, int) and i not in eos:
-                eos.append(i)
-    if eos:
-        gen["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-    pad = conf_dict.get("pad_token_id")
-    if pad is None and tokenizer is not None:
-        pad = tokenizer.pad_token_id
-    if pad is not None:
-        gen["pad_token_id"] = pad
-    if conf_dict.get("bos_token_id") is not None:
-        gen.setdefault("bos_token_id", conf_dict["bos_token_id"])
-    gen = {k: v for k, v in gen.items() if v is not None}
-    gen.pop("transformers_version", None)
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
-    return gen
-
-
-def write_tokenizer(tokenizer: Any, out: Path) -> bool:
-    """Tokenizer files with the chat template, readable by transformers 4.x too. True if it has a template."""
-    tokenizer.save_pretrained(str(out))
-    tc_path = out / "tokenizer_config.json"
-    if tc_path.is_file():
-        tc = json.loads(tc_path.read_text())
-        if tc.get("tokenizer_class") == "TokenizersBackend":  # transformers 5 only; 4.x knows the Fast one
-            tc["tokenizer_class"] = "PreTrainedTokenizerFast"
-        for k in ("is_local", "local_files_only"):
-            tc.pop(k, None)
-        template = getattr(tokenizer, "chat_template", None)
-        if isinstance(template, str) and "chat_template" not in tc:
-            tc["chat_template"] = template  # older readers look here; 5.x reads chat_template.jinja
-        tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
-    return bool(getattr(tokenizer, "chat_template", None))
 
 
 def write_readme(out: Path, src: Source, info: dict[str, Any]) -> None:

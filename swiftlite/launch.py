@@ -159,8 +159,10 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> None:
         ckpt.resolve_resume_arg(cfg.checkpoint.resume_from, log=lambda *_: None)
     elif cfg.checkpoint.resume and run_dir.is_dir():
         ckpt.find_resume(run_dir, log=lambda *_: None)
-    for spec in [*cfg.data.dataset, *cfg.data.val_dataset]:
-        check_spec(spec)
+    for spec in cfg.data.dataset:
+        check_spec(spec, "--dataset")
+    for spec in cfg.data.val_dataset:
+        check_spec(spec, "--val-dataset")
     if cfg.backend_name == "deepspeed":
         from swiftlite.parallel.ds_config import resolve_ds_config
         resolve_ds_config(cfg, world_size, None)

@@ -10,7 +10,6 @@ single-process one.
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -294,10 +293,7 @@ def save_training_state(engine: Any, model: Any, tokenizer: Any, cfg: RunConfig,
                  "torch_dtype": cfg.model.torch_dtype}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
         ckpt.write_manifest(tmp)
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        ckpt.write_latest(run_dir, name)
+        ckpt.publish(tmp, final, run_dir)  # swap by rename, then move `latest`
         ckpt.prune(run_dir, cfg.checkpoint.save_total_limit, keep=final)
     barrier()
     return final
@@ -305,8 +301,8 @@ def save_training_state(engine: Any, model: Any, tokenizer: Any, cfg: RunConfig,
 
 def export_weights(engine: Any, model: Any, tokenizer: Any, cfg: RunConfig, world: Any, ckpt_dir: Path) -> None:
     """model/ (an HF folder of the full weights) or adapter/ (peft format) inside a checkpoint."""
-    from swiftlite.hf_io import drop_tied, write_sharded
-    from swiftlite.models.loading import save_hf_config
+    from swiftlite.hf_io import (DTYPES, drop_tied, write_config, write_generation_config, write_sharded,
+                                 write_tokenizer)
     if cfg.is_peft:
         sd = engine.adapter_state_dict()
         if world.is_main:
@@ -315,15 +311,20 @@ def export_weights(engine: Any, model: Any, tokenizer: Any, cfg: RunConfig, worl
     sd = engine.full_state_dict()
     if world.is_main:
         out = ckpt_dir / "model"
-        tie = bool(getattr(model.config, "tie_word_embeddings", False))
+        conf = model.config
+        tie = bool(getattr(conf, "tie_word_embeddings", False))
         write_sharded(drop_tied(sd.items(), tie), out, dtype=cfg.model.torch_dtype, max_shard_size=5 * 10**9)
-        save_hf_config(model, out, cfg.model.torch_dtype)
-        tokenizer.save_pretrained(str(out))
+        arch = (getattr(conf, "architectures", None) or [type(model).__name__])[0]
+        conf_dict = write_config(conf, arch, out, DTYPES[cfg.model.torch_dtype], tie)
+        write_generation_config(out, conf_dict, tokenizer, None)
+        write_tokenizer(tokenizer, out)
 
 
 def write_adapter(peft_model: Any, sd: dict, out: Path) -> None:
     """adapter_config.json + adapter_model.safetensors, loadable by PeftModel.from_pretrained."""
     from safetensors.torch import save_file
+
+    from swiftlite.hf_io import make_readable
     out.mkdir(parents=True, exist_ok=True)
     empty = [k for k, v in sd.items() if v.numel() == 0]
     if empty or not sd:
@@ -331,6 +332,7 @@ def write_adapter(peft_model: Any, sd: dict, out: Path) -> None:
     peft_model.peft_config["default"].save_pretrained(str(out))
     save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "adapter_model.safetensors"),
               metadata={"format": "pt"})
+    make_readable(out / "adapter_model.safetensors")
 
 
 def load_training_state(engine: Any, path: Path, world: Any, cfg: RunConfig) -> dict:

@@ -41,7 +41,7 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
     return spec, None
 
 
-def check_spec(spec: str) -> None:
+def check_spec(spec: str, flag: str = "--dataset") -> None:
     """Cheap check of one --dataset/--val-dataset spec (no reading): it names an existing file of a
     supported type, a folder, or (only then) a hub id."""
     path_s, _ = parse_spec(spec)
@@ -50,13 +50,13 @@ def check_spec(spec: str) -> None:
         return
     if path.is_file():
         if path.suffix.lower() not in FILE_KINDS:
-            raise UserError(f"--dataset {path_s}: unsupported file type '{path.suffix}' "
+            raise UserError(f"{flag} {path_s}: unsupported file type '{path.suffix}' "
                             f"(use {', '.join(FILE_KINDS)} or a saved HF dataset folder)")
         return
     if path.exists():
-        raise UserError(f"--dataset {path_s}: not a regular file or folder")
+        raise UserError(f"{flag} {path_s}: not a regular file or folder")
     if not _looks_like_hub_id(path_s):
-        raise UserError(f"--dataset {path_s}: file not found")
+        raise UserError(f"{flag} {path_s}: file not found")
 
 
 def _iter_jsonl(path: Path, skip_bad: bool, skipped: list[str]) -> Iterator[tuple[dict, str]]:

@@ -9,7 +9,6 @@ decoder layer). Wrapping by the backend and building the optimizer follow immedi
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -186,19 +185,3 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
             layer.compile()
     model.train()
     return model
-
-
-def save_hf_config(model: "torch.nn.Module", out: Path, dtype: str) -> None:
-    """config.json + generation_config.json for an HF folder written from a state dict."""
-    conf = model.config if hasattr(model, "config") else None
-    if conf is None:
-        return
-    d = conf.to_dict()
-    d.pop("quantization_config", None)
-    d["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
-    d["use_cache"] = True
-    (out / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
-    gen = {"eos_token_id": d.get("eos_token_id"), "pad_token_id": d.get("pad_token_id"),
-           "bos_token_id": d.get("bos_token_id")}
-    (out / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None},
-                                                           indent=2) + "\n")

@@ -168,7 +168,7 @@ CASES: list[Case] = [
     Case("sft-dataset-not-found", ["sft", *GOOD, "--dataset", "data/nope.jsonl"],
          "--dataset data/nope.jsonl: file not found"),
     Case("sft-val-dataset-not-found", ["sft", *GOOD, *DATA, "--val-dataset", "data/nope.jsonl"],
-         "--dataset data/nope.jsonl: file not found"),
+         "--val-dataset data/nope.jsonl: file not found"),
     Case("sft-dataset-bad-type", ["sft", *GOOD, "--dataset", "rows.xml"], "unsupported file type '.xml'",
          setup=write("rows.xml", "<rows/>\n")),
     Case("sft-dataset-bad-count", ["sft", *GOOD, "--dataset", "data/train.jsonl#lots"], "'#lots' is not a row count"),

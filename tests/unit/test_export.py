@@ -250,3 +250,24 @@ def test_dcp_reader_refuses_unsafe_metadata(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(os.system))
     with pytest.raises(UserError, match="unsafe pickle"):
         ex.DCPReader(tmp_path)
+
+
+def test_verify_failure_exits_1_and_publishes_nothing(tmp_path, monkeypatch, capsys):
+    """A merge that forgets the adapter is caught by --verify (weights and logits), exit 1, no folder."""
+    from peft import LoraConfig, get_peft_model
+
+    from swiftlite.cli import main
+    base_dir = tmp_path / "base"
+    base = save_base(base_dir)
+    torch.manual_seed(3)
+    get_peft_model(base, LoraConfig(r=4, lora_alpha=16, target_modules="all-linear", init_lora_weights=False,
+                                    task_type="CAUSAL_LM")).save_pretrained(tmp_path / "adapter")
+    monkeypatch.setattr(ex, "merge_lora", lambda w, parts, scale, fan: w)  # the bug: no merge
+    out = tmp_path / "out"
+    capsys.readouterr()
+    rc = main(["export", "--ckpt", str(tmp_path / "adapter"), "--base-model", str(base_dir), "--merge-lora",
+               "--output", str(out), "--verify"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "--verify failed" in err and "differ from the training-side model" in err
+    assert err.strip().count("\n") == 0
+    assert not out.exists() and not list(tmp_path.glob(".out.export-tmp-*"))
