@@ -9,7 +9,7 @@ bash scripts/setup_env.sh
 . "${SWIFTLITE_VENV:-.venv}/bin/activate"
 export TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-runs/quickstart}
-STEPS=${STEPS:-400}
+STEPS=${STEPS:-250}
 NPROC=${NPROC:-2}
 
 python scripts/make_demo_data.py demo_data
@@ -21,7 +21,7 @@ echo "== fine-tuning tiny-llama with FSDP2 on ${NPROC} processes =="
 swiftlite sft --model tiny-llama --dataset demo_data/train.jsonl --val-dataset demo_data/val.jsonl \
   --parallelism fsdp --nproc-per-node "$NPROC" --torch-dtype fp32 \
   --per-device-train-batch-size 16 --learning-rate 2e-3 --lr-scheduler cosine --warmup-ratio 0.05 \
-  --weight-decay 0.0 --max-steps "$STEPS" --logging-steps 25 --eval-steps 200 --save-steps 200 \
+  --weight-decay 0.0 --max-steps "$STEPS" --logging-steps 25 --eval-steps 125 --save-steps 125 \
   --seed 42 --output-dir "$OUT" --overwrite-output-dir
 
 echo "== accuracy after training =="
