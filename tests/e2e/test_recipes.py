@@ -16,7 +16,9 @@ RECIPES = sorted(p for p in (ROOT / "recipes").iterdir() if p.suffix in (".sh", 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_dry_run(recipe: Path, demo_data, tmp_path):
     train, _ = demo_data
-    env = cli_env(DATA=str(train), DATASET=str(train), NODE_RANK="0", MASTER_ADDR="127.0.0.1",
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    env = cli_env(HOSTFILE=str(hostfile), DATA=str(train), DATASET=str(train), NODE_RANK="0", MASTER_ADDR="127.0.0.1",
                   OUTPUT_DIR=str(tmp_path / "out"), DRY_RUN="1")
     env["PATH"] = str(Path(os.sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.pop("NPROC_PER_NODE", None)
