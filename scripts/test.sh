@@ -8,4 +8,4 @@ bash scripts/setup_env.sh
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export TOKENIZERS_PARALLELISM=false
 export SWIFTLITE_CACHE=${SWIFTLITE_CACHE:-$PWD/.cache/swiftlite}
-exec python -m pytest -q "$@"
+exec python -m pytest -q --durations=20 "$@"

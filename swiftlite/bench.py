@@ -443,8 +443,8 @@ def _theory_key(spec: BackendSpec, world: int) -> str:
         if stage == 3:
             return "zero3_offload" if off in ("cpu", "nvme") else "zero3"
         return "zero2"
-    if world == 1:
-        return "single"
+    if world == 1 and p in ("single", "ddp", "fsdp", "fsdp2", "fsdp1"):
+        return "single"  # the trainer runs the torch backends unwrapped on one process
     return {"fsdp2": "fsdp", "zero2_offload": "zero2", "zero3_offload_nvme": "zero3_offload"}.get(p, p)
 
 

@@ -375,9 +375,10 @@ class DeepSpeedEngine:
         # partition buffer, or a list of tensors) when the contiguous buffer is not in use.
         # With DeepSpeed's managed accumulation off, ZeRO-1/2 hold this rank's partition of the
         # gradients in `all_grad_tensors` until the step; else in `averaged_gradients`.
-        for group in (getattr(opt, "all_grad_tensors", None) or {}).values():
-            grads += sum(nbytes(t) for t in group) if isinstance(group, (list, tuple)) else nbytes(group)
-        avg = getattr(opt, "averaged_gradients", None)
+        if self.stage < 3:  # ZeRO-3 keeps the same tensors in its partition buffers (counted above)
+            for group in (getattr(opt, "all_grad_tensors", None) or {}).values():
+                grads += sum(nbytes(t) for t in group) if isinstance(group, (list, tuple)) else nbytes(group)
+        avg = getattr(opt, "averaged_gradients", None) if self.stage < 3 else None
         if isinstance(avg, dict) and not nbytes(getattr(opt, "grads_in_partition", None)):
             for group in avg.values():
                 flat = getattr(group, "flat_partition", None)
