@@ -133,6 +133,9 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
         kwargs["revision"] = cfg.model.model_revision
     ctx: Any = contextlib.nullcontext()
     if world is not None and cfg.backend_name == "deepspeed" and quant is None:
+        # transformers imports torch._dynamo lazily; doing that inside zero.Init (which patches
+        # Tensor.__new__) fails with "Signature mismatch ... tensor_pynew": import it first.
+        import torch._dynamo  # noqa: F401
         from swiftlite.parallel.deepspeed import zero_init_context
         ctx = zero_init_context(cfg, world, getattr(model_config(cfg, src), "hidden_size", None))
     try:
