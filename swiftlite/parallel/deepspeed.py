@@ -137,8 +137,9 @@ def _prepare_deepspeed(world: World, timeout_s: int = 1800) -> Any:
     import deepspeed
     import torch.distributed as dist
     _skip_shm_comm_build()
-    if not dist.is_initialized():
-        deepspeed.init_distributed(verbose=False, timeout=datetime.timedelta(seconds=timeout_s))
+    # Always: deepspeed.comm wraps an existing torch process group, and zero.Init reads the world
+    # size from deepspeed.comm (1 if it was never initialised, even when torch's group exists).
+    deepspeed.init_distributed(verbose=False, timeout=datetime.timedelta(seconds=timeout_s))
     dist.barrier()  # no rank may start a compile before local rank 0 has looked for stale locks
     return deepspeed
 

@@ -187,3 +187,18 @@ def test_memory_model_predicts_state_bytes_per_rank(runs, name, backend, train_t
     for rank, measured in read_state_bytes(runs[name]).items():
         for key in ("params", "grads", "optimizer"):
             assert abs(predicted[key] - measured[key]) <= 0.05 * measured[key], (rank, key, predicted, measured)
+
+
+def test_zero3_loads_a_model_folder_partitioned(runs, demo_data, tmp_path):
+    """A real checkpoint under ZeRO-3 is loaded inside zero.Init: training starts from its weights
+    and each rank holds half of the parameters."""
+    train, _ = demo_data
+    out = tmp_path / "zero3_folder"
+    folder = runs["single_b4"] / f"checkpoint-{STEPS}" / "model"
+    run_cli(["sft", "--model", folder, "--dataset", train, "--torch-dtype", "fp32", "--max-steps", 1,
+             "--logging-steps", 1, "--output-dir", out, "--parallelism", "zero3", "--nproc-per-node", 2,
+             "--per-device-train-batch-size", 2, "--save-hf-model", "false"], timeout=300)
+    assert read_losses(out)[1] < read_losses(runs["single_b4"])[1] - 0.5, "starts from the trained weights"
+    full = read_state_bytes(runs["single_b4"])[0]["params"]
+    for sb in read_state_bytes(out).values():
+        assert abs(sb["params"] - full / 2) <= 0.02 * full / 2
