@@ -72,6 +72,9 @@ def load_tokenizer(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
     """The model's tokenizer, with the chat template from --template when given."""
     from transformers import AutoTokenizer
     src = source or resolve_model(cfg.model.model)
+    key = (src.tokenizer_ref, cfg.model.template, cfg.model.trust_remote_code, cfg.model.model_revision, cfg.task)
+    if key in _TOKENIZERS:  # preflight and the trainer share one process on single-process runs
+        return _TOKENIZERS[key]
     try:
         tok = AutoTokenizer.from_pretrained(src.tokenizer_ref, trust_remote_code=cfg.model.trust_remote_code,
                                             revision=cfg.model.model_revision if src.kind == "hub" else None)
@@ -83,7 +86,11 @@ def load_tokenizer(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
         tok.pad_token = tok.eos_token
     if cfg.task == "sft" and not getattr(tok, "chat_template", None):
         raise UserError(f"--model {cfg.model.model}: its tokenizer has no chat template; pass --template FILE")
+    _TOKENIZERS[key] = tok
     return tok
+
+
+_TOKENIZERS: dict[tuple, Any] = {}
 
 
 def model_config(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
