@@ -675,8 +675,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def run_bench(cfg: BenchConfig, echo=print, console=None) -> dict[str, Any]:
     """Run every backend of `cfg`, write bench.json/md/png under cfg.output, print the table."""
+    from swiftlite.models.loading import resolve_model
     from swiftlite.parallel.plan import shape_from_model_arg
     cfg.check()
+    resolve_model(cfg.model)  # an unknown preset or missing folder: one error before any run
     _exit_on_sigterm()
     out = Path(cfg.output).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -126,14 +126,16 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
 
 
 def _with_adapter(model: Any, tokenizer: Any, desc: str, adapters: str) -> tuple[Any, Any, str]:
-    from peft import PeftModel
-    from transformers import AutoTokenizer
     d = Path(adapters).expanduser()
     if not (d / "adapter_config.json").is_file():
         if (d / "adapter" / "adapter_config.json").is_file():  # a checkpoint folder
             d = d / "adapter"
         else:
             raise UserError(f"--adapters {adapters}: not a peft adapter folder (no adapter_config.json)")
+    from swiftlite.models.quant import quiet_bnb_import
+    quiet_bnb_import()  # peft imports bitsandbytes, which warns on some CPUs: keep stderr clean
+    from peft import PeftModel
+    from transformers import AutoTokenizer
     try:
         model = PeftModel.from_pretrained(model, str(d))
     except (RuntimeError, ValueError, KeyError) as e:
