@@ -127,9 +127,8 @@ def run_command(task: str, args: list[str]) -> int:
     from swiftlite.config import load_config
     config_file, values = parse_run_args(args)
     cfg = load_config(config_file, values, task=task)
-    from swiftlite.launch import (PREFLIGHT_ENV, finish_rank_diagnostics, inside_launcher,
-                                  install_rank_diagnostics, plan_launch, preflight, record_rank_failure,
-                                  run_launched)
+    from swiftlite.launch import (PREFLIGHT_ENV, inside_launcher, plan_launch, preflight, run_forked,
+                                  run_launched, run_rank)
     plan = plan_launch(cfg, [task, *args])
     # Everything that can be checked without a process group is checked here, once, before any
     # folder is created or any rank starts: a run that fails validation leaves nothing behind.
@@ -139,23 +138,11 @@ def run_command(task: str, args: list[str]) -> int:
     if cfg.parallel.dry_run:
         print_plan(cfg, plan)
         return 0
+    if plan.fork:
+        return run_forked(plan, cfg)
     if plan.command is not None:
         return run_launched(plan, cfg)
-    install_rank_diagnostics(cfg)
-    try:
-        from swiftlite.trainer import train
-        train(cfg)
-    except UserError as e:
-        record_rank_failure(cfg, str(e), user_error=True)
-        raise
-    except BaseException as e:
-        import traceback
-        record_rank_failure(cfg, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", user_error=False)
-        raise
-    finally:
-        finish_rank_diagnostics()
-        from swiftlite.distributed import teardown
-        teardown()
+    run_rank(cfg)
     return 0
 
 
@@ -181,7 +168,9 @@ def print_plan(cfg: Any, plan: Any) -> None:
     print(f"model:          {cfg.model.model} ({cfg.train.train_type}, {cfg.model.torch_dtype})")
     print(f"output:         {cfg.train.output_dir}")
     from swiftlite.launch import redact_argv
-    print("launch:         " + (shlex.join(redact_argv(plan.command)) if plan.command else "this process"))
+    how = (shlex.join(redact_argv(plan.command)) if plan.command
+           else f"{plan.nproc_per_node} processes forked from this one" if plan.fork else "this process")
+    print("launch:         " + how)
 
 
 _RUN_SETTINGS = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}

@@ -95,7 +95,8 @@ class ParallelConfig:
     rdzv_backend: str | None = opt(None, "torchrun rendezvous backend for elastic runs (e.g. c10d).")
     rdzv_endpoint: str | None = opt(None, "torchrun rendezvous endpoint host:port.")
     rdzv_id: str | None = opt(None, "torchrun rendezvous id.")
-    launcher: str = opt("torchrun", "Launcher for multi-process runs.", choices=("torchrun", "deepspeed"))
+    launcher: str = opt("auto", "Launcher for multi-process runs: auto (fork on one node, torchrun on "
+                        "several), fork, torchrun or deepspeed.", choices=("auto", "fork", "torchrun", "deepspeed"))
     hostfile: str | None = opt(None, "DeepSpeed launcher hostfile (with --launcher deepspeed).")
     mixed_precision: str | None = opt(None, "FSDP mixed precision: bf16 (params bf16, reduce fp32), fp16, "
                                       "or none. Default: bf16 when --torch-dtype is bf16.",

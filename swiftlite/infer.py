@@ -132,12 +132,13 @@ def _with_adapter(model: Any, tokenizer: Any, desc: str, adapters: str) -> tuple
             d = d / "adapter"
         else:
             raise UserError(f"--adapters {adapters}: not a peft adapter folder (no adapter_config.json)")
-    from swiftlite.models.quant import quiet_bnb_import
-    quiet_bnb_import()  # peft imports bitsandbytes, which warns on some CPUs: keep stderr clean
-    from peft import PeftModel
+    from swiftlite.models.quant import peft_without_bnb
+    quantized = any(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules())
     from transformers import AutoTokenizer
     try:
-        model = PeftModel.from_pretrained(model, str(d))
+        with peft_without_bnb(quantized):
+            from peft import PeftModel
+            model = PeftModel.from_pretrained(model, str(d))
     except (RuntimeError, ValueError, KeyError) as e:
         raise UserError(f"--adapters {adapters}: does not fit the model ({str(e).splitlines()[0][:200]})") from None
     if (d / "tokenizer_config.json").is_file():

@@ -1,10 +1,19 @@
-"""Run here, or re-execute under torchrun (or the DeepSpeed launcher) for multi-process runs.
+"""Run here, fork the ranks from here, or re-execute under torchrun / the DeepSpeed launcher.
 
-Already inside torchrun (RANK and WORLD_SIZE set)? Run directly. Otherwise, with more than one
-process asked for (--nproc-per-node / --nnodes or ms-swift's env vars), the same command line is run
-again under `python -m torch.distributed.run`, as an argument list (never a shell string). A failed
-rank stops the job; each rank writes its error to <output_dir>/logs/rank<r>.err and the launcher
-shows the first failing rank's error.
+Already inside a launcher (RANK and WORLD_SIZE set)? Run directly. Otherwise, with more than one
+process asked for (--nproc-per-node / --nnodes or ms-swift's env vars):
+
+- one node (`--launcher auto`, the default, or `fork`): the ranks are forked from this process by
+  torch.multiprocessing (start method "fork") once the preflight is done. They inherit what the
+  preflight already paid for: the imported torch / transformers / peft (3-5 s per interpreter on a
+  small machine), the tokenizer and the tokenized data. torchrun would start a fresh interpreter
+  per rank and import all of it again, all ranks at once.
+- several nodes, an elastic rendezvous, or `--launcher torchrun`: the same command line runs again
+  under `python -m torch.distributed.run`, as an argument list (never a shell string).
+- `--launcher deepspeed`: the DeepSpeed launcher (hostfile runs).
+
+A failed rank stops the job; each rank writes its error to <output_dir>/logs/rank<r>.err and the
+launcher shows the first failing rank's error as one line.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ class LaunchPlan:
     node_rank: int
     master_addr: str
     master_port: int | None
-    command: list[str] | None  # None: run in this process
+    command: list[str] | None  # the launcher to re-run under; None: this process runs or forks the ranks
+    fork: bool = False         # fork the ranks of a one-node job from this process
 
     @property
     def world_size(self) -> int:
@@ -56,6 +66,21 @@ def port_in_use(addr: str, port: int) -> bool:
     return False
 
 
+def gpu_torch_build() -> bool:
+    """Whether the installed torch is a CUDA or ROCm build, read from torch/version.py without
+    importing torch. `--launcher auto` forks ranks only on CPU builds: a process that has touched
+    CUDA cannot be forked safely, and GPU runs keep torchrun's fresh interpreters."""
+    import importlib.util
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return False
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text(encoding="utf-8")
+    except OSError:
+        return True  # unknown: take the launcher that is safe everywhere
+    return bool(re.search(r"^(cuda|hip)\s*:.*=\s*['\"]", text, re.MULTILINE))
+
+
 def plan_launch(cfg: RunConfig, argv: list[str]) -> LaunchPlan:
     """Decide how to start the job; `argv` is the swiftlite command line after the program name."""
     p = cfg.parallel
@@ -73,6 +98,12 @@ def plan_launch(cfg: RunConfig, argv: list[str]) -> LaunchPlan:
             port = free_port()
     elif node_rank == 0 and _is_local(addr) and port_in_use(addr, port):
         raise UserError(f"--master-port {port}: already in use on {addr}; pick another port or leave it unset")
+    if nnodes == 1 and not p.rdzv_backend and (p.launcher == "fork" or
+                                                (p.launcher == "auto" and not gpu_torch_build())):
+        return LaunchPlan(nproc, nnodes, node_rank, addr, port, None, fork=True)
+    if p.launcher == "fork":
+        raise UserError("--launcher fork: forks the processes of one node only; use --launcher torchrun "
+                        "for --nnodes > 1 or a rendezvous backend")
     if p.launcher == "deepspeed":
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
                "--master_port", str(port)]
@@ -252,6 +283,120 @@ def run_launched(plan: LaunchPlan, cfg: RunConfig) -> int:
     return code if code else (rc if rc > 0 else 1)
 
 
+def run_rank(cfg: RunConfig) -> None:
+    """The body of one rank (or of a single-process run): train, and on failure leave the rank's
+    error where the launcher looks for it."""
+    install_rank_diagnostics(cfg)
+    try:
+        from swiftlite.trainer import train
+        train(cfg)
+    except UserError as e:
+        record_rank_failure(cfg, str(e), user_error=True)
+        raise
+    except BaseException as e:
+        import traceback
+        record_rank_failure(cfg, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", user_error=False)
+        raise
+    finally:
+        finish_rank_diagnostics()
+        from swiftlite import profiling
+        profiling.finish()  # a forked rank ends in os._exit: atexit handlers would not run
+        from swiftlite.distributed import teardown
+        teardown()
+
+
+def warm_imports(cfg: RunConfig) -> None:
+    """Import, before forking, what every rank imports: paid once here instead of once per rank.
+    Best effort: a module that fails to import here fails in the rank with its real error."""
+    import importlib
+    names = ["torch", "torch.distributed", "swiftlite.trainer", "swiftlite.data.collate",
+             "swiftlite.data.loader", "swiftlite.metrics", "swiftlite.parallel.base",
+             "transformers.modeling_utils", f"swiftlite.parallel.{_ENGINE_MODULES.get(cfg.backend_name, 'ddp')}"]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass
+    try:  # the model's modeling module (modeling_llama, ...): looking its class up imports it
+        from swiftlite.models.loading import model_config, resolve_model
+        source = resolve_model(cfg.model.model)
+        if source.kind in ("preset", "folder"):  # never the network here: a hub config is the ranks' job
+            from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+            MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config(cfg, source))]
+    except Exception:  # noqa: BLE001
+        pass
+    if cfg.is_peft:
+        try:
+            from swiftlite.models.quant import peft_without_bnb
+            with peft_without_bnb(quantized=cfg.quant.quant_bits is not None):
+                pass
+        except Exception:  # noqa: BLE001
+            pass
+
+
+_ENGINE_MODULES = {"fsdp": "fsdp2", "fsdp2": "fsdp2", "fsdp1": "fsdp1", "ddp": "ddp", "zero2": "deepspeed",
+                   "zero3": "deepspeed", "zero3_offload": "deepspeed", "deepspeed": "deepspeed"}
+
+
+def _forked_rank(local_rank: int, cfg: RunConfig, plan: LaunchPlan, threads: int) -> None:
+    """Entry point of a forked rank: the environment torchrun would have given it, then the rank."""
+    os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0",
+                       "WORLD_SIZE": str(plan.world_size), "LOCAL_WORLD_SIZE": str(plan.nproc_per_node),
+                       "MASTER_ADDR": plan.master_addr, "MASTER_PORT": str(plan.master_port),
+                       PREFLIGHT_ENV: "1"})
+    import torch
+    torch.set_num_threads(threads)  # the parent's torch chose its thread count before OMP_NUM_THREADS
+    try:
+        run_rank(cfg)
+    except UserError:
+        sys.exit(2)  # the one-line message is in logs/rank<r>.err; the parent prints it
+    except BaseException:
+        sys.exit(1)
+
+
+def run_forked(plan: LaunchPlan, cfg: RunConfig) -> int:
+    """Fork the ranks of a one-node job from this process and wait for them; on failure, stop the
+    others (SIGTERM, so a hung rank dumps its stack) and name the rank that caused it."""
+    import logging
+    import time
+
+    import torch.multiprocessing as tmp
+    warm_imports(cfg)
+    logs = Path(cfg.train.output_dir).expanduser() / "logs"
+    for old in [*logs.glob("rank*.err"), *logs.glob("rank*.stack")] if logs.is_dir() else []:
+        old.unlink()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Forked children must not share the tokenizer's Rust thread pool; saying so up front also
+    # silences the warning tokenizers prints in each child otherwise.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    threads = max(1, int(os.environ["OMP_NUM_THREADS"]) if os.environ["OMP_NUM_THREADS"].isdigit() else 1)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
+    print(f"launching: {plan.nproc_per_node} processes forked from this one "
+          f"(master {plan.master_addr}:{plan.master_port})", flush=True)
+    sys.stderr.flush()
+    t0 = time.monotonic()
+    ctx = tmp.start_processes(_forked_rank, args=(cfg, plan, threads), nprocs=plan.nproc_per_node,
+                              join=False, start_method="fork")
+    try:
+        while not ctx.join():
+            pass
+        return 0
+    except KeyboardInterrupt:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.terminate()
+        return 130
+    except Exception:  # noqa: BLE001 - ProcessRaisedException / ProcessExitedException: explained below
+        pass
+    for proc in ctx.processes:
+        proc.join(30)
+    codes = {r: proc.exitcode for r, proc in enumerate(ctx.processes) if proc.exitcode not in (None, 0)}
+    msg, code = explain_failure(logs, plan.world_size, "", cfg.parallel.ddp_timeout, time.monotonic() - t0,
+                                codes=codes)
+    print(f"error: {msg}", file=sys.stderr)
+    return code if code else 1
+
+
 def _first_line(text: str) -> str:
     lines = [x for x in text.strip().splitlines() if x.strip()]
     return lines[0].strip() if lines else ""
@@ -280,7 +425,7 @@ def _launcher_exit_codes(tail: str) -> dict[int, int]:
 
 
 def explain_failure(logs: Path, world_size: int, launcher_tail: str, ddp_timeout: int,
-                    elapsed: float) -> tuple[str, int]:
+                    elapsed: float, codes: dict[int, int] | None = None) -> tuple[str, int]:
     """One line naming the rank that brought the job down, and the exit code (2: a user error).
 
     Ranks write logs/rank<r>.err when they raise, and dump their stack to logs/rank<r>.stack when
@@ -298,7 +443,7 @@ def explain_failure(logs: Path, world_size: int, launcher_tail: str, ddp_timeout
                 continue
             if text:
                 store[r] = text
-    codes = _launcher_exit_codes(launcher_tail)
+    codes = {**_launcher_exit_codes(launcher_tail), **(codes or {})}
     primary = [r for r, t in sorted(errs.items()) if not _COLLECTIVE.search(_first_line(t))]
     if primary:
         r = primary[0]

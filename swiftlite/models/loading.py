@@ -145,6 +145,9 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
         import torch._dynamo  # noqa: F401
         from swiftlite.parallel.deepspeed import zero_init_context
         ctx = zero_init_context(cfg, world, getattr(model_config(cfg, src), "hidden_size", None))
+    if world is not None and not world.is_main:
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()  # one "Loading weights" bar (rank 0's) is enough
     try:
         with ctx:
             model = AutoModelForCausalLM.from_pretrained(src.ref, **kwargs)

@@ -8,6 +8,7 @@ model has, not a peft traceback, and it initialises the adapter from --seed alon
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 from swiftlite.errors import UserError
@@ -70,11 +71,16 @@ def check_targets(model: "torch.nn.Module", cfg: "RunConfig") -> str | list[str]
 
 def apply_lora(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
     """Wrap with peft LoRA; a target list that matches nothing is an error listing what exists."""
-    import torch
+    from swiftlite.models.quant import peft_without_bnb
+    with peft_without_bnb(quantized=cfg.quant.quant_bits is not None):
+        return _wrap(model, cfg)
 
-    from swiftlite.models.quant import disable_cpu_repack, quiet_bnb_import
-    quiet_bnb_import()  # before peft, which imports bitsandbytes when installed
+
+def _wrap(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
+    import torch
     from peft import LoraConfig, get_peft_model
+
+    from swiftlite.models.quant import disable_cpu_repack
     disable_cpu_repack(model)  # trap 1, whatever path loaded the quantized base (preset or folder)
     lc = cfg.lora
     targets = check_targets(model, cfg)
@@ -87,7 +93,9 @@ def apply_lora(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
     # The LoRA A matrices are random: draw them from --seed alone, so every rank builds the same
     # adapter (the trainer seeds each rank differently for dropout; sharded backends keep each rank's
     # own slice, so per-rank inits would mix) and a 2-process run starts where a 1-process run does.
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft reads transformers' deprecated `is_gradient_checkpointing`: its warning, not the user's
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(cfg.train.seed)
         try:
             return get_peft_model(model, conf)

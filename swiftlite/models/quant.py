@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +41,42 @@ def quiet_bnb_import() -> None:
     (it falls back to its own CPU kernels): noise on every rank of every run, so silence that logger."""
     import logging
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def peft_without_bnb(quantized: bool) -> Iterator[None]:
+    """Import and use peft without bitsandbytes unless the base is `quantized`.
+
+    peft imports bitsandbytes whenever it is installed (at import, and again in every
+    get_peft_model / PeftModel.from_pretrained to look for quantized layers). That import costs
+    1-3 s (bitsandbytes builds torch.compile'd kernels, pulling in inductor) and a warning on some
+    CPUs, on every rank of runs that quantize nothing. Inside this block bitsandbytes is hidden (a
+    None in sys.modules makes find_spec answer "not installed"); on the way out it is visible again
+    and peft's and transformers' cached "is it installed" answers are cleared, so a quantized
+    model later in the same process still finds it."""
+    quiet_bnb_import()
+    hide = not quantized and "bitsandbytes" not in sys.modules
+    if hide:
+        sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+    try:
+        import peft  # noqa: F401  (imported here, while bitsandbytes is hidden)
+        yield
+    finally:
+        if hide:
+            if "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None:
+                del sys.modules["bitsandbytes"]
+            _clear_bnb_caches()
+
+
+def _clear_bnb_caches() -> None:
+    try:
+        from peft import import_utils as peft_imports
+        for fn in (peft_imports.is_bnb_available, peft_imports.is_bnb_4bit_available):
+            getattr(fn, "cache_clear", lambda: None)()
+        from transformers.utils import import_utils as hf_imports
+        getattr(hf_imports.is_bitsandbytes_available, "cache_clear", lambda: None)()
+    except ImportError:
+        pass
 
 
 def quantize_in_place(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":

@@ -102,8 +102,55 @@ def test_launch_command_is_an_argument_list(monkeypatch):
     from swiftlite.launch import plan_launch
     for k in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
-    c = cfg_from(["--dataset", "d; rm -rf /", "--nproc-per-node", "2"], validate_paths=False)
-    plan = plan_launch(c, ["sft", "--dataset", "d; rm -rf /", "--nproc-per-node", "2"])
-    assert plan.command[1:3] == ["-m", "swiftlite.torchrun"]
+    args = ["--dataset", "d; rm -rf /", "--nproc-per-node", "2", "--launcher", "torchrun"]
+    c = cfg_from(args, validate_paths=False)
+    plan = plan_launch(c, ["sft", *args])
+    assert plan.command[1:3] == ["-m", "swiftlite.torchrun"] and not plan.fork
     assert "d; rm -rf /" in plan.command  # passed as one argument, never through a shell
     assert "--nproc-per-node=2" in plan.command and any(a.startswith("--master-port=") for a in plan.command)
+
+
+def test_one_node_forks_several_nodes_use_torchrun(monkeypatch):
+    """--launcher auto: one node forks its ranks from the launching process (no command to run);
+    several nodes or a rendezvous backend re-run under torchrun; fork across nodes is refused."""
+    from swiftlite.errors import UserError
+    from swiftlite.launch import plan_launch
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    one = plan_launch(cfg_from(["--dataset", "d.jsonl", "--nproc-per-node", "2"], validate_paths=False), [])
+    assert one.fork and one.command is None and one.world_size == 2 and one.master_port
+    two = plan_launch(cfg_from(["--dataset", "d.jsonl", "--nproc-per-node", "2", "--nnodes", "2",
+                                "--master-port", "29555"], validate_paths=False), [])
+    assert not two.fork and two.command[1:3] == ["-m", "swiftlite.torchrun"]
+    rdzv = plan_launch(cfg_from(["--dataset", "d.jsonl", "--nproc-per-node", "2", "--rdzv-backend", "c10d"],
+                                validate_paths=False), [])
+    assert not rdzv.fork and any(a.startswith("--rdzv-backend=c10d") for a in rdzv.command)
+    with pytest.raises(UserError, match="--launcher fork"):
+        plan_launch(cfg_from(["--dataset", "d.jsonl", "--nnodes", "2", "--launcher", "fork"],
+                             validate_paths=False), [])
+
+
+def test_auto_launcher_keeps_torchrun_on_cuda_builds(monkeypatch, tmp_path):
+    """A CUDA (or ROCm) build of torch is never forked by --launcher auto: read from torch/version.py."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from swiftlite import launch
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert launch.gpu_torch_build() is False  # the CPU wheel the tests run on
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "version.py").write_text("cuda: Optional[str] = '12.8'\nhip: Optional[str] = None\n")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: SimpleNamespace(origin=str(fake / "__init__.py")) if name == "torch"
+                        else real(name, *a))
+    assert launch.gpu_torch_build() is True
+    c = cfg_from(["--dataset", "d.jsonl", "--nproc-per-node", "2"], validate_paths=False)
+    plan = launch.plan_launch(c, [])
+    assert not plan.fork and plan.command[1:3] == ["-m", "swiftlite.torchrun"]
+    forced = launch.plan_launch(cfg_from(["--dataset", "d.jsonl", "--nproc-per-node", "2", "--launcher", "fork"],
+                                         validate_paths=False), [])
+    assert forced.fork
