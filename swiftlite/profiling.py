@@ -10,6 +10,8 @@ Environment:
                             alone means N=1). Each rank writes a Chrome trace
                             <run>/profile/trace_rank<r>.json (shapes recorded, so collective sizes
                             can be counted) once step K+N-1 has finished.
+  SWIFTLITE_PROFILE_MEMORY=1  record every allocation and free in the trace ([memory] events with
+                            the running "Total Allocated"): where a step's memory peak comes from.
   SWIFTLITE_PROFILE_DIR=D   write traces and stats to D instead of <run>/profile.
   SWIFTLITE_BENCH_STATS=1   each rank writes <run>/profile/stats_rank<r>.json when it exits: the
                             [step, start, end] of every step (perf_counter seconds since the first
@@ -34,6 +36,7 @@ from typing import Any, Iterator
 ENV_PROFILE = "SWIFTLITE_PROFILE"
 ENV_DIR = "SWIFTLITE_PROFILE_DIR"
 ENV_STATS = "SWIFTLITE_BENCH_STATS"
+ENV_MEMORY = "SWIFTLITE_PROFILE_MEMORY"
 
 
 def parse_window(text: str | None) -> tuple[int, int] | None:
@@ -78,7 +81,8 @@ class _State:
         if torch.cuda.is_available():
             acts.append(ProfilerActivity.CUDA)
         self._sync()
-        self.prof = profile(activities=acts, record_shapes=True, with_stack=False, profile_memory=False)
+        self.prof = profile(activities=acts, record_shapes=True, with_stack=False,
+                            profile_memory=os.environ.get(ENV_MEMORY, "") not in ("", "0"))
         self.prof.__enter__()
 
     def _mark(self, done_step: int | None) -> None:
@@ -187,6 +191,52 @@ def peak_memory() -> dict[str, Any]:
     except Exception:
         pass
     return out
+
+
+# -- training memory on CPU: the kernel's RSS high-water mark, reset when the model is built ----------
+
+def rss_status() -> dict[str, int] | None:
+    """Current and peak resident set size of this process in bytes (Linux /proc), or None."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out["rss" if key == "VmRSS" else "peak_rss"] = int(value.split()[0]) * 1024
+    return out if len(out) == 2 else None
+
+
+def start_memory_window() -> dict[str, Any] | None:
+    """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0: /proc/self/clear_refs "5")
+    and return the baseline. Called just before the model is built, so that the peak read later by
+    `end_memory_window` is the training memory (model states, activations, buffers) on top of the
+    interpreter, libraries and data already loaded. None where the mark cannot be reset."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    st = rss_status()
+    if st is None:
+        return None
+    # glibc keeps freed blocks below its (adaptive) mmap threshold, so RSS then overstates live
+    # memory; with MALLOC_MMAP_THRESHOLD_ set, large tensors are unmapped when freed.
+    return {"rss_before_model": st["rss"], "exact": "MALLOC_MMAP_THRESHOLD_" in os.environ}
+
+
+def end_memory_window(run_dir: str | Path, rank: int, start: dict[str, Any] | None, steps: int) -> None:
+    """logs/memory_rank<r>.json: the baseline RSS, the peak RSS since `start_memory_window` and the
+    difference (the measured training memory the estimator predicts), after `steps` steps."""
+    st = rss_status()
+    if start is None or st is None:
+        return
+    rec = {**start, "peak_rss": st["peak_rss"], "steps": steps,
+           "training_peak": st["peak_rss"] - start["rss_before_model"]}
+    logs = Path(run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / f"memory_rank{rank}.json").write_text(json.dumps(rec) + "\n")
 
 
 def _reset_for_tests() -> None:

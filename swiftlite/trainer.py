@@ -125,6 +125,7 @@ def train(cfg: RunConfig) -> TrainResult:
                    else max(1, math.ceil(cfg.train.num_train_epochs * plan.steps_per_epoch)))
 
     torch.manual_seed(cfg.train.seed + world.rank)
+    memory_window = profiling.start_memory_window() if world.device == "cpu" else None
     model = prepare_model(cfg, source, world)
     peft_model = model
     engine = build_engine(model, cfg, world, total_steps, backend)
@@ -175,6 +176,8 @@ def train(cfg: RunConfig) -> TrainResult:
         grad_norm = engine.step()
         if step == start_step:
             record_state_bytes(run_dir, world.rank, before, engine.state_bytes())
+        if step == min(start_step + MEMORY_STEPS, total_steps) - 1:  # optimizer states exist by then
+            profiling.end_memory_window(run_dir, world.rank, memory_window, step + 1 - start_step)
         faults.maybe_inject(step + 1, "step")
         loss_total, tokens_total = all_reduce_sum([local_loss, float(local_tokens)])
         loss = loss_total / max(1, global_targets)
@@ -206,6 +209,9 @@ def train(cfg: RunConfig) -> TrainResult:
     log.close()
     barrier()
     return TrainResult(run_dir, last_ckpt, losses, total_steps)
+
+
+MEMORY_STEPS = 3  # the training-memory peak is read after this many steps (the peak is in step 2 or later)
 
 
 def record_state_bytes(run_dir: Path, rank: int, before_step: dict, after_step: dict) -> None:

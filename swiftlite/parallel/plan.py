@@ -62,6 +62,14 @@ LOGIT_BYTES = 12
 #: allgather_bucket_size only chunks the gather into the existing 16-bit buffer: no extra memory.
 ZERO3_PREFETCH_FACTOR = 0.9
 
+#: ZeRO-3 keeps gathered parameters resident up to stage3_max_live_parameters (1e9 in
+#: ds_configs/zero3*.json, DeepSpeed's default): measured on CPU (2 ranks, 24M-parameter Llama),
+#: from the second step on a whole gathered copy of the model is alive at the memory peak, on top
+#: of the partitions (torch.profiler memory events; it did not shrink with stage3_max_reuse_distance
+#: or stage3_max_live_parameters set to 0 in that run, so the knob is modelled as the cap DeepSpeed
+#: documents, not as a lever). For models above 1e9 parameters this is the usual ~2 GB in 16-bit.
+ZERO3_MAX_LIVE_PARAMETERS = 10**9
+
 
 # --------------------------------------------------------------------------------------------------
 # Model shape
@@ -312,6 +320,8 @@ class Workload:
     gpu_memory_bytes: int | None = None
     cpu_memory_bytes: int | None = None  # per node
     overhead_bytes: int = GiB            # CUDA context + allocator slack; 0 when measuring tensors on CPU
+    cpu: bool = False                    # tensors on CPU: dropout keeps a noise tensor in the compute
+                                         # dtype (CUDA's fused dropout keeps a 1-byte mask)
     usable_fraction: float = 0.9         # a GPU "fits" when the total stays under this share of memory
     fsdp2_available: bool = True         # torch >= 2.4 (fully_shard)
 
@@ -468,7 +478,8 @@ def activation_bytes(shape: ModelShape, w: Workload) -> int:
     GQA, SwiGLU and no dropout. 16-bit RMSNorm upcasts its input to fp32 (+2 * 4h bytes).
     Eager attention adds the softmax matrix (heads * s^2, fp32 + a 16-bit copy); SDPA/flash keeps
     only its fp32 logsumexp (heads * s). LoRA dropout keeps a dropped-out copy of each adapted input
-    plus a 1-byte mask. With checkpointing, each layer keeps only its input (s * b * h) and one
+    plus its mask (1 byte on CUDA; on CPU, torch's dropout multiplies by a noise tensor of the
+    input's dtype and keeps that). With checkpointing, each layer keeps only its input (s * b * h) and one
     layer is recomputed at a time. The logits add LOGIT_BYTES per (token x vocab entry).
     """
     e = w.elem
@@ -479,7 +490,7 @@ def activation_bytes(shape: ModelShape, w: Workload) -> int:
     if e < 4:
         per_token += 2 * 4 * shape.hidden
     if w.peft and w.lora_dropout > 0:
-        per_token += shape.lora_input_features(w.lora_targets) * (e + 1)
+        per_token += shape.lora_input_features(w.lora_targets) * (e + (e if w.cpu else 1))
     layer = tokens * per_token
     if w.flash_attention:
         layer += shape.heads * tokens * 4
@@ -508,8 +519,10 @@ def temp_buffer_bytes(shape: ModelShape, w: Workload, backend: str) -> int:
          torch's default). single: none.
     zero2: the reduce bucket (reduce_bucket_size = h*h elements, 16-bit); updated params are
          all-gathered into the existing 16-bit buffer.
-    zero3 / zero3_offload: the largest module gathered (embedding/lm_head for large vocabularies)
-         + the prefetch bucket (0.9*h*h) + the reduce bucket (h*h).
+    zero3 / zero3_offload: the gathered parameters DeepSpeed keeps live (the whole model in the
+         compute dtype, up to stage3_max_live_parameters; see ZERO3_MAX_LIVE_PARAMETERS), or for a
+         bitsandbytes base (never partitioned) the largest module gathered; + the prefetch bucket
+         (0.9*h*h) + the reduce bucket (h*h).
     fsdp / fsdp1 (wrapped per decoder layer, then the root): the root unit (embeddings, final norm,
          lm_head) is one all-gather that stays unsharded for the whole backward (lm_head is used
          first, the embedding last), with its unsharded gradients for a full fine-tune; two decoder
@@ -527,10 +540,10 @@ def temp_buffer_bytes(shape: ModelShape, w: Workload, backend: str) -> int:
     if backend in ("zero3", "zero3_offload"):
         if w.quant_bits is not None:
             largest_linear = max((lin.in_features * lin.out_features for lin in shape.linears), default=0)
-            largest = max(shape.vocab * shape.hidden * e, quantized_bytes(largest_linear, w))
+            gathered = max(shape.vocab * shape.hidden * e, quantized_bytes(largest_linear, w))
         else:
-            largest = shape.largest_module_params * e
-        return largest + int(ZERO3_PREFETCH_FACTOR * h2) * e + min(h2, trainable) * e
+            gathered = max(shape.largest_module_params, min(shape.n_params, ZERO3_MAX_LIVE_PARAMETERS)) * e
+        return gathered + int(ZERO3_PREFETCH_FACTOR * h2) * e + min(h2, trainable) * e
     if backend in ("fsdp", "fsdp1"):
         root = shape.n_nonlayer_params * e
         root_grads = root if w.train_type == "full" else 0
