@@ -82,7 +82,7 @@ def train(cfg: RunConfig) -> TrainResult:
     # DCP warns on every single-process save that no process group exists: that is intended here.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     world = init_distributed(cfg.parallel.ddp_timeout)
-    backend = resolve_backend(cfg, world.world_size)
+    backend = resolve_backend(cfg, world)
     run_dir = prepare_run_dir(cfg, world.is_main)
     barrier()
 
@@ -224,15 +224,47 @@ def record_state_bytes(run_dir: Path, rank: int, before_step: dict, after_step: 
     (logs / f"state_rank{rank}.json").write_text(json.dumps(rec) + "\n")
 
 
-def resolve_backend(cfg: RunConfig, world_size: int) -> str:
-    """The backend key for this run; `auto` asks the planner."""
+def resolve_backend(cfg: RunConfig, world: Any) -> str:
+    """The backend key for this run; `auto` asks the planner (with the GPUs' memory on CUDA)."""
     name = cfg.backend_name
+    world_size = world.world_size
     if name == "auto":
         from swiftlite.parallel.plan import resolve_auto
-        return resolve_auto(cfg, world_size, None).backend
+        gpu_memory = smallest_gpu_memory(world)
+        shape = _shape_for_auto(cfg) if gpu_memory is not None else None
+        decision = resolve_auto(cfg, world_size, gpu_memory, shape=shape, gpus_per_node=world.local_world_size)
+        if world.is_main:
+            print(f"--parallelism auto: {decision.backend} ({decision.reason})", flush=True)
+        return decision.backend
     if name in ("ddp", "fsdp", "fsdp1") and world_size == 1:
         return "single"  # nothing to replicate or shard on one process
     return name
+
+
+def smallest_gpu_memory(world: Any) -> int | None:
+    """Total memory of the smallest GPU in the job (every rank must pick the same backend), or None
+    on CPU."""
+    import torch
+    if not world.device.startswith("cuda"):
+        return None
+    total = torch.cuda.get_device_properties(torch.device(world.device)).total_memory
+    if world.distributed:
+        import torch.distributed as dist
+        t = torch.tensor([total], dtype=torch.int64, device=world.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        total = int(t.item())
+    return int(total)
+
+
+def _shape_for_auto(cfg: RunConfig) -> Any:
+    """The model's shape for the memory model: presets and local folders directly, a hub id from its
+    downloaded config (never its weights)."""
+    from swiftlite.models.loading import model_config, resolve_model
+    from swiftlite.parallel.plan import shape_from_config, shape_from_model_arg
+    source = resolve_model(cfg.model.model)
+    if source.kind in ("preset", "folder"):
+        return shape_from_model_arg(cfg.model.model)
+    return shape_from_config(model_config(cfg, source).to_dict(), cfg.model.model)
 
 
 def _memory() -> dict[str, float]:

@@ -359,3 +359,30 @@ def test_resolve_auto():
     big = build_config({"model": "llama-70b", "dataset": ["x.jsonl"], "torch_dtype": "bf16"})
     with pytest.raises(UserError, match="--parallelism auto"):
         resolve_auto(big, 1, 1 * GiB)
+
+
+def test_auto_in_a_run_reads_the_gpu_memory(monkeypatch, capsys):
+    """The trainer's `auto` passes the GPU's memory to the planner (CUDA faked here): 70B QLoRA on
+    one 24 GB GPU cannot fit (a one-line error naming the need), on 80 GB it runs single; on CPU
+    memory is not asked."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from swiftlite.config import build_config
+    from swiftlite.trainer import resolve_backend
+    cfg = build_config({"model": "llama-70b", "dataset": ["x.jsonl"], "train_type": "qlora",
+                        "torch_dtype": "bf16", "parallelism": "auto", "max_length": 1024,
+                        "gradient_checkpointing": True})
+    world = SimpleNamespace(device="cuda:0", distributed=False, world_size=1, local_world_size=1, is_main=True)
+    memory = {"total": 80 * GB}
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: SimpleNamespace(total_memory=memory["total"]))
+    expected = resolve_auto(cfg, 1, 80 * GB, gpus_per_node=1)
+    assert resolve_backend(cfg, world) == expected.backend == "single"
+    assert expected.reason in capsys.readouterr().out
+    memory["total"] = 24 * GB
+    with pytest.raises(UserError, match="--parallelism auto"):
+        resolve_backend(cfg, world)
+    cpu = SimpleNamespace(device="cpu", distributed=False, world_size=2, local_world_size=2, is_main=True)
+    assert resolve_backend(cfg, cpu) == "fsdp"
