@@ -22,7 +22,8 @@ def apply_ddp(model: torch.nn.Module, world: World) -> DDP:
     """Replicate with gradient all-reduce (averaged over ranks)."""
     model = model.to(world.device)
     ids = [world.local_rank] if world.device.startswith("cuda") else None
-    return DDP(model, device_ids=ids, find_unused_parameters=False)
+    return DDP(model, device_ids=ids, find_unused_parameters=False, gradient_as_bucket_view=True,
+               broadcast_buffers=False)
 
 
 @register_backend("ddp")

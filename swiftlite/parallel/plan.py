@@ -515,8 +515,8 @@ def _gathered_layer_bytes(shape: ModelShape, w: Workload) -> int:
 def temp_buffer_bytes(shape: ModelShape, w: Workload, backend: str) -> int:
     """Communication buffers a backend adds on top of the model states (bytes per GPU).
 
-    ddp: DDP's gradient buckets are a second copy of the gradients (gradient_as_bucket_view=False,
-         torch's default). single: none.
+    ddp: none beyond the gradients: swiftlite's DDP uses gradient_as_bucket_view=True, so the
+         gradients are views into DDP's buckets rather than a second copy. single: none.
     zero2: the reduce bucket (reduce_bucket_size = h*h elements, 16-bit); updated params are
          all-gathered into the existing 16-bit buffer.
     zero3 / zero3_offload: the gathered parameters DeepSpeed keeps live (the whole model in the
@@ -531,10 +531,8 @@ def temp_buffer_bytes(shape: ModelShape, w: Workload, backend: str) -> int:
     e = w.elem
     trainable = trainable_params(shape, w)
     h2 = shape.hidden * shape.hidden
-    if backend == "single":
+    if backend in ("single", "ddp"):
         return 0
-    if backend == "ddp":
-        return trainable * _state_bytes_per_param(w, backend)[1]
     if backend == "zero2":
         return min(h2, trainable) * e
     if backend in ("zero3", "zero3_offload"):

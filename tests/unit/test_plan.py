@@ -36,10 +36,10 @@ def work(**kw) -> Workload:
 SCENARIOS = [
     # id, model, workload kwargs, expected backend, reason substring
     ("1b-full-8x80-ddp", "llama-1b", dict(train_type="full", world_size=8, gpu_memory_bytes=80 * GB),
-     # 16Ψ = 19.8 GB + DDP bucket copy 2Ψ = 2.5 + acts ~3.5 (logits 3.15) + 1.07 = 26.8 GB <= 64 (80%)
+     # 16Ψ = 19.8 GB + acts ~3.5 (logits 3.15) + 1.07 = 24.4 GB <= 64 (80%); grads are DDP's buckets
      "ddp", "fits on every GPU with room"),
     ("1b-full-8x30-no-room", "llama-1b", dict(train_type="full", world_size=8, gpu_memory_bytes=30 * GB),
-     # ddp 26.8 GB: under 27 (90%) but over 24 (80%) -> no room; fsdp: 16Ψ/8 = 2.5 + 3.5 + root
+     # ddp 24.4 GB: under 27 (90%) but over 24 (80%) -> no room; fsdp: 16Ψ/8 = 2.5 + 3.5 + root
      # (tied embed 0.53 + its grads 0.53) + 2 layers 0.24 + 0.12 + 1.07 = 8.5 GB
      "fsdp", "shards params, grads and optimizer state over 8 GPUs"),
     ("8b-full-8x40-fsdp", "llama-8b", dict(train_type="full", world_size=8, gpu_memory_bytes=40 * GB),
