@@ -3,7 +3,7 @@
 Used to decide whether a slow step is swiftlite's overhead or the kernels themselves (issue 7,
 "against peers"): it builds the bench_vs_peers workload's model from a local folder, tokenizes the
 data with swiftlite's own pipeline (so both see identical batches), and times N optimizer steps of
-forward + summed cross-entropy + backward + clip + AdamW with nothing else around them. Compare its
+forward + summed cross-entropy + backward + clip + fused AdamW with nothing else around them. Compare its
 ms/step with the swiftlite run's (tokens_per_s in logging.jsonl, or bench_vs_peers.sh's samples/s).
 
     python scripts/bench_step_floor.py --model /tmp/swiftlite_peers/model \
@@ -53,7 +53,7 @@ def main() -> None:
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=32, lora_dropout=a.lora_dropout,
                                                  target_modules="all-linear", task_type="CAUSAL_LM"))
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     model.train()
     times = []
     for step in range(a.steps):
