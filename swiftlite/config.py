@@ -562,10 +562,6 @@ def _quant_backend(c: RunConfig):
         return (f"--quant-bits 8 with --parallelism {c.parallel.parallelism}: FSDP re-wraps every parameter as a "
                 "plain tensor and the 8-bit (LLM.int8) weights lose their scales (CB/SCB); use --qlora (4-bit) "
                 "with FSDP, or 8-bit with zero2/zero3")
-    if bits == 8 and b in ("single", "ddp"):
-        return (f"--quant-bits 8 with --parallelism {c.parallel.parallelism}: the torch backends' checkpoints "
-                "(torch.distributed.checkpoint) cannot save 8-bit (LLM.int8) layers, whose SCB/weight_format "
-                "entries are not module attributes; use --qlora (4-bit), or 8-bit with zero2/zero3")
     mp = c.parallel.mixed_precision
     if bits == 4 and mp not in (None, "none") and mp != c.model.torch_dtype and b in ("fsdp", "fsdp1", "auto"):
         return (f"--mixed-precision {mp} with a 4-bit base stored as {c.model.torch_dtype}: FSDP would cast the "

@@ -82,11 +82,31 @@ class TorchEngine:
     def _opts(self, **kw: Any) -> StateDictOptions:
         return StateDictOptions(**kw)
 
+    def _trainable_state(self) -> dict[str, torch.Tensor] | None:
+        """The model part of a checkpoint for LoRA on an 8-bit (LLM.int8) base: the trainable
+        parameters by name, as the tensors themselves (DCP saves from and loads into them).
+
+        torch's get_model_state_dict walks every key of `module.state_dict()`, and bitsandbytes'
+        8-bit layers add SCB/weight_format keys that are not module attributes, so it fails even
+        with ignore_frozen_params. The frozen base is reloaded from the model at resume anyway.
+        None for every other model (torch's own state-dict functions)."""
+        if not (self._frozen_ok and self._has_int8):
+            return None
+        return {name: p.detach() for name, p in self.inner.named_parameters() if p.requires_grad}
+
+    @property
+    def _has_int8(self) -> bool:
+        if not hasattr(self, "_int8"):
+            self._int8 = any(type(m).__name__ == "Linear8bitLt" for m in self.inner.modules())
+        return self._int8
+
     def save(self, path: str) -> None:
         """Sharded save with DCP: each rank writes its own shards; names are the model's own."""
         import torch.distributed.checkpoint as dcp
-        state = {"model": get_model_state_dict(self.inner, options=self._opts(ignore_frozen_params=self._frozen_ok)),
-                 "optim": get_optimizer_state_dict(self.inner, self.optimizer)}
+        model_state = self._trainable_state()
+        if model_state is None:
+            model_state = get_model_state_dict(self.inner, options=self._opts(ignore_frozen_params=self._frozen_ok))
+        state = {"model": model_state, "optim": get_optimizer_state_dict(self.inner, self.optimizer)}
         dcp.save(state, checkpoint_id=str(Path(path) / "dcp"))
         if self.world.is_main:
             (Path(path) / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
@@ -96,10 +116,12 @@ class TorchEngine:
         from swiftlite.checkpoint import check_dcp_metadata
         check_dcp_metadata(Path(path) / "dcp")
         opts = self._opts(ignore_frozen_params=self._frozen_ok)
-        state = {"model": get_model_state_dict(self.inner, options=opts),
+        in_place = self._trainable_state()
+        state = {"model": in_place if in_place is not None else get_model_state_dict(self.inner, options=opts),
                  "optim": get_optimizer_state_dict(self.inner, self.optimizer)}
         dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
-        set_model_state_dict(self.inner, state["model"], options=self._opts(strict=False))
+        if in_place is None:  # the in-place tensors are the parameters themselves: already loaded
+            set_model_state_dict(self.inner, state["model"], options=self._opts(strict=False))
         set_optimizer_state_dict(self.inner, self.optimizer, state["optim"])
         sched = json.loads((Path(path) / "scheduler.json").read_text())
         self.scheduler.load_state_dict(sched)

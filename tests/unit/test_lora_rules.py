@@ -38,6 +38,8 @@ ACCEPTED = [
     ["--lora", "--parallelism", "fsdp1", "--cpu-offload"],
     ["--lora", "--parallelism", "zero3_offload"],
     ["--lora", "--quant-bits", "8", "--parallelism", "zero3"],
+    ["--lora", "--quant-bits", "8", "--parallelism", "ddp"],      # checkpoints hold the adapters only
+    ["--lora", "--quant-bits", "8"],
     ["--lora", "--target-modules", "q_proj", "v_proj"],
 ]
 
@@ -59,7 +61,6 @@ REJECTED = [
     (["--qlora", "--compile"], "--compile with a bitsandbytes-quantized base"),
     (["--lora", "--quant-bits", "8", "--parallelism", "fsdp"], "FSDP re-wraps every parameter"),
     (["--lora", "--quant-bits", "8", "--parallelism", "fsdp1"], "FSDP re-wraps every parameter"),
-    (["--lora", "--quant-bits", "8", "--parallelism", "ddp"], "cannot save 8-bit (LLM.int8) layers"),
     (["--qlora", "--parallelism", "fsdp", "--mixed-precision", "bf16"], "scramble them"),
     (["--qlora", "--parallelism", "fsdp1", "--torch-dtype", "bf16", "--mixed-precision", "fp16"], "scramble"),
     (["--lora", "--lora-rank", "0"], "--lora-rank must be > 0"),
