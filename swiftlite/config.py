@@ -87,7 +87,7 @@ class ParallelConfig:
                            "zero2, zero3, zero3_offload, or a DeepSpeed JSON file.",
                            aliases=("--parallelism_type", "--parallelism-type"))
     deepspeed: str | None = opt(None, "DeepSpeed JSON file or preset name (zero2, zero3, ...).")
-    nproc_per_node: int | None = opt(None, "Processes per node (env NPROC_PER_NODE); >1 re-runs under torchrun.")
+    nproc_per_node: int | None = opt(None, "Processes per node (env NPROC_PER_NODE); >1 starts ranks (see --launcher).")
     nnodes: int | None = opt(None, "Number of nodes (env NNODES).")
     node_rank: int | None = opt(None, "This node's rank (env NODE_RANK).")
     master_addr: str | None = opt(None, "Rendezvous address (env MASTER_ADDR).")
@@ -95,8 +95,9 @@ class ParallelConfig:
     rdzv_backend: str | None = opt(None, "torchrun rendezvous backend for elastic runs (e.g. c10d).")
     rdzv_endpoint: str | None = opt(None, "torchrun rendezvous endpoint host:port.")
     rdzv_id: str | None = opt(None, "torchrun rendezvous id.")
-    launcher: str = opt("auto", "Launcher for multi-process runs: auto (fork on one node, torchrun on "
-                        "several), fork, torchrun or deepspeed.", choices=("auto", "fork", "torchrun", "deepspeed"))
+    launcher: str = opt("auto", "Launcher for multi-process runs: auto (fork one node's ranks on a CPU build "
+                        "of torch, else torchrun), fork, torchrun or deepspeed.",
+                        choices=("auto", "fork", "torchrun", "deepspeed"))
     hostfile: str | None = opt(None, "DeepSpeed launcher hostfile (with --launcher deepspeed).")
     mixed_precision: str | None = opt(None, "FSDP mixed precision: bf16 (params bf16, reduce fp32), fp16, "
                                       "or none. Default: bf16 when --torch-dtype is bf16.",
