@@ -244,15 +244,21 @@ _COLLECTIVE = re.compile(r"timed out|timeout|connection (closed|reset)|broken pi
 PREFLIGHT_ENV = "SWIFTLITE_PREFLIGHT_DONE"
 
 
+def clear_rank_logs(cfg: RunConfig) -> Path:
+    """Remove an earlier launch's rank errors and stack dumps; return the logs folder."""
+    logs = Path(cfg.train.output_dir).expanduser() / "logs"
+    for old in [*logs.glob("rank*.err"), *logs.glob("rank*.stack")] if logs.is_dir() else []:
+        old.unlink()
+    return logs
+
+
 def run_launched(plan: LaunchPlan, cfg: RunConfig) -> int:
     """Run the launcher; on failure name the rank that caused it (see `explain_failure`)."""
     import threading
     import time
     assert plan.command is not None
     print("launching: " + shlex.join(redact_argv(plan.command)), flush=True)
-    logs = Path(cfg.train.output_dir).expanduser() / "logs"
-    for old in [*logs.glob("rank*.err"), *logs.glob("rank*.stack")] if logs.is_dir() else []:
-        old.unlink()
+    logs = clear_rank_logs(cfg)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env[PREFLIGHT_ENV] = "1"
@@ -310,13 +316,17 @@ def warm_imports(cfg: RunConfig) -> None:
     Best effort: a module that fails to import here fails in the rank with its real error."""
     import importlib
     names = ["torch", "torch.distributed", "swiftlite.trainer", "swiftlite.data.collate",
-             "swiftlite.data.loader", "swiftlite.metrics", "swiftlite.parallel.base",
-             "transformers.modeling_utils", f"swiftlite.parallel.{_ENGINE_MODULES.get(cfg.backend_name, 'ddp')}"]
+             "swiftlite.data.loader", "swiftlite.metrics", "transformers.modeling_utils"]
     for name in names:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - see the docstring
             pass
+    try:  # the engine's module, through the backend registry ("auto" is decided in the ranks)
+        from swiftlite.parallel.base import get_backend
+        get_backend(cfg.backend_name)
+    except Exception:  # noqa: BLE001
+        pass
     try:  # the model's modeling module (modeling_llama, ...): looking its class up imports it
         from swiftlite.models.loading import model_config, resolve_model
         source = resolve_model(cfg.model.model)
@@ -332,10 +342,6 @@ def warm_imports(cfg: RunConfig) -> None:
                 pass
         except Exception:  # noqa: BLE001
             pass
-
-
-_ENGINE_MODULES = {"fsdp": "fsdp2", "fsdp2": "fsdp2", "fsdp1": "fsdp1", "ddp": "ddp", "zero2": "deepspeed",
-                   "zero3": "deepspeed", "zero3_offload": "deepspeed", "deepspeed": "deepspeed"}
 
 
 def _forked_rank(local_rank: int, cfg: RunConfig, plan: LaunchPlan, threads: int) -> None:
@@ -363,14 +369,13 @@ def run_forked(plan: LaunchPlan, cfg: RunConfig) -> int:
 
     import torch.multiprocessing as tmp
     warm_imports(cfg)
-    logs = Path(cfg.train.output_dir).expanduser() / "logs"
-    for old in [*logs.glob("rank*.err"), *logs.glob("rank*.stack")] if logs.is_dir() else []:
-        old.unlink()
+    logs = clear_rank_logs(cfg)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Forked children must not share the tokenizer's Rust thread pool; saying so up front also
     # silences the warning tokenizers prints in each child otherwise.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    threads = max(1, int(os.environ["OMP_NUM_THREADS"]) if os.environ["OMP_NUM_THREADS"].isdigit() else 1)
+    omp = os.environ["OMP_NUM_THREADS"]
+    threads = max(1, int(omp)) if omp.isdigit() else 1
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process ..."
     print(f"launching: {plan.nproc_per_node} processes forked from this one "
           f"(master {plan.master_addr}:{plan.master_port})", flush=True)

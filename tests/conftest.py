@@ -13,6 +13,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def load_script(name: str):
+    """Import scripts/<name>.py as a module (benchmarks and soaks that tests run in small)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("DS_ACCELERATOR", "cpu")

@@ -8,6 +8,7 @@ saves (DCP) with the model's own parameter names, and full state dicts gathered 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -94,11 +95,9 @@ class TorchEngine:
             return None
         return {name: p.detach() for name, p in self.inner.named_parameters() if p.requires_grad}
 
-    @property
+    @functools.cached_property
     def _has_int8(self) -> bool:
-        if not hasattr(self, "_int8"):
-            self._int8 = any(type(m).__name__ == "Linear8bitLt" for m in self.inner.modules())
-        return self._int8
+        return any(type(m).__name__ == "Linear8bitLt" for m in self.inner.modules())
 
     def save(self, path: str) -> None:
         """Sharded save with DCP: each rank writes its own shards; names are the model's own."""

@@ -10,25 +10,17 @@ the model would need more than the 86 MB checkpoint plus its 43 MB bf16 copy.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import load_script
 
 pytestmark = pytest.mark.slow
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_export_memory", ROOT / "scripts" / "bench_export_memory.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_export_peak_memory_is_bounded_by_the_shard_size(tmp_path):
-    bench = _bench()
+    bench = load_script("bench_export_memory")
     run, total, largest = bench.build_run(tmp_path, bench.llama_config(512, 6, 2048), optim=True)
     shard = 10 * 10**6
     res = bench.run_export(run, tmp_path / "export", "10MB", timeout=600)

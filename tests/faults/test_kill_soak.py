@@ -5,24 +5,16 @@ uninterrupted run's bit for bit."""
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 
-from fault_helpers import ROOT
+from tests.conftest import load_script
 
 pytestmark = pytest.mark.slow
 
 
-def _soak_module():
-    spec = importlib.util.spec_from_file_location("fault_soak", ROOT / "scripts" / "fault_soak.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_three_kills_resume_to_identical_weights(tmp_path):
-    soak = _soak_module()
+    soak = load_script("fault_soak")
     lines = []
     s = soak.soak(tmp_path, kills=3, seed=3, steps=6, log=lines.append, modes=["timed", "fault", "step"])
     report = "\n".join(lines)
