@@ -60,8 +60,6 @@ DATASHEET_PEAKS: dict[str, dict[str, float]] = {
     "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
 }
 
-BASE_BACKENDS = ("single", "ddp", "fsdp", "fsdp2", "fsdp1", "zero2", "zero2_offload", "zero3", "zero3_offload",
-                 "zero3_offload_nvme")
 MODIFIERS = {"compile": ["--compile"], "gc": ["--gradient-checkpointing"], "ac": ["--gradient-checkpointing"],
              "offload": ["--cpu-offload"]}
 
@@ -98,14 +96,17 @@ def parse_backends(text: str) -> list[BackendSpec]:
             specs.append(BackendSpec(Path(item).stem, str(Path(item).resolve())))
             continue
         base, *mods = item.split("+")
-        if base not in BASE_BACKENDS:
+        from swiftlite.parallel.base import find_backend, parallelism_names
+        rec = find_backend(base)
+        if rec is None:
+            names = [n for n in parallelism_names() if n not in ("auto", "deepspeed")]
             raise UserError(f"--parallelism {item}: unknown backend {base!r} "
-                            f"(choose from {', '.join(BASE_BACKENDS)}, or a DeepSpeed .json)")
+                            f"(choose from {', '.join(names)}, or a DeepSpeed .json)")
         extra: list[str] = []
         for m in mods:
             if m not in MODIFIERS:
                 raise UserError(f"--parallelism {item}: unknown modifier +{m} (known: {', '.join(MODIFIERS)})")
-            if m == "offload" and base not in ("fsdp", "fsdp2", "fsdp1"):
+            if m == "offload" and "cpu_offload" not in rec.options:
                 raise UserError(f"--parallelism {item}: +offload is FSDP's CPU offload; use zero3_offload for DeepSpeed")
             extra += MODIFIERS[m]
         specs.append(BackendSpec(item, base, tuple(extra)))
@@ -431,21 +432,9 @@ class BackendResult:
 
 
 def _theory_key(spec: BackendSpec, world: int) -> str:
-    p = spec.parallelism
-    if p.endswith(".json"):
-        try:
-            ds = json.loads(Path(p).read_text())
-            zo = ds.get("zero_optimization", {})
-            stage = int(zo.get("stage", 0))
-            off = str(zo.get("offload_param", {}).get("device", "none")).lower()
-        except (OSError, ValueError, AttributeError):
-            return "zero3"
-        if stage == 3:
-            return "zero3_offload" if off in ("cpu", "nvme") else "zero3"
-        return "zero2"
-    if world == 1 and p in ("single", "ddp", "fsdp", "fsdp2", "fsdp1"):
-        return "single"  # the trainer runs the torch backends unwrapped on one process
-    return {"fsdp2": "fsdp", "zero2_offload": "zero2", "zero3_offload_nvme": "zero3_offload"}.get(p, p)
+    """The planner family of a column (the registry and the resolver decide, as for the run itself)."""
+    from swiftlite.parallel.resolve import memory_family_for
+    return memory_family_for(spec.parallelism, world) or "zero3"
 
 
 def _workload(cfg: BenchConfig, world: int, dtype: str, gpu_memory: int | None):

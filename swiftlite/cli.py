@@ -9,7 +9,6 @@ Each command parses, builds a config, and calls one function.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Optional
 
@@ -124,19 +123,23 @@ def run_command(task: str, args: list[str]) -> int:
     if any(a in ("--help", "-h") for a in args):
         print(_run_help(task))
         return 0
+    from swiftlite import env
     from swiftlite.config import load_config
     config_file, values = parse_run_args(args)
     cfg = load_config(config_file, values, task=task)
-    from swiftlite.launch import (PREFLIGHT_ENV, inside_launcher, plan_launch, preflight, run_forked,
-                                  run_launched, run_rank)
+    from swiftlite.parallel.base import load_plugins
+    load_plugins(cfg.parallel.external_plugins)
+    from swiftlite.launch import plan_launch, preflight, resolve_for_launch, run_forked, run_launched, run_rank
     plan = plan_launch(cfg, [task, *args])
+    world = env.world_vars().world_size if env.inside_launcher() else plan.world_size
     # Everything that can be checked without a process group is checked here, once, before any
     # folder is created or any rank starts: a run that fails validation leaves nothing behind.
-    if not os.environ.get(PREFLIGHT_ENV):
-        world = int(os.environ["WORLD_SIZE"]) if inside_launcher() else plan.world_size
-        preflight(cfg, world, data=not cfg.parallel.dry_run and not inside_launcher())
+    if not env.settings().preflight_done:
+        choice = preflight(cfg, world, data=not cfg.parallel.dry_run and not env.inside_launcher())
+    else:
+        choice = None
     if cfg.parallel.dry_run:
-        print_plan(cfg, plan)
+        print_plan(cfg, plan, choice or resolve_for_launch(cfg, world))
         return 0
     if plan.fork:
         return run_forked(plan, cfg)
@@ -146,22 +149,17 @@ def run_command(task: str, args: list[str]) -> int:
     return 0
 
 
-def print_plan(cfg: Any, plan: Any) -> None:
-    """--dry-run: the resolved backend, world, batch arithmetic and launch command."""
+def print_plan(cfg: Any, plan: Any, choice: Any) -> None:
+    """--dry-run: the resolved backend (the same `resolve_backend` answer the trainer gets), world,
+    batch arithmetic and launch command."""
     import shlex
-    world = plan.world_size if not os.environ.get("WORLD_SIZE") else int(os.environ["WORLD_SIZE"])
-    backend = cfg.backend_name
-    reason = ""
-    if backend == "auto":
-        from swiftlite.parallel.plan import resolve_auto
-        d = resolve_auto(cfg, world, None)
-        backend, reason = d.backend, f" ({d.reason})"
-    elif backend == "ddp" and world == 1:
-        backend = "single"
+    world = plan.world_size
+    backend = choice.name
+    reason = f" ({choice.reason})" if choice.reason else ""
     t = cfg.train
     print(f"backend:        {backend}{reason}")
-    if cfg.deepspeed_source:
-        print(f"deepspeed:      {cfg.deepspeed_source}")
+    if choice.deepspeed_source:
+        print(f"deepspeed:      {choice.deepspeed_source}")
     print(f"world:          {plan.nnodes} node(s) x {plan.nproc_per_node} process(es) = {world}")
     print(f"batch:          per-device {t.per_device_train_batch_size} x {world} x accumulation "
           f"{t.gradient_accumulation_steps} = global {t.per_device_train_batch_size * world * t.gradient_accumulation_steps}")

@@ -36,9 +36,6 @@ def opt(default: Any = None, help: str = "", *, aliases: tuple[str, ...] = (), c
 TRAIN_TYPES = ("full", "lora", "qlora")
 DTYPES = ("bf16", "fp16", "fp32")
 SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")
-PARALLELISMS = ("auto", "single", "ddp", "fsdp", "fsdp2", "fsdp1", "zero2", "zero2_offload", "zero3",
-                "zero3_offload", "zero3_offload_nvme")
-REPORT_TO = ("none", "tensorboard", "jsonl", "all")
 
 
 @dataclass(kw_only=True)
@@ -84,7 +81,8 @@ class DataConfig:
 @dataclass(kw_only=True)
 class ParallelConfig:
     parallelism: str = opt("auto", "How to spread the model: auto, single, ddp, fsdp (FSDP2), fsdp1, "
-                           "zero2, zero3, zero3_offload, or a DeepSpeed JSON file.",
+                           "zero2, zero2_offload, zero3, zero3_offload, zero3_offload_nvme, or a DeepSpeed "
+                           "JSON file (parallel/resolve.py decides; --dry-run shows the choice).",
                            aliases=("--parallelism_type", "--parallelism-type"))
     deepspeed: str | None = opt(None, "DeepSpeed JSON file or preset name (zero2, zero3, ...).")
     nproc_per_node: int | None = opt(None, "Processes per node (env NPROC_PER_NODE); >1 starts ranks (see --launcher).")
@@ -108,6 +106,9 @@ class ParallelConfig:
     offload_dir: str | None = opt(None, "NVMe folder for DeepSpeed parameter/optimizer offload.")
     ddp_timeout: int = opt(1800, "Seconds a collective may wait before the job fails (names the rank).")
     dry_run: bool = opt(False, "Print the resolved plan (backend, world, batch, launch command) and exit.")
+    external_plugins: list[str] = opt(help="Python files run before anything else (ms-swift's flag); they may "
+                                      "register backends (swiftlite.parallel.base.register_backend).",
+                                      factory=list)
 
 
 @dataclass(kw_only=True)
@@ -185,26 +186,12 @@ class RunConfig:
         return self.train.train_type in ("lora", "qlora")
 
     @property
-    def backend_name(self) -> str:
-        """The canonical backend key (aliases folded: fsdp2 -> fsdp, DeepSpeed JSON -> deepspeed)."""
-        p = self.parallel.parallelism
-        if p == "auto" and self.parallel.deepspeed:
-            return "deepspeed"  # --deepspeed FILE alone means DeepSpeed (it was silently ignored)
-        if p == "fsdp2":
-            return "fsdp"
-        if p.startswith("zero") or p == "deepspeed" or p.endswith(".json"):
-            return "deepspeed"
-        return p
-
-    @property
-    def deepspeed_source(self) -> str | None:
-        """The DeepSpeed preset name or JSON path this run uses, if any."""
-        if self.parallel.deepspeed:
-            return self.parallel.deepspeed
-        p = self.parallel.parallelism
-        if p.startswith("zero") or p.endswith(".json"):
-            return p
-        return None
+    def quant_bits(self) -> int | None:
+        """Bits of the bitsandbytes base: --quant-bits, else 4 for --train-type qlora, else None
+        (the one place that says "qlora means 4 bits")."""
+        if self.quant.quant_bits is not None:
+            return self.quant.quant_bits
+        return 4 if self.train.train_type == "qlora" else None
 
     @property
     def learning_rate(self) -> float:
@@ -214,7 +201,6 @@ class RunConfig:
 
 
 SECTIONS = ("model", "lora", "quant", "data", "parallel", "optim", "train", "checkpoint")
-_SECTION_TYPES = {f.name: f.type for f in dataclasses.fields(RunConfig) if f.name in SECTIONS}
 
 
 def _section_classes() -> dict[str, type]:
@@ -364,10 +350,10 @@ def build_config(values: dict[str, Any], *, source: str = "config", task: str = 
         if spec.choices and val is not None and val not in spec.choices:
             raise UserError(f"{source}: {key}={val!r} is not one of {', '.join(map(str, spec.choices))}")
         sections[spec.section][key] = val
-    if sections["train"].get("train_type") == "qlora" and sections["quant"].get("quant_bits") is None:
-        sections["quant"]["quant_bits"] = 4  # QLoRA means a 4-bit base unless --quant-bits 8 says otherwise
     classes = _section_classes()
     cfg = RunConfig(**{s: classes[s](**sections[s]) for s in SECTIONS}, task=task)
+    # QLoRA means a 4-bit base unless --quant-bits 8 says otherwise (RunConfig.quant_bits).
+    cfg.quant.quant_bits = cfg.quant_bits
     return cfg
 
 
@@ -379,13 +365,11 @@ def _closest(key: str, specs: dict[str, FieldSpec]) -> str | None:
 
 def apply_env(values: dict[str, Any]) -> dict[str, Any]:
     """ms-swift's launcher env vars fill launch options the user did not set."""
-    env_map = {"NPROC_PER_NODE": "nproc_per_node", "NNODES": "nnodes", "NODE_RANK": "node_rank",
-               "MASTER_ADDR": "master_addr", "MASTER_PORT": "master_port"}
+    from swiftlite import env
     out = dict(values)
-    inside_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-    for env, key in env_map.items():
-        if env in os.environ and out.get(key) is None and not inside_torchrun:
-            out[key] = os.environ[env]
+    for key, value in env.launcher_values().items():
+        if out.get(key) is None:
+            out[key] = value
     return out
 
 
@@ -479,16 +463,6 @@ def _dataset(c: RunConfig):
         return "--val-dataset and --split-dataset-ratio both given: use one of them"
 
 
-@rule("parallelism known")
-def _parallelism(c: RunConfig):
-    p = c.parallel.parallelism
-    if p not in PARALLELISMS and not p.endswith(".json"):
-        return (f"--parallelism: unknown value {p!r} (choose from {', '.join(PARALLELISMS)}, "
-                f"or a DeepSpeed .json file)")
-    if c.parallel.deepspeed and c.backend_name not in ("deepspeed", "auto"):
-        return f"--deepspeed given with --parallelism {p}: use one of them"
-
-
 @rule("world size")
 def _world(c: RunConfig):
     pr = c.parallel
@@ -502,15 +476,6 @@ def _world(c: RunConfig):
         return f"--master-port must be in 1..65535, got {pr.master_port}"
     if pr.ddp_timeout <= 0:
         return f"--ddp-timeout must be > 0 seconds, got {pr.ddp_timeout}"
-    if c.backend_name == "single" and (pr.nproc_per_node or 1) * (pr.nnodes or 1) > 1:
-        return "--parallelism single runs one process: drop --nproc-per-node/--nnodes or pick ddp/fsdp"
-
-
-def _quant_bits(c: RunConfig) -> int | None:
-    """Bits of the bitsandbytes base (--qlora means 4 unless --quant-bits says otherwise)."""
-    if c.quant.quant_bits is not None:
-        return c.quant.quant_bits
-    return 4 if c.train.train_type == "qlora" else None
 
 
 @rule("quantization")
@@ -522,52 +487,18 @@ def _quant(c: RunConfig):
         return "--quant-bits needs --train-type lora/qlora (a quantized base cannot be trained in full)"
 
 
-def _ds_offload(c: RunConfig) -> tuple[str, str]:
-    """(optimizer, param) offload devices of the run's DeepSpeed config ("none" when not DeepSpeed or
-    unreadable: the DeepSpeed config checks report a bad file)."""
-    src = c.deepspeed_source
-    if not src:
-        return ("none", "none")
-    from swiftlite.parallel.ds_config import load_ds_config, offload_devices  # json only, no torch
-    try:
-        return offload_devices(load_ds_config(src))
-    except UserError:
-        return ("none", "none")
-
-
 @rule("quantized base and offload")
 def _quant_offload(c: RunConfig):
-    bits = _quant_bits(c)
-    if bits is None:
+    if c.quant_bits is None:
         return None
     if c.parallel.cpu_offload:
         return ("--cpu-offload with a bitsandbytes-quantized base (--qlora/--quant-bits) is not supported: FSDP "
                 "offload moves parameters only, and each quantized layer's quantization state (absmax, codebook) "
                 "would stay on the CPU; drop --cpu-offload (the 4-bit base is already a quarter of the size)")
-    _opt_dev, param_dev = _ds_offload(c)
-    if param_dev != "none":
-        return (f"--parallelism {c.deepspeed_source}: DeepSpeed offload cannot move bitsandbytes-quantized weights "
-                f"(offload_param to {param_dev} pages the packed weights without their quantization state); use "
-                "zero3, or zero2_offload (optimizer offload only), with --qlora/--quant-bits")
     if c.parallel.compile:
         return ("--compile with a bitsandbytes-quantized base: dynamo recompiles every decoder layer around the "
                 "4/8-bit matmuls until its recompile limit, then runs them eagerly (minutes of compiling, no "
                 "speed-up); drop --compile with --qlora/--quant-bits")
-
-
-@rule("quantized base and backend")
-def _quant_backend(c: RunConfig):
-    bits = _quant_bits(c)
-    b = c.backend_name
-    if bits == 8 and b in ("fsdp", "fsdp1"):
-        return (f"--quant-bits 8 with --parallelism {c.parallel.parallelism}: FSDP re-wraps every parameter as a "
-                "plain tensor and the 8-bit (LLM.int8) weights lose their scales (CB/SCB); use --qlora (4-bit) "
-                "with FSDP, or 8-bit with zero2/zero3")
-    mp = c.parallel.mixed_precision
-    if bits == 4 and mp not in (None, "none") and mp != c.model.torch_dtype and b in ("fsdp", "fsdp1", "auto"):
-        return (f"--mixed-precision {mp} with a 4-bit base stored as {c.model.torch_dtype}: FSDP would cast the "
-                f"packed 4-bit weights to {mp} and scramble them (their storage dtype follows --torch-dtype); "
-                f"use --torch-dtype {mp} without --mixed-precision")
 
 
 @rule("lora options")
@@ -587,26 +518,6 @@ def _lora(c: RunConfig):
                     "layer; give either all-linear or a list of names")
 
 
-@rule("mixed precision")
-def _mp(c: RunConfig):
-    if c.parallel.mixed_precision not in (None, "none") and c.backend_name not in ("fsdp", "fsdp1", "auto"):
-        return (f"--mixed-precision applies to fsdp/fsdp1; with --parallelism {c.parallel.parallelism} "
-                "set --torch-dtype instead")
-
-
-@rule("cpu offload backend")
-def _offload(c: RunConfig):
-    if c.parallel.cpu_offload and c.backend_name not in ("fsdp", "fsdp1", "auto"):
-        return (f"--cpu-offload applies to fsdp/fsdp1; for DeepSpeed use --parallelism zero3_offload "
-                f"(got --parallelism {c.parallel.parallelism})")
-
-
-@rule("dtype of fp16")
-def _fp16(c: RunConfig):
-    if c.model.torch_dtype == "fp16" and c.backend_name in ("single", "ddp", "fsdp", "fsdp1"):
-        return "--torch-dtype fp16 needs loss scaling, which only the DeepSpeed backends provide; use bf16"
-
-
 @rule("resume")
 def _resume(c: RunConfig):
     if c.checkpoint.resume and c.checkpoint.resume_from:
@@ -621,18 +532,6 @@ def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
             raise UserError(msg)
     if check_paths and cfg.model.template and not Path(cfg.model.template).is_file():
         raise UserError(f"--template: file not found: {cfg.model.template}")
-
-
-def normalize_shorthands(values: dict[str, Any]) -> dict[str, Any]:
-    """Fold --lora/--qlora into train_type; --qlora implies 4-bit."""
-    out = dict(values)
-    if out.pop("qlora", False):
-        out["train_type"] = "qlora"
-    if out.pop("lora", False):
-        out.setdefault("train_type", "lora")
-    if out.get("train_type") == "qlora" and out.get("quant_bits") is None:
-        out["quant_bits"] = 4
-    return out
 
 
 SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_key|credential", re.IGNORECASE)

@@ -1,11 +1,39 @@
-"""Process group setup and teardown (nccl on CUDA, gloo on CPU)."""
+"""This process's place in the job (`World`), and process group setup and teardown (nccl on CUDA,
+gloo on CPU)."""
 
 from __future__ import annotations
 
 import datetime
-import os
+import socket
+from dataclasses import dataclass
 
-from swiftlite.parallel.base import World
+from swiftlite import env as envvars
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job."""
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: str = "cpu"           # "cpu" or "cuda:<local_rank>"
+    dist_backend: str | None = None  # "gloo"/"nccl" when a process group exists
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.dist_backend is not None
+
+    @staticmethod
+    def from_env() -> "World":
+        """World as torchrun describes it in the environment (before init)."""
+        v = envvars.world_vars()
+        return World(rank=v.rank, local_rank=v.local_rank, world_size=v.world_size,
+                     local_world_size=v.local_world_size)
 
 
 def init_distributed(timeout_s: int = 1800) -> World:
@@ -17,7 +45,7 @@ def init_distributed(timeout_s: int = 1800) -> World:
     device = f"cuda:{env.local_rank}" if cuda else "cpu"
     if cuda:
         torch.cuda.set_device(env.local_rank)
-    if env.world_size == 1 or "MASTER_ADDR" not in os.environ:
+    if env.world_size == 1 or not envvars.has("MASTER_ADDR"):
         return World(device=device)
     backend = "nccl" if cuda else "gloo"
     if not dist.is_initialized():
@@ -49,10 +77,8 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def broadcast_object(obj):
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (for a rendezvous on this machine)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -27,8 +27,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from swiftlite.config import RunConfig
 from swiftlite.errors import UserError
+
+if TYPE_CHECKING:
+    from swiftlite.parallel.base import BackendChoice
 
 
 @dataclass(frozen=True)
@@ -177,12 +182,19 @@ def _check_model_folder(cfg: RunConfig, folder: Path) -> None:
         raise UserError(f"--model {arg}: folder has config.json but no weights (*.safetensors, pytorch_model.bin)")
 
 
-def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> None:
+def resolve_for_launch(cfg: RunConfig, world_size: int) -> "BackendChoice":
+    """The backend, resolved in the launching process (its GPUs stand for the job's: the ranks resolve
+    again with the smallest GPU of the whole job, which can only differ on mixed machines)."""
+    from swiftlite.parallel.resolve import local_gpu_memory, resolve_backend
+    return resolve_backend(cfg, world_size, local_gpu_memory, gpus_per_node=cfg.parallel.nproc_per_node)
+
+
+def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "BackendChoice":
     """Validate everything a run can get wrong before any process starts or any file is written:
     output folder, resume checkpoint (intact and free of unsafe pickles), model, DeepSpeed config,
     and (data=True) the datasets themselves: every row read, converted and tokenized (which fills the
     tokenization cache the ranks then read), the usable-row count against one global batch.
-    Raises a one-line UserError; creates nothing but cache files."""
+    Raises a one-line UserError; creates nothing but cache files. Returns the backend choice."""
     from swiftlite import checkpoint as ckpt
     from swiftlite.data.sources import check_spec
     run_dir = check_output_dir(cfg)
@@ -194,19 +206,18 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> None:
         check_spec(spec, "--dataset")
     for spec in cfg.data.val_dataset:
         check_spec(spec, "--val-dataset")
-    if cfg.backend_name == "deepspeed":
-        from swiftlite.parallel.ds_config import resolve_ds_config
-        resolve_ds_config(cfg, world_size, None)
+    choice = resolve_for_launch(cfg, world_size)
     from swiftlite.models.loading import resolve_model
     source = resolve_model(cfg.model.model)
     if source.kind == "folder":
         _check_model_folder(cfg, Path(source.ref))
     if not data:
-        return
+        return choice
     from swiftlite.data.pipeline import prepare_datasets
     from swiftlite.models.loading import load_tokenizer
     tokenizer = load_tokenizer(cfg, source)
     prepare_datasets(cfg, tokenizer, world_size)
+    return choice
 
 
 def _is_local(addr: str) -> bool:
@@ -311,7 +322,7 @@ def run_rank(cfg: RunConfig) -> None:
         teardown()
 
 
-def warm_imports(cfg: RunConfig) -> None:
+def warm_imports(cfg: RunConfig, choice: "BackendChoice") -> None:
     """Import, before forking, what every rank imports: paid once here instead of once per rank.
     Best effort: a module that fails to import here fails in the rank with its real error."""
     import importlib
@@ -322,9 +333,9 @@ def warm_imports(cfg: RunConfig) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - see the docstring
             pass
-    try:  # the engine's module, through the backend registry ("auto" is decided in the ranks)
-        from swiftlite.parallel.base import get_backend
-        get_backend(cfg.backend_name)
+    try:  # the engine's module (the torch backends share torch_engine; DeepSpeed is left to the ranks)
+        if not choice.is_deepspeed:
+            importlib.import_module("swiftlite.parallel.torch_engine")
     except Exception:  # noqa: BLE001
         pass
     try:  # the model's modeling module (modeling_llama, ...): looking its class up imports it
@@ -368,7 +379,7 @@ def run_forked(plan: LaunchPlan, cfg: RunConfig) -> int:
     import time
 
     import torch.multiprocessing as tmp
-    warm_imports(cfg)
+    warm_imports(cfg, resolve_for_launch(cfg, plan.world_size))
     logs = clear_rank_logs(cfg)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # Forked children must not share the tokenizer's Rust thread pool; saying so up front also

@@ -74,7 +74,7 @@ def train(cfg: RunConfig) -> TrainResult:
     from swiftlite.data.pipeline import split_validation, tokenize_specs
     from swiftlite.distributed import all_reduce_sum, barrier, init_distributed
     from swiftlite.metrics import RunLogger, plot_run
-    from swiftlite.models.loading import load_tokenizer, prepare_model, resolve_model
+    from swiftlite.models.loading import load_tokenizer, model_config, prepare_model, resolve_model
     from swiftlite.parallel.base import build_engine
 
     import warnings
@@ -126,13 +126,15 @@ def train(cfg: RunConfig) -> TrainResult:
 
     torch.manual_seed(cfg.train.seed + world.rank)
     memory_window = profiling.start_memory_window() if world.device == "cpu" else None
-    model = prepare_model(cfg, source, world)
+    # The backend may build the model in a context of its own (ZeRO-3: partitioned as it loads).
+    init_context = backend.record.model_init_context(cfg, world, lambda: model_config(cfg, source), backend)
+    model = prepare_model(cfg, source, world, init_context=init_context)
     peft_model = model
     engine = build_engine(model, cfg, world, total_steps, backend)
 
     start_step = 0
     if resume_path is not None:
-        state = load_training_state(engine, resume_path, world, cfg)
+        state = load_training_state(engine, resume_path, world, cfg, backend)
         start_step = state["global_step"]
 
     log = RunLogger(run_dir, enabled=world.is_main, total_steps=total_steps,
@@ -140,7 +142,7 @@ def train(cfg: RunConfig) -> TrainResult:
     if world.is_main:
         save_args(cfg, run_dir / "args.json")
         st = train_data.stats
-        log.print(f"swiftlite: {backend} x {world.world_size} process(es) on {world.device}, "
+        log.print(f"swiftlite: {backend.name} x {world.world_size} process(es) on {world.device}, "
                   f"{len(train_data.rows)} train rows ({st.truncated} truncated to {cfg.data.max_length}, "
                   f"{len(st.skipped)} skipped, {st.no_target} without target), "
                   f"{len(val_data.rows) if val_data else 0} validation rows, global batch {plan.global_batch}, "
@@ -198,11 +200,11 @@ def train(cfg: RunConfig) -> TrainResult:
         if val_data is not None and eval_every and done % eval_every == 0 and done != total_steps:
             log.log({"step": done, "eval_loss": evaluate(engine, val_data, cfg, world, pad_id)})
         if cfg.checkpoint.save_steps and done % cfg.checkpoint.save_steps == 0 and done != total_steps:
-            last_ckpt = save_training_state(engine, peft_model, tokenizer, cfg, world, run_dir, done, backend)
+            last_ckpt = save_training_state(engine, peft_model, tokenizer, cfg, world, run_dir, done, backend.key)
     if val_data is not None:
         log.log({"step": total_steps, "eval_loss": evaluate(engine, val_data, cfg, world, pad_id)})
     if start_step < total_steps or last_ckpt is None:
-        last_ckpt = save_training_state(engine, peft_model, tokenizer, cfg, world, run_dir, total_steps, backend)
+        last_ckpt = save_training_state(engine, peft_model, tokenizer, cfg, world, run_dir, total_steps, backend.key)
     if world.is_main:
         log.print(f"saved {last_ckpt}")
         plot_run(run_dir)
@@ -224,21 +226,15 @@ def record_state_bytes(run_dir: Path, rank: int, before_step: dict, after_step: 
     (logs / f"state_rank{rank}.json").write_text(json.dumps(rec) + "\n")
 
 
-def resolve_backend(cfg: RunConfig, world: Any) -> str:
-    """The backend key for this run; `auto` asks the planner (with the GPUs' memory on CUDA)."""
-    name = cfg.backend_name
-    world_size = world.world_size
-    if name == "auto":
-        from swiftlite.parallel.plan import resolve_auto
-        gpu_memory = smallest_gpu_memory(world)
-        shape = _shape_for_auto(cfg) if gpu_memory is not None else None
-        decision = resolve_auto(cfg, world_size, gpu_memory, shape=shape, gpus_per_node=world.local_world_size)
-        if world.is_main:
-            print(f"--parallelism auto: {decision.backend} ({decision.reason})", flush=True)
-        return decision.backend
-    if name in ("ddp", "fsdp", "fsdp1") and world_size == 1:
-        return "single"  # nothing to replicate or shard on one process
-    return name
+def resolve_backend(cfg: RunConfig, world: Any) -> Any:
+    """The backend this rank builds: `parallel.resolve.resolve_backend` with the smallest GPU of the
+    whole job (every rank must pick the same one) and, for `auto` on CUDA, the model's shape."""
+    from swiftlite.parallel.resolve import resolve_backend as resolve
+    choice = resolve(cfg, world.world_size, lambda: smallest_gpu_memory(world),
+                     shape=lambda: _shape_for_auto(cfg), gpus_per_node=world.local_world_size)
+    if world.is_main and choice.requested == "auto":
+        print(f"--parallelism auto: {choice.name} ({choice.reason})", flush=True)
+    return choice
 
 
 def smallest_gpu_memory(world: Any) -> int | None:
@@ -373,7 +369,7 @@ def write_adapter(peft_model: Any, sd: dict, out: Path) -> None:
     make_readable(out / "adapter_model.safetensors")
 
 
-def load_training_state(engine: Any, path: Path, world: Any, cfg: RunConfig) -> dict:
+def load_training_state(engine: Any, path: Path, world: Any, cfg: RunConfig, choice: Any) -> dict:
     """Restore model, optimizer, scheduler and RNG from a checkpoint; returns trainer_state."""
     import json
     state = json.loads((path / "trainer_state.json").read_text())
@@ -381,7 +377,7 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: RunConfig) -> 
         raise UserError(f"--resume: {path} was trained with --train-type {state.get('train_type')}, "
                         f"this run uses {cfg.train.train_type}")
     backend = state.get("backend")
-    if (backend == "deepspeed") != (cfg.backend_name == "deepspeed"):
+    if (backend == "deepspeed") != (choice.key == "deepspeed"):
         raise UserError(f"--resume: {path} holds a {backend} checkpoint; resume it with a "
                         f"{'DeepSpeed' if backend == 'deepspeed' else 'torch'} backend")
     if backend == "deepspeed" and state.get("world_size") != world.world_size:

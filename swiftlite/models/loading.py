@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from swiftlite import dtypes
 from swiftlite.errors import UserError
 from swiftlite.models.presets import Preset, get_preset
 
@@ -64,8 +65,8 @@ def resolve_model(arg: str) -> ModelSource:
 
 
 def torch_dtype(name: str) -> "torch.dtype":
-    import torch
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    """torch dtype of a --torch-dtype name (swiftlite.dtypes is the one table)."""
+    return dtypes.torch_dtype(name)
 
 
 def load_tokenizer(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
@@ -106,7 +107,8 @@ def model_config(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
         raise UserError(f"--model {cfg.model.model}: cannot read its config ({str(e).splitlines()[0]})") from None
 
 
-def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None) -> "torch.nn.Module":
+def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
+               init_context: Any = None) -> "torch.nn.Module":
     """Load weights (or build a built-in preset with weights seeded by --seed), quantized if asked.
 
     Under ZeRO-3 a real checkpoint is loaded inside `deepspeed.zero.Init`, so no rank ever holds the
@@ -138,13 +140,9 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
         kwargs["quantization_config"] = quant
     if src.kind == "hub" and cfg.model.model_revision:
         kwargs["revision"] = cfg.model.model_revision
-    ctx: Any = contextlib.nullcontext()
-    if world is not None and cfg.backend_name == "deepspeed" and quant is None:
-        # transformers imports torch._dynamo lazily; doing that inside zero.Init (which patches
-        # Tensor.__new__) fails with "Signature mismatch ... tensor_pynew": import it first.
-        import torch._dynamo  # noqa: F401
-        from swiftlite.parallel.deepspeed import zero_init_context
-        ctx = zero_init_context(cfg, world, getattr(model_config(cfg, src), "hidden_size", None))
+    # The backend's own loading context (ZeRO-3: zero.Init), handed in by the caller: a loader
+    # never picks a backend.
+    ctx: Any = init_context if init_context is not None else contextlib.nullcontext()
     if world is not None and not world.is_main:
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()  # one "Loading weights" bar (rank 0's) is enough
@@ -180,9 +178,10 @@ def decoder_layers(model: "torch.nn.Module") -> list["torch.nn.Module"]:
     return found
 
 
-def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None) -> "torch.nn.Module":
+def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
+                  init_context: Any = None) -> "torch.nn.Module":
     """load -> quantize -> LoRA -> activation checkpointing -> compile. Wrap + optimizer come next."""
-    model = load_model(cfg, source, world)  # quantization happens inside loading (bnb needs it there)
+    model = load_model(cfg, source, world, init_context=init_context)  # quantization happens inside loading (bnb needs it there)
     if cfg.is_peft:
         from swiftlite.models.lora import apply_lora
         model = apply_lora(model, cfg)

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 
 def compute_dtype(cfg: "RunConfig") -> "torch.dtype":
     """Matmul dtype of the 4-bit layers: the run's dtype (bf16 on GPUs, fp32 on CPU tests)."""
-    from swiftlite.models.loading import torch_dtype
-    return torch_dtype(cfg.model.torch_dtype)
+    from swiftlite import dtypes
+    return dtypes.torch_dtype(cfg.model.torch_dtype)
 
 
 def bnb_config(cfg: "RunConfig") -> Any:
@@ -84,7 +84,7 @@ def quantize_in_place(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.M
     a real checkpoint takes, so tests exercise exactly what users run."""
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
-    from swiftlite.models.loading import torch_dtype
+    from swiftlite.dtypes import torch_dtype
     with tempfile.TemporaryDirectory(prefix="swiftlite-q-") as tmp:
         # Not model.save_pretrained: under an initialised process group transformers writes only on
         # rank 0, and every rank quantizes its own copy into its own temp folder.

@@ -1,35 +1,53 @@
-"""Single-process and DistributedDataParallel backends: a full replica on every rank."""
+"""Single-process and DistributedDataParallel backends: a full replica on every rank.
+
+torch is imported inside the functions: the registry imports this module to read its records, and
+that must stay fast for `--help` and `--dry-run`.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
+from swiftlite.parallel.base import Backend, register_backend
 
-from swiftlite.parallel.base import World, register_backend
-from swiftlite.parallel.torch_engine import TorchEngine
+if TYPE_CHECKING:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from swiftlite.distributed import World
+    from swiftlite.parallel.torch_engine import TorchEngine
 
 
-@register_backend("single")
-def single(model: torch.nn.Module, cfg: Any, world: World, total_steps: int) -> TorchEngine:
+def single(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
     """No wrapping: one process, one replica."""
+    from swiftlite.parallel.torch_engine import TorchEngine
     return TorchEngine(model.to(world.device), cfg, world, total_steps)
 
 
-def apply_ddp(model: torch.nn.Module, world: World) -> DDP:
-    """Replicate with gradient all-reduce (averaged over ranks)."""
+def apply_ddp(model: "torch.nn.Module", world: "World") -> "DistributedDataParallel":
+    """Replicate with gradient all-reduce (averaged over ranks). gradient_as_bucket_view: the
+    gradients are DDP's buckets (no second copy); buffers are never changed in training, so they are
+    not broadcast each forward."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
     model = model.to(world.device)
     ids = [world.local_rank] if world.device.startswith("cuda") else None
     return DDP(model, device_ids=ids, find_unused_parameters=False, gradient_as_bucket_view=True,
                broadcast_buffers=False)
 
 
-@register_backend("ddp")
-def ddp(model: torch.nn.Module, cfg: Any, world: World, total_steps: int) -> TorchEngine:
+def ddp(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
+    from swiftlite.parallel.torch_engine import TorchEngine
     if not world.distributed:
         return single(model, cfg, world, total_steps)
     wrapped = apply_ddp(model, world)
     return TorchEngine(wrapped, cfg, world, total_steps, inner=model,
                        no_sync=lambda last: contextlib.nullcontext() if last else wrapped.no_sync())
+
+
+register_backend(Backend(
+    name="single", engine="single", factory=single, max_processes=1, memory_family="single",
+    summary="one process, no wrapping"))
+register_backend(Backend(
+    name="ddp", engine="ddp", factory=ddp, one_process="single", memory_family="ddp",
+    summary="DistributedDataParallel: a full replica per process, gradients all-reduced"))

@@ -1,6 +1,6 @@
 """DeepSpeed backend (ZeRO-1/2/3, CPU/NVMe offload) behind the swiftlite `Engine` interface.
 
-    engine = build_engine(model, cfg, world, total_steps)       # registered as "deepspeed"
+    engine = build_engine(model, cfg, world, total_steps, choice)   # zero2, zero3, ... or a JSON file
 
 How the numerics are made to equal the torch backends (verified on deepspeed 0.19.8):
 
@@ -39,13 +39,14 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import socket
 import sys
 from typing import TYPE_CHECKING, Any, Iterator
 
+from swiftlite import env as envvars
+from swiftlite.distributed import World, free_port
 from swiftlite.errors import UserError
-from swiftlite.parallel.base import World, register_backend
-from swiftlite.parallel.ds_config import ds_stage, offload_devices, resolve_ds_config
+from swiftlite.parallel.base import Backend, BackendChoice, register_backend
+from swiftlite.parallel.ds_config import ds_source, ds_stage, load_ds_config, offload_devices, resolve_ds_config
 
 if TYPE_CHECKING:
     import torch
@@ -75,31 +76,24 @@ def ds_env_defaults() -> dict[str, str]:
     set_: dict[str, str] = {}
 
     def default(k: str, v: str) -> None:
-        if k not in os.environ:
-            os.environ[k] = v
+        if envvars.set_default(k, v):
             set_[k] = v
 
     if not torch.cuda.is_available():
         default("DS_ACCELERATOR", "cpu")
     default("TORCH_EXTENSIONS_DIR", os.path.expanduser(DEFAULT_EXT_DIR))
-    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
+    if not envvars.has("WORLD_SIZE") and not envvars.has("RANK"):
         for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                      ("MASTER_ADDR", "127.0.0.1")):
             default(k, v)
-        if "MASTER_PORT" not in os.environ:
-            default("MASTER_PORT", str(_free_port()))
+        if not envvars.has("MASTER_PORT"):
+            default("MASTER_PORT", str(free_port()))
     return set_
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stale_extension_locks(ext_dir: str | None = None) -> list[str]:
     """`lock` files left in the op-build cache (torch's cpp_extension FileBaton)."""
-    root = os.path.expanduser(ext_dir or os.environ.get("TORCH_EXTENSIONS_DIR") or DEFAULT_EXT_DIR)
+    root = os.path.expanduser(ext_dir or envvars.get("TORCH_EXTENSIONS_DIR") or DEFAULT_EXT_DIR)
     return sorted(set(glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock"))))
 
 
@@ -116,7 +110,7 @@ def check_extension_locks(ext_dir: str | None = None) -> None:
 def _skip_shm_comm_build() -> None:
     """DeepSpeed's CPU comm backend builds the shm_comm op at start-up (minutes, first time) only for
     inference_all_reduce; training never uses it. SWIFTLITE_DS_SHM_COMM=1 keeps DeepSpeed's behaviour."""
-    if os.environ.get("SWIFTLITE_DS_SHM_COMM") == "1":
+    if envvars.settings().ds_shm_comm:
         return
     import deepspeed.comm.torch  # noqa: F401  (the name is shadowed by torch in deepspeed.comm)
     mod = sys.modules["deepspeed.comm.torch"]
@@ -147,9 +141,10 @@ def _prepare_deepspeed(world: World, timeout_s: int = 1800) -> Any:
 # --------------------------------------------------------------------------------------------------
 # Config for this run
 
-def engine_ds_config(cfg: "RunConfig", world_size: int, hidden_size: int | None) -> dict[str, Any]:
+def engine_ds_config(cfg: "RunConfig", world_size: int, hidden_size: int | None,
+                     choice: BackendChoice | None = None) -> dict[str, Any]:
     """The filled, validated JSON plus the settings the engine relies on (see module docstring)."""
-    ds = resolve_ds_config(cfg, world_size, hidden_size)
+    ds = resolve_ds_config(cfg, world_size, hidden_size, ds_source(cfg, choice))
     ds["managed_gradient_accumulation"] = False
     ds["zero_allow_untested_optimizer"] = True
     ds["zero_force_ds_cpu_optimizer"] = False
@@ -202,7 +197,8 @@ def _set_hf_ds_config(ds: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def zero_init_context(cfg: "RunConfig", world: World, hidden_size: int | None) -> Iterator[None]:
+def zero_init_context(cfg: "RunConfig", world: World, hidden_size: int | None,
+                      choice: BackendChoice | None = None) -> Iterator[None]:
     """Build or load the model inside this so that a ZeRO-3 rank never holds the whole model.
 
         with zero_init_context(cfg, world, model_config.hidden_size):
@@ -216,10 +212,13 @@ def zero_init_context(cfg: "RunConfig", world: World, hidden_size: int | None) -
     properly initialised (std = initializer_range) but not bit-identical to the same seed built
     without ZeRO-3 (different RNG consumption). Seed every rank alike before building.
     """
-    ds = engine_ds_config(cfg, world.world_size, hidden_size)
+    ds = engine_ds_config(cfg, world.world_size, hidden_size, choice)
     if ds_stage(ds) != 3:
         yield
         return
+    # transformers imports torch._dynamo lazily; doing that inside zero.Init (which patches
+    # Tensor.__new__) fails with "Signature mismatch ... tensor_pynew": import it first.
+    import torch._dynamo  # noqa: F401
     deepspeed = _prepare_deepspeed(world, cfg.parallel.ddp_timeout)
     _set_hf_ds_config(ds)
     with deepspeed.zero.Init(config_dict_or_path=ds):
@@ -232,12 +231,13 @@ def zero_init_context(cfg: "RunConfig", world: World, hidden_size: int | None) -
 class DeepSpeedEngine:
     """swiftlite's Engine over a `deepspeed.DeepSpeedEngine` (see the module docstring)."""
 
-    def __init__(self, model: "torch.nn.Module", cfg: "RunConfig", world: World, total_steps: int):
+    def __init__(self, model: "torch.nn.Module", cfg: "RunConfig", world: World, total_steps: int,
+                 choice: BackendChoice | None = None):
         from swiftlite.optim import build_optimizer, build_scheduler
 
         deepspeed = _prepare_deepspeed(world, cfg.parallel.ddp_timeout)
         self.cfg, self.world = cfg, world
-        self.ds_config = engine_ds_config(cfg, world.world_size, _hidden_size(model))
+        self.ds_config = engine_ds_config(cfg, world.world_size, _hidden_size(model), choice)
         self.stage = ds_stage(self.ds_config)
         if self.stage == 3:
             _set_hf_ds_config(self.ds_config)
@@ -405,7 +405,75 @@ def _saved_world_size(path: str) -> int | None:
     return len(files) or None
 
 
-@register_backend("deepspeed")
-def build_deepspeed_engine(model: "torch.nn.Module", cfg: "RunConfig", world: World,
-                           total_steps: int) -> DeepSpeedEngine:
-    return DeepSpeedEngine(model, cfg, world, total_steps)
+def model_init_context(cfg: "RunConfig", world: World, model_config: Any, choice: BackendChoice) -> Any:
+    """The record's init context: ZeRO-3's partitioned init for a model loaded from weights. A
+    quantized base is never partitioned (bitsandbytes packs the weights itself), and a built-in
+    preset is built whole and then partitioned by `deepspeed.initialize`."""
+    if cfg.quant_bits is not None:
+        return None
+    hidden = getattr(model_config(), "hidden_size", None)
+    return zero_init_context(cfg, world, hidden, choice)
+
+
+def build_deepspeed_engine(model: "torch.nn.Module", cfg: "RunConfig", world: World, total_steps: int,
+                           choice: BackendChoice | None = None) -> DeepSpeedEngine:
+    return DeepSpeedEngine(model, cfg, world, total_steps, choice)
+
+
+# --------------------------------------------------------------------------------------------------
+# Records and their checks
+
+def check_config(cfg: "RunConfig", world_size: int, choice: BackendChoice) -> str | None:
+    """The DeepSpeed JSON (preset or file) reads, fills and validates for this world; a quantized
+    base is never offloaded; fp16 needs an accelerator that has it."""
+    src = ds_source(cfg, choice)
+    param_dev = offload_devices(load_ds_config(src))[1]
+    if cfg.quant_bits is not None and param_dev != "none":
+        return (f"--parallelism {src}: DeepSpeed offload cannot move bitsandbytes-quantized weights "
+                f"(offload_param to {param_dev} pages the packed weights without their quantization state); use "
+                "zero3, or zero2_offload (optimizer offload only), with --qlora/--quant-bits")
+    resolve_ds_config(cfg, world_size, None, src)
+    if cfg.model.torch_dtype == "fp16" and not fp16_available():
+        return ("--torch-dtype fp16: this machine has no GPU, and DeepSpeed's CPU accelerator supports fp16 only "
+                "on CPUs with AVX512-FP16 (this one lacks it); use bf16 or fp32")
+    return None
+
+
+def fp16_available() -> bool:
+    """Whether DeepSpeed can train fp16 here: any CUDA device, or a CPU whose oneDNN has fp16."""
+    import torch
+    if torch.cuda.is_available():
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:  # noqa: BLE001 - an older torch without the probe: DeepSpeed says no too
+        return False
+
+
+def _needs_source(cfg: "RunConfig", world_size: int, choice: BackendChoice) -> str | None:
+    if not choice.deepspeed_source:
+        return "--parallelism deepspeed needs a config: --deepspeed FILE, a .json value, or a preset (zero2, zero3, ...)"
+    return None
+
+
+def _record(name: str, summary: str, family: str | None, shards: tuple[bool, bool, bool], *,
+            estimate: bool = True) -> Backend:
+    return Backend(name=name, engine="deepspeed", factory=build_deepspeed_engine, summary=summary,
+                   shards=shards, memory_family=family, estimate=estimate, loss_scaling=True,
+                   checks=(_needs_source, check_config) if name == "deepspeed" else (check_config,),
+                   init_context=model_init_context, checkpoint_format="ds",
+                   ds_preset=None if name == "deepspeed" else name, needs=("deepspeed",))
+
+
+register_backend(_record("zero2", "DeepSpeed ZeRO-2: grads and optimizer state sharded", "zero2",
+                         (False, True, True)))
+register_backend(_record("zero2_offload", "ZeRO-2 with the optimizer state in CPU memory", "zero2",
+                         (False, True, True), estimate=False))
+register_backend(_record("zero3", "DeepSpeed ZeRO-3: params, grads and optimizer state sharded", "zero3",
+                         (True, True, True)))
+register_backend(_record("zero3_offload", "ZeRO-3 with params, grads and optimizer state in CPU memory",
+                         "zero3_offload", (True, True, True)))
+register_backend(_record("zero3_offload_nvme", "ZeRO-3 with params and optimizer state on NVMe (--offload-dir)",
+                         "zero3_offload", (True, True, True), estimate=False))
+register_backend(_record("deepspeed", "a DeepSpeed JSON of your own (--deepspeed FILE or --parallelism FILE.json)",
+                         None, (True, True, True), estimate=False))

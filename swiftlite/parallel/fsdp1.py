@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-
+from swiftlite import dtypes
 from swiftlite.errors import UserError
-from swiftlite.models.loading import decoder_layers
-from swiftlite.parallel.base import World, register_backend
-from swiftlite.parallel.fsdp2 import mixed_precision_dtypes
-from swiftlite.parallel.torch_engine import TorchEngine
+from swiftlite.parallel.base import Backend, register_backend
+from swiftlite.parallel.fsdp2 import (FSDP_OPTIONS, check_quantized_base, mixed_precision_dtypes,
+                                      refuse_cpu_offload_without_gpu)
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from swiftlite.distributed import World
+    from swiftlite.parallel.torch_engine import TorchEngine
 
 
-def _is_quantized(p: torch.Tensor) -> bool:
+def _is_quantized(p: "torch.Tensor") -> bool:
     return type(p).__name__ in ("Params4bit", "Int8Params")
 
 
-def cast_to_uniform_dtype(model: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+def cast_to_uniform_dtype(model: "torch.nn.Module", dtype: "torch.dtype") -> list[str]:
     """FSDP1 flattens each unit's parameters into one tensor of one dtype ("Must flatten tensors
     with uniform dtype"). A LoRA/QLoRA model mixes dtypes: peft keeps adapters in fp32 next to a
     bf16 base, and bitsandbytes' 4-bit weights are stored as `bnb_4bit_quant_storage` (= --torch-dtype,
@@ -36,7 +38,7 @@ def cast_to_uniform_dtype(model: torch.nn.Module, dtype: torch.dtype) -> list[st
     return cast
 
 
-def check_uniform_dtype(model: torch.nn.Module) -> None:
+def check_uniform_dtype(model: "torch.nn.Module") -> None:
     """FSDP1 flattens each unit into one tensor: every parameter must share a dtype."""
     dtypes = {p.dtype for p in model.parameters()}
     if len(dtypes) > 1:
@@ -45,8 +47,14 @@ def check_uniform_dtype(model: torch.nn.Module) -> None:
                         "(use --parallelism fsdp, or cast the non-quantized parameters)")
 
 
-def apply_fsdp1(model: torch.nn.Module, world: World, *, mp: tuple | None, reshard_after_forward: bool,
-                cpu_offload: bool) -> FSDP:
+def apply_fsdp1(model: "torch.nn.Module", world: "World", *, mp: tuple | None, reshard_after_forward: bool,
+                cpu_offload: bool) -> "FSDP":
+    import torch
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    from swiftlite.models.loading import decoder_layers
     layer_cls = {type(layer) for layer in decoder_layers(model)}
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_cls)
     mixed = MixedPrecision(param_dtype=mp[0], reduce_dtype=mp[1], buffer_dtype=mp[0]) if mp else None
@@ -57,14 +65,11 @@ def apply_fsdp1(model: torch.nn.Module, world: World, *, mp: tuple | None, resha
                 device_id=device_id, use_orig_params=True, sync_module_states=False)
 
 
-@register_backend("fsdp1")
-def fsdp1(model: torch.nn.Module, cfg: Any, world: World, total_steps: int) -> TorchEngine:
-    if cfg.parallel.cpu_offload and not world.device.startswith("cuda"):
-        raise UserError("--cpu-offload moves parameters from the GPU to the CPU; this run has no GPU "
-                        "(everything is on the CPU already): drop --cpu-offload")
+def fsdp1(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
+    from swiftlite.parallel.torch_engine import TorchEngine
+    refuse_cpu_offload_without_gpu(cfg, world)
     if cfg.is_peft:
-        from swiftlite.models.loading import torch_dtype
-        cast_to_uniform_dtype(model, torch_dtype(cfg.model.torch_dtype))
+        cast_to_uniform_dtype(model, dtypes.torch_dtype(cfg.model.torch_dtype))
     check_uniform_dtype(model)
     if not cfg.parallel.cpu_offload:
         model = model.to(world.device)
@@ -72,3 +77,9 @@ def fsdp1(model: torch.nn.Module, cfg: Any, world: World, total_steps: int) -> T
                           reshard_after_forward=cfg.parallel.reshard_after_forward,
                           cpu_offload=cfg.parallel.cpu_offload)
     return TorchEngine(wrapped, cfg, world, total_steps, clip=wrapped.clip_grad_norm_)
+
+
+register_backend(Backend(
+    name="fsdp1", engine="fsdp1", factory=fsdp1, one_process="single", shards=(True, True, True),
+    memory_family="fsdp1", options=FSDP_OPTIONS, checks=(check_quantized_base,),
+    summary="FSDP1 (FullyShardedDataParallel, one unit per decoder layer)"))

@@ -7,31 +7,61 @@ AdamW state. Mixed precision computes in bf16 and reduces gradients in fp32.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
+from swiftlite import dtypes
 from swiftlite.errors import UserError
-from swiftlite.models.loading import decoder_layers
-from swiftlite.parallel.base import World, register_backend
-from swiftlite.parallel.torch_engine import TorchEngine
+from swiftlite.parallel.base import Backend, register_backend
+
+if TYPE_CHECKING:
+    import torch
+
+    from swiftlite.distributed import World
+    from swiftlite.parallel.torch_engine import TorchEngine
+
+FSDP_OPTIONS = frozenset({"mixed_precision", "cpu_offload"})
 
 
-def mixed_precision_dtypes(cfg: Any) -> tuple[torch.dtype, torch.dtype] | None:
+def mixed_precision_dtypes(cfg: Any) -> "tuple[torch.dtype, torch.dtype] | None":
     """(param_dtype, reduce_dtype) for FSDP mixed precision, or None for none."""
+    import torch
     mp = cfg.parallel.mixed_precision
     if mp is None:
         mp = "bf16" if cfg.model.torch_dtype == "bf16" else "none"
     if mp == "none":
         return None
-    return ({"bf16": torch.bfloat16, "fp16": torch.float16}[mp], torch.float32)
+    return (dtypes.torch_dtype(mp), torch.float32)
 
 
-def apply_fsdp2(model: torch.nn.Module, mesh: Any, *, mp: tuple | None, reshard_after_forward: bool,
-                cpu_offload: bool) -> torch.nn.Module:
+def refuse_cpu_offload_without_gpu(cfg: Any, world: "World") -> None:
+    """Shared by fsdp and fsdp1: offload moves parameters off a GPU; on a CPU run it would be a no-op."""
+    if cfg.parallel.cpu_offload and not world.device.startswith("cuda"):
+        raise UserError("--cpu-offload moves parameters from the GPU to the CPU; this run has no GPU "
+                        "(everything is on the CPU already): drop --cpu-offload")
+
+
+def check_quantized_base(cfg: Any, world_size: int, choice: Any = None) -> str | None:
+    """FSDP (both versions) and a bitsandbytes base."""
+    bits = cfg.quant_bits
+    shown = cfg.parallel.parallelism
+    if bits == 8:
+        return (f"--quant-bits 8 with --parallelism {shown}: FSDP re-wraps every parameter as a "
+                "plain tensor and the 8-bit (LLM.int8) weights lose their scales (CB/SCB); use --qlora (4-bit) "
+                "with FSDP, or 8-bit with zero2/zero3")
+    mp = cfg.parallel.mixed_precision
+    if bits == 4 and mp not in (None, "none") and mp != cfg.model.torch_dtype:
+        return (f"--mixed-precision {mp} with a 4-bit base stored as {cfg.model.torch_dtype}: FSDP would cast the "
+                f"packed 4-bit weights to {mp} and scramble them (their storage dtype follows --torch-dtype); "
+                f"use --torch-dtype {mp} without --mixed-precision")
+    return None
+
+
+def apply_fsdp2(model: "torch.nn.Module", mesh: Any, *, mp: tuple | None, reshard_after_forward: bool,
+                cpu_offload: bool) -> "torch.nn.Module":
     """Shard each decoder layer, then the root module (embeddings, norm, head)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from swiftlite.models.loading import decoder_layers
     kw: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp[0], reduce_dtype=mp[1])
@@ -43,11 +73,11 @@ def apply_fsdp2(model: torch.nn.Module, mesh: Any, *, mp: tuple | None, reshard_
     return model
 
 
-@register_backend("fsdp")
-def fsdp2(model: torch.nn.Module, cfg: Any, world: World, total_steps: int) -> TorchEngine:
-    if cfg.parallel.cpu_offload and not world.device.startswith("cuda"):
-        raise UserError("--cpu-offload moves parameters from the GPU to the CPU; this run has no GPU "
-                        "(everything is on the CPU already): drop --cpu-offload")
+def fsdp2(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from swiftlite.parallel.torch_engine import TorchEngine
+    refuse_cpu_offload_without_gpu(cfg, world)
     device_type = "cuda" if world.device.startswith("cuda") else "cpu"
     if not cfg.parallel.cpu_offload:
         model = model.to(world.device)
@@ -61,3 +91,9 @@ def fsdp2(model: torch.nn.Module, cfg: Any, world: World, total_steps: int) -> T
         model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
     return TorchEngine(model, cfg, world, total_steps, no_sync=sync)
+
+
+register_backend(Backend(
+    name="fsdp", engine="fsdp", factory=fsdp2, aliases=("fsdp2",), one_process="single",
+    shards=(True, True, True), memory_family="fsdp", options=FSDP_OPTIONS, checks=(check_quantized_base,),
+    summary="FSDP2 (fully_shard per decoder layer): params, grads and optimizer state sharded"))

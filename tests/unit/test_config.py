@@ -6,14 +6,18 @@ import json
 
 import pytest
 
+from swiftlite.parallel.resolve import resolve_backend
 from swiftlite.cli import parse_run_args
 from swiftlite.config import load_args, load_config, save_args
 from swiftlite.errors import UserError
 
 
 def cfg_from(argv, tmp_path=None, **kw):
+    """Parse, validate, and resolve --parallelism (as preflight does) on the planned world."""
     config_file, values = parse_run_args(argv)
-    return load_config(config_file, values, **kw)
+    cfg = load_config(config_file, values, **kw)
+    resolve_backend(cfg, (cfg.parallel.nproc_per_node or 1) * (cfg.parallel.nnodes or 1))
+    return cfg
 
 
 def test_both_spellings_and_aliases():

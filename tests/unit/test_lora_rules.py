@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from swiftlite.parallel.resolve import resolve_backend
 from swiftlite.cli import parse_run_args
 from swiftlite.config import load_config
 from swiftlite.errors import UserError
@@ -19,8 +20,11 @@ DATA = ["--dataset", "train.jsonl", "--model", "tiny-llama-2l"]
 
 
 def cfg_from(argv):
+    """Parse, validate, and resolve --parallelism (as preflight does) on the planned world."""
     config_file, values = parse_run_args([*DATA, *argv])
-    return load_config(config_file, values, validate_paths=False)
+    cfg = load_config(config_file, values, validate_paths=False)
+    resolve_backend(cfg, (cfg.parallel.nproc_per_node or 1) * (cfg.parallel.nnodes or 1))
+    return cfg
 
 
 # -- the rule table ----------------------------------------------------------------------------------

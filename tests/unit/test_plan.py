@@ -379,10 +379,10 @@ def test_auto_in_a_run_reads_the_gpu_memory(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda dev: SimpleNamespace(total_memory=memory["total"]))
     expected = resolve_auto(cfg, 1, 80 * GB, gpus_per_node=1)
-    assert resolve_backend(cfg, world) == expected.backend == "single"
+    assert resolve_backend(cfg, world).name == expected.backend == "single"
     assert expected.reason in capsys.readouterr().out
     memory["total"] = 24 * GB
     with pytest.raises(UserError, match="--parallelism auto"):
         resolve_backend(cfg, world)
     cpu = SimpleNamespace(device="cpu", distributed=False, world_size=2, local_world_size=2, is_main=True)
-    assert resolve_backend(cfg, cpu) == "fsdp"
+    assert resolve_backend(cfg, cpu).name == "fsdp"

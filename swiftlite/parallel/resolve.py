@@ -1,0 +1,153 @@
+"""`--parallelism` -> the backend a run uses: the only reader of that flag.
+
+    choice = resolve_backend(cfg, world_size, gpu_memory=None)   # BackendChoice(name, reason, ...)
+
+Dry-run, preflight, the trainer, model loading, the planner and bench all call this one function, so
+what `--dry-run` prints is what runs. The steps, in order:
+
+1. `auto` asks the planner (planner/recommend.py: memory per GPU on CUDA, simple rules on CPU);
+   `--deepspeed FILE` alone means DeepSpeed; a `.json` value is a DeepSpeed config file.
+2. The named record (or alias) is looked up in the registry (parallel/base.py).
+3. Its checks run: the options it honours (`--mixed-precision`, `--cpu-offload`), fp16 without loss
+   scaling, its process limit, then its own rules (`Backend.checks`).
+4. On one process a record with a `one_process` fallback (ddp, fsdp, fsdp1) runs that instead: there
+   is nothing to replicate or shard; the reason says so.
+
+Any failure is a one-line UserError naming the flag, raised before a process starts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from swiftlite.errors import UserError
+from swiftlite.parallel.base import OPTION_FLAGS, Backend, BackendChoice, get_backend, parallelism_names
+
+if TYPE_CHECKING:
+    from swiftlite.config import RunConfig
+
+#: gpu_memory: bytes of the smallest GPU, None on CPU, or a function giving either (called only when
+#: the answer depends on it: `auto`).
+GpuMemory = "int | None | Callable[[], int | None]"
+
+
+def requested(cfg: "RunConfig") -> str:
+    """What the user asked for, as one name (`--deepspeed FILE` alone counts as that file)."""
+    p = cfg.parallel.parallelism
+    if p == "auto" and cfg.parallel.deepspeed:
+        return cfg.parallel.deepspeed
+    return p
+
+
+def _lookup(name: str, cfg: "RunConfig") -> tuple[Backend, str | None]:
+    """The record for a --parallelism name, and its DeepSpeed source (preset or file) if any."""
+    if name.endswith(".json"):
+        rec = get_backend("deepspeed")
+        return rec, name
+    from swiftlite.parallel.base import find_backend
+    rec = find_backend(name)
+    if rec is None:
+        raise UserError(f"--parallelism: unknown value {name!r} (choose from {', '.join(parallelism_names())}, "
+                        "or a DeepSpeed .json file)")
+    if cfg.parallel.deepspeed:
+        if rec.checkpoint_format != "ds":
+            raise UserError(f"--deepspeed given with --parallelism {cfg.parallel.parallelism}: use one of them")
+        return rec, cfg.parallel.deepspeed
+    return rec, rec.ds_preset
+
+
+def _memory_family(rec: Backend, ds_source: str | None) -> str | None:
+    if rec.memory_family is not None or ds_source is None:
+        return rec.memory_family
+    # A DeepSpeed JSON of the user's: its stage and offload decide which formulas apply.
+    from swiftlite.parallel.ds_config import ds_stage, load_ds_config, offload_devices
+    ds = load_ds_config(ds_source)
+    stage = ds_stage(ds)
+    if stage == 3:
+        return "zero3_offload" if offload_devices(ds)[1] != "none" else "zero3"
+    return "zero2"
+
+
+def check_backend(rec: Backend, cfg: "RunConfig", world_size: int, ds_source: str | None = None) -> None:
+    """The rules every record shares, then its own; the first failure is a UserError."""
+    shown = cfg.parallel.parallelism if cfg.parallel.parallelism != "auto" else rec.name
+    for opt, flag in OPTION_FLAGS.items():
+        value = getattr(cfg.parallel, opt)
+        if value not in (None, False, "none") and opt not in rec.options:
+            honoured = "/".join(sorted(b.name for b in _all() if opt in b.options))
+            if opt == "cpu_offload":
+                raise UserError(f"{flag} applies to {honoured}; for DeepSpeed use --parallelism zero3_offload "
+                                f"(got --parallelism {shown})")
+            raise UserError(f"{flag} applies to {honoured}; with --parallelism {shown} set --torch-dtype instead")
+    if cfg.model.torch_dtype == "fp16" and not rec.loss_scaling:
+        raise UserError("--torch-dtype fp16 needs loss scaling, which only the DeepSpeed backends provide; use bf16"
+                        + (f" (--parallelism {shown})" if shown != cfg.parallel.parallelism else ""))
+    if rec.max_processes is not None and world_size > rec.max_processes:
+        raise UserError(f"--parallelism {shown} runs one process: drop --nproc-per-node/--nnodes or pick ddp/fsdp")
+    choice = BackendChoice(name=rec.name, requested=requested(cfg), deepspeed_source=ds_source)
+    for check in rec.checks:
+        msg = check(cfg, world_size, choice)
+        if msg:
+            raise UserError(msg)
+
+
+def _all() -> list[Backend]:
+    from swiftlite.parallel.base import all_backends
+    return all_backends()
+
+
+def resolve_backend(cfg: "RunConfig", world_size: int, gpu_memory: Any = None, *, shape: Any = None,
+                    gpus_per_node: int | None = None) -> BackendChoice:
+    """The backend this run uses on `world_size` processes (see the module docstring)."""
+    name = requested(cfg)
+    reason = ""
+    if name == "auto":
+        from swiftlite.parallel.plan import resolve_auto
+        mem = gpu_memory() if callable(gpu_memory) else gpu_memory
+        if callable(shape):  # the model's shape matters only to the memory model, on GPUs
+            shape = shape() if mem is not None else None
+        decision = resolve_auto(cfg, world_size, mem, shape=shape, gpus_per_node=gpus_per_node)
+        name, reason = decision.backend, decision.reason
+    rec, ds_source = _lookup(name, cfg)
+    try:
+        check_backend(rec, cfg, world_size, ds_source)
+    except UserError as e:
+        if requested(cfg) == "auto":
+            raise UserError(f"--parallelism auto chose {rec.name} ({reason}), but {e}") from None
+        raise
+    if world_size == 1 and rec.one_process:
+        fallback = get_backend(rec.one_process)
+        reason = reason or f"{rec.name} on one process: nothing to replicate or shard, runs as {fallback.name}"
+        rec, ds_source = fallback, fallback.ds_preset
+    return BackendChoice(name=rec.name, requested=requested(cfg), reason=reason, deepspeed_source=ds_source,
+                         memory_family=_memory_family(rec, ds_source))
+
+
+def memory_family_for(name: str, world_size: int) -> str | None:
+    """The planner family a --parallelism name runs as on `world_size` processes, without a run
+    config (bench columns, estimate rows): aliases folded, one-process fallbacks applied, a DeepSpeed
+    JSON read for its stage."""
+    from swiftlite.parallel.base import find_backend
+    if name.endswith(".json"):
+        try:
+            return _memory_family(get_backend("deepspeed"), name)
+        except UserError:
+            return None
+    rec = find_backend(name)
+    if rec is None:
+        return None
+    if world_size == 1 and rec.one_process:
+        rec = get_backend(rec.one_process)
+    return rec.memory_family
+
+
+def local_gpu_memory() -> int | None:
+    """Total memory of the smallest GPU this process sees, or None without CUDA (imports torch: called
+    lazily, only when the answer matters)."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+
+
+__all__ = ["GpuMemory", "check_backend", "local_gpu_memory", "memory_family_for", "requested", "resolve_backend"]
