@@ -14,15 +14,15 @@ lookup. This is the only place that reads SWIFTLITE_FAULT.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
 from dataclasses import dataclass
 
+from swiftlite import env
 from swiftlite.errors import UserError
 
-ENV = "SWIFTLITE_FAULT"
+ENV = env.FAULT
 KINDS = ("raise", "hang", "kill", "exit")
 PHASES = ("step", "checkpoint")
 
@@ -76,7 +76,7 @@ _cache: tuple[str, Fault] | None = None
 def active() -> Fault | None:
     """The fault described by the environment, if any (parsed once per distinct value)."""
     global _cache
-    spec = os.environ.get(ENV)
+    spec = env.settings().fault
     if not spec:
         return None
     if _cache is None or _cache[0] != spec:
@@ -89,7 +89,7 @@ def maybe_inject(step: int, phase: str = "step") -> None:
     fault = active()
     if fault is None:
         return
-    rank = int(os.environ.get("RANK", "0"))
+    rank = env.world_vars().rank
     if not fault.matches(step, phase, rank):
         return
     where = f"rank {rank}, step {step}, phase {phase}"

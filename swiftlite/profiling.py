@@ -28,15 +28,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
-ENV_PROFILE = "SWIFTLITE_PROFILE"
-ENV_DIR = "SWIFTLITE_PROFILE_DIR"
-ENV_STATS = "SWIFTLITE_BENCH_STATS"
-ENV_MEMORY = "SWIFTLITE_PROFILE_MEMORY"
+from swiftlite import env
+
+ENV_PROFILE = env.PROFILE
+ENV_DIR = env.PROFILE_DIR
+ENV_STATS = env.BENCH_STATS
+ENV_MEMORY = env.PROFILE_MEMORY
 
 
 def parse_window(text: str | None) -> tuple[int, int] | None:
@@ -55,9 +56,10 @@ class _State:
 
     def __init__(self, run_dir: Path, rank: int):
         self.rank = rank
-        self.out = Path(os.environ.get(ENV_DIR) or Path(run_dir) / "profile")
-        self.window = parse_window(os.environ.get(ENV_PROFILE))
-        self.stats = os.environ.get(ENV_STATS, "") not in ("", "0")
+        st = env.settings()
+        self.out = Path(st.profile_dir or Path(run_dir) / "profile")
+        self.window = parse_window(st.profile)
+        self.stats = st.bench_stats
         self.t0 = time.perf_counter()
         self.steps: list[list] = []    # [1-based step, start, end] in seconds since t0
         self.prof: Any = None
@@ -82,7 +84,7 @@ class _State:
             acts.append(ProfilerActivity.CUDA)
         self._sync()
         self.prof = profile(activities=acts, record_shapes=True, with_stack=False,
-                            profile_memory=os.environ.get(ENV_MEMORY, "") not in ("", "0"))
+                            profile_memory=env.settings().profile_memory)
         self.prof.__enter__()
 
     def _mark(self, done_step: int | None) -> None:
@@ -147,7 +149,7 @@ _ENABLED: bool | None = None
 
 
 def enabled() -> bool:
-    return bool(os.environ.get(ENV_PROFILE)) or os.environ.get(ENV_STATS, "") not in ("", "0")
+    return env.settings().profiling
 
 
 def step_hook(step: int, run_dir: str | Path, rank: int = 0) -> None:
@@ -223,7 +225,7 @@ def start_memory_window() -> dict[str, Any] | None:
         return None
     # glibc keeps freed blocks below its (adaptive) mmap threshold, so RSS then overstates live
     # memory; with MALLOC_MMAP_THRESHOLD_ set, large tensors are unmapped when freed.
-    return {"rss_before_model": st["rss"], "exact": "MALLOC_MMAP_THRESHOLD_" in os.environ}
+    return {"rss_before_model": st["rss"], "exact": env.has("MALLOC_MMAP_THRESHOLD_")}
 
 
 def end_memory_window(run_dir: str | Path, rank: int, start: dict[str, Any] | None, steps: int) -> None:

@@ -20,6 +20,7 @@ from swiftlite.data.collate import pack_rows
 from swiftlite.data.formats import to_messages, to_text
 from swiftlite.data.sources import load_rows, parse_spec
 from swiftlite.data.tokenize import IGNORE, encode_messages, encode_text
+from swiftlite import env
 from swiftlite.errors import UserError
 
 CACHE_VERSION = 2
@@ -44,7 +45,7 @@ class Tokenized:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SWIFTLITE_CACHE", Path.home() / ".cache" / "swiftlite")) / "tokenized"
+    return env.settings().cache / "tokenized"
 
 
 def _fingerprint(specs: list[str], tokenizer: Any, extra: dict) -> str:
@@ -103,10 +104,85 @@ def _load_cache(path: Path) -> Tokenized | None:
     return Tokenized(rows, DataStats(**st))
 
 
+def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_length: int,
+                 skip_bad_rows: bool) -> tuple[list[dict], DataStats]:
+    """Tokenize (row, where) pairs in order; rows with no target token are dropped and counted. A bad
+    row raises its UserError, or is skipped and counted with --skip-bad-rows."""
+    stats = DataStats()
+    rows: list[dict] = []
+    for row, where in items:
+        try:
+            if task == "pt":
+                enc = encode_text(tokenizer, to_text(row, where), max_length)
+            else:
+                enc = encode_messages(tokenizer, to_messages(row, where), max_length, where)
+        except UserError as e:
+            if skip_bad_rows:
+                stats.skipped.append(str(e))
+                continue
+            raise
+        stats.rows += 1
+        stats.truncated += int(enc.truncated)
+        if not any(x != IGNORE for x in enc.labels[1:]):
+            stats.no_target += 1  # nothing to learn (e.g. the answer was truncated away)
+            continue
+        rows.append({"input_ids": enc.input_ids, "labels": enc.labels})
+    return rows, stats
+
+
+# What forked tokenization workers use: set in the parent just before the pool forks, so the
+# tokenizer (a Rust object that does not pickle cheaply) is inherited, never sent.
+_WORKER: dict[str, Any] = {}
+
+
+def _encode_chunk(items: list[tuple[dict, str]]) -> tuple[list[dict], DataStats] | UserError:
+    w = _WORKER
+    try:
+        return _encode_rows(items, w["tokenizer"], w["task"], w["max_length"], w["skip"])
+    except UserError as e:  # returned, not raised: the parent re-raises the first one in row order
+        return e
+
+
+def _encode_parallel(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_length: int,
+                     skip_bad_rows: bool, num_proc: int) -> tuple[list[dict], DataStats]:
+    """`_encode_rows` over `num_proc` forked processes, chunked in row order: the same rows, stats
+    and first error as one process. The tokenizer's own thread pool is turned off first (a forked
+    Rust pool deadlocks)."""
+    import multiprocessing as mp
+    env.set_default("TOKENIZERS_PARALLELISM", "false")
+    n_chunks = num_proc * 4
+    size = max(1, -(-len(items) // n_chunks))
+    chunks = [items[i:i + size] for i in range(0, len(items), size)]
+    _WORKER.update(tokenizer=tokenizer, task=task, max_length=max_length, skip=skip_bad_rows)
+    try:
+        with mp.get_context("fork").Pool(num_proc) as pool:
+            parts = pool.map(_encode_chunk, chunks)
+    finally:
+        _WORKER.clear()
+    rows: list[dict] = []
+    stats = DataStats()
+    for part in parts:
+        if isinstance(part, UserError):
+            raise part
+        r, st = part
+        rows += r
+        stats.rows += st.rows
+        stats.truncated += st.truncated
+        stats.skipped += st.skipped
+        stats.no_target += st.no_target
+    return rows, stats
+
+
+#: Below this many rows a process pool costs more than it saves.
+PARALLEL_MIN_ROWS = 2000
+
+
 def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: int, packing: bool,
-                   skip_bad_rows: bool, use_cache: bool = True,
+                   skip_bad_rows: bool, use_cache: bool = True, num_proc: int = 1,
                    progress: Callable[[str, int], Any] | None = None) -> Tokenized:
-    """Load, convert and tokenize every spec; rows with no target token are dropped and counted."""
+    """Load, convert and tokenize every spec; rows with no target token are dropped and counted.
+    `num_proc` > 1 (--dataset-num-proc) tokenizes in that many forked processes (files of at least
+    PARALLEL_MIN_ROWS rows); the result is identical to one process."""
     key = _fingerprint(specs, tokenizer, {"task": task, "max_length": max_length, "packing": packing,
                                           "skip": skip_bad_rows})
     cpath = cache_dir() / f"{key}.npz"
@@ -119,26 +195,17 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
     for spec in specs:
         src = load_rows(spec, skip_bad_rows=skip_bad_rows)
         stats.skipped += src.skipped
-        it = zip(src.rows, src.where)
-        if progress is not None:
-            it = progress(f"tokenizing {spec}", len(src.rows))(it)
-        for row, where in it:
-            try:
-                if task == "pt":
-                    enc = encode_text(tokenizer, to_text(row, where), max_length)
-                else:
-                    enc = encode_messages(tokenizer, to_messages(row, where), max_length, where)
-            except UserError as e:
-                if skip_bad_rows:
-                    stats.skipped.append(str(e))
-                    continue
-                raise
-            stats.rows += 1
-            stats.truncated += int(enc.truncated)
-            if not any(x != IGNORE for x in enc.labels[1:]):
-                stats.no_target += 1  # nothing to learn (e.g. the answer was truncated away)
-                continue
-            rows.append({"input_ids": enc.input_ids, "labels": enc.labels})
+        items = list(zip(src.rows, src.where))
+        if num_proc > 1 and len(items) >= PARALLEL_MIN_ROWS:
+            part, st = _encode_parallel(items, tokenizer, task, max_length, skip_bad_rows, num_proc)
+        else:
+            it = progress(f"tokenizing {spec}", len(items))(items) if progress is not None else items
+            part, st = _encode_rows(it, tokenizer, task, max_length, skip_bad_rows)
+        rows += part
+        stats.rows += st.rows
+        stats.truncated += st.truncated
+        stats.skipped += st.skipped
+        stats.no_target += st.no_target
     if packing:
         rows = pack_rows(rows, max_length)
     tok = Tokenized(rows, stats)
@@ -170,7 +237,7 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
 
     def tok(specs: list[str]) -> Tokenized:
         return tokenize_specs(specs, tokenizer, task=cfg.task, max_length=d.max_length, packing=d.packing,
-                              skip_bad_rows=d.skip_bad_rows, progress=progress)
+                              skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress)
     train = tok(d.dataset)
     val = None
     if d.val_dataset:

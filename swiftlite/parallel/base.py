@@ -202,10 +202,8 @@ def build_engine(model: "torch.nn.Module", cfg: "RunConfig", world: World, total
     of one engine), its DeepSpeed config then taken from the run config."""
     if choice is None:
         if backend is None:
-            from swiftlite.parallel.resolve import resolve_backend
-            choice = resolve_backend(cfg, world.world_size)
-        else:
-            choice = BackendChoice(name=get_backend(backend).name, requested=backend)
+            raise TypeError("build_engine needs the resolved choice (parallel.resolve.resolve_backend) or backend=")
+        choice = BackendChoice(name=get_backend(backend).name, requested=backend)
     return choice.record.build(model, cfg, world, total_steps, choice)
 
 

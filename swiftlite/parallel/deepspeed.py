@@ -46,7 +46,8 @@ from swiftlite import env as envvars
 from swiftlite.distributed import World, free_port
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, BackendChoice, register_backend
-from swiftlite.parallel.ds_config import ds_source, ds_stage, load_ds_config, offload_devices, resolve_ds_config
+from swiftlite.parallel.ds_config import ds_stage, load_ds_config, offload_devices, resolve_ds_config
+from swiftlite.parallel.resolve import ds_source
 
 if TYPE_CHECKING:
     import torch

@@ -1,6 +1,6 @@
 """DeepSpeed JSON configs: presets, "auto" filling, and the checks DeepSpeed does not do itself.
 
-    ds = resolve_ds_config(cfg, world_size, hidden_size)        # load + fill_auto + validate
+    ds = resolve_ds_config(cfg, world_size, hidden_size, "zero3")   # load + fill_auto + validate
     ds = load_ds_config("zero3")  /  load_ds_config("my_ds.json")
     ds = fill_auto(ds, cfg, world_size, hidden_size)
     validate_ds_config(ds, world_size)
@@ -291,25 +291,10 @@ def validate_ds_config(ds: dict[str, Any], world_size: int) -> None:
                         f"{int(micro) * int(gas) * world_size}: set it to \"auto\"")
 
 
-def ds_source(cfg: "RunConfig", choice: Any = None) -> str:
-    """The DeepSpeed preset or JSON file of this run (from the resolved choice when there is one)."""
-    if choice is not None and choice.deepspeed_source:
-        return choice.deepspeed_source
-    from swiftlite.parallel.resolve import requested
-    name = requested(cfg)
-    if name.endswith(".json"):
-        return name
-    from swiftlite.parallel.base import get_backend
-    rec = get_backend(name)
-    if not rec.ds_preset:
-        raise UserError(f"--parallelism {name}: not a DeepSpeed backend")
-    return rec.ds_preset
-
-
 def resolve_ds_config(cfg: "RunConfig", world_size: int, hidden_size: int | None,
-                      source: str | None = None) -> dict[str, Any]:
+                      source: str | None) -> dict[str, Any]:
     """The run's DeepSpeed config, filled and validated (what the engine passes to DeepSpeed)."""
-    src = source or ds_source(cfg)
+    src = source
     if not src:
         raise UserError("--parallelism: no DeepSpeed config (use zero2, zero3, ... or --deepspeed FILE)")
     ds = fill_auto(load_ds_config(src), cfg, world_size, hidden_size)

@@ -141,6 +141,19 @@ def memory_family_for(name: str, world_size: int) -> str | None:
     return rec.memory_family
 
 
+def ds_source(cfg: "RunConfig", choice: Any = None) -> str:
+    """The DeepSpeed preset or JSON file of this run (from the resolved choice when there is one)."""
+    if choice is not None and choice.deepspeed_source:
+        return choice.deepspeed_source
+    name = requested(cfg)
+    if name.endswith(".json"):
+        return name
+    rec = get_backend(name)
+    if not rec.ds_preset:
+        raise UserError(f"--parallelism {name}: not a DeepSpeed backend")
+    return rec.ds_preset
+
+
 def local_gpu_memory() -> int | None:
     """Total memory of the smallest GPU this process sees, or None without CUDA (imports torch: called
     lazily, only when the answer matters)."""
@@ -150,4 +163,4 @@ def local_gpu_memory() -> int | None:
     return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
 
 
-__all__ = ["GpuMemory", "check_backend", "local_gpu_memory", "memory_family_for", "requested", "resolve_backend"]
+__all__ = ["GpuMemory", "check_backend", "local_gpu_memory", "ds_source", "memory_family_for", "requested", "resolve_backend"]

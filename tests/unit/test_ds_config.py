@@ -203,7 +203,7 @@ def test_user_file_is_used(tmp_path):
     d["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     path = write(tmp_path, d)
     cfg = make_cfg(parallelism=path)
-    ds = resolve_ds_config(cfg, 2, 64)
+    ds = resolve_ds_config(cfg, 2, 64, path)
     assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 0  # explicit value kept
     assert ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64
 
