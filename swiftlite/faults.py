@@ -14,6 +14,7 @@ lookup. This is the only place that reads SWIFTLITE_FAULT.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -74,7 +74,3 @@ def lr_lambda(cfg: "RunConfig", total_steps: int):
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: "RunConfig", total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
-
-
-def trainable(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-    return [p for p in params if p.requires_grad]

@@ -11,7 +11,7 @@ is dropped (so every step has the same number of samples).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
@@ -48,13 +48,6 @@ class BatchPlan:
     def all_micro_batches(self, step: int) -> list[list[int]]:
         """Every rank's micro-batches of a step (to count the global target tokens without comms)."""
         return [mb for r in range(self.world_size) for mb in self.micro_batches(step, r)]
-
-
-def eval_batches(n: int, batch_size: int, rank: int, world_size: int) -> Iterator[list[int]]:
-    """Validation: rank r takes a strided share; every sample is seen exactly once overall."""
-    mine = list(range(rank, n, world_size))
-    for i in range(0, len(mine), batch_size):
-        yield mine[i:i + batch_size]
 
 
 def select(rows: Sequence[dict], idx: Sequence[int]) -> list[dict]:

@@ -1,9 +1,9 @@
 """Resolve --model, load the tokenizer and the model, and prepare it for training.
 
-`prepare_model` is the one place that fixes the order (DESIGN.md):
+`prepare_model` is the one place that fixes the order (docs/design.md, "Model preparation"):
 load (meta or real) -> quantize (bnb) -> LoRA (peft) -> activation checkpointing -> compile (per
 decoder layer). Wrapping by the backend and building the optimizer follow immediately, in
-`parallel.base.build_engine` (trap 2: no forward may happen in between).
+`parallel.base.build_engine` (docs/design.md trap 2: no forward may happen in between).
 """
 
 from __future__ import annotations

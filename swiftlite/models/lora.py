@@ -1,6 +1,6 @@
 """LoRA adapters through peft (LoRA on a 16/32-bit base, QLoRA on a bitsandbytes 4-bit base).
 
-`apply_lora` runs after loading/quantizing and before wrapping (DESIGN.md order). It checks the
+`apply_lora` runs after loading/quantizing and before wrapping (the order in docs/design.md). It checks the
 targets against the model first, so a wrong --target-modules is a one-line error listing what the
 model has, not a peft traceback, and it initialises the adapter from --seed alone so that every rank
 (and every world size) starts from the same adapter.
@@ -32,11 +32,6 @@ def _is_linear(m: "torch.nn.Module") -> bool:
 def linear_module_paths(model: "torch.nn.Module") -> list[str]:
     """Full names of the linear layers (`model.layers.0.self_attn.q_proj`, ..., `lm_head`)."""
     return [name for name, m in model.named_modules() if name and _is_linear(m)]
-
-
-def linear_module_names(model: "torch.nn.Module") -> list[str]:
-    """Distinct leaf names of linear layers (what --target-modules can name)."""
-    return sorted({p.rsplit(".", 1)[-1] for p in linear_module_paths(model)})
 
 
 def _matches(target: str, path: str) -> bool:

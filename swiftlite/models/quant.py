@@ -109,7 +109,7 @@ def quantize_in_place(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.M
 
 
 def disable_cpu_repack(model: "torch.nn.Module") -> None:
-    """Trap 1 (DESIGN.md): on CPUs with AVX512-BF16, bitsandbytes repacks 4-bit weights in place on
+    """Trap 1 (docs/design.md): on CPUs with AVX512-BF16, bitsandbytes repacks 4-bit weights in place on
     an eval()+no_grad forward, which silently corrupts later sharded training steps. Turn it off."""
     for m in model.modules():
         if hasattr(m, "support_avx512bf16_for_cpu"):

@@ -12,7 +12,7 @@ def token_loss_sum(module: torch.nn.Module, batch: dict[str, torch.Tensor]) -> t
     """Summed next-token cross-entropy over target tokens, in fp32.
 
     A sum, not a mean: the trainer divides by the target tokens of the whole global batch, so the
-    objective does not change with micro-batching or the number of ranks (DESIGN.md, numerics).
+    objective does not change with micro-batching or the number of ranks (docs/design.md, "Numerics").
     """
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     out = module(**inputs, use_cache=False)

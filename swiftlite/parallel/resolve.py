@@ -18,7 +18,7 @@ Any failure is a one-line UserError naming the flag, raised before a process sta
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import OPTION_FLAGS, Backend, BackendChoice, get_backend, parallelism_names
