@@ -121,3 +121,55 @@ def test_step_hook_stats_and_trace(tmp_path, monkeypatch):
     trace = json.loads((tmp_path / "profile" / "trace_rank0.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"swiftlite_step#2", "swiftlite_step#3"} <= names and "aten::mm" in names
+
+
+def test_first_step_time_is_read_from_logging_jsonl(tmp_path):
+    # a fake run folder: logging.jsonl (the first optimizer step is always logged, with elapsed_s), the
+    # per-rank step boundaries, and args.json; no printed output is handed to collect at all
+    from swiftlite.config import build_config, save_args
+    run = tmp_path / "run"
+    (run / "profile").mkdir(parents=True)
+    recs = [{"time": 100.0 + s, "step": s, "loss": 2.0 / s, "tokens_per_s": 64.0, "elapsed_s": 7.25 + s - 1}
+            for s in range(1, 7)]
+    recs.insert(3, {"time": 103.5, "step": 3, "eval_loss": 1.0})
+    (run / "logging.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"cut short')
+    steps = [[s, 10.0 + s, 10.5 + s if s < 6 else None] for s in range(1, 7)]
+    (run / "profile" / "stats_rank0.json").write_text(json.dumps({"steps": steps, "profiled_steps": [2, 3]}))
+    save_args(build_config({"parallelism": "ddp"}), run / "args.json")
+    cfg = bench.BenchConfig(backends=bench.parse_backends("ddp"), steps=6, skip_steps=1, profile_steps=2)
+    res = bench.BackendResult(label="ddp", parallelism="ddp")
+    bench.collect(cfg, cfg.backends[0], res, run, 1, "fp32", None, None, None)
+    assert res.first_step_s == 7.25
+    assert res.step_times_s == [0.5, 0.5] and res.final_loss == 2.0 / 6  # steps 4, 5
+    assert res.backend_resolved == "single"  # ddp on one process, as the resolver says
+    assert bench.first_step_s([{"step": 1, "eval_loss": 1.0}]) is None
+
+
+def test_external_plugins_are_passed_on_to_sft(tmp_path):
+    plugin = tmp_path / "my_backend.py"
+    plugin.write_text("")
+    cfg = bench.BenchConfig(backends=bench.parse_backends("ddp"), external_plugins=(str(plugin),),
+                            sft_args=("--lora-rank", "4"))
+    cmd = bench.sft_command(cfg, cfg.backends[0], "data.jsonl", tmp_path / "run", 2, "fp32")
+    i = cmd.index("--external-plugins")
+    assert cmd[i + 1] == str(plugin.resolve()) and cmd[-2:] == ["--lora-rank", "4"]
+    assert "--external-plugins" not in bench.sft_command(bench.BenchConfig(backends=cfg.backends), cfg.backends[0],
+                                                         "data.jsonl", tmp_path / "run", 2, "fp32")
+
+
+def test_cli_loads_plugins_before_reading_parallelism(tmp_path, capsys):
+    from swiftlite.cli import main
+    from swiftlite.parallel.base import unregister_backend
+    plugin = tmp_path / "toy_backend.py"
+    plugin.write_text("from swiftlite.parallel.base import Backend, register_backend\n"
+                      "register_backend(Backend(name='toy_bench_ddp', engine='ddp', factory='swiftlite.parallel.ddp:ddp',"
+                      " memory_family='ddp'))\n")
+    try:
+        # known once the plugin ran: the bench gets as far as its own checks (--steps 0 is refused)
+        assert main(["bench", "--external_plugins", str(plugin), "--parallelism_type", "toy_bench_ddp",
+                     "--steps", "0"]) == 2
+        assert "--steps 0: needs at least" in capsys.readouterr().err
+    finally:
+        unregister_backend("toy_bench_ddp")
+    assert main(["bench", "--parallelism", "toy_bench_ddp", "--steps", "0"]) == 2
+    assert "unknown backend 'toy_bench_ddp'" in capsys.readouterr().err
