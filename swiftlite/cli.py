@@ -43,7 +43,7 @@ def _flag_table() -> dict[str, Any]:
 
 def parse_run_args(args: list[str]) -> tuple[str | None, dict[str, Any]]:
     """argv of `sft`/`pt` -> (config file, flat overrides). Unknown flags are errors naming them."""
-    from swiftlite.config import _FALSE, _TRUE
+    from swiftlite.config import FALSE_WORDS, TRUE_WORDS
     table = _flag_table()
     values: dict[str, Any] = {}
     config_file = None
@@ -78,7 +78,7 @@ def parse_run_args(args: list[str]) -> tuple[str | None, dict[str, Any]]:
         if spec.base_type is bool:
             if eq:
                 values[spec.name] = inline
-            elif i < len(args) and args[i].lower() in _TRUE | _FALSE:
+            elif i < len(args) and args[i].lower() in TRUE_WORDS | FALSE_WORDS:
                 values[spec.name], i = args[i], i + 1
             else:
                 values[spec.name] = True

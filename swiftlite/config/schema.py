@@ -1,0 +1,255 @@
+"""The run configuration's schema: data only, no loading or checking.
+
+`RunConfig` groups kw_only dataclasses, one per concern (`SECTIONS`). Every field is addressable by a
+flat name (ms-swift style: ``max_length``, ``lora_rank``), which is what CLI flags and config files
+use; the flat names are unique across sections. Each field carries its CLI metadata (`opt`), and
+`field_specs()` lists every flat key with its section, type and flags (the CLI builds `--help` and
+its flag table from it).
+
+Reading files, flags and env vars into a `RunConfig` is `load.py`; the validation rules are
+`rules.py`. Import-light (no torch): the CLI imports this to build `--help`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from swiftlite.dtypes import NAMES as _DTYPE_NAMES
+
+
+def opt(default: Any = None, help: str = "", *, aliases: tuple[str, ...] = (), choices: tuple = (),
+        factory: Callable | None = None, cli: bool = True) -> Any:
+    """A dataclass field with its CLI metadata (help text, extra flag names, allowed values)."""
+    meta = {"help": help, "aliases": aliases, "choices": choices, "cli": cli}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+TRAIN_TYPES = ("full", "lora", "qlora")
+DTYPES = _DTYPE_NAMES  # swiftlite/dtypes.py is the one dtype table
+SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    model: str = opt("tiny-llama", "Preset name (see `swiftlite models`), local HF folder or hub id.")
+    torch_dtype: str = opt("fp32", "Parameter dtype for training.", aliases=("--dtype",),
+                           choices=DTYPES)
+    template: str | None = opt(None, "Chat template: a Jinja file, or empty for the tokenizer's own.")
+    trust_remote_code: bool = opt(False, "Allow the model folder's own Python code (off by default).")
+    model_revision: str | None = opt(None, "Hub revision (branch, tag or commit) for hub ids.")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    lora_rank: int = opt(8, "LoRA rank r.", aliases=("--lora-r",))
+    lora_alpha: int = opt(32, "LoRA alpha.")
+    lora_dropout: float = opt(0.05, "LoRA dropout.")
+    target_modules: list[str] = opt(help="Modules to adapt: all-linear or names (q_proj v_proj ...).",
+                                    factory=lambda: ["all-linear"])
+    modules_to_save: list[str] = opt(help="Extra modules trained in full and saved with the adapter.",
+                                     factory=list)
+
+
+@dataclass(kw_only=True)
+class QuantConfig:
+    quant_bits: int | None = opt(None, "Quantize the base with bitsandbytes (4 or 8). --qlora implies 4.")
+    bnb_4bit_quant_type: str = opt("nf4", "4-bit quantization type.", choices=("nf4", "fp4"))
+    bnb_4bit_use_double_quant: bool = opt(True, "Double quantization of the 4-bit constants.")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    dataset: list[str] = opt(help="Training data: files or HF dataset folders; `path#N` takes N rows.",
+                             factory=list)
+    val_dataset: list[str] = opt(help="Validation data (same forms as --dataset).", factory=list)
+    split_dataset_ratio: float = opt(0.0, "Hold out this share of --dataset for validation.")
+    max_length: int = opt(512, "Truncate tokenized rows to this many tokens.")
+    packing: bool = opt(False, "Pack several rows into each sequence of --max-length tokens.")
+    skip_bad_rows: bool = opt(False, "Skip (and count) rows that are not valid instead of stopping.")
+    dataset_num_proc: int = opt(1, "Processes for dataset preprocessing.")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    parallelism: str = opt("auto", "How to spread the model: auto, single, ddp, fsdp (FSDP2), fsdp1, "
+                           "zero2, zero2_offload, zero3, zero3_offload, zero3_offload_nvme, or a DeepSpeed "
+                           "JSON file (parallel/resolve.py decides; --dry-run shows the choice).",
+                           aliases=("--parallelism_type", "--parallelism-type"))
+    deepspeed: str | None = opt(None, "DeepSpeed JSON file or preset name (zero2, zero3, ...).")
+    nproc_per_node: int | None = opt(None, "Processes per node (env NPROC_PER_NODE); >1 starts ranks (see --launcher).")
+    nnodes: int | None = opt(None, "Number of nodes (env NNODES).")
+    node_rank: int | None = opt(None, "This node's rank (env NODE_RANK).")
+    master_addr: str | None = opt(None, "Rendezvous address (env MASTER_ADDR).")
+    master_port: int | None = opt(None, "Rendezvous port (env MASTER_PORT); a free one when single-node.")
+    rdzv_backend: str | None = opt(None, "torchrun rendezvous backend for elastic runs (e.g. c10d).")
+    rdzv_endpoint: str | None = opt(None, "torchrun rendezvous endpoint host:port.")
+    rdzv_id: str | None = opt(None, "torchrun rendezvous id.")
+    launcher: str = opt("auto", "Launcher for multi-process runs: auto (fork one node's ranks on a CPU build "
+                        "of torch, else torchrun), fork, torchrun or deepspeed.",
+                        choices=("auto", "fork", "torchrun", "deepspeed"))
+    hostfile: str | None = opt(None, "DeepSpeed launcher hostfile (with --launcher deepspeed).")
+    mixed_precision: str | None = opt(None, "FSDP mixed precision: bf16 (params bf16, reduce fp32), fp16, "
+                                      "or none. Default: bf16 when --torch-dtype is bf16.",
+                                      choices=("bf16", "fp16", "none"))
+    reshard_after_forward: bool = opt(True, "FSDP: free gathered params after forward (ZeRO-3 style).")
+    cpu_offload: bool = opt(False, "FSDP: keep params, grads and optimizer state on CPU.")
+    compile: bool = opt(False, "torch.compile each decoder layer before wrapping.")
+    offload_dir: str | None = opt(None, "NVMe folder for DeepSpeed parameter/optimizer offload.")
+    ddp_timeout: int = opt(1800, "Seconds a collective may wait before the job fails (names the rank).")
+    dry_run: bool = opt(False, "Print the resolved plan (backend, world, batch, launch command) and exit.")
+    external_plugins: list[str] = opt(help="Python files run before anything else (ms-swift's flag); they may "
+                                      "register backends (swiftlite.parallel.base.register_backend).",
+                                      factory=list)
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    learning_rate: float | None = opt(None, "Peak learning rate (default 1e-4 for LoRA, 1e-5 for full).",
+                                      aliases=("--lr",))
+    weight_decay: float = opt(0.1, "AdamW weight decay.")
+    adam_beta1: float = opt(0.9, "AdamW beta1.")
+    adam_beta2: float = opt(0.95, "AdamW beta2.")
+    adam_epsilon: float = opt(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this (0 disables).")
+    lr_scheduler: str = opt("cosine", "Learning-rate schedule.", aliases=("--lr_scheduler_type",
+                            "--lr-scheduler-type"), choices=SCHEDULERS)
+    warmup_ratio: float = opt(0.0, "Share of steps spent warming up linearly.")
+    warmup_steps: int = opt(0, "Warm-up steps (overrides --warmup-ratio when > 0).")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    train_type: str = opt("full", "full, lora or qlora (--lora / --qlora are shorthands).",
+                          aliases=("--tuner_type", "--tuner-type"), choices=TRAIN_TYPES)
+    per_device_train_batch_size: int = opt(1, "Micro-batch size per process.", aliases=("--batch-size",))
+    per_device_eval_batch_size: int = opt(8, "Batch size per process for validation.")
+    gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step.")
+    num_train_epochs: float = opt(1.0, "Epochs to train (ignored when --max-steps > 0).")
+    max_steps: int = opt(-1, "Optimizer steps to train; -1 means from --num-train-epochs.")
+    gradient_checkpointing: bool = opt(False, "Activation checkpointing per decoder layer.")
+    seed: int = opt(42, "Seed for weights of built-in models, data order, dropout.")
+    output_dir: str = opt("output", "Run folder (args.json, logs, checkpoints).")
+    logging_steps: int = opt(5, "Log every N optimizer steps.")
+    eval_steps: int | None = opt(None, "Validate every N steps (default: at --save-steps and the end).")
+    report_to: list[str] = opt(help="Extra loggers: tensorboard, all or none (jsonl is always written).",
+                               factory=list)
+    ignore_data_skip: bool = opt(False, "On resume, restart the data order instead of skipping seen batches.")
+    overwrite_output_dir: bool = opt(False, "Allow a non-empty --output-dir without --resume.")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    save_steps: int | None = opt(None, "Save a checkpoint every N steps (always at the end).")
+    save_total_limit: int | None = opt(None, "Keep at most N checkpoints (the newest; never the last good).")
+    save_hf_model: bool = opt(True, "Also write an HF model folder (full) or peft adapter in each checkpoint.")
+    resume: bool = opt(False, "Resume from the latest checkpoint in --output-dir.")
+    resume_from: str | None = opt(None, "Resume from this checkpoint folder.",
+                                  aliases=("--resume_from_checkpoint", "--resume-from-checkpoint"))
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # Where the run came from ("sft" or "pt"); set by the command, not a flag.
+    task: str = "sft"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain dict (what args.json holds)."""
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Flat name -> value, the form flags and config files use."""
+        out: dict[str, Any] = {}
+        for sec in SECTIONS:
+            for f in dataclasses.fields(getattr(self, sec)):
+                out[f.name] = getattr(getattr(self, sec), f.name)
+        return out
+
+    @property
+    def is_peft(self) -> bool:
+        return self.train.train_type in ("lora", "qlora")
+
+    @property
+    def quant_bits(self) -> int | None:
+        """Bits of the bitsandbytes base: --quant-bits, else 4 for --train-type qlora, else None
+        (the one place that says "qlora means 4 bits")."""
+        if self.quant.quant_bits is not None:
+            return self.quant.quant_bits
+        return 4 if self.train.train_type == "qlora" else None
+
+    @property
+    def learning_rate(self) -> float:
+        if self.optim.learning_rate is not None:
+            return self.optim.learning_rate
+        return 1e-4 if self.is_peft else 1e-5
+
+
+SECTIONS = ("model", "lora", "quant", "data", "parallel", "optim", "train", "checkpoint")
+
+
+def section_classes() -> dict[str, type]:
+    """Section name -> its dataclass (ModelConfig, LoraConfig, ...)."""
+    hints = typing.get_type_hints(RunConfig)
+    return {s: hints[s] for s in SECTIONS}
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One flat config key: its section, type and CLI metadata."""
+    name: str
+    section: str
+    type: Any
+    default: Any
+    help: str
+    aliases: tuple[str, ...]
+    choices: tuple
+    cli: bool
+
+    @property
+    def base_type(self) -> Any:
+        """The type without Optional (int | None -> int)."""
+        t = self.type
+        if typing.get_origin(t) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(t) if a is not type(None)]
+            return args[0]
+        return t
+
+    @property
+    def is_list(self) -> bool:
+        return typing.get_origin(self.base_type) is list
+
+    @property
+    def flags(self) -> list[str]:
+        """Both spellings (``--max-length`` and ``--max_length``) plus aliases."""
+        names = [f"--{self.name.replace('_', '-')}", f"--{self.name}"]
+        for a in self.aliases:
+            if a not in names:
+                names.append(a)
+        return list(dict.fromkeys(names))
+
+
+def field_specs() -> dict[str, FieldSpec]:
+    """Every flat config key, in section order."""
+    specs: dict[str, FieldSpec] = {}
+    for sec, cls in section_classes().items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            specs[f.name] = FieldSpec(
+                name=f.name, section=sec, type=hints[f.name], default=default,
+                help=f.metadata.get("help", ""), aliases=tuple(f.metadata.get("aliases", ())),
+                choices=tuple(f.metadata.get("choices", ())), cli=f.metadata.get("cli", True))
+    return specs
