@@ -41,18 +41,20 @@ def requested(cfg: "RunConfig") -> str:
 
 def _lookup(name: str, cfg: "RunConfig") -> tuple[Backend, str | None]:
     """The record for a --parallelism name, and its DeepSpeed source (preset or file) if any."""
-    if name.endswith(".json"):
-        rec = get_backend("deepspeed")
-        return rec, name
     from swiftlite.parallel.base import find_backend
+    ds = cfg.parallel.deepspeed
+    if ds and cfg.parallel.parallelism == "auto":
+        return get_backend("deepspeed"), ds   # --deepspeed FILE|PRESET alone means DeepSpeed
+    if name.endswith(".json"):
+        return get_backend("deepspeed"), name
     rec = find_backend(name)
     if rec is None:
         raise UserError(f"--parallelism: unknown value {name!r} (choose from {', '.join(parallelism_names())}, "
                         "or a DeepSpeed .json file)")
-    if cfg.parallel.deepspeed:
+    if ds:
         if rec.checkpoint_format != "ds":
             raise UserError(f"--deepspeed given with --parallelism {cfg.parallel.parallelism}: use one of them")
-        return rec, cfg.parallel.deepspeed
+        return rec, ds
     return rec, rec.ds_preset
 
 
