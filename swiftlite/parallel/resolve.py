@@ -43,8 +43,11 @@ def _lookup(name: str, cfg: "RunConfig") -> tuple[Backend, str | None]:
     """The record for a --parallelism name, and its DeepSpeed source (preset or file) if any."""
     from swiftlite.parallel.base import find_backend
     ds = cfg.parallel.deepspeed
-    if ds and cfg.parallel.parallelism == "auto":
-        return get_backend("deepspeed"), ds   # --deepspeed FILE|PRESET alone means DeepSpeed
+    if ds and cfg.parallel.parallelism == "auto":   # --deepspeed FILE|PRESET alone means DeepSpeed
+        preset = find_backend(ds)
+        if preset is not None and preset.ds_preset == ds:
+            return preset, ds
+        return get_backend("deepspeed"), ds
     if name.endswith(".json"):
         return get_backend("deepspeed"), name
     rec = find_backend(name)
