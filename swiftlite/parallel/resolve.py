@@ -107,7 +107,7 @@ def resolve_backend(cfg: "RunConfig", world_size: int, gpu_memory: Any = None, *
     name = requested(cfg)
     reason = ""
     if name == "auto":
-        from swiftlite.parallel.plan import resolve_auto
+        from swiftlite.planner.recommend import resolve_auto
         mem = gpu_memory() if callable(gpu_memory) else gpu_memory
         if callable(shape):  # the model's shape matters only to the memory model, on GPUs
             shape = shape() if mem is not None else None

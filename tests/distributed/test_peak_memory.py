@@ -1,4 +1,4 @@
-"""The memory model's peak (parallel/plan.py `estimate`) against the measured training peak on CPU.
+"""The memory model's peak (planner/memory.py `estimate`) against the measured training peak on CPU.
 
 Measured: each rank resets the kernel's peak-RSS mark just before the model is built and reads it
 after three optimizer steps (logs/memory_rank<r>.json, written by the trainer): the memory of
@@ -57,7 +57,7 @@ def mid_model(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_estimated_peak_within_25_percent_of_measured(case, mid_model, demo_data, tmp_path):
-    from swiftlite.parallel import plan
+    from swiftlite import planner as plan
     name, backend, train_type, nproc = case
     out = tmp_path / name
     run_cli(["sft", "--model", mid_model, "--dataset", demo_data[0], "--train-type", train_type,

@@ -1,4 +1,4 @@
-"""Memory model and backend recommendation (swiftlite/parallel/plan.py, swiftlite/estimate.py).
+"""Memory model and backend recommendation (swiftlite/planner/, swiftlite/sizes.py).
 
 The scenario expectations below were worked out by hand from the formulas in docs/estimate.md
 (GB = 1e9; usable = 90% of a GPU, "with room" = 80%; bf16, gradient checkpointing, micro-batch 1,
@@ -15,7 +15,7 @@ import pytest
 
 from swiftlite.errors import UserError
 from swiftlite.models.presets import PRESETS, param_count
-from swiftlite.parallel.plan import (
+from swiftlite.planner import (
     GiB, Workload, comm_bytes_per_step, estimate, model_state_bytes, quantized_bytes, recommend,
     resolve_auto, shape_from_config, shape_from_model_arg,
 )
@@ -254,7 +254,7 @@ def test_preset_shapes_match_param_count():
      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "tie_word_embeddings": True},
 ], ids=["llama", "qwen2-bias-tied"])
 def test_formula_matches_meta_device(cfg):
-    from swiftlite.parallel.plan import _shape_from_meta
+    from swiftlite.planner.shape import _shape_from_meta
     formula, meta = shape_from_config(cfg), _shape_from_meta(cfg, "")
     for f in ("n_params", "n_linear_params", "n_layer_params", "n_layer_linear_params", "largest_module_params"):
         assert getattr(formula, f) == getattr(meta, f), f
@@ -314,13 +314,13 @@ def test_workload_rejects_bad_combinations():
     (80, 80 * 10**9),
 ])
 def test_parse_size(text, expected):
-    from swiftlite.estimate import parse_size
+    from swiftlite.sizes import parse_size
     assert parse_size(text) == expected
 
 
 @pytest.mark.parametrize("text", ["", "GB", "80XB", "eighty", "-5GB", "0", "1e400GB", "80 G B"])
 def test_parse_size_errors(text):
-    from swiftlite.estimate import parse_size
+    from swiftlite.sizes import parse_size
     with pytest.raises(UserError) as e:
         parse_size(text, "--gpu-memory")
     assert "--gpu-memory" in str(e.value) and repr(text) in str(e.value)
@@ -329,7 +329,7 @@ def test_parse_size_errors(text):
 def test_run_estimate_and_render():
     from rich.console import Console
 
-    from swiftlite.estimate import render, run_estimate
+    from swiftlite.planner.render import render, run_estimate
     d = run_estimate("llama-8b", train_type="lora", gpus=2, gpu_memory="24GB", gradient_checkpointing=True)
     assert d.backend in {"fsdp", "ddp"} and d.workload.world_size == 2
     buf = io.StringIO()
@@ -341,7 +341,7 @@ def test_run_estimate_and_render():
 
 
 def test_run_estimate_errors():
-    from swiftlite.estimate import run_estimate
+    from swiftlite.planner.render import run_estimate
     with pytest.raises(UserError, match="--gpus"):
         run_estimate("tiny-llama", gpus=0)
     with pytest.raises(UserError, match="'lots'"):
@@ -386,3 +386,73 @@ def test_auto_in_a_run_reads_the_gpu_memory(monkeypatch, capsys):
         resolve_backend(cfg, world)
     cpu = SimpleNamespace(device="cpu", distributed=False, world_size=2, local_world_size=2, is_main=True)
     assert resolve_backend(cfg, cpu).name == "fsdp"
+
+
+# --------------------------------------------------------------------------------------------------
+# The table's rows come from the backend registry
+
+
+@pytest.fixture
+def toy_backend():
+    """A backend registered at run time, as a plugin would: ddp's memory family, listed by estimate."""
+    from swiftlite.parallel.base import Backend, register_backend, unregister_backend
+    rec = register_backend(Backend(name="toy_ddp", engine="ddp", factory=lambda *args: None,
+                                   memory_family="ddp", estimate=True))
+    try:
+        yield rec
+    finally:
+        unregister_backend(rec.name)
+
+
+def test_registered_backend_gets_a_row_with_its_family_numbers(toy_backend):
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from swiftlite.planner import estimate_all
+    from swiftlite.planner.render import render, run_estimate
+    w = work(train_type="lora", world_size=2, gpu_memory_bytes=24 * GB)
+    table = estimate_all(shape_from_model_arg("llama-8b"), w)
+    assert "toy_ddp" in table
+    assert table["toy_ddp"] == replace(table["ddp"], backend="toy_ddp")
+    d = run_estimate("llama-8b", train_type="lora", gpus=2, gpu_memory="24GB")
+    buf = io.StringIO()
+    render(d, Console(file=buf, width=80))
+    rows = {cells[0]: cells[1:] for cells in (line.lstrip("* ").split() for line in buf.getvalue().splitlines())
+            if cells and cells[0] in d.table}
+    assert rows["toy_ddp"] == rows["ddp"]
+
+
+def test_registered_backend_is_gone_after_unregister():
+    from swiftlite.planner import estimate_all
+    assert "toy_ddp" not in estimate_all(TINY, work(world_size=2, gpu_memory_bytes=80 * GB))
+
+
+def test_estimate_cli_flags(tmp_path, capsys):
+    """--json, --lora/--qlora, --cpu-memory and --external-plugins, through the command line."""
+    import sys
+
+    from swiftlite.cli import main
+    from swiftlite.parallel.base import unregister_backend
+    assert main(["estimate", "--model", "llama-8b", "--qlora", "--gpus", "2", "--gpu-memory", "24",
+                 "--cpu-memory", "256GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"]["train_type"] == "qlora" and out["workload"]["quant_bits"] == 4
+    assert out["workload"]["gpu_memory_bytes"] == 24 * GB and out["workload"]["cpu_memory_bytes"] == 256 * 2**30
+    assert out["backend"] in out["table"] and "ddp" in out["table"]
+
+    assert main(["estimate", "--lora", "--qlora"]) == 2
+    assert main(["estimate", "--lora", "--train-type", "full"]) == 2
+    assert "pick one train type" in capsys.readouterr().err
+
+    plugin = tmp_path / "toy_plugin.py"
+    plugin.write_text("from swiftlite.parallel.base import Backend, register_backend\n"
+                      "register_backend(Backend(name='toy_plugin', engine='ddp', factory=lambda *a: None,\n"
+                      "                         memory_family='fsdp', shards=(True, True, True)))\n")
+    try:
+        assert main(["estimate", "--lora", "--gpus", "2", "--external-plugins", str(plugin)]) == 0
+        text = capsys.readouterr().out
+        assert "toy_plugin" in text and "Recommendation" in text
+    finally:
+        unregister_backend("toy_plugin")
+        sys.modules.pop("swiftlite_plugin_toy_plugin", None)

@@ -1,65 +1,24 @@
-"""`swiftlite estimate`: memory per GPU for every backend, and which one to use.
-
-Reads the model's config only (a preset, or a local folder's config.json): no weights, no network,
-no GPU. The memory model and the decision rules live in swiftlite/parallel/plan.py; formulas and
-limits in docs/estimate.md.
-
-CLI flags (each maps to the run_estimate parameter in brackets; spellings follow `sft`):
-  --model TEXT                  preset name or local HF folder with config.json        [model]
-  --train-type full|lora|qlora  (--lora / --qlora shorthands; default full)            [train_type]
-  --gpus, --nproc-per-node INT  GPUs per node (default 1)                              [gpus]
-  --nodes, --nnodes INT         nodes (default 1)                                      [nodes]
-  --gpu-memory TEXT             memory of one GPU: 80GB (10^9), 24GiB (2^30); a bare
-                                number means GB (default 80GB)                         [gpu_memory]
-  --cpu-memory TEXT             CPU memory per node; checks offload (default: unchecked)
-                                                                                       [cpu_memory]
-  --max-length INT              tokens per sequence (default 2048)                     [max_length]
-  --per-device-train-batch-size, --batch-size INT  micro-batch per GPU (default 1)     [micro_batch]
-  --gradient-checkpointing / --no-gradient-checkpointing (default on)
-                                                                                       [gradient_checkpointing]
-  --torch-dtype, --dtype bf16|fp16|fp32  parameter dtype (default bf16: GPU training)   [dtype]
-  --lora-rank INT               LoRA rank, all-linear targets (default 8)              [lora_rank]
-  --quant-bits 4|8              quantized base for LoRA (--qlora implies 4)            [quant_bits]
-  --json                        print Decision.to_dict() as JSON instead of the table (CLI only)
+"""`swiftlite estimate`: the memory each backend needs per GPU, as a table, and the recommendation.
 
     decision = run_estimate("llama-8b", train_type="lora", gpus=2, gpu_memory="24GB")
-    render(decision)
+    render(decision)                  # the table (rich), or: print(to_json(decision))
+
+Reads the model's config only (a preset, or a local folder's config.json): no weights, no network,
+no GPU. One row per registered backend record with `estimate` set and a memory family
+(planner/backends.py), computed by planner/memory.py; the choice is planner/recommend.py's. The
+command's flags (cli.py `estimate_cmd`) map onto run_estimate's parameters; docs/estimate.md
+lists them with the formulas and their limits.
 """
 
 from __future__ import annotations
 
-import math
-import re
+import json
 
 from swiftlite.errors import UserError
-from swiftlite.parallel.plan import Decision, GiB, Workload, recommend, shape_from_model_arg, trainable_params
-
-_UNITS = {
-    "": 10**9,  # a bare number is GB, the unit GPU vendors quote
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
-
-
-def parse_size(text: str | int | float, flag: str = "--gpu-memory") -> int:
-    """Bytes from a size: "80GB" (GB = 10^9), "24GiB" (GiB = 2^30), "80" (GB), "512MiB", "2TB".
-
-    Anything else, or a size that is not positive, is a UserError naming `flag` and the value.
-    """
-    if isinstance(text, bool):
-        raise UserError(f"{flag}: expected a size like 80GB or 24GiB, got {text!r}")
-    if isinstance(text, (int, float)):
-        text = str(text)
-    m = _SIZE.match(str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise UserError(f"{flag}: cannot read {text!r} as a size (use e.g. 80GB, 24GiB, or 80 for GB)")
-    value = float(m.group(1)) * _UNITS[unit]
-    if not math.isfinite(value) or value < 1:
-        raise UserError(f"{flag}: size must be positive, got {text!r}")
-    return int(value)
+from swiftlite.planner.memory import GiB, Workload, trainable_params
+from swiftlite.planner.recommend import Decision, recommend
+from swiftlite.planner.shape import shape_from_model_arg
+from swiftlite.sizes import parse_size
 
 
 def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int = 1,
@@ -68,7 +27,9 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
                  quant_bits: int | None = None, cpu_memory: str | None = None) -> Decision:
     """Estimate every backend for `model` on `nodes` x `gpus` GPUs and recommend one.
 
-    `gpus` is per node. Bad values raise a UserError naming the flag.
+    `gpus` is per node; sizes are parse_size's (a bare number is GB); `cpu_memory` is per node and,
+    when given, makes the offload rows check CPU memory too. `quant_bits` None with "qlora" means 4.
+    Bad values raise a UserError naming the flag.
     """
     for flag, v in (("--gpus", gpus), ("--nnodes", nodes)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -151,3 +112,11 @@ def render(decision: Decision, console=None) -> None:
     else:
         console.print(f"[bold]Recommendation[/bold] {decision.reason}")
     console.print("[dim]Estimates, not measurements: see docs/estimate.md for the formulas and limits.[/dim]")
+
+
+def to_json(decision: Decision) -> str:
+    """The decision as JSON (`estimate --json`): Decision.to_dict(), bytes as integers."""
+    return json.dumps(decision.to_dict(), indent=2)
+
+
+__all__ = ["render", "run_estimate", "to_json"]

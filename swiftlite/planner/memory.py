@@ -1,0 +1,422 @@
+"""Bytes per GPU rank for a workload under a backend, split by component; docs/estimate.md has the
+formulas and their limits.
+
+    work = Workload(train_type="full", dtype="bf16", world_size=8, gpu_memory_bytes=80 * 10**9)
+    est = estimate(shape, work, "fsdp")       # MemoryEstimate (bytes per GPU); a name or a Backend
+    table = estimate_all(shape, work)         # {record name: MemoryEstimate}, the `estimate` table
+
+Which formulas apply is the backend record's `memory_family` (parallel/base.py); what it shards is
+its `shards`; whether it can train fp16 is its `loss_scaling`. The table's rows are the registered
+records with `estimate` set and a family, so a backend registered at run time (an
+`--external-plugins` file) is estimated with its family's numbers and no edit here.
+
+Model-state accounting (Ψ = parameters, N = ranks sharing the states):
+  full, bf16/fp16 (mixed precision AdamW, ZeRO paper): params 2Ψ, grads 2Ψ, optimizer 12Ψ
+  full, fp32: params 4Ψ, grads 4Ψ, optimizer 8Ψ (exp_avg + exp_avg_sq; `step` scalars ignored)
+  LoRA/QLoRA: frozen base in its storage form + adapters (params, grads, AdamW state)
+  each state is divided by N when the record's `shards` says so (zero2: grads + optimizer; zero3,
+  fsdp, fsdp1: all three); the zero3_offload family keeps them in CPU memory instead of the GPU.
+
+No torch at import time (the CLI imports this).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from swiftlite import dtypes
+from swiftlite.config import TRAIN_TYPES
+from swiftlite.errors import UserError
+from swiftlite.planner.backends import backend_record, table_backends
+from swiftlite.planner.shape import ModelShape
+
+if TYPE_CHECKING:
+    from swiftlite.parallel.base import Backend
+
+GiB = 2**30
+
+#: Logits memory, bytes per (token x vocab entry). The loss upcasts logits to fp32; cross-entropy
+#: saves its fp32 log-probabilities (4 bytes), and at the start of backward the gradient arriving
+#: from the loss and the gradient of the logits exist next to them (4 + 4): the peak is 12 bytes.
+#: (The steady state between forward and backward is 4; a run OOMs at the peak.)
+LOGIT_BYTES = 12
+
+#: ZeRO-3 prefetch bucket in units of h*h elements: ds_config.py fills DeepSpeed's "auto" sizes the
+#: Hugging Face way (reduce_bucket_size = h*h, stage3_prefetch_bucket_size = 0.9*h*h). ZeRO-2's
+#: allgather_bucket_size only chunks the gather into the existing 16-bit buffer: no extra memory.
+ZERO3_PREFETCH_FACTOR = 0.9
+
+#: ZeRO-3 keeps gathered parameters resident up to stage3_max_live_parameters (1e9 in
+#: ds_configs/zero3*.json, DeepSpeed's default): measured on CPU (2 ranks, 24M-parameter Llama),
+#: from the second step on a whole gathered copy of the model is alive at the memory peak, on top
+#: of the partitions (torch.profiler memory events; it did not shrink with stage3_max_reuse_distance
+#: or stage3_max_live_parameters set to 0 in that run, so the knob is modelled as the cap DeepSpeed
+#: documents, not as a lever). For models above 1e9 parameters this is the usual ~2 GB in 16-bit.
+ZERO3_MAX_LIVE_PARAMETERS = 10**9
+
+
+# --------------------------------------------------------------------------------------------------
+# Workload
+
+
+def base_bits(train_type: str, quant_bits: int | None) -> int | None:
+    """Bits of the bitsandbytes base: `quant_bits`, else 4 for qlora, else None.
+
+    The rule RunConfig.quant_bits (config.py) applies to run configs, repeated for Workloads built
+    without one (the estimate command, bench, tests); workload_from_config passes the config's value.
+    """
+    if quant_bits is not None:
+        return quant_bits
+    return 4 if train_type == "qlora" else None
+
+
+@dataclass(kw_only=True)
+class Workload:
+    """The run being planned: what is trained, how, and on which hardware.
+
+    `gpu_memory_bytes` and `cpu_memory_bytes` (per node) may be None: estimates then carry no
+    fits verdict, and CPU offload is not checked against RAM. Construction checks only what the
+    formulas rely on (known train type and dtype, a 4/8-bit base only under LoRA, positive sizes);
+    everything else about a run is config.py's and the backend records' to check.
+    """
+    train_type: str = "full"
+    dtype: str = "bf16"                  # parameter dtype; bf16/fp16 mean mixed-precision AdamW
+    lora_rank: int = 8
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    lora_dropout: float = 0.05           # > 0: peft keeps a dropped-out copy of every adapted input
+    quant_bits: int | None = None        # None, 4 (nf4) or 8 (LLM.int8); qlora implies 4
+    double_quant: bool = True            # nf4 double quantization of the absmax constants
+    max_length: int = 2048
+    micro_batch: int = 1
+    gradient_checkpointing: bool = False
+    flash_attention: bool = True         # SDPA/flash: no seq x seq attention matrix is kept
+    world_size: int = 1
+    gpus_per_node: int | None = None     # default: world_size (one node)
+    gpu_memory_bytes: int | None = None
+    cpu_memory_bytes: int | None = None  # per node
+    overhead_bytes: int = GiB            # CUDA context + allocator slack; 0 when measuring tensors on CPU
+    cpu: bool = False                    # tensors on CPU: dropout keeps a noise tensor in the compute
+                                         # dtype (CUDA's fused dropout keeps a 1-byte mask)
+    usable_fraction: float = 0.9         # a GPU "fits" when the total stays under this share of memory
+    fsdp2_available: bool = True         # torch >= 2.4 (fully_shard)
+
+    def __post_init__(self) -> None:
+        if dtypes.normalize(self.dtype) in dtypes.NAMES:
+            self.dtype = dtypes.normalize(self.dtype)   # bfloat16 -> bf16; anything else is reported as given
+        self.quant_bits = base_bits(self.train_type, self.quant_bits)
+        if self.gpus_per_node is None:
+            self.gpus_per_node = self.world_size
+        problem = self._problem()
+        if problem:
+            raise UserError(problem)
+
+    def _problem(self) -> str | None:
+        if self.train_type not in TRAIN_TYPES:
+            return f"--train-type {self.train_type!r}: choose from {', '.join(TRAIN_TYPES)}"
+        if self.dtype not in dtypes.NAMES:
+            return f"--torch-dtype {self.dtype!r}: choose from {', '.join(dtypes.NAMES)}"
+        if self.quant_bits not in (None, 4, 8):
+            return f"--quant-bits must be 4 or 8, got {self.quant_bits}"
+        if self.train_type == "full" and self.quant_bits is not None:
+            return "--quant-bits needs --train-type lora/qlora (a quantized base cannot be trained in full)"
+        for flag, v in (("--lora-rank", self.lora_rank), ("--max-length", self.max_length),
+                        ("--batch-size", self.micro_batch), ("--gpus", self.world_size)):
+            if not isinstance(v, int) or v <= 0:
+                return f"{flag} must be a positive integer, got {v!r}"
+        if self.gpus_per_node <= 0 or self.world_size % self.gpus_per_node:
+            return f"--gpus {self.gpus_per_node} per node does not divide a world of {self.world_size}"
+        for flag, v in (("--gpu-memory", self.gpu_memory_bytes), ("--cpu-memory", self.cpu_memory_bytes)):
+            if v is not None and v <= 0:
+                return f"{flag} must be > 0, got {v}"
+        if not 0 < self.usable_fraction <= 1:
+            return f"usable_fraction must be in (0, 1], got {self.usable_fraction}"
+        return None
+
+    @property
+    def mixed(self) -> bool:
+        """16-bit params with fp32 master weights in the optimizer (the ZeRO accounting)."""
+        return self.dtype in dtypes.HALF
+
+    @property
+    def elem(self) -> int:
+        """Bytes per element of params/grads/activations in the compute dtype."""
+        return dtypes.BYTES[self.dtype]
+
+    @property
+    def peft(self) -> bool:
+        return self.train_type in ("lora", "qlora")
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory estimate
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU rank for one backend; `total` sums the GPU components."""
+    backend: str
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    temp_buffers: int       # all-gather / reduce-scatter / bucket memory the backend adds
+    overhead: int           # CUDA context and allocator slack
+    cpu_offloaded: int      # per rank, in CPU memory (zero3_offload)
+    cpu_per_node: int       # cpu_offloaded * GPUs per node
+    total: int
+    fits: bool | None       # None when the GPU memory is unknown
+    comm_bytes_per_step: int  # per rank, per micro-step (no gradient accumulation)
+    gpu_memory_bytes: int | None
+    available: bool = True
+    note: str = ""          # why the backend cannot run this workload, when it cannot
+
+    @property
+    def used_fraction(self) -> float | None:
+        """Share of the GPU's memory the estimate uses (None when the GPU is unknown)."""
+        return self.total / self.gpu_memory_bytes if self.gpu_memory_bytes else None
+
+
+def _ceil_div(a: int, b: int) -> int:
+    """a / b rounded up, in integers (byte counts of 405B models exceed float precision margins)."""
+    return -(-a // b)
+
+
+def quantized_bytes(n_weights: int, w: Workload, out_rows: int = 0) -> int:
+    """Storage of `n_weights` linear weights quantized with bitsandbytes.
+
+    nf4: 4 bits per weight plus one absmax per 64-weight block: fp32 (32/64 = 0.5 bit) or, with double
+    quantization, 8-bit absmax plus an fp32 constant per 256 blocks (8/64 + 32/16384 = 0.127 bit).
+    LLM.int8: 1 byte per weight plus an fp32 scale per output row.
+    """
+    if w.quant_bits == 4:
+        absmax = n_weights / 64 + 4 * n_weights / (64 * 256) if w.double_quant else 4 * n_weights / 64
+        return int(math.ceil(n_weights / 2 + absmax))
+    if w.quant_bits == 8:
+        return n_weights + 4 * out_rows
+    raise ValueError(f"quant_bits {w.quant_bits}")
+
+
+def _base_bytes(w: Workload, n_linear: int, n_other: int, out_rows: int) -> int:
+    """Bytes of frozen/gathered base weights: quantized linears (if any) + the rest in the dtype."""
+    if w.quant_bits is None:
+        return (n_linear + n_other) * w.elem
+    return quantized_bytes(n_linear, w, out_rows) + n_other * w.elem
+
+
+def trainable_params(shape: ModelShape, w: Workload) -> int:
+    """Parameters the optimizer updates: all of them (full) or the LoRA adapters."""
+    return shape.n_params if w.train_type == "full" else shape.lora_params(w.lora_rank, w.lora_targets)
+
+
+def _state_bytes_per_param(w: Workload, family: str) -> tuple[int, int, int]:
+    """(param, grad, optimizer) bytes per *trainable* parameter under a memory family."""
+    if not w.mixed:
+        if family.startswith("zero"):
+            # DeepSpeed's ZeRO optimizer keeps its own fp32 flat partition of the weights even when
+            # they are fp32 already (measured: 4 + 8 bytes per trainable param, sharded).
+            return 4, 4, 12
+        return 4, 4, 8                     # fp32 weights, fp32 grads, AdamW exp_avg + exp_avg_sq
+    if w.peft and not family.startswith("zero"):
+        # peft keeps adapter weights in fp32 under a 16-bit base (autocast_adapter_dtype), so their
+        # AdamW state needs no master copy. DeepSpeed casts the whole module to 16-bit and keeps
+        # the fp32 master in the optimizer instead (2 + 2 + 12): the same 16 bytes, split differently.
+        return 4, 4, 8
+    return w.elem, w.elem, 12              # ZeRO paper: 16-bit param + grad, fp32 master + m + v
+
+
+def model_state_bytes(shape: ModelShape, workload: Workload, backend: str | Backend) -> dict[str, int]:
+    """Params, grads and optimizer state bytes per rank, before any CPU offload.
+
+    With dtype fp32 these are exactly what torch holds (FSDP2 DTensor shards, DDP replicas, AdamW
+    exp_avg/exp_avg_sq; `step` scalars ignored) when each sharded tensor splits evenly over N.
+    Sharded values are rounded up (DeepSpeed pads partitions; FSDP gives low ranks the extra row).
+    """
+    rec = backend_record(backend)
+    w = workload
+    n = 1 if rec.memory_family == "single" else w.world_size
+    shard_p, shard_g, shard_o = rec.shards
+    p_b, g_b, o_b = _state_bytes_per_param(w, rec.memory_family)
+    trainable = trainable_params(shape, w)
+    frozen = 0
+    if w.peft:
+        n_other = shape.n_params - shape.n_linear_params
+        frozen = _base_bytes(w, shape.n_linear_params, n_other, shape.linear_out_rows)
+
+    def part(nbytes: int, sharded: bool) -> int:
+        return _ceil_div(nbytes, n) if sharded else nbytes
+
+    return {"params": part(frozen + trainable * p_b, shard_p),
+            "grads": part(trainable * g_b, shard_g),
+            "optimizer": part(trainable * o_b, shard_o)}
+
+
+def activation_bytes(shape: ModelShape, w: Workload) -> int:
+    """Activation memory per GPU at the peak of one micro-batch (see docs/estimate.md).
+
+    Per token and decoder layer, a Llama-style block keeps (in the compute dtype): both norm inputs
+    and outputs (4h), q and the attention output (2 * heads * head_dim), k and v (2 * kv * head_dim),
+    and the SwiGLU gate, up, act and product (4i): Korthikanti et al.'s 34sbh adapted to RMSNorm,
+    GQA, SwiGLU and no dropout. 16-bit RMSNorm upcasts its input to fp32 (+2 * 4h bytes).
+    Eager attention adds the softmax matrix (heads * s^2, fp32 + a 16-bit copy); SDPA/flash keeps
+    only its fp32 logsumexp (heads * s). LoRA dropout keeps a dropped-out copy of each adapted input
+    plus its mask (1 byte on CUDA; on CPU, torch's dropout multiplies by a noise tensor of the
+    input's dtype and keeps that). With checkpointing, each layer keeps only its input (s * b * h) and one
+    layer is recomputed at a time. The logits add LOGIT_BYTES per (token x vocab entry).
+    """
+    e = w.elem
+    s, b = w.max_length, w.micro_batch
+    tokens = s * b
+    q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_token = (4 * shape.hidden + 2 * q_dim + 2 * kv_dim + 4 * shape.intermediate) * e
+    if e < 4:
+        per_token += 2 * 4 * shape.hidden
+    if w.peft and w.lora_dropout > 0:
+        per_token += shape.lora_input_features(w.lora_targets) * (e + (e if w.cpu else 1))
+    layer = tokens * per_token
+    if w.flash_attention:
+        layer += shape.heads * tokens * 4
+    else:
+        layer += shape.heads * s * s * b * (4 + e)
+    if w.gradient_checkpointing:
+        layers = shape.layers * tokens * shape.hidden * e + layer
+    else:
+        layers = shape.layers * layer
+    return layers + tokens * shape.vocab * LOGIT_BYTES
+
+
+def _gathered_layer_bytes(shape: ModelShape, w: Workload) -> int:
+    """One decoder layer unsharded in its compute/storage form (what an all-gather materialises)."""
+    n_other = shape.n_layer_params - shape.n_layer_linear_params
+    base = _base_bytes(w, shape.n_layer_linear_params, n_other,
+                       shape.linear_out_rows // max(1, shape.layers))
+    adapters = _ceil_div(shape.lora_params(w.lora_rank, w.lora_targets), shape.layers) * w.elem if w.peft else 0
+    return base + adapters
+
+
+def temp_buffer_bytes(shape: ModelShape, w: Workload, backend: str | Backend) -> int:
+    """Communication buffers a backend adds on top of the model states (bytes per GPU), by family.
+
+    ddp: none beyond the gradients: swiftlite's DDP uses gradient_as_bucket_view=True, so the
+         gradients are views into DDP's buckets rather than a second copy. single: none.
+    zero2: the reduce bucket (reduce_bucket_size = h*h elements, 16-bit); updated params are
+         all-gathered into the existing 16-bit buffer.
+    zero3 / zero3_offload: the gathered parameters DeepSpeed keeps live (the whole model in the
+         compute dtype, up to stage3_max_live_parameters; see ZERO3_MAX_LIVE_PARAMETERS), or for a
+         bitsandbytes base (never partitioned) the largest module gathered; + the prefetch bucket
+         (0.9*h*h) + the reduce bucket (h*h).
+    fsdp / fsdp1 (wrapped per decoder layer, then the root): the root unit (embeddings, final norm,
+         lm_head) is one all-gather that stays unsharded for the whole backward (lm_head is used
+         first, the embedding last), with its unsharded gradients for a full fine-tune; two decoder
+         layers are unsharded at a time (current + prefetched), plus one layer's unsharded gradients.
+    """
+    family = backend_record(backend).memory_family
+    e = w.elem
+    trainable = trainable_params(shape, w)
+    h2 = shape.hidden * shape.hidden
+    if family in ("single", "ddp"):
+        return 0
+    if family == "zero2":
+        return min(h2, trainable) * e
+    if family in ("zero3", "zero3_offload"):
+        if w.quant_bits is not None:
+            largest_linear = max((lin.in_features * lin.out_features for lin in shape.linears), default=0)
+            gathered = max(shape.vocab * shape.hidden * e, quantized_bytes(largest_linear, w))
+        else:
+            gathered = max(shape.largest_module_params, min(shape.n_params, ZERO3_MAX_LIVE_PARAMETERS)) * e
+        return gathered + int(ZERO3_PREFETCH_FACTOR * h2) * e + min(h2, trainable) * e
+    if family in ("fsdp", "fsdp1"):
+        root = shape.n_nonlayer_params * e
+        root_grads = root if w.train_type == "full" else 0
+        layer_grads = (shape.n_layer_params if w.train_type == "full"
+                       else _ceil_div(shape.lora_params(w.lora_rank, w.lora_targets), shape.layers)) * e
+        return root + root_grads + 2 * _gathered_layer_bytes(shape, w) + layer_grads
+    raise AssertionError(f"memory family {family!r} has no buffer formula")  # FAMILIES lists each
+
+
+def comm_bytes_per_step(shape: ModelShape, w: Workload, backend: str | Backend) -> int:
+    """Bytes each rank sends per micro-step (ring collectives move (N-1)/N of the buffer per rank), by family.
+
+    ddp: all-reduce of the gradients = 2(N-1)/N * grad bytes.
+    zero2: reduce-scatter of grads + all-gather of updated params = 2(N-1)/N * 16-bit trainable bytes.
+    fsdp/fsdp1/zero3: all-gather in forward + all-gather in backward + reduce-scatter of grads
+         = 3(N-1)/N * param bytes in the compute dtype for a full fine-tune (for LoRA the frozen base
+         is all-gathered twice in its storage form and only adapter grads are reduced).
+    """
+    family = backend_record(backend).memory_family
+    n = 1 if family == "single" else w.world_size
+    if n == 1:
+        return 0
+    ring = (n - 1) / n
+    trainable = trainable_params(shape, w)
+    if family == "ddp":
+        return int(2 * ring * trainable * _state_bytes_per_param(w, family)[1])
+    if family == "zero2":
+        return int(2 * ring * trainable * w.elem)
+    if w.train_type == "full":
+        gathered = shape.n_params * w.elem
+    else:
+        gathered = (_base_bytes(w, shape.n_linear_params, shape.n_params - shape.n_linear_params,
+                                shape.linear_out_rows) + trainable * w.elem)
+    return int(ring * (2 * gathered + trainable * w.elem))
+
+
+def unavailable_reason(w: Workload, backend: str | Backend) -> str:
+    """Why `backend` cannot run this workload, or "" when it can: fp16 without the record's
+    `loss_scaling`, a bitsandbytes base under offload, FSDP2 without `fully_shard`. (The same rules
+    the resolver and the records' checks apply to a run config.)"""
+    rec = backend_record(backend)
+    if w.dtype == "fp16" and not rec.loss_scaling:
+        return "fp16 needs loss scaling, which only the DeepSpeed backends provide"
+    if w.quant_bits is not None and rec.memory_family == "zero3_offload":
+        return "DeepSpeed offload cannot move bitsandbytes-quantized weights"
+    if rec.memory_family == "fsdp" and not w.fsdp2_available:
+        return "FSDP2 (fully_shard) needs torch >= 2.4"
+    return ""
+
+
+def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> MemoryEstimate:
+    """Memory per GPU (and per node in CPU memory) for `backend` (a record, or a name the registry
+    knows), with comm volume and a verdict; labelled with the record's name."""
+    w = workload
+    rec = backend_record(backend)
+    states = model_state_bytes(shape, w, rec)
+    cpu = 0
+    if rec.memory_family == "zero3_offload":
+        # Params, grads and optimizer partitions live in CPU memory; DeepSpeed's CPU Adam works on
+        # fp32 gradient partitions, so a 16-bit run's grads take 4 bytes there, not 2.
+        grads_cpu = states["grads"] * 4 // w.elem if w.mixed else states["grads"]
+        cpu = states["params"] + grads_cpu + states["optimizer"]
+        states = {"params": 0, "grads": 0, "optimizer": 0}
+    acts = activation_bytes(shape, w)
+    temp = temp_buffer_bytes(shape, w, rec)
+    total = sum(states.values()) + acts + temp + w.overhead_bytes
+    cpu_node = cpu * (w.gpus_per_node or w.world_size)
+    fits: bool | None = None
+    if w.gpu_memory_bytes is not None:
+        fits = total <= w.usable_fraction * w.gpu_memory_bytes
+        if cpu and w.cpu_memory_bytes is not None:
+            fits = fits and cpu_node <= w.usable_fraction * w.cpu_memory_bytes
+    note = unavailable_reason(w, rec)
+    if rec.max_processes is not None and w.world_size > rec.max_processes:
+        note = ("one process cannot use several GPUs" if rec.max_processes == 1
+                else f"{rec.name} runs at most {rec.max_processes} processes")
+    return MemoryEstimate(
+        backend=rec.name, params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
+        activations=acts, temp_buffers=temp, overhead=w.overhead_bytes, cpu_offloaded=cpu,
+        cpu_per_node=cpu_node, total=total, fits=fits if not note else False,
+        comm_bytes_per_step=comm_bytes_per_step(shape, w, rec), gpu_memory_bytes=w.gpu_memory_bytes,
+        available=not note, note=note)
+
+
+def estimate_all(shape: ModelShape, workload: Workload) -> dict[str, MemoryEstimate]:
+    """Estimates for every row of the table (`table_backends`: the registered records with `estimate`
+    set and a memory family; "single" stands in for "ddp" on a one-GPU world), by record name."""
+    return {rec.name: estimate(shape, workload, rec) for rec in table_backends(workload.world_size)}
+
+
+__all__ = ["GiB", "LOGIT_BYTES", "MemoryEstimate", "Workload", "activation_bytes", "base_bits",
+           "comm_bytes_per_step", "estimate", "estimate_all", "model_state_bytes", "quantized_bytes",
+           "temp_buffer_bytes", "trainable_params", "unavailable_reason"]
+

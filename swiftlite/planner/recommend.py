@@ -1,0 +1,180 @@
+"""Which backend to use: an ordered rule table over the memory estimates, and `--parallelism auto`.
+
+    decision = recommend(shape, workload)        # Decision(backend, reason, table, shape, workload)
+    decision = resolve_auto(cfg, world_size, gpu_memory_bytes)   # what `--parallelism auto` runs
+
+`Decision.backend` is a record name of the backend registry (parallel/base.py), or "none" when
+nothing fits; parallel/resolve.py maps it to the record. The rules name the built-in records; a
+record registered at run time is estimated (it appears in `Decision.table`) but is chosen only by a
+rule that names it. docs/estimate.md lists the rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from swiftlite.errors import UserError
+from swiftlite.planner.memory import GiB, MemoryEstimate, Workload, estimate_all
+from swiftlite.planner.shape import ModelShape, shape_from_model_arg
+
+if TYPE_CHECKING:
+    from swiftlite.config import RunConfig
+
+
+def fmt_gb(nbytes: float) -> str:
+    """Bytes as GiB with one decimal (the unit `estimate` prints)."""
+    return f"{nbytes / GiB:.1f} GiB"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The backend to use (or "none"), why, and the per-backend estimates behind it."""
+    backend: str
+    reason: str
+    table: dict[str, MemoryEstimate] = field(default_factory=dict)
+    shape: ModelShape | None = None
+    workload: Workload | None = None
+
+    def to_dict(self) -> dict:
+        """Plain data (for --json output and logs)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One line of the decision table: pick `backend` when it applies and its total stays under
+    `limit` of the GPU's memory. `reason` is formatted with the estimate's numbers."""
+    backend: str
+    applies: Callable[[Workload], bool]
+    limit: float | None     # share of GPU memory; None: the workload's usable_fraction
+    reason: str
+
+
+#: Ordered: the first rule whose backend is available, applies and fits wins. Cheaper communication
+#: first; sharding only when needed; offload (slow: PCIe every step) only when nothing else fits.
+ROOM = 0.8
+RULES: tuple[Rule, ...] = (
+    Rule("single", lambda w: w.world_size == 1, None,
+         "one GPU holds the whole run ({used} of {gpu}); no communication"),
+    Rule("ddp", lambda w: w.world_size > 1, ROOM,
+         "fits on every GPU with room ({used} of {gpu}); no sharding communication, only a gradient "
+         "all-reduce ({comm}/step)"),
+    # fp16 rules out the torch backends (no loss scaling); ZeRO-2 is DeepSpeed's closest to DDP.
+    Rule("zero2", lambda w: w.dtype == "fp16", ROOM,
+         "fits on every GPU with room ({used} of {gpu}); fp16 needs DeepSpeed's loss scaling, and ZeRO-2 "
+         "only shards grads and optimizer state"),
+    Rule("fsdp", lambda w: w.world_size > 1, None,
+         "a full replica does not fit with room; FSDP2 shards params, grads and optimizer state over "
+         "{n} GPUs ({used} of {gpu}; {comm}/step)"),
+    # Reached when FSDP2 is unavailable (fp16, old torch) or its larger gather units (two layers
+    # plus the unsharded root) do not fit: ZeRO-3 shards the same states in smaller pieces.
+    Rule("zero3", lambda w: w.world_size > 1, None,
+         "{fsdp_status}; DeepSpeed ZeRO-3 shards params, grads and optimizer state over {n} GPUs and "
+         "gathers one module at a time ({used} of {gpu}; {comm}/step)"),
+    Rule("zero3_offload", lambda w: True, None,
+         "only offload fits: params, grads and optimizer state move to CPU memory ({cpu}/node{cpu_check}); "
+         "GPUs hold {used} of {gpu}; expect PCIe-bound steps"),
+)
+
+
+def _reason(rule: Rule, est: MemoryEstimate, w: Workload, table: dict[str, MemoryEstimate]) -> str:
+    cpu_check = "" if w.cpu_memory_bytes is not None else ", not checked: pass --cpu-memory"
+    fsdp = table.get("fsdp")
+    if fsdp is None or not fsdp.available:
+        fsdp_status = f"fsdp is out ({fsdp.note if fsdp else 'not estimated'})"
+    else:
+        fsdp_status = f"fsdp does not fit ({fmt_gb(fsdp.total)} with its root and two layers unsharded)"
+    return f"{est.backend}: " + rule.reason.format(
+        used=fmt_gb(est.total), gpu=fmt_gb(est.gpu_memory_bytes or 0), n=w.world_size,
+        comm=fmt_gb(est.comm_bytes_per_step), cpu=fmt_gb(est.cpu_per_node), cpu_check=cpu_check,
+        fsdp_status=fsdp_status)
+
+
+def recommend(shape: ModelShape, workload: Workload, rules: tuple[Rule, ...] = RULES) -> Decision:
+    """The first rule of `rules` whose backend fits; "none" with the smallest requirement otherwise."""
+    w = workload
+    if w.gpu_memory_bytes is None:
+        raise UserError("--gpu-memory is needed to recommend a backend")
+    table = estimate_all(shape, w)
+    for rule in rules:
+        est = table.get(rule.backend)
+        if est is None or not est.available or not rule.applies(w):
+            continue
+        # est.fits covers the usable share of the GPU and, for offload, the CPU memory per node.
+        limit = w.usable_fraction if rule.limit is None else rule.limit
+        if est.fits and est.total <= limit * w.gpu_memory_bytes:
+            return Decision(rule.backend, _reason(rule, est, w, table), table, shape, w)
+    return Decision("none", _nothing_fits(table, w), table, shape, w)
+
+
+def _nothing_fits(table: dict[str, MemoryEstimate], w: Workload) -> str:
+    usable = w.usable_fraction * (w.gpu_memory_bytes or 0)
+    candidates = [e for e in table.values() if e.available]
+    best = min(candidates, key=lambda e: e.total)
+    need = f"{best.backend}'s {fmt_gb(best.total)} per GPU"
+    if best.total <= usable and best.cpu_per_node:
+        need += f" and {fmt_gb(best.cpu_per_node)} of CPU memory per node (have {fmt_gb(w.cpu_memory_bytes or 0)})"
+    hints = ["more GPUs"]
+    if not w.gradient_checkpointing:
+        hints.append("--gradient-checkpointing")
+    if w.micro_batch > 1:
+        hints.append("a smaller --batch-size")
+    hints.append("a shorter --max-length")
+    if w.train_type == "full":
+        hints.append("--train-type lora/qlora")
+    elif w.quant_bits is None:
+        hints.append("--train-type qlora")
+    return (f"no backend fits in {fmt_gb(w.gpu_memory_bytes or 0)} per GPU "
+            f"({fmt_gb(usable)} usable): the smallest requirement is {need}; try {', '.join(hints)}")
+
+
+# --------------------------------------------------------------------------------------------------
+# --parallelism auto
+
+
+def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None,
+                         gpus_per_node: int | None = None) -> Workload:
+    """The Workload a RunConfig describes on `world_size` ranks."""
+    return Workload(
+        train_type=cfg.train.train_type, dtype=cfg.model.torch_dtype, lora_rank=cfg.lora.lora_rank,
+        lora_targets=tuple(cfg.lora.target_modules) or ("all-linear",), lora_dropout=cfg.lora.lora_dropout,
+        quant_bits=cfg.quant_bits, double_quant=cfg.quant.bnb_4bit_use_double_quant,
+        max_length=cfg.data.max_length, micro_batch=cfg.train.per_device_train_batch_size,
+        gradient_checkpointing=cfg.train.gradient_checkpointing, world_size=world_size,
+        gpus_per_node=gpus_per_node or cfg.parallel.nproc_per_node or world_size,
+        gpu_memory_bytes=gpu_memory_bytes, fsdp2_available=_has_fsdp2())
+
+
+def _has_fsdp2() -> bool:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_auto(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None, *,
+                 shape: ModelShape | None = None, gpus_per_node: int | None = None) -> Decision:
+    """The backend `--parallelism auto` runs with.
+
+    On CPU (`gpu_memory_bytes` None) memory is not the constraint: one process runs "single", several
+    run "fsdp" (fp16 runs go to DeepSpeed ZeRO-2, the only backend with loss scaling). On GPU the
+    memory model decides (`recommend`); pass `shape` when the model is a hub id (this reads only
+    presets and local folders). A run that fits nowhere is a UserError naming the smallest need.
+    """
+    if gpu_memory_bytes is None:
+        if cfg.model.torch_dtype == "fp16":
+            return Decision("zero2", "fp16 needs loss scaling, which only the DeepSpeed backends provide")
+        if world_size == 1:
+            return Decision("single", "one process on CPU: no parallelism needed")
+        return Decision("fsdp", f"{world_size} CPU processes: FSDP2 shards params, grads and optimizer "
+                        "state (memory is not estimated on CPU)")
+    shape = shape or shape_from_model_arg(cfg.model.model)
+    decision = recommend(shape, workload_from_config(cfg, world_size, gpu_memory_bytes, gpus_per_node))
+    if decision.backend == "none":
+        raise UserError(f"--parallelism auto: {decision.reason}; or pick --parallelism explicitly")
+    return decision
+
+
+__all__ = ["Decision", "ROOM", "RULES", "Rule", "fmt_gb", "recommend", "resolve_auto", "workload_from_config"]
