@@ -142,12 +142,15 @@ BUILTIN_MODULES = ("swiftlite.parallel.ddp", "swiftlite.parallel.fsdp2", "swiftl
 _loaded = False
 
 
-def register_backend(record: Backend) -> Backend:
-    """Add (or replace) a record; its name and aliases become --parallelism values."""
+def register_backend(record: Backend, *, replace: bool = False) -> Backend:
+    """Add a record; its name and aliases become --parallelism values. The built-in records are
+    registered first, so a plugin's record comes after them and cannot silently take a built-in
+    name (`replace=True` says it means to)."""
+    _load_builtins()
     for n in record.names:
         owner = _ALIASES.get(n)
-        if owner is not None and owner != record.name:
-            raise ValueError(f"backend name {n!r} is taken by {owner!r}")
+        if owner is not None and not (replace and owner == record.name):
+            raise UserError(f"backend name {n!r} is already registered (by {owner!r})")
     _REGISTRY[record.name] = record
     for n in record.names:
         _ALIASES[n] = record.name
