@@ -47,8 +47,9 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from swiftlite import checkpoint as ckpt
+from swiftlite import dtypes
 from swiftlite.errors import UserError
-from swiftlite.hf_io import DTYPE_NAMES, write_config, write_generation_config, write_tokenizer
+from swiftlite.hf_io import write_config, write_generation_config, write_tokenizer
 
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 RUN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -845,7 +846,7 @@ def publish(tmp: Path, out: Path) -> None:
         old = out.parent / f".{out.name}.export-old-{os.getpid()}"
         os.replace(out, old)
     os.replace(tmp, out)
-    ckpt._fsync_dir(out.parent)
+    ckpt.fsync_dir(out.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -1354,8 +1355,8 @@ def verify_export(folder: Path, src: Source, opts: ExportOptions, result: Export
             if got:
                 problems.append(f"{what.replace('_', ' ')} when loading with transformers: {sorted(map(str, got))[:5]}")
         conf = json.loads((folder / "config.json").read_text())
-        if conf.get("dtype") != DTYPE_NAMES[dtype]:
-            problems.append(f"config.json dtype {conf.get('dtype')}, expected {DTYPE_NAMES[dtype]}")
+        if conf.get("dtype") != dtypes.hf_name(dtypes.from_torch(dtype)):
+            problems.append(f"config.json dtype {conf.get('dtype')}, expected {dtypes.hf_name(dtypes.from_torch(dtype))}")
         emb, head = exported.get_input_embeddings(), exported.get_output_embeddings()
         if head is not None and emb is not None:
             shared = head.weight.data_ptr() == emb.weight.data_ptr()
