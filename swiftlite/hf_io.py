@@ -25,7 +25,8 @@ from swiftlite import dtypes
 # peft's file names in an adapter folder.
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, "adapter_model.bin")
+ADAPTER_WEIGHTS_BIN = "adapter_model.bin"  # older peft (torch pickle, read weights-only)
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTER_WEIGHTS_BIN)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -62,6 +62,7 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from swiftlite.config import build_config
+    from swiftlite.hf_io import ADAPTER_CONFIG
     from swiftlite.models.loading import load_model, load_tokenizer, resolve_model
     from swiftlite.models.presets import get_preset
     import warnings
@@ -88,7 +89,7 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
             raise UserError(f"--model {arg}: cannot load ({str(e).splitlines()[0]})") from None
         tokenizer = AutoTokenizer.from_pretrained(str(p))
         desc = f"{p} (HF folder)"
-    elif p.is_dir() and (p / "adapter_config.json").is_file() and opts.adapters is None:
+    elif p.is_dir() and (p / ADAPTER_CONFIG).is_file() and opts.adapters is None:
         raise UserError(f"--model {arg}: an adapter folder; pass --model BASE --adapters {arg}")
     elif p.is_dir():
         from swiftlite.export.reference import load_reference
@@ -122,12 +123,14 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
 
 
 def _with_adapter(model: Any, tokenizer: Any, desc: str, adapters: str) -> tuple[Any, Any, str]:
+    from swiftlite.checkpoint.layout import ADAPTER_DIR
+    from swiftlite.hf_io import ADAPTER_CONFIG
     d = Path(adapters).expanduser()
-    if not (d / "adapter_config.json").is_file():
-        if (d / "adapter" / "adapter_config.json").is_file():  # a checkpoint folder
-            d = d / "adapter"
+    if not (d / ADAPTER_CONFIG).is_file():
+        if (d / ADAPTER_DIR / ADAPTER_CONFIG).is_file():  # a checkpoint folder
+            d = d / ADAPTER_DIR
         else:
-            raise UserError(f"--adapters {adapters}: not a peft adapter folder (no adapter_config.json)")
+            raise UserError(f"--adapters {adapters}: not a peft adapter folder (no {ADAPTER_CONFIG})")
     from swiftlite.models.quant import peft_without_bnb
     quantized = any(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules())
     from transformers import AutoTokenizer

@@ -15,7 +15,7 @@ from swiftlite.checkpoint import layout
 from swiftlite.checkpoint.readers import DCPReader, TensorReader, ZeroReader
 from swiftlite.errors import UserError
 from swiftlite.export.source import Source
-from swiftlite.hf_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from swiftlite.hf_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTER_WEIGHTS_BIN
 
 
 @dataclass
@@ -75,8 +75,8 @@ def load_adapter(src: Source, log: Callable[[str], None]) -> Adapter:
         if st.is_file():
             from safetensors.torch import load_file
             tensors = load_file(str(st))
-        elif (d / "adapter_model.bin").is_file():
-            tensors = torch.load(d / "adapter_model.bin", map_location="cpu", weights_only=True)
+        elif (d / ADAPTER_WEIGHTS_BIN).is_file():
+            tensors = torch.load(d / ADAPTER_WEIGHTS_BIN, map_location="cpu", weights_only=True)
         else:
             raise UserError(f"{d}: {ADAPTER_CONFIG} without {ADAPTER_WEIGHTS}")
         origin = str(d)
