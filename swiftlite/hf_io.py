@@ -1,4 +1,6 @@
-"""Writing Hugging Face model folders: sharded safetensors + index, streamed.
+"""Writing Hugging Face model folders: sharded safetensors + index, streamed; config, generation
+config, tokenizer; peft adapter folders. The one writer of HF folders (checkpoints' model/ and
+adapter/ copies, and `swiftlite export`).
 
 Tensors arrive one at a time (an iterator), are cast to the target dtype, and are flushed to a
 shard file as soon as the shard reaches `max_shard_size` bytes, so peak memory is about one shard.
@@ -18,8 +20,13 @@ from typing import Any, Iterable, Iterator
 import torch
 from safetensors.torch import save_file
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+from swiftlite import dtypes
+
+# peft's file names in an adapter folder.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_WEIGHTS_BIN = "adapter_model.bin"  # older peft (torch pickle, read weights-only)
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTER_WEIGHTS_BIN)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -51,7 +58,7 @@ def write_sharded(tensors: Iterable[tuple[str, torch.Tensor]], out: Path, *, dty
     shard the file is `prefix.safetensors` and no index is written (as save_pretrained does).
     """
     out.mkdir(parents=True, exist_ok=True)
-    target = DTYPES[dtype] if dtype else None
+    target = dtypes.torch_dtype(dtype) if dtype else None
     shard: dict[str, torch.Tensor] = {}
     shard_bytes = 0
     tmp_files: list[tuple[Path, list[str]]] = []
@@ -101,11 +108,17 @@ def drop_tied(sd_items: Iterable[tuple[str, torch.Tensor]], tie_word_embeddings:
         yield k, v
 
 
-def make_readable(path: Path) -> None:
-    """safetensors creates files 0600; model files are for other users (servers) too: honour umask."""
+def current_umask() -> int:
+    """The process umask (reading it means setting it: put it straight back)."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    return umask
+
+
+def make_readable(path: Path) -> None:
+    """safetensors creates files 0600; model files are for other users (servers) too: give a file
+    (or a folder) the permissions a plain write would have had under the umask."""
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~current_umask())
 
 
 # -- the small JSON files of an HF folder (shared by checkpoints and export) ---------------------
@@ -122,7 +135,7 @@ def write_config(conf: Any, arch: str, out: Path, dtype: torch.dtype, tie: bool)
     d["architectures"] = [arch]
     d["tie_word_embeddings"] = bool(tie)
     d["use_cache"] = True
-    d["dtype"] = d["torch_dtype"] = DTYPE_NAMES[dtype]
+    d["dtype"] = d["torch_dtype"] = dtypes.hf_name(dtypes.from_torch(dtype))
     rp = d.get("rope_parameters")
     if isinstance(rp, dict) and "rope_theta" in rp:
         d.setdefault("rope_theta", rp["rope_theta"])
@@ -176,3 +189,42 @@ def write_tokenizer(tokenizer: Any, out: Path) -> bool:
             tc["chat_template"] = template  # older readers look here; 5.x reads chat_template.jinja
         tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
     return bool(getattr(tokenizer, "chat_template", None))
+
+
+def write_model_folder(model: Any, sd: dict[str, torch.Tensor], tokenizer: Any, out: Path, dtype: str) -> None:
+    """A full HF folder of a live model's gathered state dict (a checkpoint's model/ copy): shards in
+    the run's dtype, config, generation config, tokenizer."""
+    conf = model.config
+    tie = bool(getattr(conf, "tie_word_embeddings", False))
+    write_sharded(drop_tied(sd.items(), tie), out, dtype=dtype, max_shard_size=5 * 10**9)
+    arch = (getattr(conf, "architectures", None) or [type(model).__name__])[0]
+    conf_dict = write_config(conf, arch, out, dtypes.torch_dtype(dtype), tie)
+    write_generation_config(out, conf_dict, tokenizer, None)
+    write_tokenizer(tokenizer, out)
+
+
+# -- peft adapter folders ----------------------------------------------------------------------------
+
+def write_adapter_weights(tensors: dict[str, torch.Tensor], out: Path) -> Path:
+    """adapter_model.safetensors (peft's names as given), readable by other users."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ADAPTER_WEIGHTS
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+    make_readable(path)
+    return path
+
+
+def write_adapter(peft_model: Any, sd: dict, out: Path) -> None:
+    """adapter_config.json + adapter_model.safetensors, loadable by PeftModel.from_pretrained."""
+    empty = [k for k, v in sd.items() if v.numel() == 0]
+    if empty or not sd:
+        raise RuntimeError(f"adapter gather produced empty tensors: {empty[:3] or 'no tensors'}")
+    out.mkdir(parents=True, exist_ok=True)
+    peft_model.peft_config["default"].save_pretrained(str(out))
+    write_adapter_weights(sd, out)
+
+
+def write_adapter_config(config: dict[str, Any], out: Path) -> None:
+    """adapter_config.json from a plain dict (an adapter rebuilt from a checkpoint's tensors)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from swiftlite import dtypes
 from swiftlite.errors import UserError
 
 METRICS = ("exact_match",)
@@ -50,10 +51,9 @@ def _dtype(name: str) -> Any:
     import torch
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if name not in table:
+    if name not in dtypes.NAMES:
         raise UserError(f"--dtype {name}: choose auto, bf16, fp16 or fp32")
-    return table[name]
+    return dtypes.torch_dtype(name)
 
 
 def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> Loaded:
@@ -62,6 +62,7 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from swiftlite.config import build_config
+    from swiftlite.hf_io import ADAPTER_CONFIG
     from swiftlite.models.loading import load_model, load_tokenizer, resolve_model
     from swiftlite.models.presets import get_preset
     import warnings
@@ -70,7 +71,7 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
     dtype = _dtype(opts.dtype)
-    dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    dtype_name = dtypes.from_torch(dtype)
     arg = opts.model
     p = Path(arg).expanduser()
     tokenizer = None
@@ -88,16 +89,12 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
             raise UserError(f"--model {arg}: cannot load ({str(e).splitlines()[0]})") from None
         tokenizer = AutoTokenizer.from_pretrained(str(p))
         desc = f"{p} (HF folder)"
-    elif p.is_dir() and (p / "adapter_config.json").is_file() and opts.adapters is None:
+    elif p.is_dir() and (p / ADAPTER_CONFIG).is_file() and opts.adapters is None:
         raise UserError(f"--model {arg}: an adapter folder; pass --model BASE --adapters {arg}")
     elif p.is_dir():
-        from swiftlite.export import inspect_source, reference_model, resolve_base
-        src = inspect_source(arg, None, log)
-        model, desc = reference_model(src)
-        needs_base = src.is_peft or src.hf_dir is None
-        from swiftlite.export import _tokenizer_for
-        tokenizer = _tokenizer_for(src, resolve_base(src) if needs_base else None)
-        desc = f"{src.path} ({desc})"
+        from swiftlite.export.reference import load_reference
+        ref = load_reference(arg, log)
+        model, tokenizer, desc, src = ref.model, ref.tokenizer, ref.desc, ref.source
         model = model.to(dtype) if not (src.cfg and src.cfg.quant.quant_bits) else model
     elif p.exists():
         raise UserError(f"--model {arg}: is a file; pass a model folder, run folder or preset name")
@@ -126,12 +123,14 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
 
 
 def _with_adapter(model: Any, tokenizer: Any, desc: str, adapters: str) -> tuple[Any, Any, str]:
+    from swiftlite.checkpoint.layout import ADAPTER_DIR
+    from swiftlite.hf_io import ADAPTER_CONFIG
     d = Path(adapters).expanduser()
-    if not (d / "adapter_config.json").is_file():
-        if (d / "adapter" / "adapter_config.json").is_file():  # a checkpoint folder
-            d = d / "adapter"
+    if not (d / ADAPTER_CONFIG).is_file():
+        if (d / ADAPTER_DIR / ADAPTER_CONFIG).is_file():  # a checkpoint folder
+            d = d / ADAPTER_DIR
         else:
-            raise UserError(f"--adapters {adapters}: not a peft adapter folder (no adapter_config.json)")
+            raise UserError(f"--adapters {adapters}: not a peft adapter folder (no {ADAPTER_CONFIG})")
     from swiftlite.models.quant import peft_without_bnb
     quantized = any(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules())
     from transformers import AutoTokenizer

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from swiftlite.checkpoint.run_dir import check_output_dir  # noqa: F401 (preflight; importable from here)
 from swiftlite.config import RunConfig
 from swiftlite.errors import UserError
 
@@ -130,35 +131,6 @@ def plan_launch(cfg: RunConfig, argv: list[str]) -> LaunchPlan:
 
 
 # -- preflight: every check that needs no process group, before anything is created ------------------
-
-def check_output_dir(cfg: RunConfig) -> Path:
-    """The resolved --output-dir, checked without creating anything: not a file, not an old run's
-    checkpoints (unless --resume / --overwrite-output-dir), and creatable (nearest existing parent is
-    a writable folder)."""
-    from swiftlite import checkpoint as ckpt
-    raw = cfg.train.output_dir
-    if not str(raw).strip():
-        raise UserError("--output-dir is empty")
-    run_dir = Path(raw).expanduser().resolve()
-    resuming = cfg.checkpoint.resume or cfg.checkpoint.resume_from
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"--output-dir {raw}: exists and is not a folder")
-    if run_dir.is_dir():
-        if ckpt.list_checkpoints(run_dir) and not resuming and not cfg.train.overwrite_output_dir:
-            raise UserError(f"--output-dir {raw}: already holds checkpoints; "
-                            "pass --resume to continue or --overwrite-output-dir to start over")
-        if not os.access(run_dir, os.W_OK | os.X_OK):
-            raise UserError(f"--output-dir {raw}: folder is not writable")
-        return run_dir
-    parent = run_dir.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UserError(f"--output-dir {raw}: cannot be created ({parent} is not a folder)")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"--output-dir {raw}: cannot be created ({parent} is not writable)")
-    return run_dir
-
 
 def _check_model_folder(cfg: RunConfig, folder: Path) -> None:
     """A local model folder has weights, and needs no code of its own unless --trust-remote-code."""

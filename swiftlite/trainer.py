@@ -10,7 +10,6 @@ single-process one.
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,9 @@ from typing import Any
 
 from swiftlite import checkpoint as ckpt
 from swiftlite import faults, profiling
+from swiftlite.checkpoint.run_dir import prepare_run_dir
+from swiftlite.checkpoint.state import (export_weights, load_training_state, record_state_bytes,  # noqa: F401
+                                        save_training_state)
 from swiftlite.config import RunConfig, save_args
 from swiftlite.errors import UserError
 
@@ -42,27 +44,6 @@ def _progress_factory(enabled: bool):
             return track(it, description=desc, total=total, transient=True)
         return wrap
     return make
-
-
-def prepare_run_dir(cfg: RunConfig, world_is_main: bool) -> Path:
-    """Create the run folder; refuse to mix a new run into an old one unless asked."""
-    run_dir = Path(cfg.train.output_dir).expanduser().resolve()
-    resuming = cfg.checkpoint.resume or cfg.checkpoint.resume_from
-    if world_is_main:
-        if run_dir.exists() and not run_dir.is_dir():
-            raise UserError(f"--output-dir {cfg.train.output_dir}: exists and is not a folder")
-        if (run_dir.is_dir() and ckpt.list_checkpoints(run_dir) and not resuming
-                and not cfg.train.overwrite_output_dir):
-            raise UserError(f"--output-dir {cfg.train.output_dir}: already holds checkpoints; "
-                            "pass --resume to continue or --overwrite-output-dir to start over")
-        if cfg.train.overwrite_output_dir and not resuming and run_dir.is_dir():
-            for p in ckpt.list_checkpoints(run_dir):
-                shutil.rmtree(p)
-            for name in ("logging.jsonl", ckpt.LATEST):
-                (run_dir / name).unlink(missing_ok=True)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.clean_partial(run_dir)
-    return run_dir
 
 
 def train(cfg: RunConfig) -> TrainResult:
@@ -216,16 +197,6 @@ def train(cfg: RunConfig) -> TrainResult:
 MEMORY_STEPS = 3  # the training-memory peak is read after this many steps (the peak is in step 2 or later)
 
 
-def record_state_bytes(run_dir: Path, rank: int, before_step: dict, after_step: dict) -> None:
-    """logs/state_rank<r>.json: model-state bytes this rank holds, counted from its tensors
-    (parameters and gradients after the first backward, optimizer state after the first step)."""
-    import json
-    logs = run_dir / "logs"
-    logs.mkdir(exist_ok=True)
-    rec = {"params": before_step["params"], "grads": before_step["grads"], "optimizer": after_step["optimizer"]}
-    (logs / f"state_rank{rank}.json").write_text(json.dumps(rec) + "\n")
-
-
 def resolve_backend(cfg: RunConfig, world: Any) -> Any:
     """The backend this rank builds: `parallel.resolve.resolve_backend` with the smallest GPU of the
     whole job (every rank must pick the same one) and, for `auto` on CUDA, the model's shape."""
@@ -300,90 +271,3 @@ def evaluate(engine: Any, val_data: Any, cfg: RunConfig, world: Any, pad_id: int
     engine.train()
     total, count = all_reduce_sum([total, float(count)])
     return round(total / max(1.0, count), 6)
-
-
-def save_training_state(engine: Any, model: Any, tokenizer: Any, cfg: RunConfig, world: Any,
-                        run_dir: Path, step: int, backend: str) -> Path:
-    """Write checkpoint-<step> atomically (temp folder, manifest, rename, then `latest`)."""
-    import json
-
-    from swiftlite.distributed import barrier
-    name = f"{ckpt.PREFIX}{step}"
-    tmp = run_dir / f".tmp-{name}"
-    final = run_dir / name
-    if world.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    engine.save(str(tmp))
-    ckpt.save_rng(tmp / "rng", world.rank)
-    if cfg.checkpoint.save_hf_model:
-        export_weights(engine, model, tokenizer, cfg, world, tmp)
-    faults.maybe_inject(step, "checkpoint")
-    barrier()
-    if world.is_main:
-        state = {"global_step": step, "backend": backend, "world_size": world.world_size,
-                 "train_type": cfg.train.train_type, "model": cfg.model.model,
-                 "torch_dtype": cfg.model.torch_dtype}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
-        ckpt.write_manifest(tmp)
-        ckpt.publish(tmp, final, run_dir)  # swap by rename, then move `latest`
-        ckpt.prune(run_dir, cfg.checkpoint.save_total_limit, keep=final)
-    barrier()
-    return final
-
-
-def export_weights(engine: Any, model: Any, tokenizer: Any, cfg: RunConfig, world: Any, ckpt_dir: Path) -> None:
-    """model/ (an HF folder of the full weights) or adapter/ (peft format) inside a checkpoint."""
-    from swiftlite.hf_io import (DTYPES, drop_tied, write_config, write_generation_config, write_sharded,
-                                 write_tokenizer)
-    if cfg.is_peft:
-        sd = engine.adapter_state_dict()
-        if world.is_main:
-            write_adapter(model, sd, ckpt_dir / "adapter")
-        return
-    sd = engine.full_state_dict()
-    if world.is_main:
-        out = ckpt_dir / "model"
-        conf = model.config
-        tie = bool(getattr(conf, "tie_word_embeddings", False))
-        write_sharded(drop_tied(sd.items(), tie), out, dtype=cfg.model.torch_dtype, max_shard_size=5 * 10**9)
-        arch = (getattr(conf, "architectures", None) or [type(model).__name__])[0]
-        conf_dict = write_config(conf, arch, out, DTYPES[cfg.model.torch_dtype], tie)
-        write_generation_config(out, conf_dict, tokenizer, None)
-        write_tokenizer(tokenizer, out)
-
-
-def write_adapter(peft_model: Any, sd: dict, out: Path) -> None:
-    """adapter_config.json + adapter_model.safetensors, loadable by PeftModel.from_pretrained."""
-    from safetensors.torch import save_file
-
-    from swiftlite.hf_io import make_readable
-    out.mkdir(parents=True, exist_ok=True)
-    empty = [k for k, v in sd.items() if v.numel() == 0]
-    if empty or not sd:
-        raise RuntimeError(f"adapter gather produced empty tensors: {empty[:3] or 'no tensors'}")
-    peft_model.peft_config["default"].save_pretrained(str(out))
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    make_readable(out / "adapter_model.safetensors")
-
-
-def load_training_state(engine: Any, path: Path, world: Any, cfg: RunConfig, choice: Any) -> dict:
-    """Restore model, optimizer, scheduler and RNG from a checkpoint; returns trainer_state."""
-    import json
-    state = json.loads((path / "trainer_state.json").read_text())
-    if state.get("train_type") != cfg.train.train_type:
-        raise UserError(f"--resume: {path} was trained with --train-type {state.get('train_type')}, "
-                        f"this run uses {cfg.train.train_type}")
-    backend = state.get("backend")
-    if (backend == "deepspeed") != (choice.key == "deepspeed"):
-        raise UserError(f"--resume: {path} holds a {backend} checkpoint; resume it with a "
-                        f"{'DeepSpeed' if backend == 'deepspeed' else 'torch'} backend")
-    if backend == "deepspeed" and state.get("world_size") != world.world_size:
-        raise UserError(f"--resume: {path} is a DeepSpeed checkpoint of {state.get('world_size')} processes; "
-                        f"ZeRO checkpoints resume only with the same world size (this run: {world.world_size})")
-    engine.load(str(path))
-    if state.get("world_size") == world.world_size:
-        ckpt.load_rng(path / "rng", world.rank)
-    return state

@@ -43,6 +43,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Iterator
 
 from swiftlite import env as envvars
+from swiftlite.checkpoint.layout import DS_TAG
 from swiftlite.distributed import World, free_port
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, BackendChoice, register_backend
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 
     from swiftlite.config import RunConfig
 
-CKPT_TAG = "ds"
+CKPT_TAG = DS_TAG  # checkpoint-N/ds/
 DEFAULT_EXT_DIR = os.path.join("~", ".cache", "swiftlite", "torch_extensions")
 
 # Keeps the transformers ZeRO-3 marker alive for the whole run (transformers holds only a weakref).

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from swiftlite.checkpoint.layout import DCP_DIR, SCHEDULER
 from swiftlite.optim import build_optimizer, build_scheduler
 from swiftlite.parallel.base import World, tensor_bytes
 from swiftlite.parallel.loss import token_loss_sum
@@ -106,23 +107,23 @@ class TorchEngine:
         if model_state is None:
             model_state = get_model_state_dict(self.inner, options=self._opts(ignore_frozen_params=self._frozen_ok))
         state = {"model": model_state, "optim": get_optimizer_state_dict(self.inner, self.optimizer)}
-        dcp.save(state, checkpoint_id=str(Path(path) / "dcp"))
+        dcp.save(state, checkpoint_id=str(Path(path) / DCP_DIR))
         if self.world.is_main:
-            (Path(path) / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
+            (Path(path) / SCHEDULER).write_text(json.dumps(self.scheduler.state_dict()))
 
     def load(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
-        from swiftlite.checkpoint import check_dcp_metadata
-        check_dcp_metadata(Path(path) / "dcp")
+        from swiftlite.checkpoint.safety import check_dcp_metadata
+        check_dcp_metadata(Path(path) / DCP_DIR)
         opts = self._opts(ignore_frozen_params=self._frozen_ok)
         in_place = self._trainable_state()
         state = {"model": in_place if in_place is not None else get_model_state_dict(self.inner, options=opts),
                  "optim": get_optimizer_state_dict(self.inner, self.optimizer)}
-        dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
+        dcp.load(state, checkpoint_id=str(Path(path) / DCP_DIR))
         if in_place is None:  # the in-place tensors are the parameters themselves: already loaded
             set_model_state_dict(self.inner, state["model"], options=self._opts(strict=False))
         set_optimizer_state_dict(self.inner, self.optimizer, state["optim"])
-        sched = json.loads((Path(path) / "scheduler.json").read_text())
+        sched = json.loads((Path(path) / SCHEDULER).read_text())
         self.scheduler.load_state_dict(sched)
 
     @property

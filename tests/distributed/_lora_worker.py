@@ -62,7 +62,7 @@ def base_bytes(module: torch.nn.Module) -> dict[str, int]:
 
 
 def install_probe() -> None:
-    import swiftlite.trainer as trainer
+    import swiftlite.checkpoint.state as trainer  # save_training_state calls export_weights from there
 
     original = trainer.export_weights
 

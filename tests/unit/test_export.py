@@ -262,7 +262,7 @@ def test_verify_failure_exits_1_and_publishes_nothing(tmp_path, monkeypatch, cap
     torch.manual_seed(3)
     get_peft_model(base, LoraConfig(r=4, lora_alpha=16, target_modules="all-linear", init_lora_weights=False,
                                     task_type="CAUSAL_LM")).save_pretrained(tmp_path / "adapter")
-    monkeypatch.setattr(ex, "merge_lora", lambda w, parts, scale, fan: w)  # the bug: no merge
+    monkeypatch.setattr("swiftlite.export.model.merge_lora", lambda w, parts, scale, fan: w)  # the bug: no merge
     out = tmp_path / "out"
     capsys.readouterr()
     rc = main(["export", "--ckpt", str(tmp_path / "adapter"), "--base-model", str(base_dir), "--merge-lora",

@@ -1,0 +1,101 @@
+"""Any swiftlite checkpoint -> a Hugging Face folder (16-bit safetensors) that vLLM and LMDeploy load.
+
+    swiftlite export --ckpt RUN_OR_CHECKPOINT --output DIR [--merge-lora] [--dtype bf16] [--verify]
+
+What `--ckpt` may be
+    a run folder            its `latest` checkpoint (refused, with the reason, if that one is broken)
+    checkpoint-N/           dcp/ (single, ddp, fsdp, fsdp1), ds/ (DeepSpeed ZeRO-1/2/3), adapter/ (LoRA)
+    a peft adapter folder   adapter_config.json + adapter_model.safetensors (needs --base-model)
+    an HF model folder      config.json + *.safetensors (re-sharded and cast)
+
+Where the weights come from
+    full fine-tune, torch   the DCP shards, read offline (no process group) a few tensors at a time
+    full fine-tune, ZeRO    the fp32 master partitions of the ZeRO optimizer files (DeepSpeed's
+                            zero_to_fp32 helpers; ZeRO-2 partitions are stitched lazily here, ZeRO-3
+                            through DeepSpeed's lazy GatheredTensor), memory-mapped
+    LoRA / QLoRA            checkpoint-N/adapter/ (else the trainable tensors of dcp/ or ds/) plus the
+                            base model named in the run's args.json (or --base-model)
+
+Memory: tensors stream from the checkpoint into `hf_io.write_sharded`, which flushes a shard as soon
+as it reaches --max-shard-size; a read batch is at most half a shard, so the export's peak memory is
+about 1.5 shards plus the largest tensor, whatever the model size. QLoRA merges hold the 4-bit base
+(what the run trained against, quantized the same way) and dequantize it one layer at a time.
+
+Atomicity: everything is written into a hidden `.NAME.export-tmp-PID` folder next to --output, which is
+renamed to --output only when complete (and verified, with --verify). An interrupted export leaves only
+that hidden folder, which the next export removes.
+
+User mistakes (not a checkpoint, base model missing, adapter/base mismatch, output exists) are
+UserErrors: one line, exit 2. A failed --verify is a VerifyError: exit 1 and nothing is published.
+
+Modules: source.py (what --ckpt is), base_model.py (architecture, ties, tokenizer), adapter.py (LoRA),
+model.py (writing the weights), output.py (temp folder, model card, atomic move), reference.py (the
+training-side model, also used by `swiftlite infer`), verify.py (--verify), memprobe.py (RSS
+diagnostics). The offline tensor readers live in `swiftlite.checkpoint.readers`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+from swiftlite import dtypes
+from swiftlite.checkpoint.readers import (DCPReader, ModelReader, SafetensorsReader, TensorReader, ZeroReader,
+                                          stream, tensor_value)
+from swiftlite.checkpoint.readers import batches as _batches  # noqa: F401 (tests)
+from swiftlite.errors import UserError
+from swiftlite.export.adapter import Adapter, check_adapter_fits, load_adapter, merge_lora, peft_name
+from swiftlite.export.base_model import expected_tensors, meta_model, tied_names
+from swiftlite.export.model import export_adapter, export_model
+from swiftlite.export.output import (ExportResult, append_readme, cast_checked, move_into_place, prepare_output,
+                                     write_readme)
+from swiftlite.export.reference import Reference, VerifyError, load_reference, reference_model, reference_tokenizer
+from swiftlite.export.source import ExportOptions, Source, inspect_source, resolve_base, resolve_checkpoint
+from swiftlite.export.verify import (PEFT_MARKERS, TOLERANCE, check_files, prompt_for, reference_weights,
+                                     verify_export)
+from swiftlite.hf_io import ADAPTER_FILES, write_config, write_generation_config, write_tokenizer
+
+__all__ = [
+    "export", "ExportOptions", "ExportResult", "VerifyError", "Source", "resolve_checkpoint", "inspect_source",
+    "resolve_base", "TensorReader", "stream", "DCPReader", "SafetensorsReader", "ModelReader", "ZeroReader",
+    "tensor_value", "meta_model", "expected_tensors", "tied_names", "Adapter", "peft_name", "load_adapter",
+    "check_adapter_fits", "merge_lora", "cast_checked", "write_readme", "append_readme", "prepare_output",
+    "move_into_place", "export_model", "export_adapter", "Reference", "load_reference", "reference_model",
+    "reference_tokenizer", "prompt_for", "check_files", "verify_export", "reference_weights", "TOLERANCE",
+    "PEFT_MARKERS", "ADAPTER_FILES", "write_config", "write_generation_config", "write_tokenizer",
+]
+
+
+def export(opts: ExportOptions) -> ExportResult:
+    """Run one export (see the module docstring); returns what was written."""
+    from transformers.utils import logging as hf_logging
+
+    from swiftlite.hf_io import parse_size
+    hf_logging.disable_progress_bar()  # the export logs its own lines; no per-load bars
+    log = opts.log
+    if opts.dtype not in dtypes.HALF:
+        raise UserError(f"--dtype {opts.dtype}: choose bf16 or fp16")
+    max_shard = parse_size(opts.max_shard_size)
+    src = inspect_source(opts.ckpt, opts.base_model, log)
+    if opts.merge_lora and not src.is_peft:
+        log(f"note: --merge-lora ignored, {src.path.name} is a full fine-tune")
+    out, tmp = prepare_output(opts.output, opts.overwrite, src)
+    log(f"source {src.describe()}")
+    t0 = time.perf_counter()
+    try:
+        if src.is_peft and not opts.merge_lora:
+            result = export_adapter(src, opts, tmp, out)
+        else:
+            result = export_model(src, opts, tmp, out, max_shard)
+        if opts.verify:
+            report = verify_export(tmp, src, opts, result)
+            result.verify = report
+            append_readme(tmp, "## Verification\n\n" + "\n".join(f"- {k}: {v}" for k, v in report.items()) + "\n")
+        move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result.output = out
+    log(f"wrote {out} ({len(result.files)} files, {result.tensors} tensors, {result.bytes / 1e6:.1f} MB) "
+        f"in {time.perf_counter() - t0:.1f} s")
+    return result

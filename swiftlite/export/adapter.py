@@ -1,0 +1,146 @@
+"""LoRA adapters: read one (a peft folder, or a checkpoint's trainable tensors), check it fits a base,
+and merge it."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from swiftlite.checkpoint import layout
+from swiftlite.checkpoint.readers import DCPReader, TensorReader, ZeroReader
+from swiftlite.errors import UserError
+from swiftlite.export.source import Source
+from swiftlite.hf_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTER_WEIGHTS_BIN
+
+
+@dataclass
+class Adapter:
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]              # peft's saved names (base_model.model....lora_A.weight)
+    origin: str
+
+    def lora_modules(self) -> dict[str, dict[str, torch.Tensor]]:
+        """module path (HF names) -> {"A": ..., "B": ..., optional "bias": ...}."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for k, v in self.tensors.items():
+            m = re.match(r"^(?:base_model\.model\.)?(.+)\.lora_(A|B)\.(weight|bias)$", k)
+            if m:
+                slot = m.group(2) if m.group(3) == "weight" else f"{m.group(2)}_bias"
+                out.setdefault(m.group(1), {})[slot] = v
+        return out
+
+    def replacements(self) -> dict[str, torch.Tensor]:
+        """modules_to_save tensors: HF name -> full replacement tensor."""
+        out = {}
+        for k, v in self.tensors.items():
+            if ".lora_" in k:
+                continue
+            name = k[len("base_model.model."):] if k.startswith("base_model.model.") else k
+            out[name] = v
+        return out
+
+    def scale(self, module: str, r: int) -> float:
+        c = self.config
+        alpha = c.get("lora_alpha", 8)
+        for pat, a in (c.get("alpha_pattern") or {}).items():
+            if re.match(rf"(.*\.)?({pat})$", module):
+                alpha = a
+                break
+        return alpha / math.sqrt(r) if c.get("use_rslora") else alpha / r
+
+
+def peft_name(trainable_name: str) -> str | None:
+    """A trainable parameter's name in a live peft model -> its name in an adapter file (None: skip)."""
+    k = trainable_name
+    if ".original_module." in k or ".base_layer." in k:
+        return None
+    if ".lora_" in k:
+        return re.sub(r"\.lora_(A|B)\.[^.]+\.(weight|bias)$", r".lora_\1.\2", k)
+    if ".modules_to_save." in k:
+        return re.sub(r"\.modules_to_save\.[^.]+\.", ".", k)
+    return None
+
+
+def load_adapter(src: Source, log: Callable[[str], None]) -> Adapter:
+    """The LoRA adapter of a checkpoint: adapter/ if saved, else the trainable tensors of dcp/ or ds/."""
+    d = src.adapter_dir
+    if d is not None:
+        conf = json.loads((d / ADAPTER_CONFIG).read_text())
+        st = d / ADAPTER_WEIGHTS
+        if st.is_file():
+            from safetensors.torch import load_file
+            tensors = load_file(str(st))
+        elif (d / ADAPTER_WEIGHTS_BIN).is_file():
+            tensors = torch.load(d / ADAPTER_WEIGHTS_BIN, map_location="cpu", weights_only=True)
+        else:
+            raise UserError(f"{d}: {ADAPTER_CONFIG} without {ADAPTER_WEIGHTS}")
+        origin = str(d)
+    else:
+        if src.weights == "dcp":
+            reader: TensorReader = DCPReader(src.dcp_dir)
+        elif src.weights == "deepspeed":
+            reader = ZeroReader(src.path, exclude_frozen=True)
+        else:
+            raise UserError(f"--ckpt {src.arg}: no adapter in {src.path}")
+        names = {n: peft_name(n) for n in reader.names()}
+        names = {n: p for n, p in names.items() if p is not None}
+        got = reader.read(list(names))
+        tensors = {names[n]: t for n, t in got.items()}
+        lc = src.cfg.lora
+        targets = sorted({re.sub(r"\.lora_(A|B)\.(weight|bias)$", "", k).rsplit(".", 1)[-1]
+                          for k in tensors if ".lora_" in k})
+        conf = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lc.lora_rank, "lora_alpha": lc.lora_alpha,
+                "lora_dropout": lc.lora_dropout, "target_modules": targets, "bias": "none",
+                "modules_to_save": lc.modules_to_save or None, "fan_in_fan_out": False, "use_rslora": False}
+        origin = f"{src.path.name}/{layout.DCP_DIR if src.weights == 'dcp' else layout.DS_TAG} (trainable tensors)"
+    if conf.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{origin}: a {conf.get('peft_type')} adapter; only LoRA adapters can be exported")
+    if conf.get("use_dora"):
+        raise UserError(f"{origin}: DoRA adapters are not supported by export")
+    empty = [k for k, v in tensors.items() if v.numel() == 0]
+    if not tensors or empty:
+        raise UserError(f"{origin}: the adapter holds {'no tensors' if not tensors else 'empty tensors: ' + empty[0]}")
+    unknown = [k for k in tensors if ".lora_" not in k and any(m in k for m in ("lora_embedding", "lora_magnitude"))]
+    if unknown:
+        raise UserError(f"{origin}: unsupported adapter tensor {unknown[0]}")
+    return Adapter(conf, tensors, origin)
+
+
+def check_adapter_fits(adapter: Adapter, expected: dict[str, torch.Size], base_desc: str) -> None:
+    """Every adapted module exists in the base with matching shapes (else UserError)."""
+    fan = bool(adapter.config.get("fan_in_fan_out"))
+    mods = adapter.lora_modules()
+    for mod, parts in mods.items():
+        if "A" not in parts or "B" not in parts:
+            raise UserError(f"{adapter.origin}: {mod} has lora_A or lora_B missing")
+        wname = f"{mod}.weight"
+        if wname not in expected:
+            raise UserError(f"adapter/base architecture mismatch: the adapter adapts {mod}, which base model "
+                            f"{base_desc} does not have")
+        out_f, in_f = expected[wname][0], expected[wname][1] if len(expected[wname]) > 1 else 1
+        if fan:
+            out_f, in_f = in_f, out_f
+        a, b = parts["A"].shape, parts["B"].shape
+        if a[1] != in_f or b[0] != out_f or a[0] != b[1]:
+            raise UserError(f"adapter/base architecture mismatch: {mod}: the adapter expects a "
+                            f"[{b[0]}, {a[1]}] weight, base model {base_desc} has {list(expected[wname])}")
+    for name, t in adapter.replacements().items():
+        if name not in expected:
+            raise UserError(f"adapter/base architecture mismatch: the adapter replaces {name}, which base model "
+                            f"{base_desc} does not have")
+        if t.shape != expected[name]:
+            raise UserError(f"adapter/base architecture mismatch: {name}: adapter {list(t.shape)}, base model "
+                            f"{base_desc} {list(expected[name])}")
+
+
+def merge_lora(w: torch.Tensor, parts: dict[str, torch.Tensor], scale: float, fan_in_fan_out: bool) -> torch.Tensor:
+    """W + scale * B @ A, computed in fp32."""
+    delta = (parts["B"].float() @ parts["A"].float()) * scale
+    if fan_in_fan_out:
+        delta = delta.T
+    return w.float() + delta

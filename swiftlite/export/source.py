@@ -1,0 +1,199 @@
+"""What `--ckpt` is (a run folder, a checkpoint, a peft adapter folder, an HF folder), what the run
+was (args.json / trainer_state.json), and where its base model comes from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from swiftlite import checkpoint as ckpt
+from swiftlite.checkpoint import layout
+from swiftlite.errors import UserError
+from swiftlite.hf_io import ADAPTER_CONFIG
+
+
+@dataclass
+class ExportOptions:
+    ckpt: str
+    output: str
+    base_model: str | None = None
+    merge_lora: bool = False
+    dtype: str = "bf16"
+    max_shard_size: int = 5 * 10**9
+    verify: bool = False
+    overwrite: bool = False
+    log: Callable[[str], None] = field(default=lambda msg: print(f"export: {msg}", flush=True))
+
+
+@dataclass
+class Source:
+    """What --ckpt holds, and where its base model comes from."""
+    arg: str
+    path: Path                       # checkpoint folder, adapter folder or HF folder
+    form: str                        # "checkpoint" | "adapter" | "hf"
+    train_type: str = "full"         # full | lora | qlora
+    backend: str | None = None
+    world_size: int | None = None
+    step: int | None = None
+    run_dir: Path | None = None
+    cfg: Any = None                  # RunConfig of the run (args.json), base possibly overridden
+    base_from: str = layout.ARGS     # where the base model name came from (for messages)
+    weights: str = "hf"              # "dcp" | "deepspeed" | "adapter" | "hf"
+
+    @property
+    def is_peft(self) -> bool:
+        return self.train_type in ("lora", "qlora")
+
+    @property
+    def dcp_dir(self) -> Path:
+        return self.path / layout.DCP_DIR
+
+    @property
+    def adapter_dir(self) -> Path | None:
+        if self.form == "adapter":
+            return self.path
+        d = self.path / layout.ADAPTER_DIR
+        return d if (d / ADAPTER_CONFIG).is_file() else None
+
+    @property
+    def hf_dir(self) -> Path | None:
+        if self.form == "hf":
+            return self.path
+        d = self.path / layout.MODEL_DIR
+        return d if (d / "config.json").is_file() else None
+
+    def describe(self) -> str:
+        if self.form == "checkpoint":
+            return (f"{self.path} (step {self.step}, {self.train_type}, {self.backend} x {self.world_size})")
+        return f"{self.path} ({self.form} folder)"
+
+
+def resolve_checkpoint(arg: str) -> tuple[Path, str]:
+    """--ckpt -> (folder, form). A run folder means its `latest` checkpoint."""
+    p = Path(arg).expanduser()
+    if not p.exists():
+        raise UserError(f"--ckpt {arg}: no such folder")
+    if not p.is_dir():
+        raise UserError(f"--ckpt {arg}: not a checkpoint (a file; pass a run folder or a checkpoint-N folder)")
+    p = p.resolve()
+    if p.name.startswith(layout.TMP_PREFIX + layout.PREFIX):
+        raise UserError(f"--ckpt {arg}: an incomplete checkpoint (its save did not finish)")
+    if (p / layout.MANIFEST).is_file() or (p / layout.TRAINER_STATE).is_file():
+        why = ckpt.verify_checkpoint(p, deep=False)
+        if why:
+            raise UserError(f"--ckpt {arg}: not a usable checkpoint ({why})")
+        return p, "checkpoint"
+    if (p / ADAPTER_CONFIG).is_file():
+        return p, "adapter"
+    latest = p / layout.LATEST
+    if latest.is_file():
+        name = latest.read_text().strip()
+        c = p / name
+        why = ckpt.verify_checkpoint(c, deep=False) if c.is_dir() else "missing"
+        if why:
+            raise UserError(f"--ckpt {arg}: its latest checkpoint {name} is not usable ({why}); "
+                            "pass an older checkpoint-N folder explicitly")
+        return c, "checkpoint"
+    found = [c for c in reversed(ckpt.list_checkpoints(p)) if ckpt.verify_checkpoint(c, deep=False) is None]
+    if found:
+        return found[0], "checkpoint"
+    if (p / "config.json").is_file() and (list(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file()):
+        return p, "hf"
+    raise UserError(f"--ckpt {arg}: not a checkpoint (no {layout.MANIFEST}, no `{layout.LATEST}`, no checkpoint-N "
+                    f"folder, no {ADAPTER_CONFIG})")
+
+
+def inspect_source(arg: str, base_model: str | None, log: Callable[[str], None]) -> Source:
+    """Classify --ckpt and attach the run's config (base model, quantization, seed)."""
+    from swiftlite.config import build_config, load_args
+    path, form = resolve_checkpoint(arg)
+    src = Source(arg=arg, path=path, form=form)
+    if form == "checkpoint":
+        try:
+            state = json.loads((path / layout.TRAINER_STATE).read_text())
+        except (OSError, ValueError):
+            raise UserError(f"--ckpt {arg}: {path.name}/{layout.TRAINER_STATE} is missing or unreadable") from None
+        src.train_type = state.get("train_type", "full")
+        src.backend = state.get("backend")
+        src.world_size = state.get("world_size")
+        src.step = state.get("global_step")
+        src.run_dir = path.parent
+        if (path / layout.DCP_DIR / layout.DCP_METADATA).is_file():
+            src.weights = "dcp"
+        elif (path / layout.DS_TAG).is_dir() or src.backend == "deepspeed":
+            src.weights = "deepspeed"
+        elif src.adapter_dir is not None:
+            src.weights = "adapter"
+        else:
+            raise UserError(f"--ckpt {arg}: {path.name} holds no model weights (no dcp/, ds/ or adapter/)")
+        args_file = path.parent / layout.ARGS
+        if args_file.is_file():
+            try:
+                src.cfg = load_args(args_file)
+            except UserError as e:
+                raise UserError(f"--ckpt {arg}: cannot read the run's args.json ({e})") from None
+        else:
+            # A checkpoint copied away from its run: rebuild what trainer_state.json records.
+            values = {"train_type": src.train_type, "model": state.get("model") or "tiny-llama",
+                      "torch_dtype": state.get("torch_dtype") or "fp32"}
+            src.cfg = build_config(values, source=str(path / layout.TRAINER_STATE))
+            if src.is_peft or src.hf_dir is None:
+                log(f"warning: no args.json next to {path.name}; assuming default seed/quantization settings "
+                    f"for base model {values['model']}")
+    elif form == "adapter":
+        src.train_type = "lora"
+        src.weights = "adapter"
+        if base_model is None:
+            conf = json.loads((path / ADAPTER_CONFIG).read_text())
+            base_model = conf.get("base_model_name_or_path")
+            if not base_model:
+                raise UserError(f"--ckpt {arg}: a bare adapter folder; pass --base-model (its base model)")
+            src.base_from = ADAPTER_CONFIG
+        src.cfg = build_config({"train_type": "lora", "model": base_model}, source="--base-model")
+    else:
+        src.weights = "hf"
+        src.cfg = build_config({"model": str(path)}, source="--ckpt")
+    if base_model is not None and form != "hf":
+        src.cfg.model.model = base_model
+        if src.base_from != ADAPTER_CONFIG:
+            src.base_from = "--base-model"
+    return src
+
+
+def resolve_base(src: Source) -> Any:
+    """The run's base model as a ModelSource; a missing one is a UserError saying where it came from."""
+    from swiftlite.models.loading import resolve_model
+    name = src.cfg.model.model
+    try:
+        ms = resolve_model(name)
+    except UserError as e:
+        msg = str(e)
+        if msg.startswith(f"--model {name}: "):
+            msg = msg[len(f"--model {name}: "):]
+        raise UserError(f"base model {name} (from {src.base_from}) is not available: {msg}; "
+                        "pass --base-model PATH") from None
+    if ms.kind == "hub":
+        ms = _download_hub(ms, src)
+    return ms
+
+
+def _download_hub(ms: Any, src: Source) -> Any:
+    """A hub id: the local snapshot (downloaded when online), as a folder source."""
+    from swiftlite.models.loading import ModelSource
+    try:
+        from huggingface_hub import snapshot_download
+        folder = snapshot_download(ms.ref, revision=src.cfg.model.model_revision,
+                                   allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja",
+                                                   "tokenizer*"])
+    except Exception as e:  # offline, gated, unknown id
+        raise UserError(f"base model {ms.ref} (from {src.base_from}) is not available: "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; pass --base-model PATH") from None
+    return ModelSource("folder", folder, ms.preset)
+
+
+def model_config_for(src: Source, ms: Any) -> Any:
+    """The base model's transformers config, as the run built it (model_config of its RunConfig)."""
+    from swiftlite.models.loading import model_config
+    return model_config(src.cfg, ms)
