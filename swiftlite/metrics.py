@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from swiftlite.checkpoint import layout
+
 
 class RunLogger:
     """Everything a run reports; a no-op on ranks other than 0."""
@@ -24,7 +26,7 @@ class RunLogger:
         self._task = None
         if not enabled:
             return
-        self._fh = (run_dir / "logging.jsonl").open("a", encoding="utf-8")
+        self._fh = (run_dir / layout.LOGGING).open("a", encoding="utf-8")
         if {"tensorboard", "all"} & set(report_to):
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -82,7 +84,7 @@ class RunLogger:
 
 
 def read_log(run_dir: Path) -> list[dict]:
-    p = run_dir / "logging.jsonl"
+    p = run_dir / layout.LOGGING
     if not p.is_file():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

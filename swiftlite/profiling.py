@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from swiftlite.checkpoint import layout
 from swiftlite import env
 
 ENV_PROFILE = env.PROFILE
@@ -236,7 +237,7 @@ def end_memory_window(run_dir: str | Path, rank: int, start: dict[str, Any] | No
         return
     rec = {**start, "peak_rss": st["peak_rss"], "steps": steps,
            "training_peak": st["peak_rss"] - start["rss_before_model"]}
-    logs = Path(run_dir) / "logs"
+    logs = Path(run_dir) / layout.LOGS_DIR
     logs.mkdir(parents=True, exist_ok=True)
     (logs / f"memory_rank{rank}.json").write_text(json.dumps(rec) + "\n")
 

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swiftlite.checkpoint import layout
 from swiftlite import dtypes, env
 from swiftlite.bench.device import child_pythonpath, datasheet_peak, loadavg, machine_info, probe_device
 from swiftlite.bench.report import render_markdown, render_table, write_chart
@@ -139,7 +140,7 @@ def ran_as(run_dir: Path, world: int, gpu_memory: int | None) -> str:
     """The backend the run resolved to: its args.json through the resolver the trainer uses."""
     from swiftlite.config import load_args
     from swiftlite.parallel.resolve import resolve_backend
-    args = run_dir / "args.json"
+    args = run_dir / layout.ARGS
     if not args.is_file():
         return ""
     try:
@@ -224,7 +225,7 @@ def collect(cfg: BenchConfig, spec: BackendSpec, res: BackendResult, run_dir: Pa
             peak_flops: float | None, shape: Any, gpu_memory: int | None) -> None:
     """Fill `res` from the run folder (args.json, logging.jsonl, profile/, logs/state_rank*.json)."""
     res.backend_resolved = ran_as(run_dir, world, gpu_memory)
-    log = _read_jsonl(run_dir / "logging.jsonl")
+    log = _read_jsonl(run_dir / layout.LOGGING)
     res.first_step_s = first_step_s(log)
     records = [r for r in log if "loss" in r and "step" in r]
     if records:
@@ -239,7 +240,7 @@ def collect(cfg: BenchConfig, spec: BackendSpec, res: BackendResult, run_dir: Pa
             res.mfu = k * shape.n_params * res.tokens_per_s / (peak_flops * world)
     res.peak_gpu_gib = [s["cuda_max_allocated_gib"] for s in stats if "cuda_max_allocated_gib" in s]
     res.max_rss_mib = [s["max_rss_mib"] for s in stats if "max_rss_mib" in s]
-    for p in sorted((run_dir / "logs").glob("state_rank*.json")):
+    for p in sorted((run_dir / layout.LOGS_DIR).glob("state_rank*.json")):
         rec = json.loads(p.read_text())
         res.state_bytes.append(int(rec.get("params", 0)) + int(rec.get("grads", 0)) + int(rec.get("optimizer", 0)))
     _estimates(cfg, spec, res, world, dtype, shape, gpu_memory)

@@ -16,7 +16,7 @@ from swiftlite.checkpoint.run_dir import check_output_dir, prepare_run_dir
 from swiftlite.checkpoint.safety import (DEEPSPEED_SAFE_GLOBALS, PICKLE_SUFFIXES, check_checkpoint_safe,
                                          check_dcp_metadata, check_torch_file, load_dcp_metadata,
                                          safe_torch_load)
-from swiftlite.checkpoint.state import (export_weights, load_rng, load_training_state, record_state_bytes,
+from swiftlite.checkpoint.state import (export_weights, load_rng, load_training_state,
                                         save_rng, save_training_state)
 from swiftlite.checkpoint.store import (clean_partial, find_resume, fsync_dir, list_checkpoints, prune, publish,
                                         read_latest, replace_dir, resolve_resume_arg, verify_checkpoint,
@@ -27,7 +27,7 @@ __all__ = [
     "check_output_dir", "prepare_run_dir",
     "DEEPSPEED_SAFE_GLOBALS", "PICKLE_SUFFIXES", "check_checkpoint_safe", "check_dcp_metadata",
     "check_torch_file", "load_dcp_metadata", "safe_torch_load",
-    "export_weights", "load_rng", "load_training_state", "record_state_bytes", "save_rng",
+    "export_weights", "load_rng", "load_training_state", "save_rng",
     "save_training_state",
     "clean_partial", "find_resume", "fsync_dir", "list_checkpoints", "prune", "publish", "read_latest",
     "replace_dir", "resolve_resume_arg", "verify_checkpoint", "write_latest", "write_manifest",

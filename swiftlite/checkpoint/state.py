@@ -46,15 +46,6 @@ def load_rng(path: Path, rank: int) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def record_state_bytes(run_dir: Path, rank: int, before_step: dict, after_step: dict) -> None:
-    """logs/state_rank<r>.json: model-state bytes this rank holds, counted from its tensors
-    (parameters and gradients after the first backward, optimizer state after the first step)."""
-    logs = run_dir / layout.LOGS_DIR
-    logs.mkdir(exist_ok=True)
-    rec = {"params": before_step["params"], "grads": before_step["grads"], "optimizer": after_step["optimizer"]}
-    (logs / f"state_rank{rank}.json").write_text(json.dumps(rec) + "\n")
-
-
 def save_training_state(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any,
                         run_dir: Path, step: int, backend: str) -> Path:
     """Write checkpoint-<step> atomically (temp folder, manifest, rename, then `latest`)."""

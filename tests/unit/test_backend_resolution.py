@@ -14,7 +14,7 @@ from swiftlite.config import load_config
 from swiftlite.errors import UserError
 from swiftlite.launch import preflight
 from swiftlite.parallel.base import parallelism_names
-from swiftlite.trainer import resolve_backend as trainer_resolve
+from swiftlite.train.run import resolve_backend as trainer_resolve
 
 VALUES = [n for n in parallelism_names() if n != "deepspeed"] + ["deepspeed"]
 DTYPES = ["fp32", "bf16", "fp16"]

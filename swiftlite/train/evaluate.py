@@ -1,0 +1,38 @@
+"""Validation loss: the token mean over every rank's share of the validation rows."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from swiftlite.data.collate import collate
+from swiftlite.data.tokenize import IGNORE
+from swiftlite.distributed import all_reduce_sum
+
+
+def evaluate(engine: Any, val_data: Any, cfg: Any, world: Any, pad_id: int) -> float:
+    """Token-mean validation loss over all ranks. Every rank runs the same number of forwards
+    (sharded backends need every rank in each collective), padding with fully masked batches.
+    A quantized base cannot be repacked by this eval() + no_grad forward: model loading disabled
+    bitsandbytes' CPU repack (docs/design.md trap 1)."""
+    import torch
+    rows = val_data.rows
+    bs = cfg.train.per_device_eval_batch_size
+    mine = list(range(world.rank, len(rows), world.world_size))
+    per_rank = math.ceil(len(rows) / world.world_size)
+    n_batches = math.ceil(per_rank / bs)
+    total, count = 0.0, 0
+    engine.eval()
+    with torch.no_grad():
+        for b in range(n_batches):
+            idx = mine[b * bs:(b + 1) * bs]
+            if idx:
+                batch_rows = [rows[i] for i in idx]
+            else:  # this rank ran out: a dummy batch that contributes nothing
+                batch_rows = [{"input_ids": rows[0]["input_ids"], "labels": [IGNORE] * len(rows[0]["labels"])}]
+            batch = {k: v.to(world.device) for k, v in collate(batch_rows, pad_id).items()}
+            total += float(engine.forward(batch))
+            count += int((batch["labels"][:, 1:] != IGNORE).sum())
+    engine.train()
+    total, count = all_reduce_sum([total, float(count)])
+    return round(total / max(1.0, count), 6)

@@ -1,0 +1,130 @@
+"""What watches the step loop without changing its math: logging, the bench probe, fault injection.
+
+The loop calls three hooks per step, in this order:
+
+    before_step(step)                   0-based index of the step about to run
+    before_optimizer(step, engine)      between the last backward and the optimizer step
+    after_step(stats, engine)           StepStats of the step just done (1-based stats.step)
+
+An observer implements the hooks it needs (`Observer` gives empty defaults). The loop owns none of
+their state, so a benchmark or test hook never cuts into the training arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from swiftlite.checkpoint import layout
+from swiftlite import faults, profiling
+
+#: The training-memory peak is read after this many steps (it is in step 2 or later: optimizer
+#: states exist from the first step on, and the allocator's buffers settle after it).
+MEMORY_STEPS = 3
+
+
+class Observer:
+    def before_step(self, step: int) -> None: ...
+    def before_optimizer(self, step: int, engine: Any) -> None: ...
+    def after_step(self, stats: Any, engine: Any) -> None: ...
+
+
+class Observers(Observer):
+    """Several observers, called in order."""
+
+    def __init__(self, *items: Observer):
+        self.items = items
+
+    def before_step(self, step: int) -> None:
+        for o in self.items:
+            o.before_step(step)
+
+    def before_optimizer(self, step: int, engine: Any) -> None:
+        for o in self.items:
+            o.before_optimizer(step, engine)
+
+    def after_step(self, stats: Any, engine: Any) -> None:
+        for o in self.items:
+            o.after_step(stats, engine)
+
+
+def memory_record() -> dict[str, float]:
+    """This rank's peak memory for logging.jsonl: the CUDA allocator's on GPU, max RSS on CPU (MiB)."""
+    peak = profiling.peak_memory()
+    if "cuda_max_allocated_gib" in peak:
+        return {"memory_gib": round(peak["cuda_max_allocated_gib"], 3)}
+    return {"max_rss_mib": peak.get("max_rss_mib", 0.0)}
+
+
+class LogObserver(Observer):
+    """logging.jsonl records (every --logging-steps, the first and the last step), the progress bar,
+    and the "first step done" line."""
+
+    def __init__(self, log: Any, *, logging_steps: int, total_steps: int, start_step: int,
+                 steps_per_epoch: int, t0: float, is_main: bool):
+        self.log, self.every, self.total, self.start = log, logging_steps, total_steps, start_step
+        self.steps_per_epoch, self.t0, self.is_main = steps_per_epoch, t0, is_main
+        self.tokens, self.t_window = 0, time.perf_counter()
+
+    def after_step(self, stats: Any, engine: Any) -> None:
+        done = stats.step
+        self.tokens += stats.tokens
+        if self.is_main and done == self.start + 1:
+            self.log.print(f"first step done {time.perf_counter() - self.t0:.2f} s after start")
+        if done % self.every == 0 or done == self.total or done == self.start + 1:
+            dt = time.perf_counter() - self.t_window
+            rec = {"step": done, "loss": stats.loss, "lr": engine.lr(), "grad_norm": round(stats.grad_norm, 6),
+                   "tokens_per_s": round(self.tokens / dt, 1) if dt > 0 else 0.0,
+                   "epoch": round(done / self.steps_per_epoch, 4),
+                   "elapsed_s": round(time.perf_counter() - self.t0, 2)}
+            rec.update(memory_record())
+            self.log.log(rec)
+            self.tokens, self.t_window = 0, time.perf_counter()
+        self.log.advance(done, f"loss {stats.loss:.4f}")
+
+
+class BenchProbe(Observer):
+    """What `swiftlite bench` and the memory tests read: per-step timings and traces (profiling.py,
+    opt-in through SWIFTLITE_PROFILE / SWIFTLITE_BENCH_STATS), model-state bytes counted from the
+    tensors on the first step (logs/state_rank<r>.json), and on CPU the training-memory window
+    (logs/memory_rank<r>.json). `start()` is called before the model is built."""
+
+    def __init__(self, run_dir: Path, world: Any, start_step: int, total_steps: int):
+        self.run_dir, self.world, self.start_step, self.total = run_dir, world, start_step, total_steps
+        self.window: Any = None
+        self._before: dict | None = None
+
+    def start(self) -> None:
+        self.window = profiling.start_memory_window() if self.world.device == "cpu" else None
+
+    def before_step(self, step: int) -> None:
+        profiling.step_hook(step, self.run_dir, self.world.rank)
+
+    def before_optimizer(self, step: int, engine: Any) -> None:
+        if step == self.start_step:
+            self._before = engine.state_bytes()  # grads exist only between backward and step
+
+    def after_step(self, stats: Any, engine: Any) -> None:
+        step = stats.step - 1
+        if step == self.start_step and self._before is not None:
+            record_state_bytes(self.run_dir, self.world.rank, self._before, engine.state_bytes())
+        if step == min(self.start_step + MEMORY_STEPS, self.total) - 1:
+            profiling.end_memory_window(self.run_dir, self.world.rank, self.window, stats.step - self.start_step)
+
+
+def record_state_bytes(run_dir: Path, rank: int, before_step: dict, after_step: dict) -> None:
+    """logs/state_rank<r>.json: model-state bytes this rank holds, counted from its tensors
+    (parameters and gradients after the first backward, optimizer state after the first step)."""
+    logs = run_dir / layout.LOGS_DIR
+    logs.mkdir(exist_ok=True)
+    rec = {"params": before_step["params"], "grads": before_step["grads"], "optimizer": after_step["optimizer"]}
+    (logs / f"state_rank{rank}.json").write_text(json.dumps(rec) + "\n")
+
+
+class FaultInjector(Observer):
+    """SWIFTLITE_FAULT (faults.py): fail on purpose after a chosen optimizer step (tests)."""
+
+    def after_step(self, stats: Any, engine: Any) -> None:
+        faults.maybe_inject(stats.step, "step")

@@ -1,0 +1,176 @@
+"""Everything a training run needs before its first step, built in one visible order:
+
+    world -> backend choice -> run folder -> resume point -> tokenizer -> data -> model -> engine
+    -> training state from the checkpoint
+
+`build_run(cfg, probe)` returns a `Run`; the loop (loop.py) only steps it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from swiftlite.config import RunConfig
+
+
+@dataclass
+class Batches:
+    """The tokenized training rows and the step-indexed order that cuts them into batches."""
+    rows: list[dict]
+    plan: Any                      # data.loader.BatchPlan
+    pad_id: int
+    world: Any
+    targets: list[int] = field(default_factory=list)   # target tokens per row (Tokenized.targets)
+
+    def global_targets(self, step: int) -> int:
+        """Target tokens of the whole global batch of `step` (every rank computes it alike, no comms)."""
+        return sum(self.targets[i] for mb in self.plan.all_micro_batches(step) for i in mb)
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    world: Any
+    choice: Any                    # parallel.base.BackendChoice
+    run_dir: Path
+    resume_path: Path | None
+    tokenizer: Any
+    train_data: Any                # data.pipeline.Tokenized
+    val_data: Any
+    batches: Batches
+    total_steps: int
+    model: Any
+    engine: Any
+    start_step: int
+    t0: float
+
+
+def resolve_backend(cfg: RunConfig, world: Any) -> Any:
+    """The backend this rank builds: `parallel.resolve.resolve_backend` with the smallest GPU of the
+    whole job (every rank must pick the same one) and, for `auto` on CUDA, the model's shape."""
+    from swiftlite.parallel.resolve import resolve_backend as resolve
+    choice = resolve(cfg, world.world_size, lambda: smallest_gpu_memory(world),
+                     shape=lambda: _shape_for_auto(cfg), gpus_per_node=world.local_world_size)
+    if world.is_main and choice.requested == "auto":
+        print(f"--parallelism auto: {choice.name} ({choice.reason})", flush=True)
+    return choice
+
+
+def smallest_gpu_memory(world: Any) -> int | None:
+    """Total memory of the smallest GPU in the job (every rank must pick the same backend), or None
+    on CPU."""
+    import torch
+    if not world.device.startswith("cuda"):
+        return None
+    total = torch.cuda.get_device_properties(torch.device(world.device)).total_memory
+    if world.distributed:
+        import torch.distributed as dist
+        t = torch.tensor([total], dtype=torch.int64, device=world.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        total = int(t.item())
+    return int(total)
+
+
+def _shape_for_auto(cfg: RunConfig) -> Any:
+    """The model's shape for the memory model: presets and local folders directly, a hub id from its
+    downloaded config (never its weights)."""
+    from swiftlite.models.loading import model_config, resolve_model
+    from swiftlite.planner.shape import shape_from_config, shape_from_model_arg
+    source = resolve_model(cfg.model.model)
+    if source.kind in ("preset", "folder"):
+        return shape_from_model_arg(cfg.model.model)
+    return shape_from_config(model_config(cfg, source).to_dict(), cfg.model.model)
+
+
+def _progress_factory(enabled: bool):
+    """A rich progress bar around an iterable (rank 0, interactive terminals only, long files)."""
+    import sys
+
+    def make(desc: str, total: int):
+        def wrap(it):
+            if not enabled or not sys.stderr.isatty() or total < 1000:
+                return it
+            from rich.progress import track
+            return track(it, description=desc, total=total, transient=True)
+        return wrap
+    return make
+
+
+def prepare_data(cfg: RunConfig, tokenizer: Any, world: Any) -> tuple[Any, Any, Any]:
+    """The same preparation preflight ran (data.pipeline.prepare_datasets, with all its checks):
+    rank 0 first, so it fills the tokenization cache the other ranks then read."""
+    from swiftlite.data.pipeline import prepare_datasets
+    from swiftlite.distributed import barrier
+    result = None
+    if world.is_main:
+        result = prepare_datasets(cfg, tokenizer, world.world_size, progress=_progress_factory(True))
+    barrier()
+    if not world.is_main:
+        result = prepare_datasets(cfg, tokenizer, world.world_size)
+    return result
+
+
+def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
+    if cfg.train.max_steps > 0:
+        return cfg.train.max_steps
+    return max(1, math.ceil(cfg.train.num_train_epochs * steps_per_epoch))
+
+
+def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
+    """Build the run in the order of the module docstring. `probe_factory(run_dir, world, start_step,
+    total_steps)` makes the observer that must see the model being built (observers.BenchProbe)."""
+    import warnings
+
+    import torch
+
+    from swiftlite import checkpoint as ckpt
+    from swiftlite.checkpoint.run_dir import prepare_run_dir
+    from swiftlite.checkpoint.state import load_training_state
+    from swiftlite.distributed import barrier, init_distributed
+    from swiftlite.models.loading import load_tokenizer, model_config, prepare_model, resolve_model
+    from swiftlite.parallel.base import build_engine
+
+    t0 = time.perf_counter()
+    # DCP warns on every single-process save that no process group exists: that is intended here.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    world = init_distributed(cfg.parallel.ddp_timeout)
+    choice = resolve_backend(cfg, world)
+    run_dir = prepare_run_dir(cfg, world.is_main)
+    barrier()
+
+    resume_path: Path | None = None
+    if cfg.checkpoint.resume_from:
+        resume_path = ckpt.resolve_resume_arg(cfg.checkpoint.resume_from)
+    elif cfg.checkpoint.resume:
+        resume_path = ckpt.find_resume(run_dir, log=print if world.is_main else (lambda *_: None))
+
+    source = resolve_model(cfg.model.model)
+    tokenizer = load_tokenizer(cfg, source)
+    train_data, val_data, plan = prepare_data(cfg, tokenizer, world)
+    steps = total_steps(cfg, plan.steps_per_epoch)
+    batches = Batches(train_data.rows, plan, tokenizer.pad_token_id, world,
+                      [train_data.targets(i) for i in range(len(train_data.rows))])
+
+    torch.manual_seed(cfg.train.seed + world.rank)
+    start_guess = 0
+    probe = probe_factory(run_dir, world, start_guess, steps) if probe_factory else None
+    if probe is not None:
+        probe.start()
+    # The backend may build the model in a context of its own (ZeRO-3: partitioned as it loads).
+    init_context = choice.record.model_init_context(cfg, world, lambda: model_config(cfg, source), choice)
+    model = prepare_model(cfg, source, world, init_context=init_context)
+    engine = build_engine(model, cfg, world, steps, choice)   # optimizer built here (trap 2)
+
+    start_step = 0
+    if resume_path is not None:
+        start_step = load_training_state(engine, resume_path, world, cfg, choice)["global_step"]
+    if probe is not None:
+        probe.start_step = start_step
+    run = Run(cfg=cfg, world=world, choice=choice, run_dir=run_dir, resume_path=resume_path, tokenizer=tokenizer,
+              train_data=train_data, val_data=val_data, batches=batches, total_steps=steps, model=model,
+              engine=engine, start_step=start_step, t0=t0)
+    return run, probe

@@ -1,0 +1,53 @@
+"""One optimizer step: the micro-batches of this rank, the scaled backward, `engine.step()`.
+
+Numerics (docs/design.md, "Numerics"): each optimizer step consumes one global batch (per-device x
+world x accumulation samples, the same samples whatever the world size). Each micro-batch's summed
+token loss is scaled by world_size / (target tokens of the whole global batch): every backend averages
+gradients over ranks, so the averaged gradient is the gradient of the global token-mean loss, and the
+logged loss (summed over ranks, divided by the global targets) equals the single-process one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from swiftlite.data.collate import collate
+from swiftlite.data.loader import select
+from swiftlite.distributed import all_reduce_sum
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step produced (the same on every rank after the all-reduce)."""
+    step: int               # 1-based: the number of optimizer steps done
+    loss: float             # token-mean loss of the global batch
+    grad_norm: float        # global norm before clipping
+    tokens: int             # real (non-pad) tokens the whole job computed this step
+    target_tokens: int      # tokens the loss was taken on, over the global batch
+
+
+def train_step(engine: Any, batches: Any, step: int, *, data_step: int | None = None,
+               before_optimizer: Callable[[Any], None] | None = None) -> StepStats:
+    """Run optimizer step `step` (0-based) on `batches` (train/run.py `Batches`). `data_step` picks
+    the global batch (the step itself unless a resume restarts the data order); `before_optimizer`
+    sees the engine between the last backward and the optimizer step (gradients exist only then)."""
+    world = batches.world
+    k = step if data_step is None else data_step
+    global_targets = batches.global_targets(k)
+    scale = world.world_size / max(1, global_targets)
+    local_loss, local_tokens = 0.0, 0
+    micro = batches.plan.micro_batches(k, world.rank)
+    for m, mb in enumerate(micro):
+        batch = {key: v.to(world.device) for key, v in collate(select(batches.rows, mb), batches.pad_id).items()}
+        local_tokens += int(batch["attention_mask"].sum())
+        with engine.micro_batch(last=m == len(micro) - 1):
+            loss_sum = engine.forward(batch)
+            engine.backward(loss_sum * scale)
+        local_loss += float(loss_sum.detach())
+    if before_optimizer is not None:
+        before_optimizer(engine)
+    grad_norm = engine.step()
+    loss_total, tokens_total = all_reduce_sum([local_loss, float(local_tokens)])
+    return StepStats(step=step + 1, loss=loss_total / max(1, global_targets), grad_norm=float(grad_norm),
+                     tokens=int(tokens_total), target_tokens=global_targets)
