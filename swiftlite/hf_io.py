@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -27,25 +26,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_WEIGHTS_BIN = "adapter_model.bin"  # older peft (torch pickle, read weights-only)
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTER_WEIGHTS_BIN)
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
-    """'5GB' -> 5e9 bytes, '100MiB' -> 100*2**20; a bad value is a UserError naming the flag."""
-    from swiftlite.errors import UserError
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise UserError(f"{flag}: cannot read size {text!r} (e.g. 5GB, 500MB, 80GiB)")
-    value = float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()]
-    if value <= 0:
-        raise UserError(f"{flag}: size must be > 0, got {text!r}")
-    return int(value)
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

@@ -242,6 +242,8 @@ def end_memory_window(run_dir: str | Path, rank: int, start: dict[str, Any] | No
     (logs / f"memory_rank{rank}.json").write_text(json.dumps(rec) + "\n")
 
 
-def _reset_for_tests() -> None:
+def reset() -> None:
+    """Forget this process's recorder and re-read the environment: each run in a process starts its
+    own (the trainer's bench probe calls this when a run starts)."""
     global _STATE, _ENABLED
     _STATE, _ENABLED = None, None

@@ -70,12 +70,12 @@ def export(opts: ExportOptions) -> ExportResult:
     """Run one export (see the module docstring); returns what was written."""
     from transformers.utils import logging as hf_logging
 
-    from swiftlite.hf_io import parse_size
+    from swiftlite.sizes import parse_size
     hf_logging.disable_progress_bar()  # the export logs its own lines; no per-load bars
     log = opts.log
     if opts.dtype not in dtypes.HALF:
         raise UserError(f"--dtype {opts.dtype}: choose bf16 or fp16")
-    max_shard = parse_size(opts.max_shard_size)
+    max_shard = parse_size(opts.max_shard_size, "--max-shard-size")
     src = inspect_source(opts.ckpt, opts.base_model, log)
     if opts.merge_lora and not src.is_peft:
         log(f"note: --merge-lora ignored, {src.path.name} is a full fine-tune")

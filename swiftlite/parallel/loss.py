@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100
+from swiftlite.data.tokenize import IGNORE  # the label that marks a token without loss
 
 
 def token_loss_sum(module: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -97,6 +97,7 @@ class BenchProbe(Observer):
         self._before: dict | None = None
 
     def start(self) -> None:
+        profiling.reset()
         self.window = profiling.start_memory_window() if self.world.device == "cpu" else None
 
     def before_step(self, step: int) -> None:

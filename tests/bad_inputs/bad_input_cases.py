@@ -280,7 +280,7 @@ CASES: list[Case] = [
     Case("export-ckpt-flag-missing", ["export", "-o", "exp"], "Missing option '--ckpt'"),
     Case("export-bad-dtype", ["export", "--ckpt", "data", "-o", "exp", "--dtype", "fp8"], "--dtype fp8: choose bf16 or fp16"),
     Case("export-bad-shard-size", ["export", "--ckpt", "data", "-o", "exp", "--max-shard-size", "huge"],
-         "--max-shard-size: cannot read size 'huge'"),
+         "--max-shard-size: cannot read 'huge' as a size"),
     Case("export-output-exists", ["export", "--ckpt", "out", "-o", "data"], "--output data: already exists",
          setup=finished_run),
     Case("infer-unknown-preset", ["infer", "--model", "tiny-lama", "--prompt", "hi"], "--model tiny-lama: unknown preset"),

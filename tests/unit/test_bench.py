@@ -96,24 +96,24 @@ def test_profiling_window_parsing():
 def test_step_hook_is_a_noop_when_off(tmp_path, monkeypatch):
     monkeypatch.delenv(profiling.ENV_PROFILE, raising=False)
     monkeypatch.delenv(profiling.ENV_STATS, raising=False)
-    profiling._reset_for_tests()
+    profiling.reset()
     for s in range(3):
         profiling.step_hook(s, tmp_path, 0)
     assert not (tmp_path / "profile").exists()
-    profiling._reset_for_tests()
+    profiling.reset()
 
 
 def test_step_hook_stats_and_trace(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     monkeypatch.setenv(profiling.ENV_STATS, "1")
     monkeypatch.setenv(profiling.ENV_PROFILE, "2:2")
-    profiling._reset_for_tests()
+    profiling.reset()
     a = torch.randn(64, 64)
     for s in range(5):
         profiling.step_hook(s, tmp_path, 0)
         (a @ a).sum()
     profiling.finish()
-    profiling._reset_for_tests()
+    profiling.reset()
     stats = json.loads((tmp_path / "profile" / "stats_rank0.json").read_text())
     assert [s[0] for s in stats["steps"]] == [1, 2, 3, 4, 5]
     assert all(s[2] >= s[1] for s in stats["steps"][:-1]) and stats["steps"][-1][2] is None
