@@ -3,13 +3,16 @@
     SWIFTLITE_FAULT="rank=1,step=3,kind=raise"          rank 1 raises after optimizer step 3
     SWIFTLITE_FAULT="rank=1,step=3,kind=hang"           rank 1 stops answering (others time out)
     SWIFTLITE_FAULT="step=2,phase=checkpoint,kind=kill" SIGKILL in the middle of checkpoint-2's write
+    SWIFTLITE_FAULT="step=4,phase=checkpoint,kind=enospc"  the disk "fills" during checkpoint-4's write
+    SWIFTLITE_FAULT="step=3,phase=grads,kind=nan"       step 3's gradients become nan before the update
 
-Keys: `kind` (raise | hang | kill | exit; required), `step` (the optimizer step just done, 1-based;
-any step when absent), `rank` (global rank; any rank when absent), `phase` (`step`, the default, or
-`checkpoint`). The trainer calls `maybe_inject(step, phase)` at exactly two places: after each
-optimizer step, and inside `save_training_state` after the sharded state is written and before the
-manifest (so a fault there leaves a half-written `.tmp-checkpoint-N`). Unset, it costs one dict
-lookup. This is the only place that reads SWIFTLITE_FAULT.
+Keys: `kind` (raise | hang | kill | exit | enospc | nan; required), `step` (the optimizer step, 1-based;
+any step when absent), `rank` (global rank; any rank when absent), `phase` (`step`, the default,
+`checkpoint` or `grads`). The trainer calls `maybe_inject(step, phase)` at three places: after each
+optimizer step; inside `save_training_state` after the sharded state is written and before the
+manifest (so a fault there leaves a half-written `.tmp-checkpoint-N`); and between the last backward
+and the optimizer step (`grads`, where `kind=nan` poisons the gradients: `poison_gradients`). Unset,
+it costs one dict lookup. This is the only place that interprets SWIFTLITE_FAULT.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from swiftlite import env
 from swiftlite.errors import UserError
 
 ENV = env.FAULT
-KINDS = ("raise", "hang", "kill", "exit")
-PHASES = ("step", "checkpoint")
+KINDS = ("raise", "hang", "kill", "exit", "enospc", "nan")
+PHASES = ("step", "checkpoint", "grads")
 
 
 class InjectedFault(RuntimeError):
@@ -85,17 +88,23 @@ def active() -> Fault | None:
     return _cache[1]
 
 
-def maybe_inject(step: int, phase: str = "step") -> None:
-    """Fail here if SWIFTLITE_FAULT asks for this rank, step and phase; otherwise do nothing."""
+def maybe_inject(step: int, phase: str = "step") -> str | None:
+    """Fail here if SWIFTLITE_FAULT asks for this rank, step and phase; otherwise do nothing. A `nan`
+    fault is not acted on here: its kind is returned for the caller to poison what it holds."""
     fault = active()
     if fault is None:
-        return
+        return None
     rank = env.world_vars().rank
     if not fault.matches(step, phase, rank):
-        return
+        return None
     where = f"rank {rank}, step {step}, phase {phase}"
+    if fault.kind == "nan":
+        return "nan"
     if fault.kind == "raise":
         raise InjectedFault(f"injected fault ({where})")
+    if fault.kind == "enospc":
+        import errno
+        raise OSError(errno.ENOSPC, f"No space left on device (injected, {where})")
     print(f"swiftlite: injected {fault.kind} ({where})", file=sys.stderr, flush=True)
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -103,3 +112,10 @@ def maybe_inject(step: int, phase: str = "step") -> None:
         os._exit(3)
     while True:  # hang: alive, silent, answering no collective
         time.sleep(3600)
+
+
+def poison_gradients(module) -> None:
+    """kind=nan: every gradient of `module` becomes nan (as an overflowing backward leaves them)."""
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.fill_(float("nan"))

@@ -30,6 +30,8 @@ LATEST = "latest"
 ARGS = "args.json"
 LOGGING = "logging.jsonl"
 LOGS_DIR = "logs"
+LOCK = ".lock"                  # held by the run that owns the folder (checkpoint/run_dir.RunLock)
+PREEMPTED = "preempted"         # written when a run stopped on a signal after saving
 TMP_PREFIX = ".tmp-"
 DEL_PREFIX = ".del-"
 

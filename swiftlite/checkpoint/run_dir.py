@@ -1,5 +1,5 @@
 """The run folder (--output-dir): one check, shared by the preflight (before any process starts) and
-the trainer (which then creates and cleans it)."""
+the trainer (which then creates and cleans it), and the lock that keeps two runs out of one folder."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swiftlite.checkpoint.layout import LATEST, LOGGING
+from swiftlite.checkpoint.layout import LATEST, LOCK, LOGGING
 from swiftlite.checkpoint.store import clean_partial, list_checkpoints
 from swiftlite.errors import UserError
 
@@ -36,6 +36,7 @@ def check_output_dir(cfg: "RunConfig") -> Path:
                             "pass --resume to continue or --overwrite-output-dir to start over")
         if not os.access(run_dir, os.W_OK | os.X_OK):
             raise UserError(f"--output-dir {raw}: folder is not writable")
+        RunLock(run_dir).check()
         return run_dir
     parent = run_dir.parent
     while not parent.exists() and parent != parent.parent:
@@ -62,3 +63,70 @@ def prepare_run_dir(cfg: "RunConfig", world_is_main: bool) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         clean_partial(run_dir)
     return run_dir
+
+
+class RunLock:
+    """An advisory lock (fcntl.flock) on <run>/.lock, held by rank 0 for the run's life, so a second
+    run started on the same folder (a re-submitted job) stops at once instead of interleaving its
+    checkpoints with the first one's. The kernel drops the lock when its process dies, so a folder
+    whose run was killed is taken over, with a notice naming the run that left it."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / LOCK
+        self._fh = None
+
+    def holder(self) -> str:
+        try:
+            info = self.path.read_text().split()
+        except OSError:
+            return "another process"
+        return f"pid {info[0]} on {info[1]}" if len(info) >= 2 else "another process"
+
+    def acquire(self, log=print) -> "RunLock":
+        import fcntl
+        import socket
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(self.path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.close()
+            raise UserError(f"--output-dir {self.path.parent}: another swiftlite run is using it "
+                            f"({self.holder()}); wait for it, or pick another --output-dir") from None
+        fh.seek(0)
+        previous = fh.read().split()
+        if len(previous) >= 2:
+            log(f"notice: taking over {self.path} from a run that is gone (pid {previous[0]} on {previous[1]})")
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.getpid()} {socket.gethostname()}\n")
+        fh.flush()
+        self._fh = fh
+        return self
+
+    def check(self) -> None:
+        """Preflight: refuse now if a live run holds the folder (the lock is taken and let go)."""
+        if not self.path.parent.is_dir():
+            return
+        import fcntl
+        try:
+            fh = open(self.path, "r", encoding="utf-8")
+        except FileNotFoundError:
+            return
+        with fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UserError(f"--output-dir {self.path.parent}: another swiftlite run is using it "
+                                f"({self.holder()}); wait for it, or pick another --output-dir") from None
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def release(self) -> None:
+        """Let go at the end of a run: the holder line is cleared, so the next run takes over quietly."""
+        if self._fh is not None:
+            import fcntl
+            self._fh.seek(0)
+            self._fh.truncate()
+            fcntl.flock(self._fh, fcntl.LOCK_UN)
+            self._fh.close()
+            self._fh = None

@@ -46,9 +46,104 @@ def load_rng(path: Path, rank: int) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def run_facts(cfg: "RunConfig", train_data: Any, global_batch: int) -> dict[str, Any]:
+    """What a checkpoint must agree with to be resumed as the same run: the tokenized training set
+    (rows, tokens, a hash of every token and label) and the run-shaping options (the data order is a
+    function of the global batch and the seed; the model's trainable shape of the LoRA options)."""
+    import hashlib
+
+    import numpy as np
+    h = hashlib.sha256()
+    tokens = 0
+    for r in train_data.rows:
+        ids = np.asarray(r["input_ids"], dtype=np.int64)
+        h.update(ids.tobytes())
+        h.update(np.asarray(r["labels"], dtype=np.int64).tobytes())
+        tokens += ids.size
+    shape = {"global_batch": global_batch, "seed": cfg.train.seed, "max_length": cfg.data.max_length,
+             "dataset": list(cfg.data.dataset), "packing": cfg.data.packing, "train_type": cfg.train.train_type}
+    if cfg.is_peft:
+        shape.update(lora_rank=cfg.lora.lora_rank, lora_alpha=cfg.lora.lora_alpha,
+                     target_modules=list(cfg.lora.target_modules), quant_bits=cfg.quant_bits)
+    return {"data": {"rows": len(train_data.rows), "tokens": tokens, "sha256": h.hexdigest()[:32]},
+            "shape": shape}
+
+
+def compare_run_facts(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The names that differ between a checkpoint's run facts and this run's ("data.rows", "shape.max_length")."""
+    diff = []
+    for group in ("data", "shape"):
+        a, b = saved.get(group) or {}, now.get(group) or {}
+        for key in sorted(set(a) | set(b)):
+            if a.get(key) != b.get(key):
+                diff.append(f"{group}.{key} ({a.get(key)!r} -> {b.get(key)!r})" if group == "shape"
+                            else f"{group}.{key}")
+    return diff
+
+
+def check_finite(engine: Any, step: int) -> None:
+    """No checkpoint ever holds non-finite weights: every rank looks at its own shards (one
+    all-reduce of a flag per save)."""
+    import torch
+
+    from swiftlite.distributed import all_reduce_sum
+    bad = 0.0
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
+            if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
+                bad = 1.0
+                break
+    if all_reduce_sum([bad])[0] > 0:
+        raise UserError(f"checkpoint-{step}: the weights hold nan/inf; nothing was saved (the last checkpoint "
+                        "stays the newest good one)")
+
+
+def expected_size(run_dir: Path, engine: Any) -> int:
+    """Bytes the next checkpoint will take: the newest existing one's size, else the engine's
+    model-state bytes (parameters + optimizer state, over every rank: an estimate for the first save)."""
+    ckpts = store.list_checkpoints(run_dir)
+    if ckpts:
+        return sum(f.stat().st_size for f in ckpts[-1].rglob("*") if f.is_file())
+    from swiftlite.distributed import all_reduce_sum
+    sb = engine.state_bytes()
+    return int(all_reduce_sum([float(sb.get("params", 0) + sb.get("optimizer", 0))])[0])
+
+
+def check_disk_space(run_dir: Path, step: int, need: int) -> None:
+    """Refuse a save that cannot fit (every rank decides alike: the smallest free space counts)."""
+    from swiftlite.distributed import all_reduce_sum
+    free = shutil.disk_usage(run_dir).free
+    short = all_reduce_sum([1.0 if free < need else 0.0])[0]
+    if short > 0:
+        raise UserError(f"--output-dir {run_dir}: {free:,} bytes free, checkpoint-{step} needs about {need:,} "
+                        f"({need - free:,} missing); free some space or lower --save-total-limit")
+
+
 def save_training_state(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any,
-                        run_dir: Path, step: int, backend: str) -> Path:
-    """Write checkpoint-<step> atomically (temp folder, manifest, rename, then `latest`)."""
+                        run_dir: Path, step: int, backend: str, facts: dict | None = None) -> Path:
+    """Write checkpoint-<step> atomically (temp folder, manifest, rename, then `latest`). Before writing:
+    the weights are finite and the disk has room for it (the size of the previous checkpoint); a write
+    that runs out of space anyway (ENOSPC) removes its partial folder, keeps every earlier checkpoint
+    and `latest`, and stops with the path and the bytes. Older checkpoints are pruned only after the
+    new one is published."""
+    import errno
+    check_finite(engine, step)
+    check_disk_space(run_dir, step, expected_size(run_dir, engine))
+    try:
+        return _save(engine, model, tokenizer, cfg, world, run_dir, step, backend, facts)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        tmp = run_dir / f"{layout.TMP_PREFIX}{layout.checkpoint_name(step)}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"--output-dir {run_dir}: no space left writing checkpoint-{step} "
+                        f"({e.filename or tmp}); the partial folder was removed, the newest complete checkpoint "
+                        f"is still `latest`") from None
+
+
+def _save(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any, run_dir: Path, step: int,
+          backend: str, facts: dict | None) -> Path:
     from swiftlite import faults
     from swiftlite.distributed import barrier
     name = layout.checkpoint_name(step)
@@ -67,7 +162,7 @@ def save_training_state(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig
     if world.is_main:
         state = {"global_step": step, "backend": backend, "world_size": world.world_size,
                  "train_type": cfg.train.train_type, "model": cfg.model.model,
-                 "torch_dtype": cfg.model.torch_dtype}
+                 "torch_dtype": cfg.model.torch_dtype, **(facts or {})}
         (tmp / layout.TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
         store.write_manifest(tmp)
         store.publish(tmp, final, run_dir)  # swap by rename, then move `latest`
@@ -89,9 +184,20 @@ def export_weights(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", wo
         write_model_folder(model, sd, tokenizer, ckpt_dir / layout.MODEL_DIR, cfg.model.torch_dtype)
 
 
-def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", choice: Any) -> dict:
-    """Restore model, optimizer, scheduler and RNG from a checkpoint; returns trainer_state."""
+def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", choice: Any,
+                        facts: dict | None = None, log=print) -> dict:
+    """Restore model, optimizer, scheduler and RNG from a checkpoint; returns trainer_state. With
+    `facts` (this run's `run_facts`), a checkpoint of another dataset or run shape is refused, naming
+    what changed, unless --ignore-data-skip says to go on (the data order then restarts)."""
     state = json.loads((path / layout.TRAINER_STATE).read_text())
+    if facts is not None and "data" in state:
+        diff = compare_run_facts(state, facts)
+        if diff and not cfg.train.ignore_data_skip:
+            raise UserError(f"--resume: {path.name} was trained on other data or another run shape: "
+                            f"{', '.join(diff)}; pass --ignore-data-skip to continue anyway (the data order "
+                            "restarts), or start a new run")
+        if diff:
+            log(f"notice: resuming {path.name} with changed {', '.join(diff)} (--ignore-data-skip)")
     if state.get("train_type") != cfg.train.train_type:
         raise UserError(f"--resume: {path} was trained with --train-type {state.get('train_type')}, "
                         f"this run uses {cfg.train.train_type}")

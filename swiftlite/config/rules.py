@@ -52,6 +52,8 @@ def _batch(c: RunConfig):
 def _steps(c: RunConfig):
     if c.train.max_steps == 0 or c.train.max_steps < -1:
         return f"--max-steps must be > 0 (or -1 for epochs), got {c.train.max_steps}"
+    if c.train.max_skipped_steps < 0:
+        return f"--max-skipped-steps must be >= 0, got {c.train.max_skipped_steps}"
     if c.train.max_steps == -1 and not c.train.num_train_epochs > 0:
         return f"--num-train-epochs must be > 0, got {c.train.num_train_epochs}"
     for k in ("logging_steps", "eval_steps"):
@@ -84,6 +86,8 @@ def _optim(c: RunConfig):
 def _dataset(c: RunConfig):
     if not c.data.dataset:
         return "--dataset is required (a .jsonl/.json/.csv/.parquet file or a saved HF dataset folder)"
+    if c.data.dataset_num_proc < 1:
+        return f"--dataset-num-proc must be >= 1, got {c.data.dataset_num_proc}"
     if not 0 <= c.data.split_dataset_ratio < 1:
         return f"--split-dataset-ratio must be in [0, 1), got {c.data.split_dataset_ratio}"
     if c.data.val_dataset and c.data.split_dataset_ratio > 0:

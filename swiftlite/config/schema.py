@@ -139,7 +139,12 @@ class TrainConfig:
     eval_steps: int | None = opt(None, "Validate every N steps (default: at --save-steps and the end).")
     report_to: list[str] = opt(help="Extra loggers: tensorboard, all or none (jsonl is always written).",
                                factory=list)
-    ignore_data_skip: bool = opt(False, "On resume, restart the data order instead of skipping seen batches.")
+    nan_policy: str = opt("stop", "A step whose loss or gradient norm is nan/inf is never applied: stop the run "
+                          "(naming the step and the last good checkpoint) or skip the step and go on.",
+                          choices=("stop", "skip"))
+    max_skipped_steps: int = opt(5, "--nan-policy skip: stop after this many non-finite steps in a row.")
+    ignore_data_skip: bool = opt(False, "On resume, restart the data order at its first batch instead of skipping "
+                                 "the batches already trained on; also lets a run resume on changed data.")
     overwrite_output_dir: bool = opt(False, "Allow a non-empty --output-dir without --resume.")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +28,8 @@ from swiftlite.parallel.loss import token_loss_sum
 
 class TorchEngine:
     """Model + AdamW + LambdaLR behind the Engine interface."""
+
+    skips_nonfinite = True  # step() leaves the weights unchanged on a nan/inf gradient norm
 
     def __init__(self, module: torch.nn.Module, cfg: Any, world: World, total_steps: int,
                  *, inner: torch.nn.Module | None = None,
@@ -66,10 +69,14 @@ class TorchEngine:
             norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        self.optimizer.step()
+        norm = float(norm)
+        if math.isfinite(norm):
+            self.optimizer.step()
+        # else: a nan/inf gradient is never applied (the weights stay as they were; train/guard.py
+        # decides whether the run stops or goes on); the schedule still follows the global step.
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])

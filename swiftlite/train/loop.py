@@ -41,15 +41,27 @@ def _first_line(run) -> str:
 
 def train(cfg: RunConfig) -> TrainResult:
     """Run one training job in this process (one rank of it when launched under torchrun)."""
+    from swiftlite.train.observers import BenchProbe
+    from swiftlite.train.run import build_run
+
+    run, probe = build_run(cfg, BenchProbe)
+    try:
+        return _loop(run, probe)
+    finally:
+        if run.lock is not None:
+            run.lock.release()
+
+
+def _loop(run, probe) -> TrainResult:
     from swiftlite.checkpoint.state import save_training_state
     from swiftlite.distributed import barrier
     from swiftlite.metrics import RunLogger, plot_run
     from swiftlite.train.evaluate import evaluate
-    from swiftlite.train.observers import BenchProbe, FaultInjector, LogObserver, Observers
-    from swiftlite.train.run import build_run
+    from swiftlite.train.guard import NonFiniteGuard
+    from swiftlite.train.observers import FaultInjector, LogObserver, Observers
     from swiftlite.train.step import train_step
 
-    run, probe = build_run(cfg, BenchProbe)
+    cfg = run.cfg
     world, engine, start, total = run.world, run.engine, run.start_step, run.total_steps
     log = RunLogger(run.run_dir, enabled=world.is_main, total_steps=total, report_to=cfg.train.report_to,
                     start_step=start)
@@ -66,7 +78,8 @@ def train(cfg: RunConfig) -> TrainResult:
                                              t0=run.t0, is_main=world.is_main), FaultInjector())
 
     def save(step: int) -> Path:
-        return save_training_state(engine, run.model, run.tokenizer, cfg, world, run.run_dir, step, run.choice.key)
+        return save_training_state(engine, run.model, run.tokenizer, cfg, world, run.run_dir, step, run.choice.key,
+                                   run.facts)
 
     # --ignore-data-skip (HF's meaning): a resumed run restarts the data order at its first batch
     # instead of skipping the batches the checkpoint already trained on.
@@ -74,13 +87,15 @@ def train(cfg: RunConfig) -> TrainResult:
     eval_every = cfg.train.eval_steps or cfg.checkpoint.save_steps
     losses: list[float] = []
     last_ckpt: Path | None = run.resume_path
+    guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.max_skipped_steps, engine, log)
     engine.train()
     for step in range(start, total):
         observers.before_step(step)
         stats = train_step(engine, run.batches, step, data_step=step - data_offset,
                            before_optimizer=lambda e, s=step: observers.before_optimizer(s, e))
         observers.after_step(stats, engine)
-        losses.append(stats.loss)
+        if guard.check(stats, last_ckpt):
+            losses.append(stats.loss)
         done = stats.step
         if run.val_data is not None and eval_every and done % eval_every == 0 and done != total:
             log.log({"step": done, "eval_loss": evaluate(engine, run.val_data, cfg, world, run.batches.pad_id)})

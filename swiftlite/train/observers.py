@@ -13,6 +13,7 @@ their state, so a benchmark or test hook never cuts into the training arithmetic
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,9 @@ class LogObserver(Observer):
 
     def after_step(self, stats: Any, engine: Any) -> None:
         done = stats.step
+        if not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
+            self.log.advance(done, "non-finite step")  # the guard logs it (train/guard.py)
+            return
         self.tokens += stats.tokens
         if self.is_main and done == self.start + 1:
             self.log.print(f"first step done {time.perf_counter() - self.t0:.2f} s after start")
@@ -125,7 +129,12 @@ def record_state_bytes(run_dir: Path, rank: int, before_step: dict, after_step: 
 
 
 class FaultInjector(Observer):
-    """SWIFTLITE_FAULT (faults.py): fail on purpose after a chosen optimizer step (tests)."""
+    """SWIFTLITE_FAULT (faults.py): fail on purpose after a chosen optimizer step, or poison a chosen
+    step's gradients (tests)."""
+
+    def before_optimizer(self, step: int, engine: Any) -> None:
+        if faults.maybe_inject(step + 1, "grads") == "nan":
+            faults.poison_gradients(engine.module)
 
     def after_step(self, stats: Any, engine: Any) -> None:
         faults.maybe_inject(stats.step, "step")

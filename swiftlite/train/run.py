@@ -47,6 +47,8 @@ class Run:
     engine: Any
     start_step: int
     t0: float
+    facts: dict                    # checkpoint/state.run_facts: what a resume must agree with
+    lock: Any = None               # checkpoint/run_dir.RunLock held by rank 0
 
 
 def resolve_backend(cfg: RunConfig, world: Any) -> Any:
@@ -128,8 +130,8 @@ def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
     import torch
 
     from swiftlite import checkpoint as ckpt
-    from swiftlite.checkpoint.run_dir import prepare_run_dir
-    from swiftlite.checkpoint.state import load_training_state
+    from swiftlite.checkpoint.run_dir import RunLock, prepare_run_dir
+    from swiftlite.checkpoint.state import load_training_state, run_facts
     from swiftlite.distributed import barrier, init_distributed
     from swiftlite.models.loading import load_tokenizer, model_config, prepare_model, resolve_model
     from swiftlite.parallel.base import build_engine
@@ -140,37 +142,45 @@ def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
     world = init_distributed(cfg.parallel.ddp_timeout)
     choice = resolve_backend(cfg, world)
     run_dir = prepare_run_dir(cfg, world.is_main)
+    lock = RunLock(run_dir).acquire() if world.is_main else None
     barrier()
 
-    resume_path: Path | None = None
-    if cfg.checkpoint.resume_from:
-        resume_path = ckpt.resolve_resume_arg(cfg.checkpoint.resume_from)
-    elif cfg.checkpoint.resume:
-        resume_path = ckpt.find_resume(run_dir, log=print if world.is_main else (lambda *_: None))
+    try:
+        resume_path: Path | None = None
+        if cfg.checkpoint.resume_from:
+            resume_path = ckpt.resolve_resume_arg(cfg.checkpoint.resume_from)
+        elif cfg.checkpoint.resume:
+            resume_path = ckpt.find_resume(run_dir, log=print if world.is_main else (lambda *_: None))
 
-    source = resolve_model(cfg.model.model)
-    tokenizer = load_tokenizer(cfg, source)
-    train_data, val_data, plan = prepare_data(cfg, tokenizer, world)
-    steps = total_steps(cfg, plan.steps_per_epoch)
-    batches = Batches(train_data.rows, plan, tokenizer.pad_token_id, world,
-                      [train_data.targets(i) for i in range(len(train_data.rows))])
+        source = resolve_model(cfg.model.model)
+        tokenizer = load_tokenizer(cfg, source)
+        train_data, val_data, plan = prepare_data(cfg, tokenizer, world)
+        steps = total_steps(cfg, plan.steps_per_epoch)
+        batches = Batches(train_data.rows, plan, tokenizer.pad_token_id, world,
+                          [train_data.targets(i) for i in range(len(train_data.rows))])
+        facts = run_facts(cfg, train_data, plan.global_batch)
 
-    torch.manual_seed(cfg.train.seed + world.rank)
-    start_guess = 0
-    probe = probe_factory(run_dir, world, start_guess, steps) if probe_factory else None
-    if probe is not None:
-        probe.start()
-    # The backend may build the model in a context of its own (ZeRO-3: partitioned as it loads).
-    init_context = choice.record.model_init_context(cfg, world, lambda: model_config(cfg, source), choice)
-    model = prepare_model(cfg, source, world, init_context=init_context)
-    engine = build_engine(model, cfg, world, steps, choice)   # optimizer built here (trap 2)
+        torch.manual_seed(cfg.train.seed + world.rank)
+        start_guess = 0
+        probe = probe_factory(run_dir, world, start_guess, steps) if probe_factory else None
+        if probe is not None:
+            probe.start()
+        # The backend may build the model in a context of its own (ZeRO-3: partitioned as it loads).
+        init_context = choice.record.model_init_context(cfg, world, lambda: model_config(cfg, source), choice)
+        model = prepare_model(cfg, source, world, init_context=init_context)
+        engine = build_engine(model, cfg, world, steps, choice)   # optimizer built here (trap 2)
 
-    start_step = 0
-    if resume_path is not None:
-        start_step = load_training_state(engine, resume_path, world, cfg, choice)["global_step"]
-    if probe is not None:
-        probe.start_step = start_step
+        start_step = 0
+        if resume_path is not None:
+            log = print if world.is_main else (lambda *_: None)
+            start_step = load_training_state(engine, resume_path, world, cfg, choice, facts, log=log)["global_step"]
+        if probe is not None:
+            probe.start_step = start_step
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     run = Run(cfg=cfg, world=world, choice=choice, run_dir=run_dir, resume_path=resume_path, tokenizer=tokenizer,
               train_data=train_data, val_data=val_data, batches=batches, total_steps=steps, model=model,
-              engine=engine, start_step=start_step, t0=t0)
+              engine=engine, start_step=start_step, t0=t0, facts=facts, lock=lock)
     return run, probe
