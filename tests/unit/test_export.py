@@ -39,7 +39,7 @@ def save_base(folder: Path, seed: int = 0, **over) -> torch.nn.Module:
 # -- CLI registration ---------------------------------------------------------------------------
 
 def test_cli_modules_import_light_and_register():
-    code = ("import sys, typer, swiftlite.export_cli as e, swiftlite.infer_cli as i\n"
+    code = ("import sys, typer, swiftlite.cli.export as e, swiftlite.cli.infer as i\n"
             "heavy = [m for m in ('torch', 'transformers', 'peft', 'deepspeed') if m in sys.modules]\n"
             "assert not heavy, heavy\n"
             "app = typer.Typer(); e.register(app); i.register(app)\n"

@@ -1,0 +1,65 @@
+"""`swiftlite estimate` (memory per GPU for each backend -> swiftlite.planner) and `swiftlite models`
+(the built-in presets). Light imports only: the planner is imported when the command runs."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from swiftlite.errors import UserError
+
+
+def models_cmd() -> None:
+    """List the built-in model presets."""
+    from swiftlite.models.presets import PRESETS, param_count
+    for p in PRESETS.values():
+        n = param_count(p.config)
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+        src = "built-in (random init, shipped tokenizer)" if p.builtin else p.hub_id
+        print(f"{p.name:<16} {size:>8}  {p.config['model_type']:<8} {src}  {p.description}".rstrip())
+
+
+def estimate_cmd(
+    model: str = typer.Option("tiny-llama", "--model", help="Preset name or local HF folder (config.json only)."),
+    train_type: Optional[str] = typer.Option(None, "--train-type", "--train_type",
+                                             help="full, lora or qlora (default full)."),
+    lora: bool = typer.Option(False, "--lora", help="Shorthand for --train-type lora."),
+    qlora: bool = typer.Option(False, "--qlora", help="Shorthand for --train-type qlora (a 4-bit base)."),
+    gpus: int = typer.Option(1, "--gpus", "--nproc-per-node", "--nproc_per_node", help="GPUs per node."),
+    nodes: int = typer.Option(1, "--nodes", "--nnodes", help="Number of nodes."),
+    gpu_memory: str = typer.Option("80GB", "--gpu-memory", "--gpu_memory",
+                                   help="Memory per GPU: 80GB (10^9 bytes), 24GiB (2^30); a bare number is GB."),
+    cpu_memory: Optional[str] = typer.Option(None, "--cpu-memory", "--cpu_memory",
+                                             help="CPU memory per node (same units); checks the offload rows "
+                                                  "(default: reported, not checked)."),
+    max_length: int = typer.Option(2048, "--max-length", "--max_length", help="Sequence length."),
+    micro_batch: int = typer.Option(1, "--per-device-train-batch-size", "--per_device_train_batch_size",
+                                    "--batch-size", help="Micro-batch per GPU."),
+    gradient_checkpointing: bool = typer.Option(True, "--gradient-checkpointing/--no-gradient-checkpointing",
+                                                help="Activation checkpointing."),
+    dtype: str = typer.Option("bf16", "--torch-dtype", "--torch_dtype", "--dtype", help="bf16, fp16 or fp32."),
+    lora_rank: int = typer.Option(8, "--lora-rank", "--lora_rank", help="LoRA rank (all-linear targets)."),
+    quant_bits: Optional[int] = typer.Option(None, "--quant-bits", "--quant_bits",
+                                             help="4 or 8: quantized base for LoRA (--qlora implies 4)."),
+    external_plugins: Optional[list[str]] = typer.Option(
+        None, "--external-plugins", "--external_plugins", metavar="FILE",
+        help="Python file run first; it may register backends, which then get a row. Repeat for several."),
+    as_json: bool = typer.Option(False, "--json", help="Print the decision and every estimate as JSON."),
+) -> None:
+    """Memory per GPU for each backend, what fits, and the recommended backend."""
+    shorthands = [t for t, on in (("lora", lora), ("qlora", qlora)) if on]
+    if len(shorthands) > 1 or (shorthands and train_type not in (None, shorthands[0])):
+        given = [f"--{t}" for t in shorthands] + ([f"--train-type {train_type}"] if train_type else [])
+        raise UserError(f"{' and '.join(given)}: pick one train type")
+    from swiftlite.parallel.base import load_plugins
+    load_plugins(external_plugins or [])
+    from swiftlite.planner.render import render, run_estimate, to_json
+    decision = run_estimate(model=model, train_type=(shorthands or [train_type or "full"])[0], gpus=gpus,
+                            nodes=nodes, gpu_memory=gpu_memory, cpu_memory=cpu_memory, max_length=max_length,
+                            micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing, dtype=dtype,
+                            lora_rank=lora_rank, quant_bits=quant_bits)
+    if as_json:
+        print(to_json(decision))
+    else:
+        render(decision)

@@ -1,0 +1,117 @@
+"""The flags of `sft` and `pt`, generated from the RunConfig fields (`swiftlite.config.field_specs`).
+
+ms-swift's style: both `--max_length` and `--max-length`, lists as `--dataset a.jsonl b.jsonl`,
+booleans as `--packing` or `--packing true`. A new config field is a new flag (and a line of
+`--help`) with no code here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from swiftlite.errors import UserError
+
+IGNORED_FLAGS = {"--local_rank", "--local-rank"}  # appended by the DeepSpeed launcher
+SHORTHANDS = {"--lora": ("train_type", "lora"), "--qlora": ("train_type", "qlora"),
+              "--full": ("train_type", "full")}
+TASK_HELP = {"sft": "Supervised fine-tuning on chat data.", "pt": "Continued pre-training on text."}
+FLAG_WIDTH = 36
+
+
+def _flag_table() -> dict[str, Any]:
+    from swiftlite.config import field_specs
+    table: dict[str, Any] = {}
+    for spec in field_specs().values():
+        if spec.cli:
+            for f in spec.flags:
+                table[f] = spec
+    return table
+
+
+def parse_run_args(args: list[str]) -> tuple[str | None, dict[str, Any]]:
+    """argv of `sft`/`pt` -> (config file, flat overrides). Unknown flags are errors naming them."""
+    from swiftlite.config import FALSE_WORDS, TRUE_WORDS
+    table = _flag_table()
+    values: dict[str, Any] = {}
+    config_file = None
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        if not tok.startswith("--"):
+            raise UserError(f"unexpected argument {tok!r} (options start with --)")
+        name, eq, inline = tok.partition("=")
+        i += 1
+        if name in IGNORED_FLAGS:
+            if not eq and i < len(args) and not args[i].startswith("--"):
+                i += 1
+            continue
+        if name == "--config":
+            if eq:
+                config_file = inline
+            elif i < len(args):
+                config_file, i = args[i], i + 1
+            else:
+                raise UserError("--config needs a file")
+            continue
+        if name in SHORTHANDS:
+            key, val = SHORTHANDS[name]
+            values[key] = val
+            continue
+        spec = table.get(name)
+        if spec is None:
+            import difflib
+            close = difflib.get_close_matches(name, list(table) + ["--config", *SHORTHANDS], n=1, cutoff=0.7)
+            raise UserError(f"unknown option {name}" + (f" (did you mean {close[0]}?)" if close else ""))
+        if spec.base_type is bool:
+            if eq:
+                values[spec.name] = inline
+            elif i < len(args) and args[i].lower() in TRUE_WORDS | FALSE_WORDS:
+                values[spec.name], i = args[i], i + 1
+            else:
+                values[spec.name] = True
+            continue
+        if eq:
+            vals = [inline]
+        else:
+            vals = []
+            while i < len(args) and not (args[i].startswith("--") and len(args[i]) > 2):
+                vals.append(args[i])
+                i += 1
+                if not spec.is_list:
+                    break
+        if not vals:
+            raise UserError(f"{name} needs a value")
+        values[spec.name] = vals if spec.is_list else vals[0]
+    return config_file, values
+
+
+def _shown_default(default: Any) -> str:
+    """` [default: X]`, or nothing for an unset value (None, off, empty). 0 and 0.0 are shown:
+    they are values (`0 in (None, False)` is true in Python, hence the identity tests)."""
+    if default is None or default is False or default == [] or default == "":
+        return ""
+    if isinstance(default, (list, tuple)):
+        default = " ".join(map(str, default))  # as it is typed: --target-modules all-linear
+    return f" [default: {default}]"
+
+
+def help_line(spec: Any) -> str:
+    """One option of `sft --help`: flag, help, choices, default, other spellings."""
+    flag = spec.flags[0] + ("" if spec.base_type is bool else " LIST" if spec.is_list else " VALUE")
+    choices = f" [choices: {', '.join(map(str, spec.choices))}]" if spec.choices else ""
+    also = f" (also {', '.join(spec.aliases)})" if spec.aliases else ""
+    return f"  {flag:<{FLAG_WIDTH}} {spec.help}{choices}{_shown_default(spec.default)}{also}"
+
+
+def run_help(task: str) -> str:
+    """`swiftlite sft --help` / `pt --help`: every config field, by section."""
+    from swiftlite.config import SECTIONS, field_specs
+    lines = [f"Usage: swiftlite {task} [OPTIONS]", "", TASK_HELP[task],
+             "Every option also accepts its underscore spelling (--max_length = --max-length).", "",
+             f"  {'--config FILE':<{FLAG_WIDTH}} YAML or JSON with option values (flags override it)",
+             f"  {'--lora / --qlora / --full':<{FLAG_WIDTH}} shorthands for --train-type"]
+    specs = field_specs()
+    for sec in SECTIONS:
+        lines.append(f"\n{sec}:")
+        lines += [help_line(s) for s in specs.values() if s.section == sec and s.cli]
+    return "\n".join(lines)

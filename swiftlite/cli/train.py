@@ -1,0 +1,76 @@
+"""`swiftlite sft` and `swiftlite pt`: load the config, check it, then print the plan (--dry-run),
+launch the ranks, or train in this process.
+
+These commands parse their own argv (`cli/run_flags.py`), so `cli/main.py` calls them directly,
+without Typer; Typer only lists them in `swiftlite --help`. No Typer import here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from swiftlite.cli.run_flags import parse_run_args, run_help
+
+
+def run_command(task: str, args: list[str]) -> int:
+    """`swiftlite sft|pt ...`: validate, then launch or train here."""
+    if any(a in ("--help", "-h") for a in args):
+        print(run_help(task))
+        return 0
+    from swiftlite import env
+    from swiftlite.config import load_config
+    config_file, values = parse_run_args(args)
+    cfg = load_config(config_file, values, task=task)
+    from swiftlite.parallel.base import load_plugins
+    load_plugins(cfg.parallel.external_plugins)
+    from swiftlite.launch import plan_launch, preflight, resolve_for_launch, run_forked, run_launched, run_rank
+    plan = plan_launch(cfg, [task, *args])
+    world = env.world_vars().world_size if env.inside_launcher() else plan.world_size
+    # Everything that can be checked without a process group is checked here, once, before any
+    # folder is created or any rank starts: a run that fails validation leaves nothing behind.
+    if not env.settings().preflight_done:
+        choice = preflight(cfg, world, data=not cfg.parallel.dry_run and not env.inside_launcher())
+    else:
+        choice = None
+    if cfg.parallel.dry_run:
+        print_plan(cfg, plan, choice or resolve_for_launch(cfg, world))
+        return 0
+    if plan.fork:
+        return run_forked(plan, cfg)
+    if plan.command is not None:
+        return run_launched(plan, cfg)
+    run_rank(cfg)
+    return 0
+
+
+def sft(args: list[str]) -> int:
+    """Supervised fine-tuning on chat data (see `swiftlite sft --help`)."""
+    return run_command("sft", args)
+
+
+def pt(args: list[str]) -> int:
+    """Continued pre-training on text (see `swiftlite pt --help`)."""
+    return run_command("pt", args)
+
+
+def print_plan(cfg: Any, plan: Any, choice: Any) -> None:
+    """--dry-run: the resolved backend (the same `resolve_backend` answer the trainer gets), world,
+    batch arithmetic and launch command."""
+    import shlex
+
+    from swiftlite.launch import redact_argv
+    world = plan.world_size
+    reason = f" ({choice.reason})" if choice.reason else ""
+    t = cfg.train
+    print(f"backend:        {choice.name}{reason}")
+    if choice.deepspeed_source:
+        print(f"deepspeed:      {choice.deepspeed_source}")
+    print(f"world:          {plan.nnodes} node(s) x {plan.nproc_per_node} process(es) = {world}")
+    global_batch = t.per_device_train_batch_size * world * t.gradient_accumulation_steps
+    print(f"batch:          per-device {t.per_device_train_batch_size} x {world} x accumulation "
+          f"{t.gradient_accumulation_steps} = global {global_batch}")
+    print(f"model:          {cfg.model.model} ({cfg.train.train_type}, {cfg.model.torch_dtype})")
+    print(f"output:         {cfg.train.output_dir}")
+    how = (shlex.join(redact_argv(plan.command)) if plan.command
+           else f"{plan.nproc_per_node} processes forked from this one" if plan.fork else "this process")
+    print("launch:         " + how)

@@ -1,0 +1,74 @@
+"""Every check that needs no process group, run once in the launching process before anything is
+created: a run that fails validation leaves nothing behind and starts no rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from swiftlite.checkpoint.run_dir import check_output_dir
+from swiftlite.config import RunConfig
+from swiftlite.errors import UserError
+
+if TYPE_CHECKING:
+    from swiftlite.parallel.base import BackendChoice
+
+
+def check_model_folder(cfg: RunConfig, folder: Path) -> None:
+    """A local model folder has weights, and needs no code of its own unless --trust-remote-code."""
+    import json
+    arg = cfg.model.model
+    try:
+        conf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"--model {arg}: config.json is not valid JSON ({e})") from None
+    if not isinstance(conf, dict):
+        raise UserError(f"--model {arg}: config.json must hold a JSON object")
+    if not cfg.model.trust_remote_code:
+        from transformers import CONFIG_MAPPING
+        mtype = conf.get("model_type")
+        if mtype not in CONFIG_MAPPING:
+            extra = " and ships its own Python code (auto_map)" if conf.get("auto_map") else ""
+            raise UserError(f"--model {arg}: model_type {mtype!r} is not built into transformers{extra}; "
+                            "swiftlite runs no code from a model folder unless you pass --trust-remote-code")
+    weights = [p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")]
+    if not weights:
+        raise UserError(f"--model {arg}: folder has config.json but no weights (*.safetensors, pytorch_model.bin)")
+
+
+def resolve_for_launch(cfg: RunConfig, world_size: int) -> "BackendChoice":
+    """The backend, resolved in the launching process (its GPUs stand for the job's: the ranks resolve
+    again with the smallest GPU of the whole job, which can only differ on mixed machines)."""
+    from swiftlite.parallel.resolve import local_gpu_memory, resolve_backend
+    return resolve_backend(cfg, world_size, local_gpu_memory, gpus_per_node=cfg.parallel.nproc_per_node)
+
+
+def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "BackendChoice":
+    """Validate everything a run can get wrong before any process starts or any file is written:
+    output folder, resume checkpoint (intact and free of unsafe pickles), model, DeepSpeed config,
+    and (data=True) the datasets themselves: every row read, converted and tokenized (which fills the
+    tokenization cache the ranks then read), the usable-row count against one global batch.
+    Raises a one-line UserError; creates nothing but cache files. Returns the backend choice."""
+    from swiftlite import checkpoint as ckpt
+    from swiftlite.data.sources import check_spec
+    run_dir = check_output_dir(cfg)
+    if cfg.checkpoint.resume_from:
+        ckpt.resolve_resume_arg(cfg.checkpoint.resume_from, log=lambda *_: None)
+    elif cfg.checkpoint.resume and run_dir.is_dir():
+        ckpt.find_resume(run_dir, log=lambda *_: None)
+    for spec in cfg.data.dataset:
+        check_spec(spec, "--dataset")
+    for spec in cfg.data.val_dataset:
+        check_spec(spec, "--val-dataset")
+    choice = resolve_for_launch(cfg, world_size)
+    from swiftlite.models.loading import resolve_model
+    source = resolve_model(cfg.model.model)
+    if source.kind == "folder":
+        check_model_folder(cfg, Path(source.ref))
+    if not data:
+        return choice
+    from swiftlite.data.pipeline import prepare_datasets
+    from swiftlite.models.loading import load_tokenizer
+    tokenizer = load_tokenizer(cfg, source)
+    prepare_datasets(cfg, tokenizer, world_size)
+    return choice

@@ -1,0 +1,92 @@
+"""The body of one rank (`run_rank`), and the torchrun / DeepSpeed launcher run as a child process
+(`run_launched`) with its stderr passed through."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Callable
+
+from swiftlite import env
+from swiftlite.config import RunConfig
+from swiftlite.errors import UserError
+from swiftlite.launch.diagnostics import (clear_rank_logs, explain_failure, finish_rank_diagnostics,
+                                          install_rank_diagnostics, record_rank_failure, redact_argv)
+from swiftlite.launch.plan import LaunchPlan
+
+#: Lines of the launcher's stderr kept to read its failure summary.
+TAIL_LINES = 200
+
+
+def _train_function() -> Callable[[RunConfig], object]:
+    try:
+        from swiftlite.train import train
+    except ModuleNotFoundError as e:
+        # Until the step loop's package (swiftlite/train/) lands, the loop is swiftlite/trainer.py.
+        # Only the package's own absence falls back: an import error inside it is raised.
+        if e.name != "swiftlite.train":
+            raise
+        from swiftlite.trainer import train
+    return train
+
+
+def run_rank(cfg: RunConfig) -> None:
+    """The body of one rank (or of a single-process run): train, and on failure leave the rank's
+    error where the launcher looks for it."""
+    install_rank_diagnostics(cfg)
+    try:
+        train = _train_function()
+        train(cfg)
+    except UserError as e:
+        record_rank_failure(cfg, str(e), user_error=True)
+        raise
+    except BaseException as e:
+        import traceback
+        record_rank_failure(cfg, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", user_error=False)
+        raise
+    finally:
+        finish_rank_diagnostics()
+        from swiftlite import profiling
+        profiling.finish()  # a forked rank ends in os._exit: atexit handlers would not run
+        from swiftlite.distributed import teardown
+        teardown()
+
+
+def _pump(stream: IO[str], tail: list[str]) -> None:
+    """Copy the launcher's stderr to ours line by line, keeping its last TAIL_LINES lines."""
+    for line in stream:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        tail.append(line)
+        del tail[:-TAIL_LINES]
+
+
+def run_launched(plan: LaunchPlan, cfg: RunConfig) -> int:
+    """Run the launcher; on failure name the rank that caused it (see `explain_failure`)."""
+    assert plan.command is not None
+    print("launching: " + shlex.join(redact_argv(plan.command)), flush=True)
+    logs = clear_rank_logs(cfg)
+    extra = {env.PREFLIGHT_DONE: "1"}  # the ranks skip the checks this process just ran
+    if not env.has("OMP_NUM_THREADS"):
+        extra["OMP_NUM_THREADS"] = "1"
+    t0 = time.monotonic()
+    tail: list[str] = []
+    try:
+        proc = subprocess.Popen(plan.command, env=env.child_env(extra), stderr=subprocess.PIPE, text=True,
+                                errors="replace")
+        assert proc.stderr is not None
+        t = threading.Thread(target=_pump, args=(proc.stderr, tail), daemon=True)
+        t.start()
+        rc = proc.wait()
+        t.join(10)
+    except KeyboardInterrupt:
+        return 130
+    if rc == 0:
+        return 0
+    msg, code = explain_failure(logs, plan.world_size, "".join(tail), cfg.parallel.ddp_timeout,
+                                time.monotonic() - t0)
+    print(f"error: {msg}", file=sys.stderr)
+    return code if code else (rc if rc > 0 else 1)
