@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Callable
+from typing import IO
 
 from swiftlite import env
 from swiftlite.config import RunConfig
@@ -21,24 +21,12 @@ from swiftlite.launch.plan import LaunchPlan
 TAIL_LINES = 200
 
 
-def _train_function() -> Callable[[RunConfig], object]:
-    try:
-        from swiftlite.train import train
-    except ModuleNotFoundError as e:
-        # Until the step loop's package (swiftlite/train/) lands, the loop is swiftlite/trainer.py.
-        # Only the package's own absence falls back: an import error inside it is raised.
-        if e.name != "swiftlite.train":
-            raise
-        from swiftlite.trainer import train
-    return train
-
-
 def run_rank(cfg: RunConfig) -> None:
     """The body of one rank (or of a single-process run): train, and on failure leave the rank's
     error where the launcher looks for it."""
     install_rank_diagnostics(cfg)
     try:
-        train = _train_function()
+        from swiftlite.train import train
         train(cfg)
     except UserError as e:
         record_rank_failure(cfg, str(e), user_error=True)
