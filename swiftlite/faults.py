@@ -5,8 +5,9 @@
     SWIFTLITE_FAULT="step=2,phase=checkpoint,kind=kill" SIGKILL in the middle of checkpoint-2's write
     SWIFTLITE_FAULT="step=4,phase=checkpoint,kind=enospc"  the disk "fills" during checkpoint-4's write
     SWIFTLITE_FAULT="step=3,phase=grads,kind=nan"       step 3's gradients become nan before the update
+    SWIFTLITE_FAULT="phase=checkpoint,kind=sleep"       every save takes SLEEP_S longer (a slow disk)
 
-Keys: `kind` (raise | hang | kill | exit | enospc | nan; required), `step` (the optimizer step, 1-based;
+Keys: `kind` (raise | hang | kill | exit | enospc | nan | sleep; required), `step` (the optimizer step, 1-based;
 any step when absent), `rank` (global rank; any rank when absent), `phase` (`step`, the default,
 `checkpoint` or `grads`). The trainer calls `maybe_inject(step, phase)` at three places: after each
 optimizer step; inside `save_training_state` after the sharded state is written and before the
@@ -27,8 +28,9 @@ from swiftlite import env
 from swiftlite.errors import UserError
 
 ENV = env.FAULT
-KINDS = ("raise", "hang", "kill", "exit", "enospc", "nan")
+KINDS = ("raise", "hang", "kill", "exit", "enospc", "nan", "sleep")
 PHASES = ("step", "checkpoint", "grads")
+SLEEP_S = 6.0
 
 
 class InjectedFault(RuntimeError):
@@ -102,6 +104,9 @@ def maybe_inject(step: int, phase: str = "step") -> str | None:
         return "nan"
     if fault.kind == "raise":
         raise InjectedFault(f"injected fault ({where})")
+    if fault.kind == "sleep":
+        time.sleep(SLEEP_S)
+        return None
     if fault.kind == "enospc":
         import errno
         raise OSError(errno.ENOSPC, f"No space left on device (injected, {where})")

@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from swiftlite.checkpoint.layout import LATEST, LOCK, LOGGING
-from swiftlite.checkpoint.store import clean_partial, list_checkpoints
+from swiftlite.checkpoint.layout import LATEST, LOCK, LOGGING, PREEMPTED
+from swiftlite.checkpoint.store import clean_partial, find_resume, list_checkpoints, resolve_resume_arg
 from swiftlite.errors import UserError
 
 if TYPE_CHECKING:
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def _resuming(cfg: "RunConfig") -> bool:
-    return bool(cfg.checkpoint.resume or cfg.checkpoint.resume_from)
+    return cfg.checkpoint.resume != "false" or bool(cfg.checkpoint.resume_from)
 
 
 def check_output_dir(cfg: "RunConfig") -> Path:
@@ -48,6 +48,21 @@ def check_output_dir(cfg: "RunConfig") -> Path:
     return run_dir
 
 
+def resume_point(cfg: "RunConfig", run_dir: Path, log=print) -> Path | None:
+    """The checkpoint this run resumes from: --resume-from's, or with --resume the newest good one in
+    the run folder. `--resume true` with none is an error (HF does the same); `--resume auto` then
+    starts fresh (a requeued job's first start)."""
+    if cfg.checkpoint.resume_from:
+        return resolve_resume_arg(cfg.checkpoint.resume_from, log=log)
+    if cfg.checkpoint.resume == "false":
+        return None
+    found = find_resume(run_dir, log=log) if run_dir.is_dir() else None
+    if found is None and cfg.checkpoint.resume == "true":
+        raise UserError(f"--resume: no checkpoint in --output-dir {cfg.train.output_dir} "
+                        "(--resume auto starts fresh when there is none)")
+    return found
+
+
 def prepare_run_dir(cfg: "RunConfig", world_is_main: bool) -> Path:
     """Create the run folder (rank 0; the others only resolve its path): checked as the preflight
     checks it, emptied of an old run's checkpoints with --overwrite-output-dir, interrupted saves and
@@ -62,6 +77,7 @@ def prepare_run_dir(cfg: "RunConfig", world_is_main: bool) -> Path:
                 (run_dir / name).unlink(missing_ok=True)
         run_dir.mkdir(parents=True, exist_ok=True)
         clean_partial(run_dir)
+        (run_dir / PREEMPTED).unlink(missing_ok=True)  # an earlier stop's marker: this run starts anew
     return run_dir
 
 

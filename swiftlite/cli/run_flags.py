@@ -62,10 +62,10 @@ def parse_run_args(args: list[str]) -> tuple[str | None, dict[str, Any]]:
             import difflib
             close = difflib.get_close_matches(name, list(table) + ["--config", *SHORTHANDS], n=1, cutoff=0.7)
             raise UserError(f"unknown option {name}" + (f" (did you mean {close[0]}?)" if close else ""))
-        if spec.base_type is bool:
+        if spec.is_switch:
             if eq:
                 values[spec.name] = inline
-            elif i < len(args) and args[i].lower() in TRUE_WORDS | FALSE_WORDS:
+            elif i < len(args) and args[i].lower() in TRUE_WORDS | FALSE_WORDS | set(spec.choices):
                 values[spec.name], i = args[i], i + 1
             else:
                 values[spec.name] = True

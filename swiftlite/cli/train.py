@@ -35,12 +35,37 @@ def run_command(task: str, args: list[str]) -> int:
     if cfg.parallel.dry_run:
         print_plan(cfg, plan, choice or resolve_for_launch(cfg, world))
         return 0
+    import time
+    started = time.time()
     if plan.fork:
-        return run_forked(plan, cfg)
-    if plan.command is not None:
-        return run_launched(plan, cfg)
-    run_rank(cfg)
-    return 0
+        rc = run_forked(plan, cfg)
+    elif plan.command is not None:
+        rc = run_launched(plan, cfg)
+    else:
+        run_rank(cfg)
+        rc = 0
+    return preempted_exit(cfg, started) if rc == 0 else rc
+
+
+def preempted_exit(cfg, started: float) -> int:
+    """75 (EX_TEMPFAIL) when the run stopped on a signal after saving (it wrote <run>/preempted), else 0:
+    a batch script requeues on 75 and the job resumes with --resume auto."""
+    from pathlib import Path
+
+    from swiftlite.train.preempt import PREEMPTED_EXIT, read_marker
+    if env_is_rank():
+        return 0  # a rank under torchrun: the launcher's process reports it
+    marker = read_marker(Path(cfg.train.output_dir).expanduser().resolve(), started)
+    if marker is None:
+        return 0
+    print(f"preempted by {marker['signal']} at step {marker['step']}: saved {marker['checkpoint']} "
+          f"(exit {PREEMPTED_EXIT}; resume with --resume auto)", flush=True)
+    return PREEMPTED_EXIT
+
+
+def env_is_rank() -> bool:
+    from swiftlite import env
+    return env.inside_torchrun()
 
 
 def sft(args: list[str]) -> int:

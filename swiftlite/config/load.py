@@ -40,6 +40,8 @@ def coerce(spec: FieldSpec, value: Any, where: str) -> Any:
             if not isinstance(value, (list, tuple)):
                 value = [value]
             return [str(v) for v in value]
+        if t is str and spec.is_switch and str(value).strip().lower() in TRUE_WORDS | FALSE_WORDS:
+            return "true" if str(value).strip().lower() in TRUE_WORDS else "false"
         if t is bool:
             if isinstance(value, bool):
                 return value

@@ -151,7 +151,7 @@ def _lora(c: RunConfig):
 
 @rule("resume")
 def _resume(c: RunConfig):
-    if c.checkpoint.resume and c.checkpoint.resume_from:
+    if c.checkpoint.resume != "false" and c.checkpoint.resume_from:
         return "--resume and --resume-from both given: use one of them"
 
 

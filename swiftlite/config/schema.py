@@ -153,7 +153,11 @@ class CheckpointConfig:
     save_steps: int | None = opt(None, "Save a checkpoint every N steps (always at the end).")
     save_total_limit: int | None = opt(None, "Keep at most N checkpoints (the newest; never the last good).")
     save_hf_model: bool = opt(True, "Also write an HF model folder (full) or peft adapter in each checkpoint.")
-    resume: bool = opt(False, "Resume from the latest checkpoint in --output-dir.")
+    resume: str = opt("false", "Resume from the newest good checkpoint in --output-dir: true (one must exist, "
+                      "as in HF), auto (resume when one exists, start fresh when none does: requeued jobs), "
+                      "or false.", choices=("false", "true", "auto"))
+    save_on_signal: bool = opt(True, "On SIGTERM/SIGUSR1/SIGINT finish the step, save a checkpoint, write "
+                               "<output-dir>/preempted and exit with code 75 (requeue, then --resume auto).")
     resume_from: str | None = opt(None, "Resume from this checkpoint folder.",
                                   aliases=("--resume_from_checkpoint", "--resume-from-checkpoint"))
 
@@ -231,6 +235,12 @@ class FieldSpec:
             args = [a for a in typing.get_args(t) if a is not type(None)]
             return args[0]
         return t
+
+    @property
+    def is_switch(self) -> bool:
+        """A flag that may stand alone (`--packing`, `--resume`): a bool, or a word field whose
+        choices include true and false (`--resume auto`)."""
+        return self.base_type is bool or {"true", "false"} <= set(self.choices)
 
     @property
     def is_list(self) -> bool:

@@ -9,6 +9,7 @@ command line made safe to print (`redact_argv`).
 from __future__ import annotations
 
 import re
+import signal
 from pathlib import Path
 from typing import IO
 
@@ -123,7 +124,7 @@ def explain_failure(logs: Path, world_size: int, launcher_tail: str, ddp_timeout
         c = silent[0]
         v = victims[0]
         code = codes.get(c)
-        if c in stacks and (code is None or code in (-15, 143, 1)):
+        if c in stacks and (code is None or code in (-STOP_SIGNAL, -15, 143, 1)):
             what = (f"rank{c} hung: stopped answering collectives (stuck at {_where_stuck(stacks[c])} "
                     f"when the job was stopped)")
         elif code is not None and code < 0:
@@ -163,13 +164,19 @@ def record_rank_failure(cfg: RunConfig | None, message: str, user_error: bool) -
 _stack_file: IO[str] | None = None
 
 
+#: What swiftlite's fork launcher sends a rank it stops because another rank failed: faulthandler
+#: dumps the stack on it and the rank dies at once, even blocked in a collective. SIGTERM is left
+#: to preemption (train/preempt.py), which finishes the step and saves instead of dying.
+STOP_SIGNAL = signal.SIGABRT
+
+
 def install_rank_diagnostics(cfg: RunConfig) -> None:
-    """In a launched rank: when the launcher terminates it (SIGTERM), dump every thread's stack to
-    logs/rank<r>.stack first, even if it is blocked inside a collective, so a hung rank can be named
-    and located. Removed again by `finish_rank_diagnostics` when the rank ends normally."""
+    """In a launched rank: dump every thread's stack to logs/rank<r>.stack when the launcher stops the
+    rank (STOP_SIGNAL from swiftlite's fork launcher; SIGTERM from torchrun), even if it is blocked
+    inside a collective, so a hung rank can be named and located. Removed again by
+    `finish_rank_diagnostics` when the rank ends normally."""
     global _stack_file
     import faulthandler
-    import signal
     rank = env.rank()
     if rank is None or _stack_file is not None:
         return
@@ -177,23 +184,36 @@ def install_rank_diagnostics(cfg: RunConfig) -> None:
     try:
         logs.mkdir(parents=True, exist_ok=True)
         _stack_file = (logs / f"rank{rank}.stack").open("w")
+        faulthandler.enable(file=_stack_file, all_threads=True)          # SIGABRT (and crashes): dump, die
         faulthandler.register(signal.SIGTERM, file=_stack_file, all_threads=True, chain=True)
     except (OSError, RuntimeError, ValueError):
         _stack_file = None
 
 
+def rechain_stack_dump() -> None:
+    """Put the SIGTERM stack dump back in front after a Python handler for SIGTERM was installed
+    (signal.signal replaces faulthandler's handler): the dump runs, then the Python handler."""
+    if _stack_file is None:
+        return
+    import faulthandler
+    try:
+        faulthandler.register(signal.SIGTERM, file=_stack_file, all_threads=True, chain=True)
+    except (OSError, RuntimeError, ValueError):
+        pass
+
+
 def finish_rank_diagnostics() -> None:
+    """The rank ended normally: it was not hung, so whatever a signal (a preemption) dumped is removed."""
     global _stack_file
     if _stack_file is None:
         return
     import faulthandler
-    import signal
     try:
         faulthandler.unregister(signal.SIGTERM)
+        faulthandler.disable()
         path = Path(_stack_file.name)
         _stack_file.close()
-        if path.stat().st_size == 0:
-            path.unlink()
+        path.unlink(missing_ok=True)
     except (OSError, RuntimeError, ValueError):
         pass
     _stack_file = None

@@ -81,7 +81,8 @@ def _forked_rank(local_rank: int, cfg: RunConfig, plan: LaunchPlan, threads: int
 
 def run_forked(plan: LaunchPlan, cfg: RunConfig) -> int:
     """Fork the ranks of a one-node job from this process and wait for them; on failure, stop the
-    others (SIGTERM, so a hung rank dumps its stack) and name the rank that caused it."""
+    others (STOP_SIGNAL: a hung rank dumps its stack) and name the rank that caused it. Preemption
+    signals are forwarded to the ranks, which save and end (train/preempt.py)."""
     import gc
     import logging
     import time
@@ -106,21 +107,86 @@ def run_forked(plan: LaunchPlan, cfg: RunConfig) -> int:
     gc.freeze()
     ctx = tmp.start_processes(_forked_rank, args=(cfg, plan, threads), nprocs=plan.nproc_per_node,
                               join=False, start_method="fork")
+    procs = ctx.processes
+    forwarding = _forward_signals(procs) if cfg.checkpoint.save_on_signal else None
     try:
-        while not ctx.join():
-            pass
-        return 0
-    except KeyboardInterrupt:
-        for proc in ctx.processes:
+        failed = _wait(procs)
+    except KeyboardInterrupt:  # only without --save-on-signal (else SIGINT is forwarded)
+        for proc in procs:
             if proc.is_alive():
                 proc.terminate()
         return 130
-    except Exception:  # noqa: BLE001 - ProcessRaisedException / ProcessExitedException: explained below
-        pass
-    for proc in ctx.processes:
-        proc.join(30)
-    codes = {r: proc.exitcode for r, proc in enumerate(ctx.processes) if proc.exitcode not in (None, 0)}
+    finally:
+        if forwarding is not None:
+            forwarding.restore()
+    if not failed:
+        return 0
+    _stop(procs)
+    codes = {r: proc.exitcode for r, proc in enumerate(procs) if proc.exitcode not in (None, 0)}
     msg, code = explain_failure(logs, plan.world_size, "", cfg.parallel.ddp_timeout, time.monotonic() - t0,
                                 codes=codes)
     print(f"error: {msg}", file=sys.stderr)
     return code if code else 1
+
+
+def _wait(procs: list) -> bool:
+    """Wait until every rank has ended (False) or one has failed (True)."""
+    from multiprocessing.connection import wait
+    while True:
+        alive = [p.sentinel for p in procs if p.exitcode is None]
+        if alive:
+            wait(alive, timeout=1.0)
+        codes = [p.exitcode for p in procs]
+        if any(c not in (None, 0) for c in codes):
+            return True
+        if all(c == 0 for c in codes):
+            return False
+
+
+def _stop(procs: list, grace_s: float = 30.0) -> None:
+    """Stop the ranks still running after another failed: STOP_SIGNAL (each dumps its stack and dies,
+    even when blocked in a collective), then SIGKILL for any still alive after `grace_s`."""
+    import os
+    import time
+
+    from swiftlite.launch.diagnostics import STOP_SIGNAL
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, STOP_SIGNAL)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+class _Forwarding:
+    """This launcher's handlers for the preemption signals: each one is passed on to every rank
+    (SIGUSR1 sent to the launcher alone reaches the ranks), none stops the launcher itself: it
+    waits for the ranks to save and end."""
+
+    def __init__(self, procs: list):
+        import signal
+
+        from swiftlite.train.preempt import SIGNALS
+        self.procs = procs
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        import os
+        for p in self.procs:
+            if p.exitcode is None:
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def restore(self) -> None:
+        import signal
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _forward_signals(procs: list) -> _Forwarding:
+    return _Forwarding(procs)

@@ -49,13 +49,10 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "Backend
     and (data=True) the datasets themselves: every row read, converted and tokenized (which fills the
     tokenization cache the ranks then read), the usable-row count against one global batch.
     Raises a one-line UserError; creates nothing but cache files. Returns the backend choice."""
-    from swiftlite import checkpoint as ckpt
+    from swiftlite.checkpoint.run_dir import resume_point
     from swiftlite.data.sources import check_spec
     run_dir = check_output_dir(cfg)
-    if cfg.checkpoint.resume_from:
-        ckpt.resolve_resume_arg(cfg.checkpoint.resume_from, log=lambda *_: None)
-    elif cfg.checkpoint.resume and run_dir.is_dir():
-        ckpt.find_resume(run_dir, log=lambda *_: None)
+    resume_point(cfg, run_dir, log=lambda *_: None)
     for spec in cfg.data.dataset:
         check_spec(spec, "--dataset")
     for spec in cfg.data.val_dataset:

@@ -1,11 +1,12 @@
 """`train(cfg)`: build the run, then the step loop — a handful of calls, observers around them.
 
-    run = build_run(cfg)
+    run = build_run(cfg)                                   # train/run.py
     for step in range(start, total):
         observers.before_step(step)
-        stats = train_step(engine, batches, step, ...)      # the math: step.py
+        stats = train_step(engine, batches, step, ...)      # the arithmetic: train/step.py
         observers.after_step(stats, engine)                # log, bench probe, fault injection
-        validate and checkpoint when due
+        guard.check(stats)                                 # nan/inf: stop or skip (train/guard.py)
+        validate and checkpoint when due; stop on a signal (train/preempt.py)
 
 docs/design.md describes the numerics and the order in which a run is built.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from swiftlite.checkpoint import layout
 from swiftlite.config import RunConfig, save_args
@@ -42,29 +44,51 @@ def _first_line(run) -> str:
 def train(cfg: RunConfig) -> TrainResult:
     """Run one training job in this process (one rank of it when launched under torchrun)."""
     from swiftlite.train.observers import BenchProbe
+    from swiftlite.train.preempt import Preemption
     from swiftlite.train.run import build_run
 
-    run, probe = build_run(cfg, BenchProbe)
+    # Signals are caught from the start: one that comes while the run is being built is acted on
+    # after the first step.
+    preempt = Preemption(cfg.checkpoint.save_on_signal)
     try:
-        return _loop(run, probe)
+        run, probe = build_run(cfg, BenchProbe)
+        try:
+            return _loop(run, probe, preempt)
+        finally:
+            if run.lock is not None:
+                run.lock.release()
     finally:
-        if run.lock is not None:
-            run.lock.release()
+        preempt.restore()
 
 
-def _loop(run, probe) -> TrainResult:
-    from swiftlite.checkpoint.state import save_training_state
-    from swiftlite.distributed import barrier
-    from swiftlite.metrics import RunLogger, plot_run
-    from swiftlite.train.evaluate import evaluate
-    from swiftlite.train.guard import NonFiniteGuard
-    from swiftlite.train.observers import FaultInjector, LogObserver, Observers
-    from swiftlite.train.step import train_step
+class Checkpointer:
+    """Saves the run's checkpoints and remembers the newest good one."""
 
-    cfg = run.cfg
-    world, engine, start, total = run.world, run.engine, run.start_step, run.total_steps
-    log = RunLogger(run.run_dir, enabled=world.is_main, total_steps=total, report_to=cfg.train.report_to,
-                    start_step=start)
+    def __init__(self, run: Any):
+        self.run = run
+        self.last: Path | None = run.resume_path
+
+    def save(self, step: int) -> Path:
+        from swiftlite.checkpoint.state import save_training_state
+        r = self.run
+        self.last = save_training_state(r.engine, r.model, r.tokenizer, r.cfg, r.world, r.run_dir, step,
+                                        r.choice.key, r.facts)
+        return self.last
+
+    def maybe_save(self, done: int) -> None:
+        every = self.run.cfg.checkpoint.save_steps
+        if every and done % every == 0:
+            self.save(done)
+
+    def saved_at(self, step: int) -> bool:
+        return self.last is not None and self.last.name == layout.checkpoint_name(step)
+
+
+def _start_logging(run: Any) -> Any:
+    from swiftlite.metrics import RunLogger
+    cfg, world = run.cfg, run.world
+    log = RunLogger(run.run_dir, enabled=world.is_main, total_steps=run.total_steps,
+                    report_to=cfg.train.report_to, start_step=run.start_step)
     if world.is_main:
         save_args(cfg, run.run_dir / layout.ARGS)
         log.print(_first_line(run))
@@ -73,41 +97,67 @@ def _loop(run, probe) -> TrainResult:
             log.print(f"skipped: {msg}")
         if len(skipped) > 5:
             log.print(f"skipped: ... and {len(skipped) - 5} more")
+    return log
+
+
+def _loop(run: Any, probe: Any, preempt: Any) -> TrainResult:
+    from swiftlite.distributed import barrier
+    from swiftlite.metrics import plot_run
+    from swiftlite.train.evaluate import evaluate
+    from swiftlite.train.guard import NonFiniteGuard
+    from swiftlite.train.observers import FaultInjector, LogObserver, Observers
+    from swiftlite.train.preempt import write_marker
+    from swiftlite.train.step import train_step
+
+    cfg, world, engine, start, total = run.cfg, run.world, run.engine, run.start_step, run.total_steps
+    log = _start_logging(run)
     observers = Observers(probe, LogObserver(log, logging_steps=cfg.train.logging_steps, total_steps=total,
                                              start_step=start, steps_per_epoch=run.batches.plan.steps_per_epoch,
                                              t0=run.t0, is_main=world.is_main), FaultInjector())
-
-    def save(step: int) -> Path:
-        return save_training_state(engine, run.model, run.tokenizer, cfg, world, run.run_dir, step, run.choice.key,
-                                   run.facts)
-
+    ckpt = Checkpointer(run)
+    guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.max_skipped_steps, engine, log)
+    eval_every = cfg.train.eval_steps or cfg.checkpoint.save_steps
     # --ignore-data-skip (HF's meaning): a resumed run restarts the data order at its first batch
     # instead of skipping the batches the checkpoint already trained on.
     data_offset = start if cfg.train.ignore_data_skip else 0
-    eval_every = cfg.train.eval_steps or cfg.checkpoint.save_steps
+
+    def validate(step: int) -> None:
+        if run.val_data is not None:
+            log.log({"step": step, "eval_loss": evaluate(engine, run.val_data, cfg, world, run.batches.pad_id)})
+
     losses: list[float] = []
-    last_ckpt: Path | None = run.resume_path
-    guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.max_skipped_steps, engine, log)
-    engine.train()
-    for step in range(start, total):
-        observers.before_step(step)
-        stats = train_step(engine, run.batches, step, data_step=step - data_offset,
-                           before_optimizer=lambda e, s=step: observers.before_optimizer(s, e))
-        observers.after_step(stats, engine)
-        if guard.check(stats, last_ckpt):
-            losses.append(stats.loss)
-        done = stats.step
-        if run.val_data is not None and eval_every and done % eval_every == 0 and done != total:
-            log.log({"step": done, "eval_loss": evaluate(engine, run.val_data, cfg, world, run.batches.pad_id)})
-        if cfg.checkpoint.save_steps and done % cfg.checkpoint.save_steps == 0 and done != total:
-            last_ckpt = save(done)
-    if run.val_data is not None:
-        log.log({"step": total, "eval_loss": evaluate(engine, run.val_data, cfg, world, run.batches.pad_id)})
-    if start < total or last_ckpt is None:
-        last_ckpt = save(total)
-    if world.is_main:
-        log.print(f"saved {last_ckpt}")
-        plot_run(run.run_dir)
-    log.close()
-    barrier()
-    return TrainResult(run.run_dir, last_ckpt, losses, total)
+    try:
+        engine.train()
+        for step in range(start, total):
+            observers.before_step(step)
+            stats = train_step(engine, run.batches, step, data_step=step - data_offset,
+                               before_optimizer=lambda e, s=step: observers.before_optimizer(s, e))
+            observers.after_step(stats, engine)
+            if guard.check(stats, ckpt.last):
+                losses.append(stats.loss)
+            done = stats.step
+            if done == total:
+                break
+            if eval_every and done % eval_every == 0:
+                validate(done)
+            ckpt.maybe_save(done)
+            if preempt.agreed():  # a signal: this step is done on every rank; save it and end
+                if not ckpt.saved_at(done):
+                    preempt.saving = True
+                    ckpt.save(done)
+                    preempt.saving = False
+                if world.is_main:
+                    write_marker(run.run_dir, done, ckpt.last, preempt.signum)
+                    log.print(f"preempted at step {done}: saved {ckpt.last}; resume with --resume auto")
+                barrier()
+                return TrainResult(run.run_dir, ckpt.last, losses, done)
+        validate(total)
+        if start < total or ckpt.last is None:
+            ckpt.save(total)
+        if world.is_main:
+            log.print(f"saved {ckpt.last}")
+            plot_run(run.run_dir)
+        barrier()
+        return TrainResult(run.run_dir, ckpt.last, losses, total)
+    finally:
+        log.close()

@@ -129,8 +129,7 @@ def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
 
     import torch
 
-    from swiftlite import checkpoint as ckpt
-    from swiftlite.checkpoint.run_dir import RunLock, prepare_run_dir
+    from swiftlite.checkpoint.run_dir import RunLock, prepare_run_dir, resume_point
     from swiftlite.checkpoint.state import load_training_state, run_facts
     from swiftlite.distributed import barrier, init_distributed
     from swiftlite.models.loading import load_tokenizer, model_config, prepare_model, resolve_model
@@ -146,11 +145,7 @@ def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
     barrier()
 
     try:
-        resume_path: Path | None = None
-        if cfg.checkpoint.resume_from:
-            resume_path = ckpt.resolve_resume_arg(cfg.checkpoint.resume_from)
-        elif cfg.checkpoint.resume:
-            resume_path = ckpt.find_resume(run_dir, log=print if world.is_main else (lambda *_: None))
+        resume_path = resume_point(cfg, run_dir, log=print if world.is_main else (lambda *_: None))
 
         source = resolve_model(cfg.model.model)
         tokenizer = load_tokenizer(cfg, source)

@@ -1,0 +1,110 @@
+"""Checkpoint on a signal, as clusters preempt: SIGTERM to every process (SLURM), SIGUSR1 to the
+launcher alone; the run saves the step it was on, exits 75, and `--resume auto` reproduces the
+uninterrupted run's later losses bit for bit. A second signal during that save abandons it cleanly."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from fault_helpers import TINY, env_for
+from swiftlite import checkpoint as ckpt
+from tests.conftest import read_losses
+
+pytestmark = pytest.mark.slow
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from swiftlite.demo import make_rows
+    d = tmp_path_factory.mktemp("preempt")
+    (d / "train.jsonl").write_text("\n".join(json.dumps(r) for r in make_rows(64, 0)) + "\n")
+    return d
+
+
+def _args(backend: str, out: str, *extra: str) -> list[str]:
+    return ["sft", *TINY, "--dataset", "train.jsonl", "--per-device-train-batch-size", "2", "--parallelism",
+            backend, "--nproc-per-node", "2", "--max-steps", str(STEPS), "--output-dir", out, *extra]
+
+
+def _start(args, env, cwd):
+    return subprocess.Popen([sys.executable, "-m", "swiftlite", *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(run_dir, step: int, proc, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+        if (run_dir / "logging.jsonl").is_file() and max(read_losses(run_dir) or {0: 0}) >= step:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the run did not reach the step in time")
+
+
+def _uninterrupted(data, backend):
+    env = env_for(data / "cache")
+    r = subprocess.run([sys.executable, "-m", "swiftlite", *_args(backend, f"full-{backend}")], env=env, cwd=data,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return read_losses(data / f"full-{backend}")
+
+
+@pytest.mark.parametrize("backend,how", [("fsdp", "all"), ("zero3", "launcher")])
+def test_signal_saves_the_step_and_resume_is_exact(data, backend, how):
+    full = _uninterrupted(data, backend)
+    env = env_for(data / "cache")
+    out = f"pre-{backend}"
+    proc = _start(_args(backend, out), env, data)
+    _wait_for_step(data / out, 4, proc)
+    if how == "all":   # SLURM: SIGTERM to every process of the job
+        for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+            p.send_signal(signal.SIGTERM)
+    else:              # SIGUSR1 to the launcher alone: it passes it on
+        proc.send_signal(signal.SIGUSR1)
+    t0 = time.monotonic()
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert time.monotonic() - t0 < 60  # well within a grace period
+    marker = json.loads((data / out / "preempted").read_text())
+    step = marker["step"]
+    assert 4 <= step < STEPS and marker["checkpoint"] == f"checkpoint-{step}"
+    assert ckpt.read_latest(data / out) == f"checkpoint-{step}" and "preempted by" in stdout
+    assert max(read_losses(data / out)) == step   # it stopped at the step it was on
+    r = subprocess.run([sys.executable, "-m", "swiftlite", *_args(backend, out, "--resume", "auto")], env=env,
+                       cwd=data, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and f"resuming from checkpoint-{step}" in r.stdout, r.stderr[-3000:]
+    resumed = read_losses(data / out)
+    assert {s: resumed[s] for s in range(step + 1, STEPS + 1)} == {s: full[s] for s in range(step + 1, STEPS + 1)}
+    assert not (data / out / "preempted").exists()   # the resumed run cleared the marker
+
+
+def test_second_signal_during_the_save_abandons_it(data):
+    env = env_for(data / "cache", SWIFTLITE_FAULT="phase=checkpoint,kind=sleep")
+    out = "twice"
+    proc = _start(_args("fsdp", out, "--save-steps", "2"), env, data)
+    deadline = time.monotonic() + 240
+    while ckpt.read_latest(data / out) is None and time.monotonic() < deadline:  # checkpoint-2 published
+        time.sleep(0.1)
+    assert ckpt.read_latest(data / out) == "checkpoint-2"
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(3)  # the preemption save is now sleeping in its checkpoint phase
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode not in (0, 75) and "save was abandoned" in stderr, stderr[-2000:]
+    assert ckpt.read_latest(data / out) in ("checkpoint-2", "checkpoint-4")
+    latest = data / out / ckpt.read_latest(data / out)
+    assert ckpt.verify_checkpoint(latest) is None
+    assert not (data / out / "preempted").exists()
+    r = subprocess.run([sys.executable, "-m", "swiftlite", *_args("fsdp", out, "--resume", "auto", "--max-steps",
+                                                                   "6")], env=env_for(data / "cache"), cwd=data,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
