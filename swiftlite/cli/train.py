@@ -44,11 +44,12 @@ def run_command(task: str, args: list[str]) -> int:
     else:
         run_rank(cfg)
         rc = 0
-    return preempted_exit(cfg, started) if rc == 0 else rc
+    # A launcher that was itself signalled may end non-zero after its ranks saved: the marker decides.
+    return preempted_exit(cfg, started) or rc
 
 
 def preempted_exit(cfg, started: float) -> int:
-    """75 (EX_TEMPFAIL) when the run stopped on a signal after saving (it wrote <run>/preempted), else 0:
+    """75 (EX_TEMPFAIL) when this run stopped on a signal after saving (it wrote <run>/preempted), else 0:
     a batch script requeues on 75 and the job resumes with --resume auto."""
     from pathlib import Path
 

@@ -62,9 +62,12 @@ def run_launched(plan: LaunchPlan, cfg: RunConfig) -> int:
         extra["OMP_NUM_THREADS"] = "1"
     t0 = time.monotonic()
     tail: list[str] = []
+    forwarding = None
     try:
         proc = subprocess.Popen(plan.command, env=env.child_env(extra), stderr=subprocess.PIPE, text=True,
                                 errors="replace")
+        if cfg.checkpoint.save_on_signal:
+            forwarding = _RankForwarding(proc.pid)
         assert proc.stderr is not None
         t = threading.Thread(target=_pump, args=(proc.stderr, tail), daemon=True)
         t.start()
@@ -72,9 +75,43 @@ def run_launched(plan: LaunchPlan, cfg: RunConfig) -> int:
         t.join(10)
     except KeyboardInterrupt:
         return 130
+    finally:
+        if forwarding is not None:
+            forwarding.restore()
     if rc == 0:
         return 0
     msg, code = explain_failure(logs, plan.world_size, "".join(tail), cfg.parallel.ddp_timeout,
                                 time.monotonic() - t0)
     print(f"error: {msg}", file=sys.stderr)
     return code if code else (rc if rc > 0 else 1)
+
+
+class _RankForwarding:
+    """Preemption signals this process gets go to the ranks themselves (the launcher's descendants
+    with LOCAL_RANK in their environment), not to torchrun or the DeepSpeed launcher in between:
+    those would stop the ranks (torchrun) or die (SIGUSR1's default) instead of letting them save."""
+
+    def __init__(self, launcher_pid: int):
+        import signal
+
+        from swiftlite.train.preempt import SIGNALS
+        self.launcher_pid = launcher_pid
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        import psutil
+        try:
+            procs = psutil.Process(self.launcher_pid).children(recursive=True)
+        except psutil.Error:
+            return
+        for p in procs:
+            try:
+                if "LOCAL_RANK" in p.environ():
+                    p.send_signal(signum)
+            except psutil.Error:
+                pass
+
+    def restore(self) -> None:
+        import signal
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

@@ -58,12 +58,13 @@ def _uninterrupted(data, backend):
     return read_losses(data / f"full-{backend}")
 
 
-@pytest.mark.parametrize("backend,how", [("fsdp", "all"), ("zero3", "launcher")])
-def test_signal_saves_the_step_and_resume_is_exact(data, backend, how):
+@pytest.mark.parametrize("backend,how,launcher", [("fsdp", "all", "fork"), ("zero3", "launcher", "fork"),
+                                                 ("fsdp", "launcher", "torchrun")])
+def test_signal_saves_the_step_and_resume_is_exact(data, backend, how, launcher):
     full = _uninterrupted(data, backend)
     env = env_for(data / "cache")
-    out = f"pre-{backend}"
-    proc = _start(_args(backend, out), env, data)
+    out = f"pre-{backend}-{launcher}"
+    proc = _start(_args(backend, out, "--launcher", launcher), env, data)
     _wait_for_step(data / out, 4, proc)
     if how == "all":   # SLURM: SIGTERM to every process of the job
         for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
@@ -79,7 +80,8 @@ def test_signal_saves_the_step_and_resume_is_exact(data, backend, how):
     assert 4 <= step < STEPS and marker["checkpoint"] == f"checkpoint-{step}"
     assert ckpt.read_latest(data / out) == f"checkpoint-{step}" and "preempted by" in stdout
     assert max(read_losses(data / out)) == step   # it stopped at the step it was on
-    r = subprocess.run([sys.executable, "-m", "swiftlite", *_args(backend, out, "--resume", "auto")], env=env,
+    r = subprocess.run([sys.executable, "-m", "swiftlite", *_args(backend, out, "--resume", "auto",
+                                                                   "--launcher", launcher)], env=env,
                        cwd=data, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and f"resuming from checkpoint-{step}" in r.stdout, r.stderr[-3000:]
     resumed = read_losses(data / out)
