@@ -82,14 +82,17 @@ def compare_run_facts(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 def check_finite(engine: Any, step: int) -> None:
-    """No checkpoint ever holds non-finite weights: every rank looks at its own shards (one
-    all-reduce of a flag per save)."""
+    """No checkpoint ever holds non-finite weights: every rank looks at its own shards of the trainable
+    parameters (frozen ones cannot change; a packed 4-bit base stored as bf16 is bits, not numbers),
+    one all-reduce of a flag per save."""
     import torch
 
     from swiftlite.distributed import all_reduce_sum
     bad = 0.0
     with torch.no_grad():
         for p in engine.module.parameters():
+            if not p.requires_grad:
+                continue
             local = p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
             if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
                 bad = 1.0
