@@ -110,7 +110,7 @@ def render_markdown(report: dict) -> str:
     if errs:
         lines += ["", *errs]
     lines += ["", "comm = bytes each rank moves per step in ring terms, counted from the collectives of the "
-              "profiled steps (torch.profiler) / swiftlite's estimate (parallel/plan.py). overlap = share of "
+              "profiled steps (torch.profiler) / swiftlite's estimate (planner/). overlap = share of "
               "collective time that ran under compute.", ""]
     return "\n".join(lines)
 

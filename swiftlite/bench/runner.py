@@ -81,7 +81,7 @@ def _theory_key(spec: BackendSpec, world: int) -> str:
 
 
 def _workload(cfg: BenchConfig, world: int, dtype: str, gpu_memory: int | None):
-    from swiftlite.parallel.plan import Workload
+    from swiftlite.planner import Workload
     return Workload(train_type=cfg.train_type, dtype=dtype, max_length=cfg.max_length,
                     micro_batch=cfg.per_device_train_batch_size, gradient_checkpointing=cfg.gradient_checkpointing,
                     world_size=world, gpu_memory_bytes=gpu_memory, overhead_bytes=0)
@@ -181,7 +181,7 @@ def _step_times(cfg: BenchConfig, res: BackendResult, stats: list[dict], by_step
 
 def _estimates(cfg: BenchConfig, spec: BackendSpec, res: BackendResult, world: int, dtype: str, shape: Any,
                gpu_memory: int | None) -> None:
-    from swiftlite.parallel import plan
+    from swiftlite import planner as plan
     if shape is None:
         return
     key = _theory_key(spec, world)
@@ -337,7 +337,7 @@ def run_bench(cfg: BenchConfig, echo=print, console=None) -> dict[str, Any]:
     """Run every backend of `cfg`, write bench.json/md/png under cfg.output, print the table.
     Plugins (`cfg.external_plugins`) are loaded by the caller before `cfg.backends` is parsed."""
     from swiftlite.models.loading import resolve_model
-    from swiftlite.parallel.plan import shape_from_model_arg
+    from swiftlite.planner import shape_from_model_arg
     cfg.check()
     resolve_model(cfg.model)  # an unknown preset or missing folder: one error before any run
     _exit_on_sigterm()

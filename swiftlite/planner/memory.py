@@ -64,7 +64,7 @@ ZERO3_MAX_LIVE_PARAMETERS = 10**9
 def base_bits(train_type: str, quant_bits: int | None) -> int | None:
     """Bits of the bitsandbytes base: `quant_bits`, else 4 for qlora, else None.
 
-    The rule RunConfig.quant_bits (config.py) applies to run configs, repeated for Workloads built
+    The rule RunConfig.quant_bits (config/schema.py) applies to run configs, repeated for Workloads built
     without one (the estimate command, bench, tests); workload_from_config passes the config's value.
     """
     if quant_bits is not None:
@@ -79,7 +79,7 @@ class Workload:
     `gpu_memory_bytes` and `cpu_memory_bytes` (per node) may be None: estimates then carry no
     fits verdict, and CPU offload is not checked against RAM. Construction checks only what the
     formulas rely on (known train type and dtype, a 4/8-bit base only under LoRA, positive sizes);
-    everything else about a run is config.py's and the backend records' to check.
+    everything else about a run is config/rules.py's and the backend records' to check.
     """
     train_type: str = "full"
     dtype: str = "bf16"                  # parameter dtype; bf16/fp16 mean mixed-precision AdamW

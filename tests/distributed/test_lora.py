@@ -141,7 +141,7 @@ def test_qlora_differs_from_lora(runs):
 
 @pytest.mark.parametrize("backend", ["fsdp", "zero3"])
 def test_validation_mid_training_leaves_the_loss_curve_unchanged(runs, backend):
-    """Trap 1 (DESIGN.md): an eval()+no_grad forward must not repack the 4-bit weights in place."""
+    """Trap 1 (docs/design.md): an eval()+no_grad forward must not repack the 4-bit weights in place."""
     with_eval = _run(runs, f"qlora_{backend}_eval")["dir"]
     without = runs[f"qlora_{backend}"]["dir"]
     assert read_losses(with_eval) == read_losses(without)

@@ -34,7 +34,7 @@ def runs(demo_data, tmp_path_factory):
     train, _val = demo_data
     root = tmp_path_factory.mktemp("parity")
     # ZeRO-3 with every parameter partitioned: tiny models would otherwise keep small params whole
-    # and hide gather bugs (DESIGN.md).
+    # and hide gather bugs (docs/design.md trap 7).
     zero3 = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
     zero3["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     zero3_json = root / "zero3_all_partitioned.json"
@@ -179,7 +179,7 @@ def test_saved_model_reloads_with_the_trained_weights(runs, name):
 def test_memory_model_predicts_state_bytes_per_rank(runs, name, backend, train_type):
     """swiftlite estimate's model-state bytes per rank, from the config alone, against the bytes
     counted from the real tensors of each rank (within 5%)."""
-    from swiftlite.parallel.plan import Workload, model_state_bytes, shape_from_model_arg
+    from swiftlite.planner import Workload, model_state_bytes, shape_from_model_arg
     shape = shape_from_model_arg("tiny-llama-2l")
     w = Workload(train_type=train_type, dtype="fp32", world_size=2, quant_bits=4 if train_type == "qlora" else None,
                  overhead_bytes=0)

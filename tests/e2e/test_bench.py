@@ -79,7 +79,7 @@ def test_comm_bytes_match_the_theoretical_volume(bench):
     f = res["fsdp"]["comm_bytes_by_kind"]
     assert abs(f["all_gather"] / f["reduce_scatter"] - 2) < 0.05
     # fsdp1: the root unit is gathered once, not twice
-    from swiftlite.parallel.plan import shape_from_model_arg
+    from swiftlite.planner import shape_from_model_arg
     shape = shape_from_model_arg("tiny-llama-2l")
     expected = 1 - shape.n_nonlayer_params / (3 * shape.n_params)
     assert abs(res["fsdp1"]["comm_ratio"] - expected) < 0.02, (res["fsdp1"]["comm_bytes_by_kind"], expected)

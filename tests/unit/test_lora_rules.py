@@ -1,4 +1,4 @@
-"""LoRA / QLoRA: the combination rules (config.py), target checks (models/lora.py), the 4-bit base
+"""LoRA / QLoRA: the combination rules (config/rules.py, backend records), target checks (models/lora.py), the 4-bit base
 (models/quant.py: trap 1) and FSDP1's dtype cast (parallel/fsdp1.py). Fast: no training here; the
 2-process runs are in tests/distributed/test_lora.py."""
 
