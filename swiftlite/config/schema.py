@@ -43,6 +43,13 @@ class ModelConfig:
     template: str | None = opt(None, "Chat template: a Jinja file, or empty for the tokenizer's own.")
     trust_remote_code: bool = opt(False, "Allow the model folder's own Python code (off by default).")
     model_revision: str | None = opt(None, "Hub revision (branch, tag or commit) for hub ids.")
+    attn_impl: str | None = opt(None, "Attention kernel (transformers' attn_implementation): sdpa, eager, "
+                                "flash_attention_2, flash_attention_3 or flex_attention. Default: transformers' "
+                                "choice for the model (sdpa where it has it, else eager). "
+                                "flash_attention_2/3 need a CUDA GPU and the flash-attn package; "
+                                "flex_attention needs torch >= 2.5.",
+                                choices=("sdpa", "eager", "flash_attention_2", "flash_attention_3",
+                                         "flex_attention"))
 
 
 @dataclass(kw_only=True)
@@ -73,6 +80,10 @@ class DataConfig:
     packing: bool = opt(False, "Pack several rows into each sequence of --max-length tokens.")
     skip_bad_rows: bool = opt(False, "Skip (and count) rows that are not valid instead of stopping.")
     dataset_num_proc: int = opt(1, "Processes for dataset preprocessing.")
+    padding_free: bool | None = opt(None, "Concatenate each micro-batch's rows into one sequence (position ids "
+                                    "restart per row, no attention mask, no pad tokens; same samples and loss "
+                                    "as padded batches). Default: on where the model's attention isolates rows "
+                                    "by position ids (the run's first line says which, and why not); false pads.")
 
 
 @dataclass(kw_only=True)

@@ -1,12 +1,46 @@
-"""Batching: right padding, and optional packing of rows into fixed-length sequences."""
+"""Batching: padding-free batches (rows concatenated, isolated by position ids), right padding, and
+packing of rows into --max-length sequences.
+
+Two batch forms compute the same samples and the same loss (docs/usage.md, "Batches"):
+
+- padding-free (`concat_rows`): the micro-batch's rows (or packs) concatenated into ONE sequence,
+  shape 1 x sum of lengths, with `position_ids` restarting at 0 for each row and NO attention mask.
+  transformers then builds a per-row causal mask from the position ids (sdpa, eager, flex:
+  `masking_utils.find_packed_sequence_indices`; flash attention: varlen kernels from the same
+  position ids), so no row attends to another and no pad token is computed. The first label of each
+  row after the first is IGNORE: the last token of a row does not predict the next row's first.
+- padded (`pad_batch`): rows right-padded to the longest, with an attention mask. Packs never take
+  this form: an attention mask turns transformers' per-row masking off, and a pack's rows would
+  attend to each other.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from swiftlite.data.tokenize import IGNORE
+
+
+@dataclass(frozen=True)
+class BatchForm:
+    """How a run's micro-batches are built, decided once per run (models.loading.batch_form)."""
+    padding_free: bool
+    reason: str = ""            # why this form (one phrase, for the run's first line)
+    attn_impl: str | None = None  # --attn_impl, None = transformers' default for the model
+
+    def describe(self, packing: bool = False, max_length: int | None = None) -> str:
+        """'padding-free batches (...)' / 'packed to N tokens, rows isolated (...)' / 'padded batches (...)'."""
+        if packing:
+            head = f"packed to {max_length} tokens, rows isolated by position ids" if max_length else "packed"
+        else:
+            head = "padding-free batches" if self.padding_free else "padded batches"
+        return f"{head} ({self.reason})" if self.reason else head
+
+
+PADDED = BatchForm(False, "")
 
 
 def pad_batch(rows: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:
@@ -23,39 +57,74 @@ def pad_batch(rows: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def pack_rows(rows: Sequence[dict], max_length: int) -> list[dict]:
-    """Greedy first-fit packing: concatenate whole rows into sequences of at most max_length tokens.
-
-    Rows are never split (a row longer than max_length was already truncated), so no sample loses
-    its answer to a boundary. Attention still spans rows inside a pack (no varlen kernel on CPU);
-    position ids restart per row so each row sees the positions it would see alone.
-    """
-    packs: list[dict] = []
-    cur_ids: list[int] = []
-    cur_labels: list[int] = []
-    cur_pos: list[int] = []
+def _join(rows: Sequence[dict]) -> tuple[list[int], list[int], list[int]]:
+    """Concatenated ids, labels (IGNORE at each row's first token after the first row) and position
+    ids restarting per row (a pack brings its own, already restarting per packed row)."""
+    ids: list[int] = []
+    labels: list[int] = []
+    pos: list[int] = []
     for r in rows:
         k = len(r["input_ids"])
-        if cur_ids and len(cur_ids) + k > max_length:
-            packs.append({"input_ids": cur_ids, "labels": cur_labels, "position_ids": cur_pos})
-            cur_ids, cur_labels, cur_pos = [], [], []
-        cur_ids = cur_ids + list(r["input_ids"])
-        # The first token of a row has no prediction from the previous row: mask the boundary label.
-        cur_labels = cur_labels + [IGNORE] + list(r["labels"][1:]) if cur_labels else list(r["labels"])
-        cur_pos = cur_pos + list(range(k))
-    if cur_ids:
-        packs.append({"input_ids": cur_ids, "labels": cur_labels, "position_ids": cur_pos})
+        lab = list(r["labels"])
+        if ids:  # the first token of a row is not predicted from the previous row
+            lab[0] = IGNORE
+        ids += list(r["input_ids"])
+        labels += lab
+        pos += list(r["position_ids"]) if "position_ids" in r else list(range(k))
+    return ids, labels, pos
+
+
+def pack_rows(rows: Sequence[dict], max_length: int) -> list[dict]:
+    """Greedy packing in order: concatenate whole rows into sequences of at most max_length tokens.
+
+    Rows are never split (a row longer than max_length was already truncated), so no sample loses
+    its answer to a boundary. Position ids restart per row; batched without an attention mask
+    (`concat_rows`), they keep each row's attention inside the row, so a packed row computes what it
+    computes alone.
+    """
+    packs: list[dict] = []
+    cur: list[dict] = []
+    size = 0
+    for r in rows:
+        k = len(r["input_ids"])
+        if cur and size + k > max_length:
+            packs.append(_pack(cur))
+            cur, size = [], 0
+        cur.append(r)
+        size += k
+    if cur:
+        packs.append(_pack(cur))
     return packs
 
 
-def collate(rows: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    batch = pad_batch(rows, pad_id)
-    if "position_ids" in rows[0]:
-        pos = torch.zeros_like(batch["input_ids"])
-        for i, r in enumerate(rows):
-            pos[i, : len(r["position_ids"])] = torch.tensor(r["position_ids"], dtype=torch.long)
-        batch["position_ids"] = pos
-    return batch
+def _pack(rows: list[dict]) -> dict:
+    ids, labels, pos = _join(rows)
+    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
+def concat_rows(rows: Sequence[dict]) -> dict[str, torch.Tensor]:
+    """The padding-free form: every row (or pack) of the micro-batch in one 1 x N sequence, per-row
+    position ids, boundary labels IGNORE, and no attention mask (which would turn the per-row
+    masking off)."""
+    ids, labels, pos = _join(rows)
+    return {"input_ids": torch.tensor([ids], dtype=torch.long), "labels": torch.tensor([labels], dtype=torch.long),
+            "position_ids": torch.tensor([pos], dtype=torch.long)}
+
+
+def collate(rows: Sequence[dict], pad_id: int, *, padding_free: bool = False) -> dict[str, torch.Tensor]:
+    """One micro-batch: padding-free (`concat_rows`) or right-padded (`pad_batch`). Packs (rows with
+    position_ids) are always concatenated: padded with an attention mask, their rows would attend to
+    each other."""
+    if padding_free or "position_ids" in rows[0]:
+        return concat_rows(rows)
+    return pad_batch(rows, pad_id)
+
+
+def real_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens that are not padding, in either form (a padding-free batch has none)."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int(batch["input_ids"].numel())
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:

@@ -58,10 +58,11 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "Backend
     for spec in cfg.data.val_dataset:
         check_spec(spec, "--val-dataset")
     choice = resolve_for_launch(cfg, world_size)
-    from swiftlite.models.loading import resolve_model
+    from swiftlite.models.loading import check_attn_impl, resolve_model
     source = resolve_model(cfg.model.model)
     if source.kind == "folder":
         check_model_folder(cfg, Path(source.ref))
+    check_attn_impl(cfg)
     if not data:
         return choice
     from swiftlite.data.pipeline import prepare_datasets

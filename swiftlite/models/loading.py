@@ -108,8 +108,10 @@ def model_config(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
 
 
 def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
-               init_context: Any = None) -> "torch.nn.Module":
-    """Load weights (or build a built-in preset with weights seeded by --seed), quantized if asked.
+               init_context: Any = None, attn_impl: str | None = None) -> "torch.nn.Module":
+    """Load weights (or build a built-in preset with weights seeded by --seed), quantized if asked,
+    with `attn_impl` as transformers' `attn_implementation` (None: transformers' default; training
+    passes --attn_impl, export and infer keep the default: the attention kernel changes no weight).
 
     Under ZeRO-3 a real checkpoint is loaded inside `deepspeed.zero.Init`, so no rank ever holds the
     whole model. Built-in presets are built normally (they are tiny, and their seeded weights must
@@ -124,18 +126,19 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
     if cfg.quant.quant_bits:
         from swiftlite.models.quant import bnb_config
         quant = bnb_config(cfg)
+    attn = {"attn_implementation": attn_impl} if attn_impl else {}
     if src.kind == "preset":
         conf = model_config(cfg, src)
         conf.use_cache = False
         # Same seed -> same initial weights on every rank and in every run (parity, resume tests).
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.train.seed)
-            model = AutoModelForCausalLM.from_config(conf, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(conf, dtype=dtype, **attn)
         if quant is not None:
             from swiftlite.models.quant import quantize_in_place
             model = quantize_in_place(model, cfg)
         return model
-    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.model.trust_remote_code}
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.model.trust_remote_code, **attn}
     if quant is not None:
         kwargs["quantization_config"] = quant
     if src.kind == "hub" and cfg.model.model_revision:
@@ -156,6 +159,137 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
         from swiftlite.models.quant import disable_cpu_repack
         disable_cpu_repack(model)  # trap 1, for every quantized load (train, infer, export)
     return model
+
+
+# -- attention kernel and batch form (docs/usage.md, "Batches") ------------------------------------
+
+#: --attn_impl values: transformers' attn_implementation names, each isolating the rows of one
+#: sequence from its position ids (sdpa/eager/flex: a per-row causal mask; flash: varlen kernels).
+ATTN_IMPLS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+#: flash kernels: (module transformers imports, pip distribution)
+_FLASH = {"flash_attention_2": ("flash_attn", "flash-attn"), "flash_attention_3": ("flash_attn_interface", "flash-attn-3")}
+_MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
+#: layer kinds that only attend (anything else, e.g. linear_attention / mamba, carries state across rows)
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
+
+
+def check_attn_impl(cfg: "RunConfig") -> None:
+    """Refuse, before launch, an --attn_impl this machine cannot run and a batch form that cannot be
+    exact: flash attention needs a CUDA GPU and its package, flex_attention torch >= 2.5; --packing
+    needs the padding-free form, and --packing / --padding_free true a model that keeps rows apart
+    (`batch_form`, which then reads the model's config). One-line UserError naming what is missing.
+    Called by preflight (before any process starts) and by prepare_model (in each rank)."""
+    d = cfg.data
+    if d.packing and d.padding_free is False:
+        raise UserError("--packing with --padding_free false: a pack holds several rows in one sequence, and "
+                        "padded with an attention mask they would attend to each other; drop --padding_free false")
+    if d.packing or d.padding_free:
+        batch_form(cfg)  # asked for explicitly: a model that cannot keep rows apart is refused here
+    impl = cfg.model.attn_impl
+    if impl is None:
+        return
+    import importlib.util
+
+    import torch
+    if impl in _FLASH:
+        module, dist = _FLASH[impl]
+        if not torch.cuda.is_available():
+            raise UserError(f"--attn_impl {impl} needs a CUDA GPU (torch {torch.__version__} sees none); "
+                            "use --attn_impl sdpa")
+        if importlib.util.find_spec(module) is None:
+            raise UserError(f"--attn_impl {impl} needs the {dist} package (pip install {dist}, module "
+                            f"{module} not found); or use --attn_impl sdpa")
+    elif impl == "flex_attention":
+        major, minor = (int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
+        if (major, minor) < (2, 5):
+            raise UserError(f"--attn_impl flex_attention needs torch >= 2.5 (this is {torch.__version__}); "
+                            "use --attn_impl sdpa")
+
+
+def _call_args(src: str, start: int) -> str:
+    """The argument text of the call whose '(' is at src[start]."""
+    depth = 0
+    for i in range(start, len(src)):
+        depth += {"(": 1, ")": -1}.get(src[i], 0)
+        if depth == 0:
+            return src[start + 1:i]
+    return src[start + 1:]
+
+
+def packed_sequence_support(config: Any, trust_remote_code: bool = False) -> str | None:
+    """None when transformers keeps the rows of one sequence apart for this architecture (so padding-free
+    batches and packs are exact), else why not, in a phrase. Read from the model class's own module:
+    its causal mask must come from masking_utils with the position ids passed in (that is where
+    `find_packed_sequence_indices` runs), and no layer may carry state from token to token
+    (mamba, linear attention, short convolutions)."""
+    import inspect
+    import sys
+    auto_map = getattr(config, "auto_map", None) or {}
+    if trust_remote_code and "AutoModelForCausalLM" in auto_map:
+        return "the model's own code (--trust-remote-code): its attention masking is not known"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return f"no causal-LM class known for model type {getattr(config, 'model_type', '?')}"
+    name = cls.__name__
+    try:
+        src = inspect.getsource(sys.modules[cls.__module__])
+    except (OSError, TypeError, KeyError):
+        return f"{name}: its source cannot be read to check its attention masking"
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    if "create_recurrent_attention_mask" in src or layer_types - _ATTENTION_LAYERS:
+        return f"{name} has recurrent or linear-attention layers, whose state would flow from one row to the next"
+    builders = set(_MASK_BUILDERS)  # and names bound to one: `mask_function = create_causal_mask if ...`
+    builders |= {m.group(1) for m in re.finditer(r"^\s*(\w+)\s*=[^\n(]*\b(?:%s)\b(?!\()" % "|".join(_MASK_BUILDERS),
+                                                   src, re.M)}
+    calls = [m.end() - 1 for m in re.finditer(r"\b(%s)\(" % "|".join(sorted(builders)), src)
+             if not src[max(0, m.start() - 4):m.start()].endswith("def ")]
+    if not calls:
+        return f"{name} does not build its attention mask with transformers' masking_utils"
+    kwargs_dict = re.search(r"""["']position_ids["']\s*:""", src) is not None
+    for at in calls:
+        args = _call_args(src, at)
+        if "position_ids" not in args and not ("**" in args and kwargs_dict):
+            return f"{name} builds its attention mask without the position ids, so rows would attend to each other"
+    return None
+
+
+_SUPPORT: dict[tuple, str | None] = {}
+
+
+def batch_form(cfg: "RunConfig", config: Any = None) -> Any:
+    """The run's batch form (data.collate.BatchForm), the same in the trainer, evaluation and every
+    rank: padding-free by default where `packed_sequence_support` allows it, padded with the reason
+    where not; --padding_free true or --packing on a model that cannot keep rows apart is a UserError."""
+    from swiftlite.data.collate import BatchForm
+    d, impl = cfg.data, cfg.model.attn_impl
+    if d.padding_free is False and not d.packing:
+        return BatchForm(False, "--padding_free false", impl)
+    if config is not None:
+        why_not = packed_sequence_support(config, cfg.model.trust_remote_code)
+    else:  # read once per process: evaluation asks again at every validation
+        key = (cfg.model.model, cfg.model.model_revision, cfg.model.trust_remote_code)
+        if key not in _SUPPORT:
+            _SUPPORT[key] = packed_sequence_support(model_config(cfg), cfg.model.trust_remote_code)
+        why_not = _SUPPORT[key]
+    if why_not is None:
+        return BatchForm(True, "--padding_free true" if d.padding_free else
+                         "default; --padding_free false pads" if not d.packing else "", impl)
+    if d.packing or d.padding_free:
+        flag = "--packing" if d.packing else "--padding_free true"
+        raise UserError(f"{flag}: {why_not}; train without it (padded batches)")
+    return BatchForm(False, f"padding-free is off: {why_not}", impl)
+
+
+def check_loaded_attention(cfg: "RunConfig", model: Any) -> None:
+    """After loading: the attention transformers actually set up must be one that isolates rows by
+    position ids (a hub kernel or custom function might not) when the batches are padding-free."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl is None or impl in ATTN_IMPLS or not batch_form(cfg).padding_free:
+        return
+    raise UserError(f"--model {cfg.model.model}: transformers chose attention {impl!r}, which swiftlite cannot "
+                    "check for per-row masking; pass --attn_impl sdpa or --padding_free false")
 
 
 def decoder_layers(model: "torch.nn.Module") -> list["torch.nn.Module"]:
@@ -181,7 +315,10 @@ def decoder_layers(model: "torch.nn.Module") -> list["torch.nn.Module"]:
 def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
                   init_context: Any = None) -> "torch.nn.Module":
     """load -> quantize -> LoRA -> activation checkpointing -> compile. Wrap + optimizer come next."""
-    model = load_model(cfg, source, world, init_context=init_context)  # quantization happens inside loading (bnb needs it there)
+    check_attn_impl(cfg)  # preflight checks it too; a rank started another way gets the same line
+    # quantization happens inside loading (bnb needs it there)
+    model = load_model(cfg, source, world, init_context=init_context, attn_impl=cfg.model.attn_impl)
+    check_loaded_attention(cfg, model)
     if cfg.is_peft:
         from swiftlite.models.lora import apply_lora
         model = apply_lora(model, cfg)

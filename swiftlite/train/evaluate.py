@@ -1,4 +1,5 @@
-"""Validation loss: the token mean over every rank's share of the validation rows."""
+"""Validation loss: the token mean over every rank's share of the validation rows, in the training
+run's batch form (padding-free or padded: models.loading.batch_form)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ from swiftlite.data.tokenize import IGNORE
 from swiftlite.distributed import all_reduce_sum
 
 
-def evaluate(engine: Any, val_data: Any, cfg: Any, world: Any, pad_id: int) -> float:
-    """Token-mean validation loss over all ranks. Every rank runs the same number of forwards
-    (sharded backends need every rank in each collective), padding with fully masked batches.
+def evaluate(engine: Any, val_data: Any, cfg: Any, world: Any, pad_id: int, form: Any = None) -> float:
+    """Token-mean validation loss over all ranks, batched like training (`form`, by default the run's
+    `batch_form(cfg)`). Every rank runs the same number of forwards (sharded backends need every rank
+    in each collective), padding with batches that have no target.
     A quantized base cannot be repacked by this eval() + no_grad forward: model loading disabled
     bitsandbytes' CPU repack (docs/design.md trap 1)."""
     import torch
+
+    from swiftlite.models.loading import batch_form
+    padding_free = (form if form is not None else batch_form(cfg)).padding_free
     rows = val_data.rows
     bs = cfg.train.per_device_eval_batch_size
     mine = list(range(world.rank, len(rows), world.world_size))
@@ -30,7 +35,8 @@ def evaluate(engine: Any, val_data: Any, cfg: Any, world: Any, pad_id: int) -> f
                 batch_rows = [rows[i] for i in idx]
             else:  # this rank ran out: a dummy batch that contributes nothing
                 batch_rows = [{"input_ids": rows[0]["input_ids"], "labels": [IGNORE] * len(rows[0]["labels"])}]
-            batch = {k: v.to(world.device) for k, v in collate(batch_rows, pad_id).items()}
+            batch = collate(batch_rows, pad_id, padding_free=padding_free)
+            batch = {k: v.to(world.device) for k, v in batch.items()}
             total += float(engine.forward(batch))
             count += int((batch["labels"][:, 1:] != IGNORE).sum())
     engine.train()

@@ -30,13 +30,16 @@ class TrainResult:
 
 
 def _first_line(run) -> str:
+    from swiftlite.data.collate import PADDED
     st = run.train_data.stats
     cfg = run.cfg
     return (f"swiftlite: {run.choice.name} x {run.world.world_size} process(es) on {run.world.device}, "
             f"{len(run.train_data.rows)} train rows ({st.truncated} truncated to {cfg.data.max_length}, "
             f"{len(st.skipped)} skipped, {st.no_target} without target), "
             f"{len(run.val_data.rows) if run.val_data else 0} validation rows, global batch "
-            f"{run.batches.plan.global_batch}, {run.total_steps} steps"
+            f"{run.batches.plan.global_batch}, {run.total_steps} steps, "
+            f"{(run.batches.form or PADDED).describe(cfg.data.packing, cfg.data.max_length)}, "
+            f"attention {getattr(getattr(run.model, 'config', None), '_attn_implementation', None) or '?'}"
             + (f", resuming from {run.resume_path.name}" if run.resume_path else "")
             + (" (data order restarted: --ignore-data-skip)" if run.resume_path and cfg.train.ignore_data_skip else ""))
 

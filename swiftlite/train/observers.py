@@ -61,7 +61,10 @@ def memory_record() -> dict[str, float]:
 
 class LogObserver(Observer):
     """logging.jsonl records (every --logging-steps, the first and the last step), the progress bar,
-    and the "first step done" line."""
+    and the "first step done" line. `tokens_per_s` counts real tokens only (`StepStats.tokens`: no
+    pad token, whatever the batch form), summed over every rank, per second of the logging window
+    (`real_tokens` is that window's count); padded and padding-free runs of the same data therefore
+    compare on the same tokens."""
 
     def __init__(self, log: Any, *, logging_steps: int, total_steps: int, start_step: int,
                  steps_per_epoch: int, t0: float, is_main: bool):
@@ -80,7 +83,7 @@ class LogObserver(Observer):
         if done % self.every == 0 or done == self.total or done == self.start + 1:
             dt = time.perf_counter() - self.t_window
             rec = {"step": done, "loss": stats.loss, "lr": engine.lr(), "grad_norm": round(stats.grad_norm, 6),
-                   "tokens_per_s": round(self.tokens / dt, 1) if dt > 0 else 0.0,
+                   "tokens_per_s": round(self.tokens / dt, 1) if dt > 0 else 0.0, "real_tokens": self.tokens,
                    "epoch": round(done / self.steps_per_epoch, 4),
                    "elapsed_s": round(time.perf_counter() - self.t0, 2)}
             rec.update(memory_record())

@@ -25,6 +25,7 @@ class Batches:
     pad_id: int
     world: Any
     targets: list[int] = field(default_factory=list)   # target tokens per row (Tokenized.targets)
+    form: Any = None               # data.collate.BatchForm (models.loading.batch_form); None = padded
 
     def global_targets(self, step: int) -> int:
         """Target tokens of the whole global batch of `step` (every rank computes it alike, no comms)."""
@@ -132,7 +133,7 @@ def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
     from swiftlite.checkpoint.run_dir import RunLock, prepare_run_dir, resume_point
     from swiftlite.checkpoint.state import load_training_state, run_facts
     from swiftlite.distributed import barrier, init_distributed
-    from swiftlite.models.loading import load_tokenizer, model_config, prepare_model, resolve_model
+    from swiftlite.models.loading import batch_form, load_tokenizer, model_config, prepare_model, resolve_model
     from swiftlite.parallel.base import build_engine
 
     t0 = time.perf_counter()
@@ -152,7 +153,7 @@ def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
         train_data, val_data, plan = prepare_data(cfg, tokenizer, world)
         steps = total_steps(cfg, plan.steps_per_epoch)
         batches = Batches(train_data.rows, plan, tokenizer.pad_token_id, world,
-                          [train_data.targets(i) for i in range(len(train_data.rows))])
+                          [train_data.targets(i) for i in range(len(train_data.rows))], batch_form(cfg))
         facts = run_facts(cfg, train_data, plan.global_batch)
 
         torch.manual_seed(cfg.train.seed + world.rank)

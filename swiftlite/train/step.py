@@ -5,6 +5,10 @@ world x accumulation samples, the same samples whatever the world size). Each mi
 token loss is scaled by world_size / (target tokens of the whole global batch): every backend averages
 gradients over ranks, so the averaged gradient is the gradient of the global token-mean loss, and the
 logged loss (summed over ranks, divided by the global targets) equals the single-process one.
+
+The batch form (padding-free or padded, `batches.form`: models.loading.batch_form) changes how a
+micro-batch is laid out, never which tokens are targets: the global target count is the same and so
+is the normalisation. `StepStats.tokens` counts real (non-pad) tokens in either form.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from swiftlite.data.collate import collate
+from swiftlite.data.collate import PADDED, collate, real_tokens
 from swiftlite.data.loader import select
 from swiftlite.distributed import all_reduce_sum
 
@@ -23,7 +27,7 @@ class StepStats:
     step: int               # 1-based: the number of optimizer steps done
     loss: float             # token-mean loss of the global batch
     grad_norm: float        # global norm before clipping
-    tokens: int             # real (non-pad) tokens the whole job computed this step
+    tokens: int             # real (non-pad) tokens of the global batch (what tokens/s counts)
     target_tokens: int      # tokens the loss was taken on, over the global batch
 
 
@@ -38,9 +42,11 @@ def train_step(engine: Any, batches: Any, step: int, *, data_step: int | None = 
     scale = world.world_size / max(1, global_targets)
     local_loss, local_tokens = 0.0, 0
     micro = batches.plan.micro_batches(k, world.rank)
+    padding_free = (batches.form or PADDED).padding_free
     for m, mb in enumerate(micro):
-        batch = {key: v.to(world.device) for key, v in collate(select(batches.rows, mb), batches.pad_id).items()}
-        local_tokens += int(batch["attention_mask"].sum())
+        batch = collate(select(batches.rows, mb), batches.pad_id, padding_free=padding_free)
+        local_tokens += real_tokens(batch)
+        batch = {key: v.to(world.device) for key, v in batch.items()}
         with engine.micro_batch(last=m == len(micro) - 1):
             loss_sum = engine.forward(batch)
             engine.backward(loss_sum * scale)
