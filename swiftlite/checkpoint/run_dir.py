@@ -121,8 +121,11 @@ class RunLock:
         return self
 
     def check(self) -> None:
-        """Preflight: refuse now if a live run holds the folder (the lock is taken and let go)."""
-        if not self.path.parent.is_dir():
+        """Preflight: refuse now if a live run holds the folder (the lock is taken and let go). Only
+        the launching process and rank 0 look: another rank may come here after rank 0 took the lock
+        for this very run."""
+        from swiftlite import env
+        if env.world_vars().rank != 0 or not self.path.parent.is_dir():
             return
         import fcntl
         try:
