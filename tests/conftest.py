@@ -72,3 +72,11 @@ def _isolated_cache(tmp_path_factory):
     """Tokenization cache per test session (never the user's)."""
     os.environ["SWIFTLITE_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its kind (its folder): `-m "not distributed"`, `-m e2e`, ..."""
+    for item in items:
+        kind = Path(str(item.fspath)).parent.name
+        if kind in ("unit", "distributed", "e2e", "faults", "bad_inputs"):
+            item.add_marker(getattr(pytest.mark, kind))

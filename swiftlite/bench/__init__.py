@@ -20,12 +20,12 @@ device.py (the peak).
 
 from swiftlite.bench.device import DATASHEET_PEAKS, datasheet_peak, machine_info, probe_device
 from swiftlite.bench.report import columns, render_markdown, render_table, write_chart
-from swiftlite.bench.runner import (BackendResult, _theory_key, collect, first_step_s, ran_as, run_backend,
+from swiftlite.bench.runner import (BackendResult, planner_family, collect, first_step_s, ran_as, run_backend,
                                     run_bench, sft_command)
 from swiftlite.bench.spec import MODIFIERS, BackendSpec, BenchConfig, parse_backends
 from swiftlite.bench.trace import analyze_trace, collective_bytes
 
-__all__ = ["DATASHEET_PEAKS", "MODIFIERS", "BackendResult", "BackendSpec", "BenchConfig", "_theory_key",
+__all__ = ["DATASHEET_PEAKS", "MODIFIERS", "BackendResult", "BackendSpec", "BenchConfig", "planner_family",
            "analyze_trace", "collect", "collective_bytes", "columns", "datasheet_peak", "first_step_s",
            "machine_info", "parse_backends", "probe_device", "ran_as", "render_markdown", "render_table",
            "run_backend", "run_bench", "sft_command", "write_chart"]

@@ -74,7 +74,7 @@ class BackendResult:
     command: str = ""
 
 
-def _theory_key(spec: BackendSpec, world: int) -> str:
+def planner_family(spec: BackendSpec, world: int) -> str:
     """The planner family of a column (the registry and the resolver decide, as for the run itself)."""
     from swiftlite.parallel.resolve import memory_family_for
     return memory_family_for(spec.parallelism, world) or "zero3"
@@ -184,7 +184,7 @@ def _estimates(cfg: BenchConfig, spec: BackendSpec, res: BackendResult, world: i
     from swiftlite import planner as plan
     if shape is None:
         return
-    key = _theory_key(spec, world)
+    key = planner_family(spec, world)
     try:
         w = _workload(cfg, world, dtype, gpu_memory)
         if key in plan.SHARDING:

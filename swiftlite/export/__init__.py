@@ -42,7 +42,7 @@ import time
 from swiftlite import dtypes
 from swiftlite.checkpoint.readers import (DCPReader, ModelReader, SafetensorsReader, TensorReader, ZeroReader,
                                           stream, tensor_value)
-from swiftlite.checkpoint.readers import batches as _batches  # noqa: F401 (tests)
+
 from swiftlite.errors import UserError
 from swiftlite.export.adapter import Adapter, check_adapter_fits, load_adapter, merge_lora, peft_name
 from swiftlite.export.base_model import expected_tensors, meta_model, tied_names

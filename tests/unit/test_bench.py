@@ -26,7 +26,7 @@ def test_parse_backends_json(tmp_path):
     p.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     (spec,) = bench.parse_backends(str(p))
     assert spec.label == "my_zero3" and spec.parallelism == str(p.resolve())
-    assert bench._theory_key(spec, 2) == "zero3"
+    assert bench.planner_family(spec, 2) == "zero3"
 
 
 def test_config_needs_timed_steps():
