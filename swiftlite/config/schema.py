@@ -108,9 +108,9 @@ class ParallelConfig:
                                       factory=list)
     pure_bf16: bool = opt(False, "With --torch-dtype bf16: train the bf16 parameters directly, with bf16 "
                           "gradients and AdamW state (8 bytes/param of model state instead of 16), instead "
-                          "of fp32 master weights with bf16 compute. Less memory, but updates smaller than "
-                          "bf16's resolution (~0.4% of a weight: lr 1e-5 x a typical gradient) are lost. "
-                          "Torch backends only.")
+                          "of fp32 master weights with bf16 compute. Less memory, but every update smaller "
+                          "than half of bf16's spacing (0.2% of the weight; lr 1e-5 steps usually are) is "
+                          "lost. DeepSpeed: its bf16 master/optimizer-state switches (no optimizer offload).")
 
 
 @dataclass(kw_only=True)
