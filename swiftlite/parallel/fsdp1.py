@@ -1,7 +1,7 @@
 """FSDP1: legacy FullyShardedDataParallel with transformer auto-wrap (one unit per decoder layer).
 
-With --torch-dtype bf16 the flat parameters are fp32 (master weights: the full fine-tune is loaded
-in fp32, a LoRA model is cast to fp32 whole, since a unit flattens one dtype) and
+With --torch-dtype bf16 the flat parameters are fp32 (master weights: a full fine-tune's parameters
+are upcast, a LoRA model is cast to fp32 whole, since a unit flattens one dtype) and
 `MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)` computes in bf16 and reduces in fp32; buffers
 (the rotary `inv_freq`) stay fp32, as under FSDP2, DDP's autocast and DeepSpeed 0.19. --pure-bf16
 shards bf16 flat parameters (and casts buffers to bf16), as before master weights existed.

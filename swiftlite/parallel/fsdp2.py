@@ -2,7 +2,7 @@
 
 Parameters become DTensors sharded on dim 0, so each rank holds 1/N of parameters, gradients and
 AdamW state. With --torch-dtype bf16 the sharded parameters, their gradients and the AdamW state are
-fp32 (master weights; the model is loaded in fp32) and `MixedPrecisionPolicy(param_dtype=bf16,
+fp32 (master weights: the trainable parameters are upcast before sharding) and `MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)` all-gathers them in bf16 for compute and reduce-scatters gradients in fp32
 (torchtitan's setup). --pure-bf16 shards the bf16 parameters themselves (docs/backends.md, "Precision").
 """
