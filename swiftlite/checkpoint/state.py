@@ -175,7 +175,13 @@ def _save(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any,
 
 
 def export_weights(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any, ckpt_dir: Path) -> None:
-    """model/ (an HF folder of the full weights) or adapter/ (peft format) inside a checkpoint."""
+    """model/ (an HF folder of the full weights) or adapter/ (peft format) inside a checkpoint.
+
+    The full weights are written in --torch-dtype (16-bit for a bf16 run): under fp32 master weights
+    the engine's state dict is fp32 and `write_model_folder` casts every floating tensor to the run's
+    dtype, so the HF copy is what the model computes with (tests/distributed/test_master_weights.py).
+    The adapter is saved as the module holds it (fp32 on the torch backends, DeepSpeed's bf16 copy
+    under DeepSpeed), as peft saves it."""
     from swiftlite.hf_io import write_adapter, write_model_folder
     if cfg.is_peft:
         sd = engine.adapter_state_dict()

@@ -121,6 +121,11 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
     import torch
     from transformers import AutoModelForCausalLM
     src = source or resolve_model(cfg.model.model)
+    # Always --torch-dtype, for training too: with bf16 the backend then upcasts the trainable
+    # parameters to fp32 master weights (optim.upcast_trainable), so every backend's masters start
+    # from the same bf16 weights DeepSpeed's do (it builds its fp32 master from the bf16 module).
+    # Loading in fp32 instead left the torch backends' masters off the bf16 grid and their lr-1e-5
+    # curves 2% below ZeRO-3's after 8 steps (docs/backends.md, "Precision").
     dtype = torch_dtype(cfg.model.torch_dtype)
     quant = None
     if cfg.quant.quant_bits:

@@ -1,5 +1,9 @@
 """Single-process and DistributedDataParallel backends: a full replica on every rank.
 
+With --torch-dtype bf16 the replica's trainable parameters, gradients and AdamW state are fp32
+(master weights) and the forward runs under `torch.autocast(bf16)`; DDP all-reduces the fp32
+gradients. --pure-bf16 trains the bf16 parameters (docs/backends.md, "Precision").
+
 torch is imported inside the functions: the registry imports this module to read its records, and
 that must stay fast for `--help` and `--dry-run`.
 """
@@ -19,10 +23,26 @@ if TYPE_CHECKING:
     from swiftlite.parallel.torch_engine import TorchEngine
 
 
+def check_precision(cfg: Any, world_size: int, choice: Any = None) -> str | None:
+    from swiftlite.optim import precision_problem
+    return precision_problem(cfg)
+
+
+def prepare_replica(model: "torch.nn.Module", cfg: Any, world: "World") -> "torch.nn.Module":
+    """The replica on this rank's device: fp32 trainable parameters and autocast under master weights."""
+    from swiftlite.optim import master_weights, upcast_trainable
+    from swiftlite.parallel.torch_engine import autocast_forward
+    if master_weights(cfg):
+        upcast_trainable(model)
+    model = model.to(world.device)
+    autocast_forward(model, cfg, world)
+    return model
+
+
 def single(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
     """No wrapping: one process, one replica."""
     from swiftlite.parallel.torch_engine import TorchEngine
-    return TorchEngine(model.to(world.device), cfg, world, total_steps)
+    return TorchEngine(prepare_replica(model, cfg, world), cfg, world, total_steps)
 
 
 def apply_ddp(model: "torch.nn.Module", world: "World") -> "DistributedDataParallel":
@@ -40,6 +60,7 @@ def ddp(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, ch
     from swiftlite.parallel.torch_engine import TorchEngine
     if not world.distributed:
         return single(model, cfg, world, total_steps)
+    model = prepare_replica(model, cfg, world)
     wrapped = apply_ddp(model, world)
     return TorchEngine(wrapped, cfg, world, total_steps, inner=model,
                        no_sync=lambda last: contextlib.nullcontext() if last else wrapped.no_sync())
@@ -47,7 +68,7 @@ def ddp(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, ch
 
 register_backend(Backend(
     name="single", engine="single", factory=single, max_processes=1, memory_family="single",
-    summary="one process, no wrapping"))
+    checks=(check_precision,), summary="one process, no wrapping"))
 register_backend(Backend(
-    name="ddp", engine="ddp", factory=ddp, one_process="single", memory_family="ddp",
+    name="ddp", engine="ddp", factory=ddp, one_process="single", memory_family="ddp", checks=(check_precision,),
     summary="DistributedDataParallel: a full replica per process, gradients all-reduced"))

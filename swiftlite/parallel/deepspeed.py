@@ -25,8 +25,12 @@ How the numerics are made to equal the torch backends (verified on deepspeed 0.1
 * Clipping: DeepSpeed clips with `gradient_clipping` (= --max-grad-norm) on the global norm of the
   averaged gradients, as torch's clip_grad_norm_ does (DeepSpeed divides by (norm+1e-6)/max where
   torch multiplies by max/(norm+1e-6): the last bit can differ). `step()` returns the pre-clip norm.
-* Precision: bf16/fp16 follow --torch-dtype; DeepSpeed then keeps fp32 master weights (this is
-  mixed precision, unlike the pure-bf16 torch backends). fp32 runs match the torch backends.
+* Precision: bf16/fp16 follow --torch-dtype; DeepSpeed casts the module's parameters to 16-bit
+  (buffers such as the rotary inv_freq stay fp32) and its ZeRO optimizer keeps fp32 master
+  partitions and fp32 AdamW moments, which `save` writes (ds/*optim_states.pt): the same mixed
+  precision as the torch backends (docs/backends.md, "Precision"). --pure-bf16 turns on DeepSpeed's
+  own `bf16_master_weights_and_grads` + `bf16_optimizer_states` (ds_config.py). fp32 runs match the
+  torch backends.
 
 No op is compiled on the default path: DeepSpeed's CPU accelerator builds the `shm_comm` op when the
 communication backend starts, only for `inference_all_reduce`, which training never calls; we skip
@@ -428,6 +432,10 @@ def build_deepspeed_engine(model: "torch.nn.Module", cfg: "RunConfig", world: Wo
 def check_config(cfg: "RunConfig", world_size: int, choice: BackendChoice) -> str | None:
     """The DeepSpeed JSON (preset or file) reads, fills and validates for this world; a quantized
     base is never offloaded; fp16 needs an accelerator that has it."""
+    from swiftlite.optim import precision_problem
+    problem = precision_problem(cfg)
+    if problem:
+        return problem
     src = ds_source(cfg, choice)
     param_dev = offload_devices(load_ds_config(src))[1]
     if cfg.quant_bits is not None and param_dev != "none":

@@ -15,6 +15,8 @@ Trainer integration fills it:
     train_batch_size                    micro * accumulation * world size
     gradient_clipping                   --max-grad-norm
     bf16.enabled / fp16.enabled         --torch-dtype bf16 / fp16
+    bf16.bf16_master_weights_and_grads  --pure-bf16 (DeepSpeed's own switch: bf16 master weights,
+    bf16.bf16_optimizer_states          gradients and AdamW moments; ZeRO 1-3, no optimizer offload)
     reduce_bucket_size                  hidden_size * hidden_size
     stage3_prefetch_bucket_size         int(0.9 * hidden_size * hidden_size)
     stage3_param_persistence_threshold  10 * hidden_size
@@ -162,6 +164,8 @@ def fill_auto(ds: dict[str, Any], cfg: "RunConfig", world_size: int, hidden_size
             raise UserError(f"DeepSpeed config {prec}.enabled={str(bool(en)).lower()} contradicts "
                             f"--torch-dtype {dtype}: set it to \"auto\" or make them agree")
 
+    _fill_pure_bf16(ds, cfg)
+
     zo = ds.get("zero_optimization")
     if isinstance(zo, dict):
         sizes = {"reduce_bucket_size": lambda h: h * h,
@@ -192,6 +196,29 @@ def fill_auto(ds: dict[str, Any], cfg: "RunConfig", world_size: int, hidden_size
 
     _drop_optimizer_and_scheduler(ds, cfg)
     return ds
+
+
+#: DeepSpeed's pure-bf16 switches (bf16 block), set together by --pure-bf16.
+PURE_BF16_KEYS = ("bf16_master_weights_and_grads", "bf16_optimizer_states")
+
+
+def _fill_pure_bf16(ds: dict[str, Any], cfg: "RunConfig") -> None:
+    """--pure-bf16 -> bf16.bf16_master_weights_and_grads + bf16.bf16_optimizer_states (DeepSpeed then
+    keeps its "master" partition, gradients and AdamW moments in bf16); without the flag they are
+    false (fp32 master weights, DeepSpeed's default). An explicit value must agree with the flag."""
+    pure = bool(getattr(cfg.parallel, "pure_bf16", False))
+    block = ds.get("bf16")
+    if not isinstance(block, dict):
+        return  # no bf16 block: not a bf16 run (--pure-bf16 needs bf16: optim.precision_problem)
+    for key in PURE_BF16_KEYS:
+        cur = block.get(key)
+        if cur is None or _is_auto(cur):
+            if pure or cur is not None:
+                block[key] = pure
+        elif bool(cur) != pure:
+            raise UserError(f"DeepSpeed config bf16.{key}={str(bool(cur)).lower()} contradicts "
+                            f"{'--pure-bf16' if pure else 'the run (fp32 master weights; --pure-bf16 not given)'}: "
+                            "set it to \"auto\" or make them agree")
 
 
 _OPT_FLAGS = {"lr": "--learning-rate", "eps": "--adam-epsilon", "weight_decay": "--weight-decay"}
@@ -277,6 +304,14 @@ def validate_ds_config(ds: dict[str, Any], world_size: int) -> None:
     fp16 = bool((ds.get("fp16") or {}).get("enabled", False))
     if bf16 and fp16:
         raise UserError("DeepSpeed config: bf16.enabled and fp16.enabled are both true: pick one")
+    if any((ds.get("bf16") or {}).get(k) is True for k in PURE_BF16_KEYS):
+        if stage < 1:
+            raise UserError("DeepSpeed config: bf16 master weights and optimizer state (--pure-bf16) need ZeRO "
+                            "stage 1-3, got stage 0")
+        if opt_dev != "none":
+            raise UserError(f"--pure-bf16 with optimizer offload (device {opt_dev}): DeepSpeed keeps bf16 optimizer "
+                            "state on the CPU only with its own CPU Adam, and swiftlite runs torch AdamW; use zero2 "
+                            "or zero3, or drop --pure-bf16")
     micro = ds.get("train_micro_batch_size_per_gpu")
     gas = ds.get("gradient_accumulation_steps")
     tbs = ds.get("train_batch_size")

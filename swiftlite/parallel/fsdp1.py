@@ -1,4 +1,11 @@
-"""FSDP1: legacy FullyShardedDataParallel with transformer auto-wrap (one unit per decoder layer)."""
+"""FSDP1: legacy FullyShardedDataParallel with transformer auto-wrap (one unit per decoder layer).
+
+With --torch-dtype bf16 the flat parameters are fp32 (master weights: a full fine-tune's parameters
+are upcast, a LoRA model is cast to fp32 whole, since a unit flattens one dtype) and
+`MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)` computes in bf16 and reduces in fp32; buffers
+(the rotary `inv_freq`) stay fp32, as under FSDP2, DDP's autocast and DeepSpeed 0.19. --pure-bf16
+shards bf16 flat parameters (and casts buffers to bf16), as before master weights existed.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from swiftlite import dtypes
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, register_backend
-from swiftlite.parallel.fsdp2 import (FSDP_OPTIONS, check_quantized_base, mixed_precision_dtypes,
+from swiftlite.parallel.fsdp2 import (FSDP_OPTIONS, check_precision, check_quantized_base, mixed_precision_dtypes,
                                       refuse_cpu_offload_without_gpu)
 
 if TYPE_CHECKING:
@@ -47,8 +54,21 @@ def check_uniform_dtype(model: "torch.nn.Module") -> None:
                         "(use --parallelism fsdp, or cast the non-quantized parameters)")
 
 
+def check_4bit_master(cfg: Any, world_size: int, choice: Any = None) -> str | None:
+    """A 4-bit base under FSDP1 with master weights: a unit flattens one dtype, the packed weights are
+    stored as --torch-dtype (bf16), so the adapters cannot be fp32 next to them, and a
+    mixed-precision cast would scramble a fp32-stored base."""
+    from swiftlite.optim import master_weights
+    if cfg.quant_bits == 4 and master_weights(cfg):
+        return (f"--parallelism fsdp1 with a 4-bit base and --torch-dtype {cfg.model.torch_dtype}: FSDP1 flattens "
+                f"each unit into one dtype and the packed 4-bit weights are {cfg.model.torch_dtype}, so the LoRA "
+                "weights cannot keep fp32 master weights; use --parallelism fsdp (fp32 adapters), or --pure-bf16 "
+                "(bf16 adapters and AdamW state)")
+    return None
+
+
 def apply_fsdp1(model: "torch.nn.Module", world: "World", *, mp: tuple | None, reshard_after_forward: bool,
-                cpu_offload: bool) -> "FSDP":
+                cpu_offload: bool, buffer_dtype: "torch.dtype | None" = None) -> "FSDP":
     import torch
     from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -57,7 +77,7 @@ def apply_fsdp1(model: "torch.nn.Module", world: "World", *, mp: tuple | None, r
     from swiftlite.models.loading import decoder_layers
     layer_cls = {type(layer) for layer in decoder_layers(model)}
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_cls)
-    mixed = MixedPrecision(param_dtype=mp[0], reduce_dtype=mp[1], buffer_dtype=mp[0]) if mp else None
+    mixed = MixedPrecision(param_dtype=mp[0], reduce_dtype=mp[1], buffer_dtype=buffer_dtype) if mp else None
     strategy = ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
     device_id = torch.device(world.device)  # explicit "cpu" too: FSDP1 refuses to guess a CPU device
     return FSDP(model, auto_wrap_policy=policy, mixed_precision=mixed, sharding_strategy=strategy,
@@ -66,20 +86,29 @@ def apply_fsdp1(model: "torch.nn.Module", world: "World", *, mp: tuple | None, r
 
 
 def fsdp1(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
+    from swiftlite.optim import master_weights, trainable_dtype, upcast_trainable
     from swiftlite.parallel.torch_engine import TorchEngine
     refuse_cpu_offload_without_gpu(cfg, world)
+    master = master_weights(cfg)
     if cfg.is_peft:
-        cast_to_uniform_dtype(model, dtypes.torch_dtype(cfg.model.torch_dtype))
+        # One dtype per unit: fp32 under master weights (the frozen base too: 4 bytes/param, sharded),
+        # else the run's dtype.
+        cast_to_uniform_dtype(model, dtypes.torch_dtype(trainable_dtype(cfg)))
+    elif master:
+        upcast_trainable(model)
     check_uniform_dtype(model)
     if not cfg.parallel.cpu_offload:
         model = model.to(world.device)
-    wrapped = apply_fsdp1(model, world, mp=mixed_precision_dtypes(cfg),
+    mp = mixed_precision_dtypes(cfg)
+    wrapped = apply_fsdp1(model, world, mp=mp,
                           reshard_after_forward=cfg.parallel.reshard_after_forward,
-                          cpu_offload=cfg.parallel.cpu_offload)
+                          cpu_offload=cfg.parallel.cpu_offload,
+                          buffer_dtype=None if master or mp is None else mp[0])
     return TorchEngine(wrapped, cfg, world, total_steps, clip=wrapped.clip_grad_norm_)
 
 
 register_backend(Backend(
     name="fsdp1", engine="fsdp1", factory=fsdp1, one_process="single", shards=(True, True, True),
-    memory_family="fsdp1", options=FSDP_OPTIONS, checks=(check_quantized_base,),
+    memory_family="fsdp1", options=FSDP_OPTIONS,
+    checks=(check_quantized_base, check_precision, check_4bit_master),
     summary="FSDP1 (FullyShardedDataParallel, one unit per decoder layer)"))

@@ -1,7 +1,10 @@
 """FSDP2: `fully_shard` per decoder layer, then the root (torchtitan's order).
 
 Parameters become DTensors sharded on dim 0, so each rank holds 1/N of parameters, gradients and
-AdamW state. Mixed precision computes in bf16 and reduces gradients in fp32.
+AdamW state. With --torch-dtype bf16 the sharded parameters, their gradients and the AdamW state are
+fp32 (master weights: the trainable parameters are upcast before sharding) and `MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)` all-gathers them in bf16 for compute and reduce-scatters gradients in fp32
+(torchtitan's setup). --pure-bf16 shards the bf16 parameters themselves (docs/backends.md, "Precision").
 """
 
 from __future__ import annotations
@@ -22,15 +25,35 @@ if TYPE_CHECKING:
 FSDP_OPTIONS = frozenset({"mixed_precision", "cpu_offload"})
 
 
-def mixed_precision_dtypes(cfg: Any) -> "tuple[torch.dtype, torch.dtype] | None":
-    """(param_dtype, reduce_dtype) for FSDP mixed precision, or None for none."""
-    import torch
+def compute_precision(cfg: Any) -> str:
+    """FSDP's compute dtype: --mixed-precision, default the 16-bit --torch-dtype ("none" for fp32)."""
     mp = cfg.parallel.mixed_precision
     if mp is None:
-        mp = "bf16" if cfg.model.torch_dtype == "bf16" else "none"
+        mp = cfg.model.torch_dtype if cfg.model.torch_dtype in dtypes.HALF else "none"
+    return mp
+
+
+def mixed_precision_dtypes(cfg: Any) -> "tuple[torch.dtype, torch.dtype] | None":
+    """(param_dtype, reduce_dtype) for FSDP mixed precision, or None for none (compute in the
+    parameters' own dtype)."""
+    import torch
+    mp = compute_precision(cfg)
     if mp == "none":
         return None
     return (dtypes.torch_dtype(mp), torch.float32)
+
+
+def check_precision(cfg: Any, world_size: int, choice: Any = None) -> str | None:
+    """--pure-bf16 needs bf16; --mixed-precision none next to fp32 master weights would compute in fp32."""
+    from swiftlite.optim import master_weights, precision_problem
+    problem = precision_problem(cfg)
+    if problem:
+        return problem
+    if cfg.parallel.mixed_precision == "none" and master_weights(cfg):
+        return (f"--mixed-precision none with --torch-dtype {cfg.model.torch_dtype}: the parameters are fp32 master "
+                "weights, so FSDP would compute in fp32 too; use --torch-dtype fp32 for fp32 training, or add "
+                "--pure-bf16 to train bf16 parameters with bf16 gradient reduction")
+    return None
 
 
 def refuse_cpu_offload_without_gpu(cfg: Any, world: "World") -> None:
@@ -76,8 +99,11 @@ def apply_fsdp2(model: "torch.nn.Module", mesh: Any, *, mp: tuple | None, reshar
 def fsdp2(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
     from torch.distributed.device_mesh import init_device_mesh
 
+    from swiftlite.optim import master_weights, upcast_trainable
     from swiftlite.parallel.torch_engine import TorchEngine
     refuse_cpu_offload_without_gpu(cfg, world)
+    if master_weights(cfg):
+        upcast_trainable(model)  # fp32 shards of every trainable parameter (frozen ones keep their dtype)
     device_type = "cuda" if world.device.startswith("cuda") else "cpu"
     if not cfg.parallel.cpu_offload:
         model = model.to(world.device)
@@ -95,5 +121,6 @@ def fsdp2(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, 
 
 register_backend(Backend(
     name="fsdp", engine="fsdp", factory=fsdp2, aliases=("fsdp2",), one_process="single",
-    shards=(True, True, True), memory_family="fsdp", options=FSDP_OPTIONS, checks=(check_quantized_base,),
+    shards=(True, True, True), memory_family="fsdp", options=FSDP_OPTIONS,
+    checks=(check_quantized_base, check_precision),
     summary="FSDP2 (fully_shard per decoder layer): params, grads and optimizer state sharded"))

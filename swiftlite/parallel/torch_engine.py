@@ -212,6 +212,30 @@ class TorchEngine:
         return {"params": params, "grads": grads, "optimizer": optim}
 
 
+def autocast_forward(module: torch.nn.Module, cfg: Any, world: World) -> bool:
+    """Master weights without FSDP (single, DDP): run `module`'s forward under
+    `torch.autocast(device, 16-bit)`, so matmuls compute in bf16 from the fp32 parameters and the
+    backward runs that graph (gradients land in fp32, the parameters' dtype). The module's own
+    forward is wrapped (an instance attribute), so every caller takes it: training, validation, and
+    DDP, whose hooks stay outside. Returns whether it wrapped (False: fp32 or --pure-bf16 runs).
+    With gradient checkpointing, torch's checkpoint replays the autocast state in the recompute."""
+    from swiftlite import dtypes
+    from swiftlite.optim import master_weights
+    if not master_weights(cfg):
+        return False
+    device_type = "cuda" if world.device.startswith("cuda") else "cpu"
+    dtype = dtypes.torch_dtype(cfg.model.torch_dtype)
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            return inner(*args, **kwargs)
+
+    module.forward = forward
+    return True
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

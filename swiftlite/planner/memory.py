@@ -10,10 +10,17 @@ its `shards`; whether it can train fp16 is its `loss_scaling`. The table's rows 
 records with `estimate` set and a family, so a backend registered at run time (an
 `--external-plugins` file) is estimated with its family's numbers and no edit here.
 
-Model-state accounting (Ψ = parameters, N = ranks sharing the states):
-  full, bf16/fp16 (mixed precision AdamW, ZeRO paper): params 2Ψ, grads 2Ψ, optimizer 12Ψ
-  full, fp32: params 4Ψ, grads 4Ψ, optimizer 8Ψ (exp_avg + exp_avg_sq; `step` scalars ignored)
-  LoRA/QLoRA: frozen base in its storage form + adapters (params, grads, AdamW state)
+Model-state accounting (Ψ = parameters, N = ranks sharing the states), what each backend holds:
+  full, bf16/fp16 (fp32 master weights, 16-bit compute; docs/backends.md "Precision"):
+    torch backends: fp32 params 4Ψ, fp32 grads 4Ψ (FSDP reduces in fp32; DDP's grads are the fp32
+    params'), AdamW 8Ψ; DeepSpeed: 16-bit params 2Ψ, grads 2Ψ, optimizer 12Ψ (fp32 master + m + v)
+  full, --pure-bf16: torch backends 2Ψ + 2Ψ + 4Ψ (bf16 m, v); DeepSpeed 2Ψ + 2Ψ + 6Ψ (its bf16
+    "master" partition + bf16 m, v)
+  full, fp32: params 4Ψ, grads 4Ψ, optimizer 8Ψ (exp_avg + exp_avg_sq; `step` scalars ignored);
+    ZeRO adds its fp32 partition copy (optimizer 12Ψ)
+  LoRA/QLoRA: frozen base in its storage form + adapters (params, grads, AdamW state); the adapters
+    are fp32 except under DeepSpeed (16-bit + fp32 master) and fsdp1 --pure-bf16 (bf16); fsdp1 with
+    master weights casts the frozen base to fp32 too (a unit flattens one dtype)
   each state is divided by N when the record's `shards` says so (zero2: grads + optimizer; zero3,
   fsdp, fsdp1: all three); the zero3_offload family keeps them in CPU memory instead of the GPU.
 
@@ -82,7 +89,7 @@ class Workload:
     everything else about a run is config/rules.py's and the backend records' to check.
     """
     train_type: str = "full"
-    dtype: str = "bf16"                  # parameter dtype; bf16/fp16 mean mixed-precision AdamW
+    dtype: str = "bf16"                  # --torch-dtype; bf16/fp16 mean 16-bit compute with fp32 master weights
     lora_rank: int = 8
     lora_targets: tuple[str, ...] = ("all-linear",)
     lora_dropout: float = 0.05           # > 0: peft keeps a dropped-out copy of every adapted input
@@ -101,6 +108,7 @@ class Workload:
                                          # dtype (CUDA's fused dropout keeps a 1-byte mask)
     usable_fraction: float = 0.9         # a GPU "fits" when the total stays under this share of memory
     fsdp2_available: bool = True         # torch >= 2.4 (fully_shard)
+    pure_bf16: bool = False              # --pure-bf16: bf16 params and optimizer state, no fp32 master
 
     def __post_init__(self) -> None:
         if dtypes.normalize(self.dtype) in dtypes.NAMES:
@@ -136,8 +144,13 @@ class Workload:
 
     @property
     def mixed(self) -> bool:
-        """16-bit params with fp32 master weights in the optimizer (the ZeRO accounting)."""
+        """16-bit compute (bf16/fp16), with fp32 master weights unless `pure_bf16`."""
         return self.dtype in dtypes.HALF
+
+    @property
+    def master_weights(self) -> bool:
+        """fp32 master weights and optimizer state next to 16-bit compute (optim.master_weights)."""
+        return self.mixed and not self.pure_bf16
 
     @property
     def elem(self) -> int:
@@ -198,11 +211,19 @@ def quantized_bytes(n_weights: int, w: Workload, out_rows: int = 0) -> int:
     raise ValueError(f"quant_bits {w.quant_bits}")
 
 
-def _base_bytes(w: Workload, n_linear: int, n_other: int, out_rows: int) -> int:
-    """Bytes of frozen/gathered base weights: quantized linears (if any) + the rest in the dtype."""
+def _base_bytes(w: Workload, n_linear: int, n_other: int, out_rows: int, elem: int | None = None) -> int:
+    """Bytes of frozen/gathered base weights: quantized linears (if any) + the rest in `elem` bytes
+    (default: the compute dtype's)."""
+    e = w.elem if elem is None else elem
     if w.quant_bits is None:
-        return (n_linear + n_other) * w.elem
-    return quantized_bytes(n_linear, w, out_rows) + n_other * w.elem
+        return (n_linear + n_other) * e
+    return quantized_bytes(n_linear, w, out_rows) + n_other * e
+
+
+def _frozen_elem(w: Workload, family: str) -> int:
+    """Bytes per frozen (non-quantized) base weight as stored: --torch-dtype, except fsdp1 with master
+    weights, which casts the whole LoRA model to fp32 (one dtype per flattened unit)."""
+    return 4 if family == "fsdp1" and w.master_weights else w.elem
 
 
 def trainable_params(shape: ModelShape, w: Workload) -> int:
@@ -211,19 +232,28 @@ def trainable_params(shape: ModelShape, w: Workload) -> int:
 
 
 def _state_bytes_per_param(w: Workload, family: str) -> tuple[int, int, int]:
-    """(param, grad, optimizer) bytes per *trainable* parameter under a memory family."""
+    """(param, grad, optimizer) bytes per *trainable* parameter under a memory family: what the
+    backend holds (measured from the tensors: TorchEngine/DeepSpeedEngine.state_bytes)."""
+    zero = family.startswith("zero")
     if not w.mixed:
-        if family.startswith("zero"):
+        if zero:
             # DeepSpeed's ZeRO optimizer keeps its own fp32 flat partition of the weights even when
             # they are fp32 already (measured: 4 + 8 bytes per trainable param, sharded).
             return 4, 4, 12
         return 4, 4, 8                     # fp32 weights, fp32 grads, AdamW exp_avg + exp_avg_sq
-    if w.peft and not family.startswith("zero"):
-        # peft keeps adapter weights in fp32 under a 16-bit base (autocast_adapter_dtype), so their
-        # AdamW state needs no master copy. DeepSpeed casts the whole module to 16-bit and keeps
-        # the fp32 master in the optimizer instead (2 + 2 + 12): the same 16 bytes, split differently.
+    e = w.elem
+    if zero:
+        # DeepSpeed casts the module to 16-bit and keeps the master partition in its optimizer: fp32
+        # master + m + v (ZeRO paper, 12), or with --pure-bf16 (bf16_master_weights_and_grads,
+        # bf16_optimizer_states) a bf16 "master" + bf16 m + v (measured: 6 bytes).
+        return (e, e, 3 * e) if w.pure_bf16 else (e, e, 12)
+    if w.master_weights or (w.peft and family != "fsdp1"):
+        # The torch backends' fp32 master weights: the trainable parameters themselves are fp32, FSDP
+        # reduce-scatters their gradients in fp32 (reduce_dtype) and keeps them fp32, DDP's autocast
+        # leaves fp32 gradients; AdamW's m and v follow the parameter. peft keeps adapters fp32 under a
+        # 16-bit base (autocast_adapter_dtype) under --pure-bf16 too, except fsdp1 (one dtype per unit).
         return 4, 4, 8
-    return w.elem, w.elem, 12              # ZeRO paper: 16-bit param + grad, fp32 master + m + v
+    return e, e, 2 * e                     # --pure-bf16: bf16 params, grads, m and v
 
 
 def model_state_bytes(shape: ModelShape, workload: Workload, backend: str | Backend) -> dict[str, int]:
@@ -242,7 +272,8 @@ def model_state_bytes(shape: ModelShape, workload: Workload, backend: str | Back
     frozen = 0
     if w.peft:
         n_other = shape.n_params - shape.n_linear_params
-        frozen = _base_bytes(w, shape.n_linear_params, n_other, shape.linear_out_rows)
+        frozen = _base_bytes(w, shape.n_linear_params, n_other, shape.linear_out_rows,
+                             _frozen_elem(w, rec.memory_family))
 
     def part(nbytes: int, sharded: bool) -> int:
         return _ceil_div(nbytes, n) if sharded else nbytes

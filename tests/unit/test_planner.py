@@ -143,13 +143,30 @@ PSI = TINY.n_params
 @pytest.mark.parametrize("n", [2, 4])
 def test_bf16_full_model_states(n):
     w = work(train_type="full", world_size=n)
-    for backend in ("zero3", "fsdp", "fsdp1"):
+    # fp32 master weights: DeepSpeed keeps them in its optimizer (ZeRO split 2 + 2 + 12) ...
+    s = model_state_bytes(TINY, w, "zero3")
+    assert (s["params"], s["grads"], s["optimizer"]) == (2 * PSI // n, 2 * PSI // n, 12 * PSI // n)
+    # ... the torch backends hold fp32 parameters, fp32 gradients and fp32 AdamW state (4 + 4 + 8)
+    for backend in ("fsdp", "fsdp1"):
         s = model_state_bytes(TINY, w, backend)
-        assert (s["params"], s["grads"], s["optimizer"]) == (2 * PSI // n, 2 * PSI // n, 12 * PSI // n)
+        assert (s["params"], s["grads"], s["optimizer"]) == (4 * PSI // n, 4 * PSI // n, 8 * PSI // n)
         assert sum(s.values()) == 16 * PSI // n
     s = model_state_bytes(TINY, w, "zero2")
     assert s["params"] == 2 * PSI and s["grads"] + s["optimizer"] == 14 * PSI // n
-    assert sum(model_state_bytes(TINY, w, "ddp").values()) == 16 * PSI
+    assert model_state_bytes(TINY, w, "ddp") == {"params": 4 * PSI, "grads": 4 * PSI, "optimizer": 8 * PSI}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_pure_bf16_full_model_states(n):
+    """--pure-bf16: bf16 params, grads and AdamW m/v on the torch backends (8 bytes); DeepSpeed's
+    bf16_master_weights_and_grads + bf16_optimizer_states keep a bf16 "master" copy too (10 bytes)."""
+    w = work(train_type="full", world_size=n, pure_bf16=True)
+    for backend in ("fsdp", "fsdp1"):
+        s = model_state_bytes(TINY, w, backend)
+        assert (s["params"], s["grads"], s["optimizer"]) == (2 * PSI // n, 2 * PSI // n, 4 * PSI // n)
+    assert model_state_bytes(TINY, w, "ddp") == {"params": 2 * PSI, "grads": 2 * PSI, "optimizer": 4 * PSI}
+    s = model_state_bytes(TINY, w, "zero3")
+    assert (s["params"], s["grads"], s["optimizer"]) == (2 * PSI // n, 2 * PSI // n, 6 * PSI // n)
 
 
 def test_fp32_full_model_states_match_torch_layout():
@@ -220,7 +237,10 @@ def test_comm_bytes(n):
     ring = (n - 1) / n
     for backend in ("fsdp", "fsdp1", "zero3", "zero3_offload"):
         assert comm_bytes_per_step(TINY, w, backend) == int(3 * ring * 2 * PSI)
-    assert comm_bytes_per_step(TINY, w, "ddp") == int(2 * ring * 2 * PSI)
+    # DDP all-reduces the gradients in their dtype: fp32 under bf16 master weights, bf16 with --pure-bf16
+    assert comm_bytes_per_step(TINY, w, "ddp") == int(2 * ring * 4 * PSI)
+    assert comm_bytes_per_step(TINY, work(train_type="full", world_size=n, pure_bf16=True), "ddp") == \
+        int(2 * ring * 2 * PSI)
     assert comm_bytes_per_step(TINY, w, "zero2") == int(2 * ring * 2 * PSI)
     assert comm_bytes_per_step(TINY, work(world_size=1), "single") == 0
 
