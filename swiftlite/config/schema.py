@@ -105,8 +105,9 @@ class ParallelConfig:
                         "of torch, else torchrun), fork, torchrun or deepspeed.",
                         choices=("auto", "fork", "torchrun", "deepspeed"))
     hostfile: str | None = opt(None, "DeepSpeed launcher hostfile (with --launcher deepspeed).")
-    mixed_precision: str | None = opt(None, "FSDP mixed precision: bf16 (params bf16, reduce fp32), fp16, "
-                                      "or none. Default: bf16 when --torch-dtype is bf16.",
+    mixed_precision: str | None = opt(None, "FSDP's compute dtype (fsdp, fsdp1): bf16 or fp16 (gradients reduced "
+                                      "in fp32), or none (compute in the parameters' dtype). Default: the 16-bit "
+                                      "--torch-dtype (docs/backends.md, Precision).",
                                       choices=("bf16", "fp16", "none"))
     reshard_after_forward: bool = opt(True, "FSDP: free gathered params after forward (ZeRO-3 style).")
     cpu_offload: bool = opt(False, "FSDP: keep params, grads and optimizer state on CPU.")
