@@ -65,17 +65,22 @@ def train(cfg: RunConfig) -> TrainResult:
 
 
 class Checkpointer:
-    """Saves the run's checkpoints and remembers the newest good one."""
+    """Saves the run's checkpoints and remembers the newest good one. While a save is being written,
+    a second preemption signal abandons it (train/preempt.py)."""
 
-    def __init__(self, run: Any):
-        self.run = run
+    def __init__(self, run: Any, preempt: Any):
+        self.run, self.preempt = run, preempt
         self.last: Path | None = run.resume_path
 
     def save(self, step: int) -> Path:
         from swiftlite.checkpoint.state import save_training_state
         r = self.run
-        self.last = save_training_state(r.engine, r.model, r.tokenizer, r.cfg, r.world, r.run_dir, step,
-                                        r.choice.key, r.facts)
+        self.preempt.saving = True
+        try:
+            self.last = save_training_state(r.engine, r.model, r.tokenizer, r.cfg, r.world, r.run_dir, step,
+                                            r.choice.key, r.facts)
+        finally:
+            self.preempt.saving = False
         return self.last
 
     def maybe_save(self, done: int) -> None:
@@ -117,7 +122,7 @@ def _loop(run: Any, probe: Any, preempt: Any) -> TrainResult:
     observers = Observers(probe, LogObserver(log, logging_steps=cfg.train.logging_steps, total_steps=total,
                                              start_step=start, steps_per_epoch=run.batches.plan.steps_per_epoch,
                                              t0=run.t0, is_main=world.is_main), FaultInjector())
-    ckpt = Checkpointer(run)
+    ckpt = Checkpointer(run, preempt)
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.max_skipped_steps, engine, log)
     eval_every = cfg.train.eval_steps or cfg.checkpoint.save_steps
     # --ignore-data-skip (HF's meaning): a resumed run restarts the data order at its first batch
@@ -146,9 +151,7 @@ def _loop(run: Any, probe: Any, preempt: Any) -> TrainResult:
             ckpt.maybe_save(done)
             if preempt.agreed():  # a signal: this step is done on every rank; save it and end
                 if not ckpt.saved_at(done):
-                    preempt.saving = True
                     ckpt.save(done)
-                    preempt.saving = False
                 if world.is_main:
                     write_marker(run.run_dir, done, ckpt.last, preempt.signum)
                     log.print(f"preempted at step {done}: saved {ckpt.last}; resume with --resume auto")

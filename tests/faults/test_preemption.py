@@ -50,12 +50,18 @@ def _wait_for_step(run_dir, step: int, proc, timeout: float = 240) -> None:
     raise AssertionError("the run did not reach the step in time")
 
 
+_FULL: dict[str, dict[int, float]] = {}
+
+
 def _uninterrupted(data, backend):
-    env = env_for(data / "cache")
-    r = subprocess.run([sys.executable, "-m", "swiftlite", *_args(backend, f"full-{backend}")], env=env, cwd=data,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return read_losses(data / f"full-{backend}")
+    """The uninterrupted run's losses (one run per backend, shared by the launchers' cases)."""
+    if backend not in _FULL:
+        env = env_for(data / "cache")
+        r = subprocess.run([sys.executable, "-m", "swiftlite", *_args(backend, f"full-{backend}")], env=env,
+                           cwd=data, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        _FULL[backend] = read_losses(data / f"full-{backend}")
+    return _FULL[backend]
 
 
 @pytest.mark.parametrize("backend,how,launcher", [("fsdp", "all", "fork"), ("zero3", "launcher", "fork"),

@@ -111,7 +111,7 @@ def test_second_run_on_the_same_folder_stops_naming_the_first(folder):
         assert lock.read_text().split()[0] == str(first.pid)
         t0 = time.monotonic()
         r, _ = swiftlite([*BASE, "--max-steps", "4", "--overwrite-output-dir"], env, folder)
-        assert time.monotonic() - t0 < 5 + 10  # well under: the refusal comes from preflight
+        assert time.monotonic() - t0 < 5  # the refusal comes from preflight, before any rank starts
         assert r.returncode == 2 and f"pid {first.pid}" in r.stderr, r.stderr[-2000:]
     finally:
         first.kill()
