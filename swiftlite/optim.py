@@ -93,29 +93,122 @@ def _fused_supported(params: "list[torch.nn.Parameter]") -> bool:
     return bool(params) and all(p.device.type in devices and p.is_floating_point() for p in params)
 
 
+#: transformers' scheduler names (`SchedulerType`) that step on a metric instead of the step count.
+#: swiftlite's schedule is a function of the optimizer step (the same on every rank, restored exactly
+#: from a checkpoint), so these are refused before launch.
+METRIC_SCHEDULERS = {
+    "reduce_lr_on_plateau": "it lowers the learning rate when an evaluation metric stops improving",
+    "greedy": "it adapts the learning rate to the training loss of each step",
+}
+#: Arguments `transformers.get_scheduler` fills itself (not --lr-scheduler-kwargs).
+_FILLED = {"optimizer", "num_warmup_steps", "num_training_steps", "last_epoch"}
+
+
 def warmup_steps(cfg: "RunConfig", total_steps: int) -> int:
+    """Warm-up steps as HF computes them (`TrainingArguments.get_warmup_steps`): --warmup-steps when
+    > 0, else ceil(total_steps * --warmup-ratio)."""
     o = cfg.optim
-    return o.warmup_steps if o.warmup_steps > 0 else int(math.ceil(o.warmup_ratio * total_steps))
+    return o.warmup_steps if o.warmup_steps > 0 else math.ceil(total_steps * o.warmup_ratio)
+
+
+def scheduler_kwargs(cfg: "RunConfig") -> dict:
+    """--lr-scheduler-kwargs as a dict: a JSON object given as a flag, or a mapping in a config file
+    (HF's `lr_scheduler_kwargs`, e.g. '{"min_lr": 1e-6}' or '{"min_lr_rate": 0.1}')."""
+    import json
+
+    from swiftlite.errors import UserError
+    raw = cfg.optim.lr_scheduler_kwargs
+    if raw is None or raw == "":
+        return {}
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--lr-scheduler-kwargs: not valid JSON ({e.msg}): {cfg.optim.lr_scheduler_kwargs}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"--lr-scheduler-kwargs must be a JSON object such as '{{\"min_lr\": 1e-6}}', got {raw!r}")
+    return dict(raw)
+
+
+def _hf_optimization(cfg: "RunConfig"):
+    """transformers.optimization, imported without bitsandbytes unless the base is quantized: it
+    imports transformers.trainer_utils, which imports peft, which imports bitsandbytes (1-3 s and a
+    warning on some CPUs, for runs that quantize nothing: models/quant.peft_without_bnb)."""
+    from swiftlite.models.quant import peft_without_bnb
+    with peft_without_bnb(cfg.quant_bits is not None):
+        import transformers.optimization as hf_optimization
+    return hf_optimization
+
+
+def _schedule_function(cfg: "RunConfig"):
+    hf = _hf_optimization(cfg)
+    return hf.TYPE_TO_SCHEDULER_FUNCTION[hf.SchedulerType(cfg.optim.lr_scheduler)]
+
+
+def check_scheduler(cfg: "RunConfig", total_steps: int | None = None) -> None:
+    """The schedule can be built: a step-driven transformers schedule, --lr-scheduler-kwargs it takes,
+    values it accepts (e.g. cosine_with_min_lr needs min_lr or min_lr_rate). Raises a one-line
+    UserError. Preflight calls it before any process starts (the total step count is not known
+    there yet: --max-steps, else a stand-in); `build_scheduler` checks again with the real one."""
+    kwargs = _checked_kwargs(cfg)
+    if total_steps is None:
+        total_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else 1000
+    import torch
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.learning_rate)
+    _hf_scheduler(probe, cfg, total_steps, kwargs)
+
+
+def _checked_kwargs(cfg: "RunConfig") -> dict:
+    """--lr-scheduler-kwargs, checked against the arguments of the named schedule."""
+    import inspect
+
+    from swiftlite.errors import UserError
+    name = cfg.optim.lr_scheduler
+    if name in METRIC_SCHEDULERS:
+        raise UserError(f"--lr-scheduler {name} is not supported: {METRIC_SCHEDULERS[name]}, and swiftlite's "
+                        "schedule is a function of the optimizer step (identical on every rank, resumed "
+                        "exactly); use cosine, cosine_with_min_lr, linear, constant_with_warmup, ...")
+    kwargs = scheduler_kwargs(cfg)
+    try:
+        func = _schedule_function(cfg)
+    except (ValueError, KeyError):
+        raise UserError(f"--lr-scheduler {name}: not a scheduler of the installed transformers") from None
+    takes = [p for p in inspect.signature(func).parameters if p not in _FILLED]
+    if name in ("constant", "constant_with_warmup"):
+        takes = []  # transformers.get_scheduler passes these no extra arguments
+    unknown = sorted(set(kwargs) - set(takes))
+    if unknown:
+        what = f"it takes {', '.join(takes)}" if takes else "it takes none"
+        raise UserError(f"--lr-scheduler-kwargs: {name} takes no argument {', '.join(map(repr, unknown))} ({what})")
+    return kwargs
+
+
+def _hf_scheduler(optimizer: torch.optim.Optimizer, cfg: "RunConfig", total_steps: int, kwargs: dict):
+    from swiftlite.errors import UserError
+    get_scheduler = _hf_optimization(cfg).get_scheduler
+    name = cfg.optim.lr_scheduler
+    try:
+        return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps(cfg, total_steps),
+                             num_training_steps=total_steps, scheduler_specific_kwargs=kwargs)
+    except (ValueError, TypeError) as e:
+        msg = str(e).replace("`lr_scheduler_kwargs`", "--lr-scheduler-kwargs").splitlines()[0]
+        raise UserError(f"--lr-scheduler {name}: {msg}") from None
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: "RunConfig", total_steps: int):
+    """transformers' schedule (`get_scheduler`) with HF's warm-up count: the learning rate of optimizer
+    step k (1-based) is the same as HF Trainer's for the same arguments, peak x lambda(k - 1).
+
+    Every step-driven transformers schedule is a `LambdaLR` over a `functools.partial`, whose
+    state_dict is plain data (`last_epoch`, `base_lrs`, `_last_lr`, the partial's empty __dict__):
+    the torch engines save it as JSON (scheduler.json) and DeepSpeed, which gets it as a client
+    object, in its own checkpoint; the schedule itself is rebuilt from the config at resume."""
+    return _hf_scheduler(optimizer, cfg, total_steps, _checked_kwargs(cfg))
 
 
 def lr_lambda(cfg: "RunConfig", total_steps: int):
-    """Multiplier of the peak LR at step s (a plain function: picklable-free, DCP-friendly)."""
-    kind = cfg.optim.lr_scheduler
-    warm = warmup_steps(cfg, total_steps)
-
-    def f(step: int) -> float:
-        if warm and step < warm:
-            return (step + 1) / warm
-        if kind in ("constant", "constant_with_warmup"):
-            return 1.0
-        progress = (step - warm) / max(1, total_steps - warm)
-        progress = min(max(progress, 0.0), 1.0)
-        if kind == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine to 0
-    return f
-
-
-def build_scheduler(optimizer: "torch.optim.Optimizer", cfg: "RunConfig", total_steps: int):
+    """Multiplier of the peak LR at 0-based step s (the lr of optimizer step s + 1), from the same
+    transformers schedule `build_scheduler` makes."""
     import torch
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.learning_rate)
+    return build_scheduler(probe, cfg, total_steps).lr_lambdas[0]

@@ -32,7 +32,11 @@ def opt(default: Any = None, help: str = "", *, aliases: tuple[str, ...] = (), c
 
 TRAIN_TYPES = ("full", "lora", "qlora")
 DTYPES = _DTYPE_NAMES  # swiftlite/dtypes.py is the one dtype table
-SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")
+#: transformers' scheduler names (SchedulerType), built by `transformers.get_scheduler` (optim.py);
+#: reduce_lr_on_plateau and greedy step on a metric and are refused there with the reason.
+SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay",
+              "reduce_lr_on_plateau", "greedy")
 
 
 @dataclass(kw_only=True)
@@ -134,10 +138,15 @@ class OptimConfig:
     adam_beta2: float = opt(0.95, "AdamW beta2.")
     adam_epsilon: float = opt(1e-8, "AdamW epsilon.")
     max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this (0 disables).")
-    lr_scheduler: str = opt("cosine", "Learning-rate schedule.", aliases=("--lr_scheduler_type",
+    lr_scheduler: str = opt("cosine", "Learning-rate schedule: transformers' get_scheduler, the lr of each step "
+                            "as HF Trainer's (constant has no warm-up; reduce_lr_on_plateau and greedy are "
+                            "refused: they step on a metric).", aliases=("--lr_scheduler_type",
                             "--lr-scheduler-type"), choices=SCHEDULERS)
     warmup_ratio: float = opt(0.0, "Share of steps spent warming up linearly.")
     warmup_steps: int = opt(0, "Warm-up steps (overrides --warmup-ratio when > 0).")
+    lr_scheduler_kwargs: dict | str | None = opt(None, "Extra arguments of the schedule, a JSON object as in HF/"
+                                                 "ms-swift: '{\"min_lr\": 1e-6}' or '{\"min_lr_rate\": 0.1}' "
+                                                 "(cosine_with_min_lr), '{\"num_cycles\": 2}', '{\"power\": 2}'.")
 
 
 @dataclass(kw_only=True)
@@ -154,8 +163,9 @@ class TrainConfig:
     output_dir: str = opt("output", "Run folder (args.json, logs, checkpoints).")
     logging_steps: int = opt(5, "Log every N optimizer steps.")
     eval_steps: int | None = opt(None, "Validate every N steps (default: at --save-steps and the end).")
-    report_to: list[str] = opt(help="Extra loggers: tensorboard, all or none (jsonl is always written).",
-                               factory=list)
+    report_to: list[str] = opt(help="Loggers besides logging.jsonl (always written): tensorboard, wandb, swanlab, "
+                               "all (those installed) or none (the default); wandb and swanlab are extras: "
+                               "pip install 'swiftlite[wandb]'.", factory=list)
     nan_policy: str = opt("stop", "A step whose loss or gradient norm is nan/inf is never applied: stop the run "
                           "(naming the step and the last good checkpoint) or skip the step and go on.",
                           choices=("stop", "skip"))

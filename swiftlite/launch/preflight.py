@@ -63,6 +63,10 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "Backend
     if source.kind == "folder":
         check_model_folder(cfg, Path(source.ref))
     check_attn_impl(cfg)
+    from swiftlite.metrics import check_report_to
+    from swiftlite.optim import check_scheduler
+    check_report_to(cfg)
+    check_scheduler(cfg)
     if not data:
         return choice
     from swiftlite.data.pipeline import prepare_datasets

@@ -61,35 +61,78 @@ def memory_record() -> dict[str, float]:
 
 class LogObserver(Observer):
     """logging.jsonl records (every --logging-steps, the first and the last step), the progress bar,
-    and the "first step done" line. `tokens_per_s` counts real tokens only (`StepStats.tokens`: no
-    pad token, whatever the batch form), summed over every rank, per second of the logging window
-    (`real_tokens` is that window's count); padded and padding-free runs of the same data therefore
-    compare on the same tokens."""
+    and the "first step done" line. The values of a record are HF Trainer's:
+
+    - `loss`: the mean of the step losses of the logging window (the finite steps since the last
+      record; HF's tr_loss / steps since the last log). The first record of a run is its first step
+      alone, and with --logging-steps 1 each record is its own step's loss.
+    - `lr`: the learning rate the record's step was taken with (read before the optimizer step, as
+      HF's Trainer logs "the learning rate before update"): peak x lambda(step - 1).
+    - `grad_norm`: the record's own step (before clipping), as HF.
+    - `tokens_per_s`: real tokens only (`StepStats.tokens`: no pad token, whatever the batch form),
+      summed over every rank, per second of the logging window (`real_tokens` is that window's
+      count); padded and padding-free runs of the same data therefore compare on the same tokens.
+
+    The printed line adds `step=K (K/N, P%)`, the elapsed time and the ETA (remaining steps x mean
+    step time of this process, the first step left out once there are others); the progress bar
+    (terminal only) shows the step's loss and tokens/s."""
 
     def __init__(self, log: Any, *, logging_steps: int, total_steps: int, start_step: int,
                  steps_per_epoch: int, t0: float, is_main: bool):
         self.log, self.every, self.total, self.start = log, logging_steps, total_steps, start_step
         self.steps_per_epoch, self.t0, self.is_main = steps_per_epoch, t0, is_main
         self.tokens, self.t_window = 0, time.perf_counter()
+        self.loss_sum, self.loss_steps = 0.0, 0
+        self.step_lr: float | None = None
+        self.t_step = self.t_first = self.t_first_done = None
+
+    def before_step(self, step: int) -> None:
+        self.t_step = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = self.t_step
+
+    def before_optimizer(self, step: int, engine: Any) -> None:
+        self.step_lr = engine.lr()  # the scheduler has not stepped yet: this step's learning rate
+
+    def eta(self, done: int, now: float) -> float | None:
+        """Seconds left: remaining steps x the mean step time of this process so far."""
+        ran = done - self.start
+        if self.t_first is None or ran <= 0:
+            return None
+        if ran > 1 and self.t_first_done is not None:
+            mean = (now - self.t_first_done) / (ran - 1)
+        else:
+            mean = (now - self.t_first) / ran
+        return max(0, self.total - done) * mean
 
     def after_step(self, stats: Any, engine: Any) -> None:
         done = stats.step
+        now = time.perf_counter()
+        if done == self.start + 1:
+            self.t_first_done = now
         if not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
             self.log.advance(done, "non-finite step")  # the guard logs it (train/guard.py)
             return
         self.tokens += stats.tokens
+        self.loss_sum += stats.loss
+        self.loss_steps += 1
         if self.is_main and done == self.start + 1:
-            self.log.print(f"first step done {time.perf_counter() - self.t0:.2f} s after start")
+            self.log.print(f"first step done {now - self.t0:.2f} s after start")
         if done % self.every == 0 or done == self.total or done == self.start + 1:
-            dt = time.perf_counter() - self.t_window
-            rec = {"step": done, "loss": stats.loss, "lr": engine.lr(), "grad_norm": round(stats.grad_norm, 6),
+            dt = now - self.t_window
+            lr = self.step_lr if self.step_lr is not None else engine.lr()
+            rec = {"step": done, "loss": self.loss_sum / self.loss_steps, "lr": lr,
+                   "grad_norm": round(stats.grad_norm, 6),
                    "tokens_per_s": round(self.tokens / dt, 1) if dt > 0 else 0.0, "real_tokens": self.tokens,
                    "epoch": round(done / self.steps_per_epoch, 4),
-                   "elapsed_s": round(time.perf_counter() - self.t0, 2)}
+                   "elapsed_s": round(now - self.t0, 2)}
             rec.update(memory_record())
-            self.log.log(rec)
+            self.log.log(rec, eta_s=self.eta(done, now))
             self.tokens, self.t_window = 0, time.perf_counter()
-        self.log.advance(done, f"loss {stats.loss:.4f}")
+            self.loss_sum, self.loss_steps = 0.0, 0
+        step_s = now - self.t_step if self.t_step is not None else 0.0
+        speed = f"  {stats.tokens / step_s:.0f} tok/s" if step_s > 0 else ""
+        self.log.advance(done, f"loss {stats.loss:.4f}{speed}")
 
 
 class BenchProbe(Observer):
