@@ -64,8 +64,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
             g_mm = g.to(h.dtype) if g.dtype != h.dtype else g
             if need_h:
                 grad_h[start:end] = g_mm @ weight
-            if need_w:
-                grad_w.add_((g_mm.t() @ h).float())
+            if need_w:  # in place, in fp32: no [V x H] temporary per chunk
+                grad_w.addmm_(g.t(), h if h.dtype == torch.float32 else h.float())
             if grad_b is not None:
                 grad_b.add_(g.sum(0))
             del logits, g, g_mm

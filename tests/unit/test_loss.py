@@ -136,7 +136,7 @@ def test_no_grad_validation_and_rows_without_targets():
     empty = dict(batch, labels=torch.full_like(batch["labels"], IGNORE))   # evaluate()'s dummy batch
     model.zero_grad(set_to_none=True)
     loss = L.token_loss_sum(model, empty, L.LossOptions(impl="chunked"))
-    assert float(loss) == 0.0
+    assert float(loss.detach()) == 0.0
     loss.backward()                        # still tied to the head: DDP/ZeRO see every parameter used
     assert model.lm_head.weight.grad is not None and float(model.lm_head.weight.grad.abs().sum()) == 0.0
 
@@ -224,3 +224,40 @@ def test_default_options_pass_everywhere():
     L.check_loss_options(_cfg(loss_impl="plain"), cuda=False)
     with pytest.raises(UserError, match="loss-chunk-tokens"):
         L.check_loss_options(_cfg(loss_chunk_tokens=-1), cuda=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# The planner's loss term (planner/memory.py logit_bytes)
+
+
+def test_planner_loss_term_by_impl():
+    from swiftlite.planner import Workload, shape_from_model_arg
+    from swiftlite.planner.memory import CHUNK_LOGIT_BYTES, LOGIT_BYTES, LOSS_IMPLS, logit_bytes
+    assert LOSS_IMPLS == L.LOSS_IMPLS
+    shape = shape_from_model_arg("llama-8b")            # vocab 128,256, hidden 4096
+    v, h, tokens = shape.vocab, shape.hidden, 2048
+
+    def w(**kw):
+        return Workload(**{"dtype": "bf16", "max_length": 2048, "micro_batch": 1, **kw})
+    assert Workload().loss_impl == "chunked"
+    assert logit_bytes(shape, w(loss_impl="plain")) == tokens * v * LOGIT_BYTES
+    rows = L.chunk_tokens_for(v)                       # 130 rows of 128,256 logits
+    lora = logit_bytes(shape, w(train_type="lora"))
+    assert lora == rows * v * (CHUNK_LOGIT_BYTES + 2) + 2 * tokens * h * 2
+    assert logit_bytes(shape, w(train_type="full")) == lora + 4 * v * h   # fp32 accumulator of lm_head's grad
+    assert logit_bytes(shape, w(train_type="full", dtype="fp32")) == rows * v * 4 + 2 * tokens * h * 4
+    assert logit_bytes(shape, w(loss_impl="chunked", loss_chunk_tokens=512, train_type="lora")) == \
+        512 * v * 6 + 2 * tokens * h * 2
+    assert logit_bytes(shape, w(loss_impl="cce")) == 2 * tokens * h * 2
+    liger = logit_bytes(shape, w(loss_impl="liger"))   # 2048 / ceil(128256 / 4096) = 64 rows
+    assert liger == 64 * v * 2 + 2 * tokens * h * 2
+    assert lora < logit_bytes(shape, w(loss_impl="plain")) / 15
+    with pytest.raises(UserError, match="--loss-impl"):
+        Workload(loss_impl="fused")
+
+
+def test_workload_from_config_passes_the_loss():
+    from swiftlite.planner import workload_from_config
+    assert workload_from_config(RunConfig(), 1, None).loss_impl == "chunked"
+    w = workload_from_config(_cfg(loss_impl="plain", loss_chunk_tokens=64), 1, None)
+    assert (w.loss_impl, w.loss_chunk_tokens) == ("plain", 64)
