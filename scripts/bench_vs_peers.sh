@@ -248,7 +248,7 @@ if not trl_py.exists():
 
 
 def run(name, tag):
-    d = WORK / "runs" / f"big-vocab-{re.sub(r'[^a-z0-9]+', '-', name)}-{tag}"
+    d = WORK / "runs" / f"big-vocab-{re.sub(r'[^a-z0-9]+', '-', name.lower())}-{tag}"
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     caches = d / "_cache"
