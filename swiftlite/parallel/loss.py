@@ -158,6 +158,10 @@ _STATE = "_swiftlite_head"
 _ROOTS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()   # root -> weakref(CausalLM)
 
 
+def _NO_LM() -> None:  # the cached answer for a root without a transformers CausalLM (plain loss)
+    return None
+
+
 def find_causal_lm(module: "torch.nn.Module") -> Any:
     """The transformers CausalLM inside `module` (through DDP/FSDP/DeepSpeed/peft wrappers), or None."""
     try:
@@ -191,10 +195,12 @@ def _prepare(module: "torch.nn.Module", opts: LossOptions) -> _Head | None:
     ref = _ROOTS.get(module)
     lm = ref() if ref is not None else None
     if lm is None:
+        if ref is _NO_LM:
+            return None
         lm = find_causal_lm(module)
+        _ROOTS[module] = weakref.ref(lm) if lm is not None else _NO_LM
         if lm is None:
             return None
-        _ROOTS[module] = weakref.ref(lm)
     if opts.liger_kernels and not lm.__dict__.get("_swiftlite_liger"):
         apply_liger_kernels(lm)
         object.__setattr__(lm, "_swiftlite_liger", True)

@@ -261,3 +261,74 @@ def test_workload_from_config_passes_the_loss():
     assert workload_from_config(RunConfig(), 1, None).loss_impl == "chunked"
     w = workload_from_config(_cfg(loss_impl="plain", loss_chunk_tokens=64), 1, None)
     assert (w.loss_impl, w.loss_chunk_tokens) == ("plain", 64)
+
+
+def test_with_activation_checkpointing():
+    model = _lora(_llama(False))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    _assert_match(model, _batch(), 5)
+
+
+def _fake_kernel_modules(monkeypatch, calls):
+    """Stand-ins for liger_kernel / cut_cross_entropy (GPU-only packages): the same maths in torch,
+    so the routing (which tensors reach the kernel, and the reduction) is tested on CPU."""
+    import sys
+    import types
+
+    def fused(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean", **kw):
+        calls.append(("liger", tuple(hidden.shape), tuple(weight.shape), reduction, ignore_index))
+        logits = torch.nn.functional.linear(hidden, weight, bias).float()
+        return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+    def cce(e, c, targets, bias=None, ignore_index=-100, reduction="mean", **kw):
+        calls.append(("cce", tuple(e.shape), tuple(c.shape), reduction, ignore_index))
+        logits = torch.nn.functional.linear(e, c, bias).float()
+        return torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index, reduction=reduction)
+
+    def instance(model, **flags):
+        calls.append(("liger-kernels", type(model).__name__, flags))
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = fused
+    transformers_pkg = types.ModuleType("liger_kernel.transformers")
+    transformers_pkg._apply_liger_kernel_to_instance = instance
+    transformers_pkg.functional = functional
+    cce_pkg = types.ModuleType("cut_cross_entropy")
+    cce_pkg.linear_cross_entropy = cce
+    for name, mod in (("liger_kernel", types.ModuleType("liger_kernel")), ("liger_kernel.transformers", transformers_pkg),
+                      ("liger_kernel.transformers.functional", functional), ("cut_cross_entropy", cce_pkg)):
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+@pytest.mark.parametrize("impl", ["liger", "cce"])
+def test_gpu_kernels_get_the_gathered_targets(impl, monkeypatch):
+    calls: list = []
+    _fake_kernel_modules(monkeypatch, calls)
+    model = _lora(_llama(False))
+    batch = _batch()
+    plain, g_plain = _loss_and_grads(model, batch, L.LossOptions(impl="plain"))
+    fused, g_fused = _loss_and_grads(model, batch, L.LossOptions(impl=impl, liger_kernels=True))
+    assert abs(fused - plain) <= REL_LOSS * abs(plain)
+    for n, g in g_plain.items():
+        assert float((g_fused[n] - g).abs().max()) <= REL_GRAD * float(g.abs().max()), n
+    targets = int((batch["labels"][:, 1:] != IGNORE).sum())
+    assert ("liger-kernels", "LlamaForCausalLM", {"rope": True, "rms_norm": True, "swiglu": True,
+                                                  "cross_entropy": False, "fused_linear_cross_entropy": False}) in calls
+    assert (impl, (targets, 32), (VOCAB, 32), "sum", IGNORE) in calls
+
+
+def test_a_model_without_a_transformers_head_uses_the_plain_path():
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(VOCAB, 8)
+            self.out = torch.nn.Linear(8, VOCAB)
+
+        def forward(self, input_ids, attention_mask=None, use_cache=False):
+            return (self.out(self.emb(input_ids)),)
+
+    toy, batch = Toy(), _batch()
+    plain = L.token_loss_sum(toy, batch, L.LossOptions(impl="plain"))
+    for _ in range(2):   # the second call answers from the cache
+        assert torch.equal(L.token_loss_sum(toy, batch, L.LossOptions()), plain)
