@@ -27,6 +27,16 @@
 #   .venv/bin/python of this checkout, else python3).
 # Output: <out>/peers.json (every run and the summary) and <out>/peers.md (tables for
 # docs/benchmarks.md), also printed.
+#
+#   bash scripts/bench_vs_peers.sh --job big-vocab [--repeats N] [--out DIR]
+# A different job, for memory: a Qwen2-shaped model with a real vocabulary size (151,936 tokens, 2
+# layers, hidden 256, intermediate 1024, untied head, random weights; a byte-level BPE tokenizer of
+# 151,936 entries built here), 64 chat rows of ~950 tokens, LoRA r8/alpha 32/dropout 0 on all linear
+# layers, batch 4, max length 1024, fp32, 3 steps, 1 process, OMP_NUM_THREADS=2. Peak RSS of each run
+# from `/usr/bin/time -f %M`. Runs, alternating per repeat: swiftlite and TRL's SFTTrainer at their
+# defaults (TRL: prompt/completion rows, so loss on the completion as swiftlite's; its SFTConfig
+# defaults, gradient checkpointing on), then two references: swiftlite --loss-impl plain and TRL
+# without gradient checkpointing. Only the trl peer is installed. Output: <out>/big_vocab.json, .md.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -41,13 +51,19 @@ BASE_PY=${PYTHON:-python3}
 TORCH_PIN=${SWIFTLITE_PEERS_TORCH:-torch==2.13.0}
 
 INSTALL_ONLY=0
+JOB=""
 ARGS=()
 while (( $# )); do
   case "$1" in
     --install-only) INSTALL_ONLY=1; shift ;;
+    --job) JOB=${2:?--job needs a value (big-vocab)}; shift 2 ;;
+    --job=*) JOB=${1#--job=}; shift ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done
+if [[ -n "$JOB" && "$JOB" != big-vocab ]]; then
+  echo "--job $JOB: the only --job is big-vocab (the timing jobs are chosen with --jobs)" >&2; exit 2
+fi
 
 # -- peers, each in its own venv ---------------------------------------------------------------------
 # name|pip requirements
@@ -69,11 +85,224 @@ install_peer() {
   touch "$venv/.ok"
 }
 for spec in "${PEER_SPECS[@]}"; do
+  if [[ "$JOB" == big-vocab && "${spec%%|*}" != trl ]]; then continue; fi
   install_peer "${spec%%|*}" "${spec#*|}" || true
 done
 if (( INSTALL_ONLY )); then exit 0; fi
 
 mkdir -p "$WORK"
+
+# -- --job big-vocab: peak memory on a real vocabulary (see the header) --------------------------------
+if [[ "$JOB" == big-vocab ]]; then
+cat > "$WORK/big_vocab_prep.py" <<'EOF'
+"""Big-vocabulary workload: a Qwen2-shaped model (vocab 151,936, 2 layers, hidden 256, untied head,
+random weights) with a word-level tokenizer of 151,936 entries, and 64 chat rows of ~950 tokens."""
+import json, random, sys
+from pathlib import Path
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 151_936
+out, data = Path(sys.argv[1]), Path(sys.argv[2])
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LETTERS = "abcdefghijklmnopqrst"
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's bytes -> printable characters (the ByteLevel pre-tokenizer's alphabet)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for c in cs]
+
+
+def words(n: int) -> list[str]:
+    """n four-letter words (" abcd" as one token); their prefixes are tokens too (the BPE merge chain)."""
+    out = []
+    for a in LETTERS:
+        for b in LETTERS:
+            for c in LETTERS:
+                for d in LETTERS:
+                    out.append(a + b + c + d)
+                    if len(out) == n:
+                        return out
+    raise ValueError(n)
+
+
+if not (out / "model.safetensors").is_file():
+    # A byte-level BPE (what Qwen2's tokenizer class rebuilds from tokenizer.json) of exactly VOCAB entries:
+    # the 256 byte characters, then " x", " xy", " xyz" for 20 letters, then " xyzw" words, and the specials.
+    base = byte_alphabet()
+    prefixes = ["\u0120" + a for a in LETTERS] + ["\u0120" + a + b for a in LETTERS for b in LETTERS] + \
+               ["\u0120" + a + b + c for a in LETTERS for b in LETTERS for c in LETTERS]
+    n_words = VOCAB - len(base) - len(prefixes) - len(SPECIAL)
+    toks = base + prefixes + ["\u0120" + w for w in words(n_words)]
+    vocab = {t: i for i, t in enumerate(toks)}
+    merges = [(t[:-1], t[-1]) for t in toks[len(base):]]
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                  additional_special_tokens=SPECIAL[1:])
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL[1:]})
+    tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                         "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                         "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    assert len(tok) == VOCAB, len(tok)
+    conf = Qwen2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       tie_word_embeddings=False, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id, use_cache=False)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(conf).to(torch.float32).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+data.mkdir(parents=True, exist_ok=True)
+rng = random.Random(0)
+vocab_words = words(VOCAB - 256 - 8420 - len(SPECIAL))
+word = lambda: rng.choice(vocab_words)
+with open(data / "train.jsonl", "w") as f, open(data / "train_prompt_completion.jsonl", "w") as g:
+    for _ in range(64):
+        q = " ".join(word() for _ in range(rng.randint(270, 370)))
+        a = " ".join(word() for _ in range(rng.randint(580, 620)))
+        msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        f.write(json.dumps({"messages": msgs}) + "\n")
+        g.write(json.dumps({"prompt": msgs[:1], "completion": msgs[1:]}) + "\n")
+print("big-vocab workload ready:", out, data)
+EOF
+
+cat > "$WORK/trl_big_vocab.py" <<'EOF'
+"""TRL SFTTrainer at its defaults on the big-vocabulary job: trl_big.py MODEL DATA OUT [key=value ...].
+Set here only what the job fixes (LoRA r8/alpha 32/dropout 0 on all linear layers, batch 4, max length
+1024, 3 steps, fp32 on CPU) and what a CPU run needs; extra key=value pairs override SFTConfig fields."""
+import sys
+
+import torch
+from datasets import load_dataset
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import SFTConfig, SFTTrainer
+
+model_dir, data, out = sys.argv[1:4]
+over = dict(kv.split("=", 1) for kv in sys.argv[4:])
+over = {k: {"true": True, "false": False}.get(v.lower(), v) for k, v in over.items()}
+tok = AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+peft_config = LoraConfig(r=8, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+ds = load_dataset("json", data_files=data, split="train")   # prompt/completion: loss on the completion
+cfg = SFTConfig(output_dir=out, per_device_train_batch_size=4, max_steps=3, max_length=1024, use_cpu=True,
+                bf16=False, fp16=False, save_strategy="no", report_to="none", logging_steps=1,
+                dataloader_num_workers=0, disable_tqdm=True, **over)
+print("TRL SFTConfig:", {k: getattr(cfg, k) for k in ("gradient_checkpointing", "packing", "padding_free",
+                                                      "loss_type", "completion_only_loss", "max_length")}, flush=True)
+trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, peft_config=peft_config)
+trainer.train()
+EOF
+
+cat > "$WORK/big_vocab.py" <<'EOF'
+"""Run the big-vocab job alternately (swiftlite, TRL, then the two references) under /usr/bin/time."""
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--repeats", type=int, default=1)
+ap.add_argument("--out", default="bench_vs_peers")
+ap.add_argument("--timeout", type=int, default=1800)
+a, _ignored = ap.parse_known_args()
+WORK, PEERS, REPO = Path(os.environ["BENCH_WORK"]), Path(os.environ["BENCH_PEERS_DIR"]), Path(os.environ["BENCH_REPO"])
+SL_PY = os.environ["BENCH_SL_PY"]
+OUT = Path(a.out).resolve()
+OUT.mkdir(parents=True, exist_ok=True)
+model, data = WORK / "big_vocab_model", WORK / "big_vocab_data"
+prep = subprocess.run([SL_PY, str(WORK / "big_vocab_prep.py"), str(model), str(data)], capture_output=True,
+                      text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+print((prep.stdout.strip().splitlines() or [prep.stderr[-2000:]])[-1])
+if prep.returncode:
+    sys.exit("big-vocab: workload preparation failed")
+trl_py = PEERS / "trl" / "bin" / "python"
+RUNS = {  # name -> command (run_dir appended where needed)
+    "swiftlite": lambda d: [SL_PY, "-m", "swiftlite", "sft", "--model", str(model), "--dataset",
+                            str(data / "train.jsonl"), "--lora", "--lora-rank", "8", "--lora-alpha", "32",
+                            "--lora-dropout", "0", "--per-device-train-batch-size", "4", "--max-length", "1024",
+                            "--max-steps", "3", "--torch-dtype", "fp32", "--logging-steps", "1", "--output-dir", str(d)],
+    "trl": lambda d: [str(trl_py), str(WORK / "trl_big_vocab.py"), str(model),
+                      str(data / "train_prompt_completion.jsonl"), str(d)],
+}
+RUNS["swiftlite --loss-impl plain"] = lambda d: RUNS["swiftlite"](d) + ["--loss-impl", "plain"]
+RUNS["trl gradient_checkpointing=False"] = lambda d: RUNS["trl"](d) + ["gradient_checkpointing=false"]
+names = [n for n in RUNS if trl_py.exists() or not n.startswith("trl")]
+if not trl_py.exists():
+    print(f"peers: trl is not installed in {trl_py.parent.parent}: left out")
+
+
+def run(name, tag):
+    d = WORK / "runs" / f"big-vocab-{re.sub(r'[^a-z0-9]+', '-', name.lower())}-{tag}"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    caches = d / "_cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    env.update({"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                "HF_DATASETS_CACHE": str(caches / "hf_datasets"), "SWIFTLITE_CACHE": str(caches / "swiftlite"),
+                "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)})
+    cmd = RUNS[name](d)
+    t0 = time.time()
+    p = subprocess.run(["/usr/bin/time", "-f", "PEAK_RSS_KIB %M", *cmd], capture_output=True, text=True, env=env,
+                       cwd=d, timeout=a.timeout)
+    wall = time.time() - t0
+    log = p.stdout + p.stderr
+    (d.parent / f"{d.name}.log").write_text(log)
+    shutil.rmtree(caches, ignore_errors=True)
+    m = re.findall(r"PEAK_RSS_KIB (\d+)", log)
+    rec = {"run": name, "tag": tag, "rc": p.returncode, "wall_s": round(wall, 1),
+           "peak_rss_mib": round(int(m[-1]) / 1024) if m else None, "cmd": " ".join(cmd),
+           "load": [round(x, 2) for x in os.getloadavg()]}
+    if p.returncode:
+        rec["error"] = log[-1500:]
+    print(f"  {name:34s} {tag} rc={p.returncode} peak RSS {rec['peak_rss_mib']} MiB  wall {rec['wall_s']} s  "
+          f"load {rec['load'][0]}", flush=True)
+    return rec
+
+
+results = []
+for r in range(a.repeats):
+    for name in names:
+        results.append(run(name, f"r{r + 1}"))
+        (OUT / "big_vocab.json").write_text(json.dumps({"runs": results}, indent=1))
+best = {n: min([x["peak_rss_mib"] for x in results if x["run"] == n and x["rc"] == 0 and x["peak_rss_mib"]],
+               default=None) for n in names}
+ratio = round(best["swiftlite"] / best["trl"], 3) if best.get("swiftlite") and best.get("trl") else None
+info = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "repeats": a.repeats, "swiftlite_vs_trl_peak_rss": ratio}
+(OUT / "big_vocab.json").write_text(json.dumps({"info": info, "peak_rss_mib": best, "runs": results}, indent=1))
+lines = [f"### Peak memory on a real vocabulary (--job big-vocab), {info['date']}", "",
+         f"{info['cpus']}-core CPU, shared; Qwen2-shaped model, vocab 151,936, 2 layers, hidden 256, untied head; "
+         "64 chat rows of ~950 tokens; LoRA r8, batch 4, max length 1024, fp32, 3 steps, 1 process, "
+         f"OMP_NUM_THREADS=2; peak RSS from `/usr/bin/time -f %M` (lowest of {a.repeats} run(s)).", "",
+         "| run | peak RSS MiB | wall s |", "|---|---|---|"]
+for n in names:
+    walls = [x["wall_s"] for x in results if x["run"] == n and x["rc"] == 0]
+    lines.append(f"| {n} | {best[n] if best[n] is not None else 'failed'} | {min(walls) if walls else '-'} |")
+lines += ["", f"swiftlite / TRL (both at their defaults): {ratio} (target <= 0.5)"]
+(OUT / "big_vocab.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+print(f"wrote {OUT / 'big_vocab.json'} and {OUT / 'big_vocab.md'}")
+EOF
+export BENCH_WORK="$WORK" BENCH_PEERS_DIR="$PEERS_DIR" BENCH_REPO="$REPO" BENCH_SL_PY="$SL_PY"
+exec env PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$SL_PY" "$WORK/big_vocab.py" "${ARGS[@]+"${ARGS[@]}"}"
+fi
 
 # -- the TRL job (run by the TRL venv's python, or under `accelerate launch`) --------------------------
 cat > "$WORK/trl_sft.py" <<'EOF'

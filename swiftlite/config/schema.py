@@ -173,6 +173,16 @@ class TrainConfig:
     ignore_data_skip: bool = opt(False, "On resume, restart the data order at its first batch instead of skipping "
                                  "the batches already trained on; also lets a run resume on changed data.")
     overwrite_output_dir: bool = opt(False, "Allow a non-empty --output-dir without --resume.")
+    loss_impl: str = opt("chunked", "How the loss is computed. chunked (default, exact, any device): logits "
+                         "only for target tokens, lm_head + cross-entropy chunk by chunk, never the full "
+                         "tokens x vocab logits; liger: Liger's fused linear cross-entropy (GPU, pip install "
+                         "'swiftlite[liger]'); cce: Cut Cross-Entropy (GPU, 'swiftlite[cce]'); plain: full "
+                         "logits in fp32, then cross-entropy (the most memory).",
+                         choices=("chunked", "liger", "cce", "plain"))
+    loss_chunk_tokens: int = opt(0, "Tokens per chunk of --loss-impl chunked (0: auto, ~64 MiB of fp32 "
+                                 "logits per chunk, at least 128).")
+    use_liger_kernel: bool = opt(False, "Liger's RMSNorm, RoPE and SwiGLU kernels (GPU, 'swiftlite[liger]'); "
+                                 "the loss stays --loss-impl's.")
 
 
 @dataclass(kw_only=True)

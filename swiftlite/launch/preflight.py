@@ -52,6 +52,8 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "Backend
     from swiftlite.checkpoint.run_dir import resume_point
     from swiftlite.data.sources import check_spec
     run_dir = check_output_dir(cfg)
+    from swiftlite.parallel.loss import check_loss_options
+    check_loss_options(cfg)
     resume_point(cfg, run_dir, log=lambda *_: None)
     for spec in cfg.data.dataset:
         check_spec(spec, "--dataset")

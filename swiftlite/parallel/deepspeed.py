@@ -257,10 +257,11 @@ class DeepSpeedEngine:
 
     # -- training ---------------------------------------------------------------------------------
     def forward(self, batch: dict[str, "torch.Tensor"]) -> "torch.Tensor":
-        """Summed next-token CE in fp32 (swiftlite.parallel.loss, shared with the torch backends),
-        run through DeepSpeed's forward (ZeRO-3 fetches the shards there)."""
-        from swiftlite.parallel.loss import token_loss_sum
-        return token_loss_sum(self.ds, {k: v.to(self.device) for k, v in batch.items()})
+        """Summed next-token CE in fp32 (swiftlite.parallel.loss, --loss-impl, shared with the torch
+        backends), run through DeepSpeed's forward: ZeRO-3 fetches the shards there, lm_head's once
+        per micro-batch because the loss is lm_head's own forward."""
+        from swiftlite.parallel.loss import loss_options, token_loss_sum
+        return token_loss_sum(self.ds, {k: v.to(self.device) for k, v in batch.items()}, loss_options(self.cfg))
 
     def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
         """ZeRO reduces gradients in its own buckets during backward; nothing to switch here."""

@@ -1,23 +1,297 @@
-"""The training objective, computed the same way by every backend."""
+"""The training objective, computed the same way by every backend (docs/design.md, Numerics: Loss).
+
+    loss_sum = token_loss_sum(module, batch, loss_options(cfg))   # engine.forward of every backend
+
+`token_loss_sum` returns the SUM of the next-token cross-entropy over target tokens (labels shifted by
+one, IGNORE = -100 excluded), in fp32; the trainer divides by the target tokens of the global batch.
+`--loss-impl` picks how it is computed:
+
+* ``chunked`` (default): only positions with a target get logits (the hidden states at label positions
+  != IGNORE are gathered first: exact, and prompt tokens cost nothing), and the lm_head matmul and the
+  loss run chunk by chunk (parallel/chunked_ce.py), so the [tokens x vocab] logits never exist.
+* ``liger`` / ``cce``: the same gathered hidden states through Liger's fused linear cross-entropy or
+  Apple's Cut Cross-Entropy (GPU kernels; optional extras swiftlite[liger] / swiftlite[cce]).
+* ``plain``: the model's own forward (full logits), upcast to fp32, F.cross_entropy.
+
+How the loss reaches a sharded lm_head. The loss must run where the backend has lm_head's weight whole:
+* the CausalLM instance's `forward` is replaced (once, on the instance) by one that, when called with
+  `swiftlite_labels=`, runs the decoder (`model.model(...)`) and then the loss; called without it,
+  it is the original forward (generation, plain loss). The call enters through the root module, so
+  FSDP2's root pre-forward (and FSDP1's root unit) has unsharded embeddings, norm and lm_head once per
+  micro-batch, DDP sees an ordinary forward, and DeepSpeed's engine forward runs as usual;
+* the loss itself is the forward of the lm_head module (its instance `forward` also dispatches on a
+  keyword), so ZeRO-3's module hooks gather lm_head's weight once when it starts, release it when it
+  ends, and gather it once more for its backward, the same collectives on every rank whatever its
+  number of target tokens or chunks (a rank with no target still calls it once).
+The chunked loss computes its gradients during its forward, so it never needs the weight again.
+An lm_head that is not a plain dense Linear (LoRA on lm_head, modules_to_save, a quantized head) is
+called once on the gathered target positions (logits for target tokens only, not chunked). A model
+whose logits are not `lm_head(hidden)` (final-logit softcapping, logit scaling) uses the plain path.
+
+Import-light: torch is imported inside the functions (the planner and the CLI import this module).
+"""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from swiftlite.data.tokenize import IGNORE  # the label that marks a token without loss
+from swiftlite.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+#: --loss-impl values (the same tuple as the schema field's choices; a unit test keeps them equal).
+LOSS_IMPLS = ("chunked", "liger", "cce", "plain")
+DEFAULT_LOSS_IMPL = "chunked"
+#: The chunked loss holds one [chunk x vocab] fp32 logits buffer at a time: about this many elements
+#: (64 MiB), and never fewer rows than MIN_CHUNK_TOKENS (small matmuls are slow on CPUs).
+CHUNK_LOGIT_ELEMENTS = 16 * 2**20
+MIN_CHUNK_TOKENS = 128
+#: impl -> (module to import, pip extra)
+EXTRAS = {"liger": ("liger_kernel", "liger"), "cce": ("cut_cross_entropy", "cce")}
+#: Config attributes under which a CausalLM's logits are not lm_head(hidden): such models use `plain`.
+NOT_PLAIN_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def token_loss_sum(module: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+@dataclass(frozen=True)
+class LossOptions:
+    impl: str = DEFAULT_LOSS_IMPL
+    chunk_tokens: int = 0            # 0: auto (chunk_tokens_for)
+    liger_kernels: bool = False      # --use-liger-kernel: Liger's RMSNorm/RoPE/SwiGLU
+
+
+def loss_options(cfg: Any) -> LossOptions:
+    """The loss options of a RunConfig (defaults for configs without the fields)."""
+    train = getattr(cfg, "train", None)
+    return LossOptions(impl=getattr(train, "loss_impl", DEFAULT_LOSS_IMPL),
+                       chunk_tokens=int(getattr(train, "loss_chunk_tokens", 0) or 0),
+                       liger_kernels=bool(getattr(train, "use_liger_kernel", False)))
+
+
+def chunk_tokens_for(vocab: int, setting: int = 0) -> int:
+    """Rows per chunk of the chunked loss: `setting` when > 0, else ~CHUNK_LOGIT_ELEMENTS / vocab."""
+    if setting > 0:
+        return setting
+    return max(MIN_CHUNK_TOKENS, CHUNK_LOGIT_ELEMENTS // max(1, vocab))
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks before any process starts
+
+
+def _missing(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is None
+
+
+def check_loss_options(cfg: Any, *, cuda: bool | None = None) -> None:
+    """One-line UserError for a loss option this machine cannot run: liger/cce (GPU kernels) on a CPU
+    or without their package, --use-liger-kernel likewise, a bad --loss-chunk-tokens. Call it in the
+    preflight (before any process starts). `cuda` defaults to torch.cuda.is_available()."""
+    opts = loss_options(cfg)
+    if opts.impl not in LOSS_IMPLS:
+        raise UserError(f"--loss-impl {opts.impl!r}: choose from {', '.join(LOSS_IMPLS)}")
+    if opts.chunk_tokens < 0:
+        raise UserError(f"--loss-chunk-tokens must be >= 0 (0 = auto), got {opts.chunk_tokens}")
+    wanted = [(f"--loss-impl {opts.impl}", *EXTRAS[opts.impl])] if opts.impl in EXTRAS else []
+    if opts.liger_kernels:
+        wanted.append(("--use-liger-kernel", *EXTRAS["liger"]))
+    if not wanted:
+        return
+    if cuda is None:
+        import torch
+        cuda = torch.cuda.is_available()
+    for flag, module, extra in wanted:
+        if not cuda:
+            raise UserError(f"{flag} runs GPU (Triton/CUDA) kernels and this run has no GPU: use "
+                            f"--loss-impl chunked (exact, the default) on CPU")
+        if _missing(module):
+            raise UserError(f"{flag} needs the {module} package: pip install 'swiftlite[{extra}]'")
+
+
+# --------------------------------------------------------------------------------------------------
+# The loss
+
+
+def token_loss_sum(module: "torch.nn.Module", batch: dict[str, "torch.Tensor"],
+                   options: LossOptions | None = None) -> "torch.Tensor":
     """Summed next-token cross-entropy over target tokens, in fp32.
 
     A sum, not a mean: the trainer divides by the target tokens of the whole global batch, so the
     objective does not change with micro-batching or the number of ranks (docs/design.md, "Numerics").
+    `module` is what the backend runs (a DDP/FSDP/DeepSpeed wrapper, a peft model or the CausalLM).
     """
+    opts = options or LossOptions()
     inputs = {k: v for k, v in batch.items() if k != "labels"}
+    head = _prepare(module, opts)
+    if head is not None:
+        out = module(**inputs, use_cache=False, swiftlite_labels=batch["labels"])
+        return out.loss
+    return _plain(module, inputs, batch["labels"])
+
+
+def _plain(module: "torch.nn.Module", inputs: dict, labels: "torch.Tensor") -> "torch.Tensor":
+    import torch.nn.functional as F
     out = module(**inputs, use_cache=False)
     logits = out.logits if hasattr(out, "logits") else out[0]
-    labels = batch["labels"][:, 1:]
+    labels = labels[:, 1:]
     logits = logits[:, :-1].float()
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
                            ignore_index=IGNORE, reduction="sum")
+
+
+@dataclass
+class _Head:
+    """What the replaced forward of one CausalLM needs (kept on the instance as `_swiftlite_head`);
+    `impl` and `chunk` follow the latest call."""
+    decoder: Any
+    fused: bool       # lm_head is a plain dense Linear, whose replaced forward computes the loss
+    original: Any     # the CausalLM's own forward (a function taking the instance first)
+    impl: str = DEFAULT_LOSS_IMPL
+    chunk: int = 0
+
+
+_STATE = "_swiftlite_head"
+_ROOTS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()   # root -> weakref(CausalLM)
+
+
+def _NO_LM() -> None:  # the cached answer for a root without a transformers CausalLM (plain loss)
+    return None
+
+
+def find_causal_lm(module: "torch.nn.Module") -> Any:
+    """The transformers CausalLM inside `module` (through DDP/FSDP/DeepSpeed/peft wrappers), or None."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        return None
+    for m in module.modules():
+        if isinstance(m, PreTrainedModel) and m.get_output_embeddings() is not None:
+            return m
+    return None
+
+
+def _plain_head_reason(lm: Any) -> str | None:
+    """Why this CausalLM's logits are not lm_head(decoder(...)), or None."""
+    conf = getattr(lm, "config", None)
+    for attr in NOT_PLAIN_HEAD:
+        for v in (getattr(conf, attr, None), getattr(lm, attr, None)):
+            if v is not None and v is not False and v != 1:
+                return f"{type(lm).__name__} applies {attr} to its logits"
+    decoder = getattr(lm, getattr(lm, "base_model_prefix", "model"), None)
+    if decoder is None or decoder is lm:
+        return f"{type(lm).__name__} has no separate decoder module"
+    return None
+
+
+def _prepare(module: "torch.nn.Module", opts: LossOptions) -> _Head | None:
+    """Find the CausalLM once per root module, apply Liger's kernels when asked, and (for every impl but
+    plain, on models whose logits are lm_head(hidden)) install the loss-computing forwards."""
+    if opts.impl not in LOSS_IMPLS:
+        raise UserError(f"--loss-impl {opts.impl!r}: choose from {', '.join(LOSS_IMPLS)}")
+    ref = _ROOTS.get(module)
+    lm = ref() if ref is not None else None
+    if lm is None:
+        if ref is _NO_LM:
+            return None
+        lm = find_causal_lm(module)
+        _ROOTS[module] = weakref.ref(lm) if lm is not None else _NO_LM
+        if lm is None:
+            return None
+    if opts.liger_kernels and not lm.__dict__.get("_swiftlite_liger"):
+        apply_liger_kernels(lm)
+        object.__setattr__(lm, "_swiftlite_liger", True)
+    if opts.impl == "plain":
+        return None
+    if _STATE not in lm.__dict__:
+        object.__setattr__(lm, _STATE, None if _plain_head_reason(lm) else _install(lm))
+    state = lm.__dict__[_STATE]
+    if state is None:
+        return None
+    state.impl = opts.impl
+    state.chunk = opts.chunk_tokens
+    return state
+
+
+def _is_dense_linear(head: Any) -> bool:
+    import torch
+    return (isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
+            and head.weight.dtype.is_floating_point)
+
+
+def _install(lm: Any) -> _Head:
+    import types
+    bound = lm.forward
+    original = bound.__func__ if getattr(bound, "__self__", None) is lm else (lambda _self, *a, **k: bound(*a, **k))
+    head = lm.get_output_embeddings()
+    state = _Head(decoder=getattr(lm, getattr(lm, "base_model_prefix", "model")), fused=_is_dense_linear(head),
+                  original=original)
+    lm.forward = types.MethodType(_causal_lm_forward, lm)
+    if state.fused:
+        head.forward = types.MethodType(_head_forward, head)
+    return state
+
+
+def _causal_lm_forward(self: Any, *args: Any, swiftlite_labels: "torch.Tensor | None" = None, **kwargs: Any):
+    """The CausalLM's forward: its original one, or (with swiftlite_labels) decoder + summed loss."""
+    state = self.__dict__[_STATE]
+    if swiftlite_labels is None:
+        return state.original(self, *args, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    for k in ("labels", "logits_to_keep", "return_dict", "use_cache", "num_items_in_batch"):
+        kwargs.pop(k, None)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    out = state.decoder(*args, use_cache=False, **kwargs)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    labels = swiftlite_labels[:, 1:]
+    keep = labels != IGNORE
+    h = hidden[:, :-1][keep]          # [targets, H]: only positions that have a target
+    y = labels[keep]
+    if state.fused:
+        loss = self.get_output_embeddings()(h, swiftlite_targets=y, swiftlite_impl=state.impl,
+                                            swiftlite_chunk=state.chunk)
+    else:
+        import torch.nn.functional as F
+        loss = F.cross_entropy(self.get_output_embeddings()(h).float(), y, reduction="sum")
+    return CausalLMOutputWithPast(loss=loss)
+
+
+def _head_forward(self: Any, hidden: "torch.Tensor", *, swiftlite_targets: "torch.Tensor | None" = None,
+                  swiftlite_impl: str = DEFAULT_LOSS_IMPL, swiftlite_chunk: int = 0):
+    """lm_head's forward: the Linear, or (with swiftlite_targets) the summed loss of those targets.
+    Running as this module's forward is what gives ZeRO-3 the gathered weight (module docstring)."""
+    import torch
+    if swiftlite_targets is None:
+        return torch.nn.Linear.forward(self, hidden)
+    w, b, y = self.weight, self.bias, swiftlite_targets
+    if swiftlite_impl == "chunked":
+        from swiftlite.parallel.chunked_ce import linear_cross_entropy_sum
+        return linear_cross_entropy_sum(hidden, w, b, y, chunk_tokens_for(w.shape[0], swiftlite_chunk))
+    if swiftlite_impl in EXTRAS and not y.numel():  # no target on this rank: a zero still tied to the weight
+        return torch.nn.Linear.forward(self, hidden).float().sum()
+    if swiftlite_impl == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+        out = liger_fused_linear_cross_entropy(hidden, w, y, bias=b, ignore_index=IGNORE, reduction="sum")
+        return (out[0] if isinstance(out, tuple) else out).float()
+    if swiftlite_impl == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+        return linear_cross_entropy(hidden, w, y, bias=b, ignore_index=IGNORE, reduction="sum").float()
+    raise UserError(f"--loss-impl {swiftlite_impl!r}: choose from {', '.join(LOSS_IMPLS)}")
+
+
+def apply_liger_kernels(lm: Any) -> None:
+    """--use-liger-kernel: Liger's RMSNorm, RoPE and SwiGLU on this CausalLM instance (the loss stays
+    --loss-impl's). Needs a GPU and liger-kernel (check_loss_options says so before launch)."""
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        raise UserError("--use-liger-kernel needs the liger_kernel package: pip install 'swiftlite[liger]'") from None
+    _apply_liger_kernel_to_instance(model=lm, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+
+
+__all__ = ["CHUNK_LOGIT_ELEMENTS", "DEFAULT_LOSS_IMPL", "LOSS_IMPLS", "LossOptions", "apply_liger_kernels",
+           "check_loss_options", "chunk_tokens_for", "find_causal_lm", "loss_options", "token_loss_sum"]

@@ -48,7 +48,10 @@ class TorchEngine:
 
     # -- step loop -------------------------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return token_loss_sum(self.module, batch)
+        """Summed next-token CE in fp32 (parallel/loss.py, --loss-impl), through the root module, so
+        that FSDP's root unit has lm_head unsharded for the loss once per micro-batch."""
+        from swiftlite.parallel.loss import loss_options
+        return token_loss_sum(self.module, batch, loss_options(self.cfg))
 
     def micro_batch(self, last: bool) -> Any:
         """Context for one micro-batch: gradients are synchronised only on the last one of an

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from swiftlite import dtypes
 from swiftlite.config import TRAIN_TYPES
 from swiftlite.errors import UserError
+from swiftlite.parallel.loss import LOSS_IMPLS, chunk_tokens_for
 from swiftlite.planner.backends import backend_record, table_backends
 from swiftlite.planner.shape import ModelShape
 
@@ -44,11 +45,15 @@ if TYPE_CHECKING:
 
 GiB = 2**30
 
-#: Logits memory, bytes per (token x vocab entry). The loss upcasts logits to fp32; cross-entropy
-#: saves its fp32 log-probabilities (4 bytes), and at the start of backward the gradient arriving
-#: from the loss and the gradient of the logits exist next to them (4 + 4): the peak is 12 bytes.
-#: (The steady state between forward and backward is 4; a run OOMs at the peak.)
+#: Logits memory of `--loss-impl plain`, bytes per (token x vocab entry). The loss upcasts logits to
+#: fp32; cross-entropy saves its fp32 log-probabilities (4 bytes), and at the start of backward the
+#: gradient arriving from the loss and the gradient of the logits exist next to them (4 + 4): the peak
+#: is 12 bytes. (The steady state between forward and backward is 4; a run OOMs at the peak.)
 LOGIT_BYTES = 12
+#: `--loss-impl chunked` (parallel/chunked_ce.py) holds one chunk's fp32 logits, turned in place into
+#: their gradient: 4 bytes per (chunk row x vocab entry), + the 16-bit matmul output / gradient copy
+#: (e bytes) when the compute dtype is 16-bit. Rows per chunk: parallel/loss.py `chunk_tokens_for`.
+CHUNK_LOGIT_BYTES = 4
 
 #: ZeRO-3 prefetch bucket in units of h*h elements: ds_config.py fills DeepSpeed's "auto" sizes the
 #: Hugging Face way (reduce_bucket_size = h*h, stage3_prefetch_bucket_size = 0.9*h*h). ZeRO-2's
@@ -109,6 +114,8 @@ class Workload:
     usable_fraction: float = 0.9         # a GPU "fits" when the total stays under this share of memory
     fsdp2_available: bool = True         # torch >= 2.4 (fully_shard)
     pure_bf16: bool = False              # --pure-bf16: bf16 params and optimizer state, no fp32 master
+    loss_impl: str = "chunked"           # --loss-impl: chunked (no full logits), liger, cce or plain
+    loss_chunk_tokens: int = 0           # --loss-chunk-tokens (0: auto)
 
     def __post_init__(self) -> None:
         if dtypes.normalize(self.dtype) in dtypes.NAMES:
@@ -140,6 +147,10 @@ class Workload:
                 return f"{flag} must be > 0, got {v}"
         if not 0 < self.usable_fraction <= 1:
             return f"usable_fraction must be in (0, 1], got {self.usable_fraction}"
+        if self.loss_impl not in LOSS_IMPLS:
+            return f"--loss-impl {self.loss_impl!r}: choose from {', '.join(LOSS_IMPLS)}"
+        if not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 0:
+            return f"--loss-chunk-tokens must be >= 0 (0 = auto), got {self.loss_chunk_tokens!r}"
         return None
 
     @property
@@ -294,7 +305,7 @@ def activation_bytes(shape: ModelShape, w: Workload) -> int:
     only its fp32 logsumexp (heads * s). LoRA dropout keeps a dropped-out copy of each adapted input
     plus its mask (1 byte on CUDA; on CPU, torch's dropout multiplies by a noise tensor of the
     input's dtype and keeps that). With checkpointing, each layer keeps only its input (s * b * h) and one
-    layer is recomputed at a time. The logits add LOGIT_BYTES per (token x vocab entry).
+    layer is recomputed at a time. The loss adds `logit_bytes` (its --loss-impl).
     """
     e = w.elem
     s, b = w.max_length, w.micro_batch
@@ -314,7 +325,37 @@ def activation_bytes(shape: ModelShape, w: Workload) -> int:
         layers = shape.layers * tokens * shape.hidden * e + layer
     else:
         layers = shape.layers * layer
-    return layers + tokens * shape.vocab * LOGIT_BYTES
+    return layers + logit_bytes(shape, w)
+
+
+def logit_bytes(shape: ModelShape, w: Workload) -> int:
+    """Memory of the loss at its peak, per micro-batch, by --loss-impl (docs/estimate.md, "Logits").
+
+    plain:   every token's logits, LOGIT_BYTES per (token x vocab entry).
+    chunked: one chunk of rows at a time (CHUNK_LOGIT_BYTES + e for 16-bit per entry), the hidden
+             states gathered at the target positions and their gradient (2 * tokens * h * e; every
+             token counted as a target: an upper bound), and for a 16-bit full fine-tune the fp32
+             accumulator of lm_head's gradient (4 * vocab * h, beside the 16-bit gradient the states
+             count; in fp32 the accumulator becomes that gradient).
+    liger:   Liger's chunks of next_pow2(tokens / ceil(vocab / h)) rows in the compute dtype, with the
+             same gathered hidden states and gradient.
+    cce:     logits stay in on-chip blocks: the gathered hidden states and their gradient only.
+    """
+    e = w.elem
+    tokens = w.max_length * w.micro_batch
+    v, h = shape.vocab, shape.hidden
+    if w.loss_impl == "plain":
+        return tokens * v * LOGIT_BYTES
+    hidden = 2 * tokens * h * e
+    if w.loss_impl == "cce":
+        return hidden
+    if w.loss_impl == "liger":
+        rows = min(tokens, 1 << max(0, math.ceil(tokens / math.ceil(v / h)) - 1).bit_length())
+        return hidden + rows * v * e
+    rows = min(tokens, chunk_tokens_for(v, w.loss_chunk_tokens))
+    chunk = rows * v * (CHUNK_LOGIT_BYTES + (e if e < 4 else 0))
+    accumulator = 4 * v * h if (w.train_type == "full" and e < 4) else 0
+    return hidden + chunk + accumulator
 
 
 def _gathered_layer_bytes(shape: ModelShape, w: Workload) -> int:
@@ -447,7 +488,8 @@ def estimate_all(shape: ModelShape, workload: Workload) -> dict[str, MemoryEstim
     return {rec.name: estimate(shape, workload, rec) for rec in table_backends(workload.world_size)}
 
 
-__all__ = ["GiB", "LOGIT_BYTES", "MemoryEstimate", "Workload", "activation_bytes", "base_bits",
+__all__ = ["CHUNK_LOGIT_BYTES", "GiB", "LOGIT_BYTES", "LOSS_IMPLS", "MemoryEstimate", "Workload", "activation_bytes",
+           "base_bits", "logit_bytes",
            "comm_bytes_per_step", "estimate", "estimate_all", "model_state_bytes", "quantized_bytes",
            "temp_buffer_bytes", "trainable_params", "unavailable_reason"]
 

@@ -143,7 +143,9 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         max_length=cfg.data.max_length, micro_batch=cfg.train.per_device_train_batch_size,
         gradient_checkpointing=cfg.train.gradient_checkpointing, world_size=world_size,
         gpus_per_node=gpus_per_node or cfg.parallel.nproc_per_node or world_size,
-        gpu_memory_bytes=gpu_memory_bytes, fsdp2_available=_has_fsdp2())
+        gpu_memory_bytes=gpu_memory_bytes, fsdp2_available=_has_fsdp2(),
+        loss_impl=cfg.train.loss_impl, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+        pure_bf16=cfg.parallel.pure_bf16)
 
 
 def _has_fsdp2() -> bool:
