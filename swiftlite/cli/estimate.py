@@ -42,6 +42,10 @@ def estimate_cmd(
     lora_rank: int = typer.Option(8, "--lora-rank", "--lora_rank", help="LoRA rank (all-linear targets)."),
     quant_bits: Optional[int] = typer.Option(None, "--quant-bits", "--quant_bits",
                                              help="4 or 8: quantized base for LoRA (--qlora implies 4)."),
+    loss_impl: str = typer.Option("chunked", "--loss-impl", "--loss_impl",
+                                  help="chunked (the default: no full logits), plain, liger or cce."),
+    pure_bf16: bool = typer.Option(False, "--pure-bf16", "--pure_bf16",
+                                   help="bf16 parameters and optimizer state, no fp32 master (torch backends)."),
     external_plugins: Optional[list[str]] = typer.Option(
         None, "--external-plugins", "--external_plugins", metavar="FILE",
         help="Python file run first; it may register backends, which then get a row. Repeat for several."),
@@ -58,7 +62,7 @@ def estimate_cmd(
     decision = run_estimate(model=model, train_type=(shorthands or [train_type or "full"])[0], gpus=gpus,
                             nodes=nodes, gpu_memory=gpu_memory, cpu_memory=cpu_memory, max_length=max_length,
                             micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing, dtype=dtype,
-                            lora_rank=lora_rank, quant_bits=quant_bits)
+                            lora_rank=lora_rank, quant_bits=quant_bits, loss_impl=loss_impl, pure_bf16=pure_bf16)
     if as_json:
         print(to_json(decision))
     else:

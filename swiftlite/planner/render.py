@@ -24,7 +24,8 @@ from swiftlite.sizes import parse_size
 def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int = 1,
                  gpu_memory: str = "80GB", max_length: int = 2048, micro_batch: int = 1,
                  gradient_checkpointing: bool = True, dtype: str = "bf16", lora_rank: int = 8,
-                 quant_bits: int | None = None, cpu_memory: str | None = None) -> Decision:
+                 quant_bits: int | None = None, cpu_memory: str | None = None, loss_impl: str = "chunked",
+                 pure_bf16: bool = False) -> Decision:
     """Estimate every backend for `model` on `nodes` x `gpus` GPUs and recommend one.
 
     `gpus` is per node; sizes are parse_size's (a bare number is GB); `cpu_memory` is per node and,
@@ -39,7 +40,8 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
         train_type=train_type, dtype=dtype, lora_rank=lora_rank, quant_bits=quant_bits,
         max_length=max_length, micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing,
         world_size=gpus * nodes, gpus_per_node=gpus, gpu_memory_bytes=parse_size(gpu_memory, "--gpu-memory"),
-        cpu_memory_bytes=parse_size(cpu_memory, "--cpu-memory") if cpu_memory is not None else None)
+        cpu_memory_bytes=parse_size(cpu_memory, "--cpu-memory") if cpu_memory is not None else None,
+        loss_impl=loss_impl, pure_bf16=pure_bf16)
     return recommend(shape, workload)
 
 
