@@ -36,24 +36,16 @@ from typing import TYPE_CHECKING
 from swiftlite import dtypes
 from swiftlite.config import TRAIN_TYPES
 from swiftlite.errors import UserError
-from swiftlite.parallel.loss import LOSS_IMPLS, chunk_tokens_for
+from swiftlite.parallel.loss import LOSS_IMPLS
 from swiftlite.planner.backends import backend_record, table_backends
+from swiftlite.planner.activations import (CHUNK_LOGIT_BYTES, LOGIT_BYTES,  # noqa: F401 (re-exported)
+                                           activation_bytes, logit_bytes)
 from swiftlite.planner.shape import ModelShape
 
 if TYPE_CHECKING:
     from swiftlite.parallel.base import Backend
 
 GiB = 2**30
-
-#: Logits memory of `--loss-impl plain`, bytes per (token x vocab entry). The loss upcasts logits to
-#: fp32; cross-entropy saves its fp32 log-probabilities (4 bytes), and at the start of backward the
-#: gradient arriving from the loss and the gradient of the logits exist next to them (4 + 4): the peak
-#: is 12 bytes. (The steady state between forward and backward is 4; a run OOMs at the peak.)
-LOGIT_BYTES = 12
-#: `--loss-impl chunked` (parallel/chunked_ce.py) holds one chunk's fp32 logits, turned in place into
-#: their gradient: 4 bytes per (chunk row x vocab entry), + the 16-bit matmul output / gradient copy
-#: (e bytes) when the compute dtype is 16-bit. Rows per chunk: parallel/loss.py `chunk_tokens_for`.
-CHUNK_LOGIT_BYTES = 4
 
 #: ZeRO-3 prefetch bucket in units of h*h elements: ds_config.py fills DeepSpeed's "auto" sizes the
 #: Hugging Face way (reduce_bucket_size = h*h, stage3_prefetch_bucket_size = 0.9*h*h). ZeRO-2's
@@ -292,70 +284,6 @@ def model_state_bytes(shape: ModelShape, workload: Workload, backend: str | Back
     return {"params": part(frozen + trainable * p_b, shard_p),
             "grads": part(trainable * g_b, shard_g),
             "optimizer": part(trainable * o_b, shard_o)}
-
-
-def activation_bytes(shape: ModelShape, w: Workload) -> int:
-    """Activation memory per GPU at the peak of one micro-batch (see docs/estimate.md).
-
-    Per token and decoder layer, a Llama-style block keeps (in the compute dtype): both norm inputs
-    and outputs (4h), q and the attention output (2 * heads * head_dim), k and v (2 * kv * head_dim),
-    and the SwiGLU gate, up, act and product (4i): Korthikanti et al.'s 34sbh adapted to RMSNorm,
-    GQA, SwiGLU and no dropout. 16-bit RMSNorm upcasts its input to fp32 (+2 * 4h bytes).
-    Eager attention adds the softmax matrix (heads * s^2, fp32 + a 16-bit copy); SDPA/flash keeps
-    only its fp32 logsumexp (heads * s). LoRA dropout keeps a dropped-out copy of each adapted input
-    plus its mask (1 byte on CUDA; on CPU, torch's dropout multiplies by a noise tensor of the
-    input's dtype and keeps that). With checkpointing, each layer keeps only its input (s * b * h) and one
-    layer is recomputed at a time. The loss adds `logit_bytes` (its --loss-impl).
-    """
-    e = w.elem
-    s, b = w.max_length, w.micro_batch
-    tokens = s * b
-    q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    per_token = (4 * shape.hidden + 2 * q_dim + 2 * kv_dim + 4 * shape.intermediate) * e
-    if e < 4:
-        per_token += 2 * 4 * shape.hidden
-    if w.peft and w.lora_dropout > 0:
-        per_token += shape.lora_input_features(w.lora_targets) * (e + (e if w.cpu else 1))
-    layer = tokens * per_token
-    if w.flash_attention:
-        layer += shape.heads * tokens * 4
-    else:
-        layer += shape.heads * s * s * b * (4 + e)
-    if w.gradient_checkpointing:
-        layers = shape.layers * tokens * shape.hidden * e + layer
-    else:
-        layers = shape.layers * layer
-    return layers + logit_bytes(shape, w)
-
-
-def logit_bytes(shape: ModelShape, w: Workload) -> int:
-    """Memory of the loss at its peak, per micro-batch, by --loss-impl (docs/estimate.md, "Logits").
-
-    plain:   every token's logits, LOGIT_BYTES per (token x vocab entry).
-    chunked: one chunk of rows at a time (CHUNK_LOGIT_BYTES + e for 16-bit per entry), the hidden
-             states gathered at the target positions and their gradient (2 * tokens * h * e; every
-             token counted as a target: an upper bound), and for a 16-bit full fine-tune the fp32
-             accumulator of lm_head's gradient (4 * vocab * h, beside the 16-bit gradient the states
-             count; in fp32 the accumulator becomes that gradient).
-    liger:   Liger's chunks of next_pow2(tokens / ceil(vocab / h)) rows in the compute dtype, with the
-             same gathered hidden states and gradient.
-    cce:     logits stay in on-chip blocks: the gathered hidden states and their gradient only.
-    """
-    e = w.elem
-    tokens = w.max_length * w.micro_batch
-    v, h = shape.vocab, shape.hidden
-    if w.loss_impl == "plain":
-        return tokens * v * LOGIT_BYTES
-    hidden = 2 * tokens * h * e
-    if w.loss_impl == "cce":
-        return hidden
-    if w.loss_impl == "liger":
-        rows = min(tokens, 1 << max(0, math.ceil(tokens / math.ceil(v / h)) - 1).bit_length())
-        return hidden + rows * v * e
-    rows = min(tokens, chunk_tokens_for(v, w.loss_chunk_tokens))
-    chunk = rows * v * (CHUNK_LOGIT_BYTES + (e if e < 4 else 0))
-    accumulator = 4 * v * h if (w.train_type == "full" and e < 4) else 0
-    return hidden + chunk + accumulator
 
 
 def _gathered_layer_bytes(shape: ModelShape, w: Workload) -> int:
