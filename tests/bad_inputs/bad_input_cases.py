@@ -252,7 +252,8 @@ CASES: list[Case] = [
     # -- combinations the recipes use --------------------------------------------------------------
     Case("recipe-qlora-zero3-offload", ["sft", *GOOD[:2], *DATA, "--qlora", "--parallelism", "zero3_offload"],
          "DeepSpeed offload cannot move bitsandbytes-quantized weights"),
-    Case("recipe-full-quant", ["sft", *GOOD, *DATA, "--quant-bits", "4"], "--quant-bits needs --train-type lora/qlora"),
+    Case("recipe-full-quant", ["sft", *GOOD, *DATA, "--train-type", "full", "--quant-bits", "4"],
+         "--quant-bits needs --train-type lora/qlora"),
     Case("recipe-fp16-fsdp", ["sft", *GOOD[:4], *DATA, "--parallelism", "fsdp", "--torch-dtype", "fp16"],
          "--torch-dtype fp16 needs loss scaling"),
     Case("recipe-cpu-offload-zero3", ["sft", *GOOD, *DATA, "--parallelism", "zero3", "--cpu-offload"],
