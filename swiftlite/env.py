@@ -148,8 +148,8 @@ SLURM_VARS = ("SLURM_JOB_ID", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
 
 
 def in_slurm() -> bool:
-    """True inside a Slurm job (SLURM_JOB_ID or SLURM_NODELIST set)."""
-    return any(v in os.environ for v in SLURM_VARS)
+    """True inside a Slurm job (SLURM_JOB_ID or SLURM_NODELIST set, not empty)."""
+    return any(os.environ.get(v) for v in SLURM_VARS)
 
 
 def launcher_var_for(field: str) -> str | None:

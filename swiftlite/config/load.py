@@ -21,11 +21,11 @@ from typing import Any
 
 from swiftlite.config.msswift import NO_MEANING, check_no_meaning, check_value
 from swiftlite.config.rules import validate
-from swiftlite.config.schema import (FALSE_WORDS, SECTIONS, TRUE_WORDS, FieldSpec, RunConfig, field_specs,
-                                     section_classes)
+from swiftlite.config.schema import (FALSE_WORDS, SECRET_KEY, SECTIONS, TRUE_WORDS, FieldSpec, RunConfig,
+                                     field_specs, section_classes)
 from swiftlite.errors import UserError
 
-__all__ = ["FALSE_WORDS", "TRUE_WORDS", "alias_keys", "apply_env", "build_config", "canonical_key", "coerce",
+__all__ = ["FALSE_WORDS", "SECRET_KEY", "TRUE_WORDS", "alias_keys", "apply_env", "build_config", "canonical_key", "coerce",
            "context_length", "gpu_torch_build", "load_args", "load_config", "model_config_dict",
            "read_config_file", "redact_secrets", "resolve_light_defaults", "resolve_strategies", "save_args"]
 
@@ -288,7 +288,6 @@ def load_config(config_file: str | None, overrides: dict[str, Any], *, task: str
     return cfg
 
 
-SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_key|credential", re.IGNORECASE)
 
 
 def redact_secrets(data: Any) -> Any:

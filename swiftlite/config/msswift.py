@@ -138,8 +138,11 @@ def check_no_meaning(name: str, value: Any, source: str) -> None:
     entry = NO_MEANING[name]
     if canonical_value(value, entry.switch) in entry.fits:
         return
-    shown = "" if value is True else f" {' '.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
-    where = f"--{name}{shown}" if source == "flags" else f"{source}: {name}: {value!r}"
+    from swiftlite.config.schema import SECRET_KEY
+    secret = SECRET_KEY.search(name) is not None  # never echo a secret
+    shown = "" if value is True or secret else \
+        f" {' '.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
+    where = f"--{name}{shown}" if source == "flags" else f"{source}: {name}" + ("" if secret else f": {value!r}")
     raise UserError(f"{where}: {entry.why}")
 
 

@@ -13,6 +13,7 @@ Reading files, flags and env vars into a `RunConfig` is `load.py`; the validatio
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ def _attn_name(value: Any) -> Any:
     return "flash_attention_2" if str(value).strip().lower() == "flash_attn" else value
 
 
+#: Keys whose values are never written or echoed (hub_token, password, api_key, ...).
+SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_key|credential", re.IGNORECASE)
 #: Words a boolean flag or config value accepts as true / false (case-insensitive).
 TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f"})
