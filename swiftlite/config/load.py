@@ -25,8 +25,8 @@ from swiftlite.config.schema import (FALSE_WORDS, SECRET_KEY, SECTIONS, TRUE_WOR
                                      field_specs, section_classes)
 from swiftlite.errors import UserError
 
-__all__ = ["FALSE_WORDS", "SECRET_KEY", "TRUE_WORDS", "alias_keys", "apply_env", "build_config", "canonical_key", "coerce",
-           "context_length", "gpu_torch_build", "load_args", "load_config", "model_config_dict",
+__all__ = ["FALSE_WORDS", "SECRET_KEY", "TRUE_WORDS", "alias_keys", "apply_env", "build_config", "canonical_key",
+           "coerce", "context_length", "gpu_torch_build", "load_args", "load_config", "model_config_dict",
            "read_config_file", "redact_secrets", "resolve_light_defaults", "resolve_strategies", "save_args"]
 
 

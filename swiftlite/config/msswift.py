@@ -25,7 +25,8 @@ class NoMeaning:
     many: bool = False            # takes several values: --model_author A B
 
 
-_NO_LORA_VARIANT = "not available: LoRA here has --lora-rank, --lora-alpha, --lora-dropout, --target-modules, --modules-to-save"
+_NO_LORA_VARIANT = ("not available: LoRA here has --lora-rank, --lora-alpha, --lora-dropout, --target-modules, "
+                    "--modules-to-save")
 _MULTIMODAL = "multimodal models are not supported (text causal LMs only)"
 
 NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [

@@ -79,7 +79,8 @@ def test_pretraining_on_text(tmp_path):
     data = tmp_path / "t.jsonl"
     data.write_text("".join(json.dumps({"text": "abcdefgh" * (i % 5 + 1)}) + "\n" for i in range(64)))
     out = tmp_path / "pt"
-    run_cli(["pt", "--model", "tiny-llama-2l", "--train-type", "full", "--dataset", data, "--max-steps", 15, "--learning-rate", "3e-3",
+    run_cli(["pt", "--model", "tiny-llama-2l", "--train-type", "full", "--dataset", data, "--max-steps", 15,
+             "--learning-rate", "3e-3",
              "--per-device-train-batch-size", 8, "--output-dir", out, "--logging-steps", 1, "--packing",
              "--max-length", 64])
     losses = read_losses(out)

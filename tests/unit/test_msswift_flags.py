@@ -478,3 +478,22 @@ def test_no_meaning_table_is_consistent():
         assert key in specs and value not in specs[key].choices
     for e in NO_MEANING.values():
         assert re.match(r"^[a-z0-9_]+$", e.name) and e.why and not e.why.endswith(".")
+
+
+def test_on_a_gpu_build_auto_waits_for_the_model_and_the_device(monkeypatch):
+    """A CUDA build of torch: config.load cannot know whether a GPU is usable without importing torch, so
+    `auto` stays until models.loading.resolve_model_defaults (or load_model) asks torch and reads the
+    model's config; here torch sees no GPU, so fp32."""
+    import swiftlite.config.load as load
+    from swiftlite.models.loading import load_model, resolve_model_defaults
+    monkeypatch.setattr(load, "gpu_torch_build", lambda: True)
+    cfg = resolve(["--quant_bits", "4", "--bnb_4bit_compute_dtype", "bfloat16"])
+    assert cfg.model.torch_dtype == "auto"
+    with pytest.raises(UserError, match="--bnb-4bit-compute-dtype bf16 differs from --torch-dtype fp32"):
+        resolve_model_defaults(cfg)  # the rules that depend on the dtype run again once it is known
+    cfg = resolve([])
+    assert resolve_model_defaults(cfg) == ["auto: fp32 on CPU"] and cfg.model.torch_dtype == "fp32"
+    assert resolve_model_defaults(cfg) == []  # nothing left: no model config read, no torch asked
+    cfg = resolve([])
+    load_model(cfg)  # export/infer build configs without resolving: the loader does it
+    assert cfg.model.torch_dtype == "fp32"
