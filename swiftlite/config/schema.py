@@ -181,8 +181,10 @@ class TrainConfig:
     seed: int = opt(42, "Seed for weights of built-in models, data order, dropout.")
     output_dir: str = opt("output", "Run folder (args.json, logs, checkpoints).")
     logging_steps: int = opt(5, "Log every N optimizer steps.")
-    eval_strategy: str | None = opt(None, "When to validate: steps (every --eval-steps), epoch, or no (no validation "
-                                    "data may be given). Default: as --save-strategy.", choices=STRATEGIES)
+    eval_strategy: str | None = opt(None, "When to validate (needs validation data): steps (every --eval-steps), "
+                                    "epoch, or no (then give no validation data). Unset: every --eval-steps, else "
+                                    "at each checkpoint --save-strategy/--save-steps make, and at the end.",
+                                    choices=STRATEGIES)
     eval_steps: int | None = opt(None, "Validate every N steps (default: at --save-steps and the end).")
     report_to: list[str] = opt(help="Extra loggers: tensorboard, all or none (jsonl is always written).",
                                factory=list)
