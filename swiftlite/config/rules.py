@@ -215,10 +215,11 @@ def _gc_kwargs(c: RunConfig):
 @rule("save and eval strategies")
 def _strategies(c: RunConfig):
     ck, t, d = c.checkpoint, c.train, c.data
-    if ck.save_strategy != "steps" and ck.save_steps is not None:
+    # given steps, not the ones resolve_strategies derives from a strategy
+    if ck.save_strategy != "steps" and "save_steps" in c.explicit:
         return (f"--save-steps with --save-strategy {ck.save_strategy}: the strategy decides when to save; "
                 "drop one of them")
-    if t.eval_strategy == "epoch" and t.eval_steps is not None:
+    if t.eval_strategy == "epoch" and "eval_steps" in c.explicit:
         return "--eval-steps with --eval-strategy epoch: the strategy decides when to validate; drop one of them"
     has_val = bool(d.val_dataset) or d.split_dataset_ratio > 0
     if t.eval_strategy == "no" and has_val:

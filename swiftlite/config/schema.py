@@ -55,8 +55,8 @@ TRUNCATION = ("delete", "left", "right")
 class ModelConfig:
     model: str = opt("tiny-llama", "Preset name (see `swiftlite models`), local HF folder or hub id.")
     torch_dtype: str = opt("auto", "Parameter and compute dtype (also bfloat16, float16, float32). auto, as in "
-                           "ms-swift: the model config's torch_dtype on a GPU (bf16 for current models), fp32 "
-                           "on CPU.", aliases=("--dtype",), choices=(*DTYPES, "auto"), normalize=_dtype_name)
+                           "ms-swift: the model config's torch_dtype on a GPU (bf16 for current models; bf16 "
+                           "for float16 ones too where the GPU has it), fp32 on CPU.", aliases=("--dtype",), choices=(*DTYPES, "auto"), normalize=_dtype_name)
     template: str | None = opt(None, "Chat template: a Jinja file; default the tokenizer's own (ms-swift "
                                "template names such as qwen2_5 do not apply).")
     trust_remote_code: bool = opt(False, "Allow the model folder's own Python code (off by default).")

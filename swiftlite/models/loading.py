@@ -74,10 +74,12 @@ def torch_dtype(name: str) -> "torch.dtype":
 # -- ms-swift's defaults that come from the model: --torch-dtype auto, --max-length ---------------------
 
 def resolve_auto_dtype(cfg: "RunConfig", model_config: Any, has_cuda: bool, *, bf16_ok: bool = True) -> str | None:
-    """--torch-dtype auto -> a concrete name, as ms-swift: on a GPU the model config's torch_dtype (float16
-    stays fp16; bfloat16, float32 or none -> bf16, or fp16 on a GPU without bf16), on CPU fp32. Sets
-    cfg.model.torch_dtype and returns a phrase saying why ("auto: bf16, the model's dtype on a GPU"),
-    or None when it was not auto. Needs no torch import (the caller says whether there is a GPU)."""
+    """--torch-dtype auto -> a concrete name, as ms-swift: on a GPU the model config's 16-bit dtype, which
+    is bf16 for current models (bfloat16, float32 or none declared -> bf16); a float16 model trains in bf16
+    too where the GPU has it (fp16 needs loss scaling, which only DeepSpeed has here); on a GPU without
+    bf16, and on CPU, fp32 (what every backend runs; pass --torch-dtype fp16 with --deepspeed for fp16). Sets cfg.model.torch_dtype and returns a phrase saying
+    why ("auto: bf16 on a GPU (the model's dtype)"), or None when it was not auto. Needs no torch import
+    (the caller says whether there is a GPU and whether it has bf16)."""
     if cfg.model.torch_dtype != "auto":
         return None
     if not has_cuda:
@@ -86,12 +88,13 @@ def resolve_auto_dtype(cfg: "RunConfig", model_config: Any, has_cuda: bool, *, b
     get = model_config.get if isinstance(model_config, dict) else lambda k: getattr(model_config, k, None)
     declared = get("dtype") or get("torch_dtype")
     name = dtypes.normalize(declared) if declared is not None else None
-    if name == "fp16" or not bf16_ok:
-        cfg.model.torch_dtype = "fp16"
-        why = "the model's dtype" if name == "fp16" else "this GPU has no bf16"
+    if not bf16_ok:
+        cfg.model.torch_dtype = "fp32"
+        why = "this GPU has no bf16, and fp16 needs loss scaling: --torch-dtype fp16 with --deepspeed"
     else:
         cfg.model.torch_dtype = "bf16"
-        why = "the model's dtype" if name == "bf16" else "the model declares no 16-bit dtype"
+        why = {"bf16": "the model's dtype", "fp16": "the model declares float16; bf16 needs no loss scaling"}.get(
+            name, "the model declares no 16-bit dtype")
     return f"auto: {cfg.model.torch_dtype} on a GPU ({why})"
 
 

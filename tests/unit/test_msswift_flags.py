@@ -323,8 +323,9 @@ def test_every_new_field_has_both_spellings():
 # -- defaults that come from the model ---------------------------------------------------------------
 
 @pytest.mark.parametrize("declared,cuda,bf16_ok,want", [
-    ("bfloat16", True, True, "bf16"), ("float16", True, True, "fp16"), ("float32", True, True, "bf16"),
-    (None, True, True, "bf16"), ("bfloat16", True, False, "fp16"), ("bfloat16", False, True, "fp32"),
+    ("bfloat16", True, True, "bf16"), ("float16", True, True, "bf16"), ("float32", True, True, "bf16"),
+    ("float16", True, False, "fp32"),
+    (None, True, True, "bf16"), ("bfloat16", True, False, "fp32"), ("bfloat16", False, True, "fp32"),
     ("torch.bfloat16", True, True, "bf16"),
 ])
 def test_auto_dtype(declared, cuda, bf16_ok, want):
