@@ -5,7 +5,7 @@
 set -euo pipefail
 : "${HOSTFILE:?set HOSTFILE to a DeepSpeed hostfile (hostname slots=N per line)}"
 exec swiftlite sft \
-  --model "${MODEL:-llama-8b}" --dataset "${DATA:-data.jsonl}" \
+  --model "${MODEL:-llama-8b}" --dataset "${DATA:-data.jsonl}" --train-type full \
   --parallelism zero3 --launcher deepspeed --hostfile "$HOSTFILE" \
   --nproc-per-node "${NPROC_PER_NODE:-8}" --master-addr "${MASTER_ADDR:-127.0.0.1}" \
   --master-port "${MASTER_PORT:-29500}" \

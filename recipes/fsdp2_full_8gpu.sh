@@ -6,7 +6,7 @@ set -euo pipefail
 MODEL=${MODEL:-llama-8b}
 DATA=${DATA:-data.jsonl}
 exec swiftlite sft \
-  --model "$MODEL" --dataset "$DATA" \
+  --model "$MODEL" --dataset "$DATA" --train-type full \
   --parallelism fsdp --nproc-per-node "${NPROC_PER_NODE:-8}" \
   --torch-dtype bf16 --mixed-precision bf16 --gradient-checkpointing --compile \
   --max-length 4096 --per-device-train-batch-size 1 --gradient-accumulation-steps 8 \

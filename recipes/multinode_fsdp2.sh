@@ -8,7 +8,7 @@ set -euo pipefail
 : "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}"
 : "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"
 exec swiftlite sft \
-  --model "${MODEL:-llama-70b}" --dataset "${DATA:-data.jsonl}" \
+  --model "${MODEL:-llama-70b}" --dataset "${DATA:-data.jsonl}" --train-type full \
   --parallelism fsdp --nnodes "${NNODES:-2}" --node-rank "$NODE_RANK" \
   --nproc-per-node "${NPROC_PER_NODE:-8}" --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}" \
   --torch-dtype bf16 --gradient-checkpointing --max-length 4096 \

@@ -6,7 +6,7 @@
 # Extra arguments pass through (--dry-run prints the plan).
 set -euo pipefail
 exec swiftlite sft \
-  --model "${MODEL:-llama-70b}" --dataset "${DATA:-data.jsonl}" \
+  --model "${MODEL:-llama-70b}" --dataset "${DATA:-data.jsonl}" --train-type full \
   --parallelism zero3_offload --nproc-per-node "${NPROC_PER_NODE:-8}" \
   --torch-dtype bf16 --gradient-checkpointing --max-length 4096 \
   --per-device-train-batch-size 1 --gradient-accumulation-steps 16 \

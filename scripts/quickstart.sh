@@ -19,7 +19,7 @@ swiftlite infer --model tiny-llama --seed 42 --dataset demo_data/val.jsonl --met
 
 echo "== fine-tuning tiny-llama with FSDP2 on ${NPROC} processes =="
 swiftlite sft --model tiny-llama --dataset demo_data/train.jsonl --val-dataset demo_data/val.jsonl \
-  --parallelism fsdp --nproc-per-node "$NPROC" --torch-dtype fp32 \
+  --train-type full --parallelism fsdp --nproc-per-node "$NPROC" --torch-dtype fp32 \
   --per-device-train-batch-size 16 --learning-rate 2e-3 --lr-scheduler cosine --warmup-ratio 0.05 \
   --weight-decay 0.0 --max-steps "$STEPS" --logging-steps 25 --eval-steps 125 --save-steps 125 \
   --seed 42 --output-dir "$OUT" --overwrite-output-dir

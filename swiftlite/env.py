@@ -143,6 +143,15 @@ def launcher_values() -> dict[str, str]:
     return {key: os.environ[var] for var, key in LAUNCHER_VARS.items() if var in os.environ}
 
 
+#: Set by Slurm in a job's environment (srun/sbatch): the job's nodes find node 0 from its node list.
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
+
+
+def in_slurm() -> bool:
+    """True inside a Slurm job (SLURM_JOB_ID or SLURM_NODELIST set, not empty)."""
+    return any(os.environ.get(v) for v in SLURM_VARS)
+
+
 def launcher_var_for(field: str) -> str | None:
     """The environment variable that can fill a run-config field (for error messages)."""
     for var, key in LAUNCHER_VARS.items():

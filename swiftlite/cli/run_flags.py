@@ -1,8 +1,9 @@
 """The flags of `sft` and `pt`, generated from the RunConfig fields (`swiftlite.config.field_specs`).
 
 ms-swift's style: both `--max_length` and `--max-length`, lists as `--dataset a.jsonl b.jsonl`,
-booleans as `--packing` or `--packing true`. A new config field is a new flag (and a line of
-`--help`) with no code here.
+booleans as `--packing` or `--packing true`, JSON objects as `--gradient_checkpointing_kwargs '{...}'`.
+A new config field is a new flag (and a line of `--help`) with no code here. ms-swift flags that mean
+nothing here (config/msswift.py) are read like any flag and answered by `build_config`.
 """
 
 from __future__ import annotations
@@ -28,10 +29,16 @@ def _flag_table() -> dict[str, Any]:
     return table
 
 
+def _no_meaning_table() -> dict[str, Any]:
+    from swiftlite.config.msswift import NO_MEANING
+    return {f: e for e in NO_MEANING.values() for f in (f"--{e.name}", f"--{e.name.replace('_', '-')}")}
+
+
 def parse_run_args(args: list[str]) -> tuple[str | None, dict[str, Any]]:
     """argv of `sft`/`pt` -> (config file, flat overrides). Unknown flags are errors naming them."""
     from swiftlite.config import FALSE_WORDS, TRUE_WORDS
     table = _flag_table()
+    no_meaning = _no_meaning_table()
     values: dict[str, Any] = {}
     config_file = None
     i = 0
@@ -57,10 +64,31 @@ def parse_run_args(args: list[str]) -> tuple[str | None, dict[str, Any]]:
             key, val = SHORTHANDS[name]
             values[key] = val
             continue
+        if name in no_meaning:  # kept as given: build_config accepts it if it fits, else says why not
+            entry = no_meaning[name]
+            if eq:
+                values[entry.name] = inline
+            elif entry.switch:
+                if i < len(args) and args[i].lower() in TRUE_WORDS | FALSE_WORDS:
+                    values[entry.name], i = args[i], i + 1
+                else:
+                    values[entry.name] = True
+            else:
+                vals = []
+                while i < len(args) and not (args[i].startswith("--") and len(args[i]) > 2):
+                    vals.append(args[i])
+                    i += 1
+                    if not entry.many:
+                        break
+                if not vals:
+                    raise UserError(f"{name} needs a value")
+                values[entry.name] = vals if entry.many else vals[0]
+            continue
         spec = table.get(name)
         if spec is None:
             import difflib
-            close = difflib.get_close_matches(name, list(table) + ["--config", *SHORTHANDS], n=1, cutoff=0.7)
+            close = difflib.get_close_matches(name, list(table) + list(no_meaning) + ["--config", *SHORTHANDS],
+                                              n=1, cutoff=0.7)
             raise UserError(f"unknown option {name}" + (f" (did you mean {close[0]}?)" if close else ""))
         if spec.is_switch:
             if eq:
@@ -97,7 +125,8 @@ def _shown_default(default: Any) -> str:
 
 def help_line(spec: Any) -> str:
     """One option of `sft --help`: flag, help, choices, default, other spellings."""
-    flag = spec.flags[0] + ("" if spec.base_type is bool else " LIST" if spec.is_list else " VALUE")
+    flag = spec.flags[0] + ("" if spec.base_type is bool else " LIST" if spec.is_list else
+                            " JSON" if spec.is_dict else " VALUE")
     choices = f" [choices: {', '.join(map(str, spec.choices))}]" if spec.choices else ""
     also = f" (also {', '.join(spec.aliases)})" if spec.aliases else ""
     return f"  {flag:<{FLAG_WIDTH}} {spec.help}{choices}{_shown_default(spec.default)}{also}"
@@ -107,7 +136,9 @@ def run_help(task: str) -> str:
     """`swiftlite sft --help` / `pt --help`: every config field, by section."""
     from swiftlite.config import SECTIONS, field_specs
     lines = [f"Usage: swiftlite {task} [OPTIONS]", "", TASK_HELP[task],
-             "Every option also accepts its underscore spelling (--max_length = --max-length).", "",
+             "Every option also accepts its underscore spelling (--max_length = --max-length); ms-swift's "
+             "flags mean what they mean there, and the ones that mean nothing here say what to use instead "
+             "(docs/usage.md, \"ms-swift flags\").", "",
              f"  {'--config FILE':<{FLAG_WIDTH}} YAML or JSON with option values (flags override it)",
              f"  {'--lora / --qlora / --full':<{FLAG_WIDTH}} shorthands for --train-type"]
     specs = field_specs()

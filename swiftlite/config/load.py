@@ -19,13 +19,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+from swiftlite.config.msswift import NO_MEANING, check_no_meaning, check_value
 from swiftlite.config.rules import validate
-from swiftlite.config.schema import SECTIONS, FieldSpec, RunConfig, field_specs, section_classes
+from swiftlite.config.schema import (FALSE_WORDS, SECRET_KEY, SECTIONS, TRUE_WORDS, FieldSpec, RunConfig,
+                                     field_specs, section_classes)
 from swiftlite.errors import UserError
 
-#: Words a boolean flag or config value accepts as true / false (case-insensitive).
-TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
-FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f"})
+__all__ = ["FALSE_WORDS", "SECRET_KEY", "TRUE_WORDS", "alias_keys", "apply_env", "build_config", "canonical_key",
+           "coerce", "context_length", "gpu_torch_build", "load_args", "load_config", "model_config_dict",
+           "read_config_file", "redact_secrets", "resolve_light_defaults", "resolve_strategies", "save_args"]
 
 
 def coerce(spec: FieldSpec, value: Any, where: str) -> Any:
@@ -33,6 +35,8 @@ def coerce(spec: FieldSpec, value: Any, where: str) -> Any:
     if value is None:
         return None
     t = spec.base_type
+    if spec.is_dict:
+        return _coerce_dict(value, where)
     try:
         if spec.is_list:
             if isinstance(value, str):
@@ -71,6 +75,34 @@ def coerce(spec: FieldSpec, value: Any, where: str) -> Any:
     raise UserError(f"{where}: expected {kind}, got {value!r}")
 
 
+def _coerce_dict(value: Any, where: str) -> dict[str, Any]:
+    """A JSON object given as text (--gradient_checkpointing_kwargs '{"use_reentrant": false}') or a mapping."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not valid JSON ({e.msg} at column {e.colno}): {value!r}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: expected a JSON object ({{\"key\": value}}), got {value!r}")
+    return {str(k): v for k, v in value.items()}
+
+
+def alias_keys() -> dict[str, str]:
+    """Every other name of a field, as a config-file key (lr_scheduler_type, tuner_type,
+    resume_from_checkpoint, lr, dtype, ...) -> the field's name: the flags' alias table."""
+    out: dict[str, str] = {}
+    for spec in field_specs().values():
+        for a in spec.aliases:
+            out[a.lstrip("-").replace("-", "_")] = spec.name
+    return out
+
+
+def canonical_key(key: str, aliases: dict[str, str] | None = None) -> str:
+    """A flat key with dashes folded and aliases resolved (tuner-type -> train_type)."""
+    k = str(key).replace("-", "_")
+    return (alias_keys() if aliases is None else aliases).get(k, k)
+
+
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """Read a YAML or JSON config file into a flat dict (nested sections are flattened)."""
     p = Path(path)
@@ -95,35 +127,131 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a mapping of option names to values")
     flat: dict[str, Any] = {}
+    spelt: dict[str, str] = {}
+    aliases = alias_keys()
+
+    def put(k: Any, v: Any) -> None:
+        key = canonical_key(k, aliases)
+        if key in flat:
+            raise UserError(f"{path}: {spelt[key]} and {k} both given (the same option): keep one")
+        flat[key], spelt[key] = v, str(k)
+
     for k, v in data.items():
         key = str(k).replace("-", "_")
         if key in SECTIONS and isinstance(v, dict):
             for k2, v2 in v.items():
-                flat[str(k2).replace("-", "_")] = v2
+                put(k2, v2)
         else:
-            flat[key] = v
+            put(k, v)
     return flat
 
 
 def build_config(values: dict[str, Any], *, source: str = "config", task: str = "sft") -> RunConfig:
     """Build a RunConfig from flat values; unknown keys are an error naming the key."""
     specs = field_specs()
+    aliases = alias_keys()
     sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-    for key, value in values.items():
+    for raw, value in values.items():
+        key = canonical_key(raw, aliases)
+        if key in NO_MEANING:
+            check_no_meaning(key, value, source)  # accepted only when it asks for what swiftlite does
+            continue
         spec = specs.get(key)
         if spec is None:
             close = _closest(key, specs)
             hint = f" (did you mean '{close}'?)" if close else ""
-            raise UserError(f"{source}: unknown option '{key}'{hint}")
+            raise UserError(f"{source}: unknown option '{raw}'{hint}")
+        if key in sections[spec.section]:
+            raise UserError(f"{source}: {key} given twice (under another name too): keep one")
         val = coerce(spec, value, f"{source}: {key}")
+        if spec.normalize is not None and val is not None:
+            val = spec.normalize(val)
+        check_value(key, val, source)
         if spec.choices and val is not None and val not in spec.choices:
-            raise UserError(f"{source}: {key}={val!r} is not one of {', '.join(map(str, spec.choices))}")
+            also = " (or bfloat16, float16, float32)" if spec.normalize is not None and "fp32" in spec.choices else ""
+            raise UserError(f"{source}: {key}={val!r} is not one of {', '.join(map(str, spec.choices))}{also}")
         sections[spec.section][key] = val
     classes = section_classes()
     cfg = RunConfig(**{s: classes[s](**sections[s]) for s in SECTIONS}, task=task)
     # QLoRA means a 4-bit base unless --quant-bits 8 says otherwise (RunConfig.quant_bits).
     cfg.quant.quant_bits = cfg.quant_bits
+    resolve_light_defaults(cfg)
     return cfg
+
+
+# -- defaults that come from the model (ms-swift's): max_length and torch_dtype auto -------------------
+
+#: Config attributes that give a model's context length, in the order they are looked for.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def context_length(conf: Any) -> int | None:
+    """The context length a model config (a transformers config or its dict) declares, or None."""
+    def get(c: Any, k: str) -> Any:
+        return c.get(k) if isinstance(c, dict) else getattr(c, k, None)
+    for c in (conf, get(conf, "text_config")):
+        if c is None:
+            continue
+        for k in CONTEXT_KEYS:
+            v = get(c, k)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
+def model_config_dict(model: str) -> dict[str, Any] | None:
+    """--model's config as a dict when it can be read without importing transformers: a preset's, or a
+    local folder's config.json. None for a hub id (or anything unreadable)."""
+    from swiftlite.models.presets import get_preset
+    preset = get_preset(model)
+    if preset is not None:
+        return dict(preset.config)
+    f = Path(model).expanduser() / "config.json"
+    try:
+        data = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def gpu_torch_build() -> bool:
+    """Whether the installed torch is a CUDA or ROCm build, read from torch/version.py without
+    importing torch (a CPU build can never see a GPU). Unknown: True (the safe answer)."""
+    import importlib.util
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return False
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text(encoding="utf-8")
+    except OSError:
+        return True
+    return bool(re.search(r"^(cuda|hip)\s*:.*=\s*['\"]", text, re.MULTILINE))
+
+
+def resolve_light_defaults(cfg: RunConfig) -> None:
+    """Fill what needs neither torch nor transformers: --max-length from the model's context when the
+    model's config is a preset or a local config.json, and --torch-dtype auto -> fp32 on a CPU build
+    of torch. What is left ("auto" on a GPU build, max_length of a hub model) is resolved by
+    `swiftlite.models.loading.resolve_model_defaults` once the model config and the GPU are known."""
+    if cfg.data.max_length is None:
+        conf = model_config_dict(cfg.model.model)
+        if conf is not None:
+            cfg.data.max_length = context_length(conf)
+    if cfg.model.torch_dtype == "auto" and not gpu_torch_build():
+        cfg.model.torch_dtype = "fp32"
+
+
+def resolve_strategies(cfg: RunConfig, steps_per_epoch: int) -> None:
+    """--save-strategy / --eval-strategy as step intervals, once the steps per epoch are known (called
+    where the batch plan is made, data.pipeline.prepare_datasets): epoch = every steps_per_epoch, no =
+    no intermediate checkpoint (the last step is always saved). Idempotent."""
+    c, t = cfg.checkpoint, cfg.train
+    if c.save_strategy == "epoch":
+        c.save_steps = steps_per_epoch
+    elif c.save_strategy == "no":
+        c.save_steps = None
+    if t.eval_strategy == "epoch":
+        t.eval_steps = steps_per_epoch
 
 
 def _closest(key: str, specs: dict[str, FieldSpec]) -> str | None:
@@ -149,14 +277,17 @@ def load_config(config_file: str | None, overrides: dict[str, Any], *, task: str
     if config_file:
         values.update(read_config_file(config_file))
         build_config(values, source=str(config_file), task=task)  # name the file for its own errors
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    aliases = alias_keys()
+    given = {canonical_key(k, aliases): v for k, v in overrides.items() if v is not None}
+    values.update(given)
+    explicit = frozenset(k for k in values if k not in NO_MEANING)
     values = apply_env(values)
     cfg = build_config(values, source="flags", task=task)
+    cfg.explicit = explicit
     validate(cfg, check_paths=validate_paths)
     return cfg
 
 
-SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_key|credential", re.IGNORECASE)
 
 
 def redact_secrets(data: Any) -> Any:

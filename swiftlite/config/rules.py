@@ -10,6 +10,7 @@ by `swiftlite.parallel.resolve.resolve_backend`, which preflight runs before any
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -36,8 +37,33 @@ def _lr(c: RunConfig):
 
 @rule("max length positive")
 def _max_len(c: RunConfig):
-    if c.data.max_length <= 0:
+    if c.data.max_length is not None and c.data.max_length <= 0:
         return f"--max-length must be > 0, got {c.data.max_length}"
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+#: Options that only mean something for a LoRA adapter / a quantized base (refused on a full run when
+#: given explicitly, in a config file or as a flag: ms-swift's default train type is lora).
+LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save")
+QUANT_ONLY = ("quant_bits", "quant_method", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+              "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")
+BNB_4BIT = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")
+
+
+@rule("lora options on a full run")
+def _full_with_lora_options(c: RunConfig):
+    if c.train.train_type != "full":
+        return None
+    for k in LORA_ONLY:
+        if k in c.explicit:
+            return (f"{_flag(k)} needs --train-type lora/qlora (a full fine-tune trains no adapter): drop it, "
+                    "or leave out --train-type full (lora is the default)")
+    for k in QUANT_ONLY:
+        if k in c.explicit:
+            return f"{_flag(k)} needs --train-type lora/qlora (a quantized base cannot be trained in full)"
 
 
 @rule("batch sizes positive")
@@ -118,6 +144,24 @@ def _quant(c: RunConfig):
         return "--quant-bits needs --train-type lora/qlora (a quantized base cannot be trained in full)"
 
 
+@rule("bitsandbytes options")
+def _bnb(c: RunConfig):
+    q = c.quant
+    if q.quant_method == "bnb" and c.quant_bits is None:
+        return "--quant-method bnb needs --quant-bits 4 or 8 (or --train-type qlora, which means 4)"
+    if c.quant_bits != 4:
+        for k in BNB_4BIT:
+            if k in c.explicit:
+                return (f"{_flag(k)} applies to a 4-bit base (--quant-bits 4 or --train-type qlora); "
+                        f"this run's base is {'8-bit' if c.quant_bits == 8 else 'not quantized'}")
+    dt = c.model.torch_dtype
+    for k, what in (("bnb_4bit_compute_dtype", "compute"), ("bnb_4bit_quant_storage", "store the packed weights")):
+        v = getattr(q, k)
+        if v is not None and dt != "auto" and v != dt:
+            return (f"{_flag(k)} {v} differs from --torch-dtype {dt}: the 4-bit layers {what} in --torch-dtype "
+                    f"here; drop {_flag(k)} or pass --torch-dtype {v}")
+
+
 @rule("quantized base and offload")
 def _quant_offload(c: RunConfig):
     if c.quant_bits is None:
@@ -149,6 +193,53 @@ def _lora(c: RunConfig):
                     "layer; give either all-linear or a list of names")
 
 
+#: torch.utils.checkpoint.checkpoint's keyword arguments (what --gradient-checkpointing-kwargs may set).
+CHECKPOINT_KWARGS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop")
+#: ms-swift template names look like this; a --template that is not a file and looks like one is a name.
+_NAME = re.compile(r"^[A-Za-z][\w-]*$")
+
+
+@rule("gradient checkpointing options")
+def _gc_kwargs(c: RunConfig):
+    kw = c.train.gradient_checkpointing_kwargs
+    if kw is None:
+        return None
+    if not c.train.gradient_checkpointing:
+        return "--gradient-checkpointing-kwargs needs --gradient-checkpointing true"
+    bad = sorted(set(kw) - set(CHECKPOINT_KWARGS))
+    if bad:
+        return (f"--gradient-checkpointing-kwargs: unknown key {bad[0]!r} (torch.utils.checkpoint takes "
+                f"{', '.join(CHECKPOINT_KWARGS)})")
+
+
+@rule("save and eval strategies")
+def _strategies(c: RunConfig):
+    ck, t, d = c.checkpoint, c.train, c.data
+    # given steps, not the ones resolve_strategies derives from a strategy
+    if ck.save_strategy != "steps" and "save_steps" in c.explicit:
+        return (f"--save-steps with --save-strategy {ck.save_strategy}: the strategy decides when to save; "
+                "drop one of them")
+    if t.eval_strategy == "epoch" and "eval_steps" in c.explicit:
+        return "--eval-steps with --eval-strategy epoch: the strategy decides when to validate; drop one of them"
+    has_val = bool(d.val_dataset) or d.split_dataset_ratio > 0
+    if t.eval_strategy == "no" and has_val:
+        return ("--eval-strategy no with validation data (--val-dataset / --split-dataset-ratio): drop the "
+                "validation data, or validate with --eval-strategy steps/epoch")
+    if t.eval_strategy in ("steps", "epoch") and "eval_strategy" in c.explicit and not has_val:
+        return (f"--eval-strategy {t.eval_strategy} needs validation data: pass --val-dataset or "
+                "--split-dataset-ratio")
+
+
+@rule("system prompt and template")
+def _system_template(c: RunConfig):
+    if c.data.system is not None and c.task == "pt":
+        return "--system applies to sft (chat rows); pt trains on plain text"
+    tpl = c.model.template
+    if tpl and _NAME.match(tpl) and not Path(tpl).is_file():
+        return (f"--template {tpl}: ms-swift template names are not used here: conversations are rendered with "
+                "the tokenizer's own chat template; to override it pass a Jinja file (--template chat.jinja)")
+
+
 @rule("resume")
 def _resume(c: RunConfig):
     if c.checkpoint.resume != "false" and c.checkpoint.resume_from:
@@ -163,3 +254,6 @@ def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
             raise UserError(msg)
     if check_paths and cfg.model.template and not Path(cfg.model.template).is_file():
         raise UserError(f"--template: file not found: {cfg.model.template}")
+    sysp = cfg.data.system
+    if check_paths and sysp and sysp.endswith(".txt") and not Path(sysp).expanduser().is_file():
+        raise UserError(f"--system {sysp}: file not found (a value ending in .txt names a file, as in ms-swift)")

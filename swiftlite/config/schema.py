@@ -13,22 +13,36 @@ Reading files, flags and env vars into a `RunConfig` is `load.py`; the validatio
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 from swiftlite.dtypes import NAMES as _DTYPE_NAMES
+from swiftlite.dtypes import normalize as _dtype_name
 
 
 def opt(default: Any = None, help: str = "", *, aliases: tuple[str, ...] = (), choices: tuple = (),
-        factory: Callable | None = None, cli: bool = True) -> Any:
-    """A dataclass field with its CLI metadata (help text, extra flag names, allowed values)."""
-    meta = {"help": help, "aliases": aliases, "choices": choices, "cli": cli}
+        factory: Callable | None = None, cli: bool = True, normalize: Callable[[Any], Any] | None = None) -> Any:
+    """A dataclass field with its CLI metadata (help text, extra flag names, allowed values, and a
+    `normalize` that folds other accepted spellings of a value: bfloat16 -> bf16)."""
+    meta = {"help": help, "aliases": aliases, "choices": choices, "cli": cli, "normalize": normalize}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
 
+
+def _attn_name(value: Any) -> Any:
+    """ms-swift's `flash_attn` (kept there for backward compatibility) is flash_attention_2."""
+    return "flash_attention_2" if str(value).strip().lower() == "flash_attn" else value
+
+
+#: Keys whose values are never written or echoed (hub_token, password, api_key, ...).
+SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_key|credential", re.IGNORECASE)
+#: Words a boolean flag or config value accepts as true / false (case-insensitive).
+TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f"})
 
 TRAIN_TYPES = ("full", "lora", "qlora")
 DTYPES = _DTYPE_NAMES  # swiftlite/dtypes.py is the one dtype table
@@ -37,23 +51,27 @@ DTYPES = _DTYPE_NAMES  # swiftlite/dtypes.py is the one dtype table
 SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay",
               "reduce_lr_on_plateau", "greedy")
+STRATEGIES = ("steps", "epoch", "no")
+TRUNCATION = ("delete", "left", "right")
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
     model: str = opt("tiny-llama", "Preset name (see `swiftlite models`), local HF folder or hub id.")
-    torch_dtype: str = opt("fp32", "Parameter dtype for training.", aliases=("--dtype",),
-                           choices=DTYPES)
-    template: str | None = opt(None, "Chat template: a Jinja file, or empty for the tokenizer's own.")
+    torch_dtype: str = opt("auto", "Parameter and compute dtype (also bfloat16, float16, float32). auto, as in "
+                           "ms-swift: the model config's torch_dtype on a GPU (bf16 for current models; bf16 "
+                           "for float16 ones too where the GPU has it), fp32 on CPU.", aliases=("--dtype",), choices=(*DTYPES, "auto"), normalize=_dtype_name)
+    template: str | None = opt(None, "Chat template: a Jinja file; default the tokenizer's own (ms-swift "
+                               "template names such as qwen2_5 do not apply).")
     trust_remote_code: bool = opt(False, "Allow the model folder's own Python code (off by default).")
     model_revision: str | None = opt(None, "Hub revision (branch, tag or commit) for hub ids.")
     attn_impl: str | None = opt(None, "Attention kernel (transformers' attn_implementation): sdpa, eager, "
                                 "flash_attention_2, flash_attention_3 or flex_attention. Default: transformers' "
                                 "choice for the model (sdpa where it has it, else eager). "
                                 "flash_attention_2/3 need a CUDA GPU and the flash-attn package; "
-                                "flex_attention needs torch >= 2.5.",
+                                "flex_attention needs torch >= 2.5. ms-swift's flash_attn means flash_attention_2.",
                                 choices=("sdpa", "eager", "flash_attention_2", "flash_attention_3",
-                                         "flex_attention"))
+                                         "flex_attention"), normalize=_attn_name)
 
 
 @dataclass(kw_only=True)
@@ -69,9 +87,16 @@ class LoraConfig:
 
 @dataclass(kw_only=True)
 class QuantConfig:
+    quant_method: str | None = opt(None, "How the base is quantized at load time: bnb (bitsandbytes) is the only "
+                                   "method; --quant-bits alone means bnb too.", choices=("bnb",))
     quant_bits: int | None = opt(None, "Quantize the base with bitsandbytes (4 or 8). --qlora implies 4.")
     bnb_4bit_quant_type: str = opt("nf4", "4-bit quantization type.", choices=("nf4", "fp4"))
     bnb_4bit_use_double_quant: bool = opt(True, "Double quantization of the 4-bit constants.")
+    bnb_4bit_compute_dtype: str | None = opt(None, "Matmul dtype of the 4-bit layers: always --torch-dtype here "
+                                             "(accepted when equal to it).", choices=DTYPES, normalize=_dtype_name)
+    bnb_4bit_quant_storage: str | None = opt(None, "Storage dtype of the packed 4-bit weights: always --torch-dtype "
+                                             "here, so FSDP/ZeRO-3 can shard them (accepted when equal to it).",
+                                             choices=DTYPES, normalize=_dtype_name)
 
 
 @dataclass(kw_only=True)
@@ -80,7 +105,12 @@ class DataConfig:
                              factory=list)
     val_dataset: list[str] = opt(help="Validation data (same forms as --dataset).", factory=list)
     split_dataset_ratio: float = opt(0.0, "Hold out this share of --dataset for validation.")
-    max_length: int = opt(512, "Truncate tokenized rows to this many tokens.")
+    max_length: int | None = opt(None, "Longest tokenized row, in tokens (longer ones: --truncation-strategy). "
+                                 "Default: the model's context (max_position_embeddings), as in ms-swift.")
+    truncation_strategy: str = opt("delete", "Rows longer than --max-length: delete (dropped and counted), left "
+                                   "(keep the end) or right (keep the start).", choices=TRUNCATION)
+    system: str | None = opt(None, "Default system prompt (text or a .txt file) for sft rows that have none; a "
+                             "row's own system turn wins.")
     packing: bool = opt(False, "Pack several rows into each sequence of --max-length tokens.")
     skip_bad_rows: bool = opt(False, "Skip (and count) rows that are not valid instead of stopping.")
     dataset_num_proc: int = opt(1, "Processes for dataset preprocessing.")
@@ -151,7 +181,8 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    train_type: str = opt("full", "full, lora or qlora (--lora / --qlora are shorthands).",
+    train_type: str = opt("lora", "full, lora or qlora (--full / --lora / --qlora are shorthands); lora as in "
+                          "ms-swift.",
                           aliases=("--tuner_type", "--tuner-type"), choices=TRAIN_TYPES)
     per_device_train_batch_size: int = opt(1, "Micro-batch size per process.", aliases=("--batch-size",))
     per_device_eval_batch_size: int = opt(8, "Batch size per process for validation.")
@@ -159,9 +190,16 @@ class TrainConfig:
     num_train_epochs: float = opt(1.0, "Epochs to train (ignored when --max-steps > 0).")
     max_steps: int = opt(-1, "Optimizer steps to train; -1 means from --num-train-epochs.")
     gradient_checkpointing: bool = opt(False, "Activation checkpointing per decoder layer.")
+    gradient_checkpointing_kwargs: dict[str, Any] | None = opt(
+        None, "JSON object passed to gradient_checkpointing_enable (torch.utils.checkpoint), e.g. "
+        "'{\"use_reentrant\": false}'. Default: {\"use_reentrant\": false}.")
     seed: int = opt(42, "Seed for weights of built-in models, data order, dropout.")
     output_dir: str = opt("output", "Run folder (args.json, logs, checkpoints).")
     logging_steps: int = opt(5, "Log every N optimizer steps.")
+    eval_strategy: str | None = opt(None, "When to validate (needs validation data): steps (every --eval-steps), "
+                                    "epoch, or no (then give no validation data). Unset: every --eval-steps, else "
+                                    "at each checkpoint --save-strategy/--save-steps make, and at the end.",
+                                    choices=STRATEGIES)
     eval_steps: int | None = opt(None, "Validate every N steps (default: at --save-steps and the end).")
     report_to: list[str] = opt(help="Loggers besides logging.jsonl (always written): tensorboard, wandb, swanlab, "
                                "all (those installed) or none (the default); wandb and swanlab are extras: "
@@ -187,6 +225,8 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
+    save_strategy: str = opt("steps", "When to save: steps (every --save-steps), epoch, or no (the final "
+                             "checkpoint only). The last step is always saved.", choices=STRATEGIES)
     save_steps: int | None = opt(None, "Save a checkpoint every N steps (always at the end).")
     save_total_limit: int | None = opt(None, "Keep at most N checkpoints (the newest; never the last good).")
     save_hf_model: bool = opt(True, "Also write an HF model folder (full) or peft adapter in each checkpoint.")
@@ -211,6 +251,9 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # Where the run came from ("sft" or "pt"); set by the command, not a flag.
     task: str = "sft"
+    #: The flat keys the user set (config file or flags), as load_config saw them; not a field, so
+    #: args.json does not hold it. Rules use it for "given explicitly" (LoRA flags on a full run).
+    explicit: ClassVar[frozenset[str]] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         """Nested plain dict (what args.json holds)."""
@@ -263,6 +306,7 @@ class FieldSpec:
     aliases: tuple[str, ...]
     choices: tuple
     cli: bool
+    normalize: Callable[[Any], Any] | None = None
 
     @property
     def base_type(self) -> Any:
@@ -284,6 +328,10 @@ class FieldSpec:
         return typing.get_origin(self.base_type) is list
 
     @property
+    def is_dict(self) -> bool:
+        return typing.get_origin(self.base_type) is dict or self.base_type is dict
+
+    @property
     def flags(self) -> list[str]:
         """Both spellings (``--max-length`` and ``--max_length``) plus aliases."""
         names = [f"--{self.name.replace('_', '-')}", f"--{self.name}"]
@@ -303,5 +351,6 @@ def field_specs() -> dict[str, FieldSpec]:
             specs[f.name] = FieldSpec(
                 name=f.name, section=sec, type=hints[f.name], default=default,
                 help=f.metadata.get("help", ""), aliases=tuple(f.metadata.get("aliases", ())),
-                choices=tuple(f.metadata.get("choices", ())), cli=f.metadata.get("cli", True))
+                choices=tuple(f.metadata.get("choices", ())), cli=f.metadata.get("cli", True),
+                normalize=f.metadata.get("normalize"))
     return specs

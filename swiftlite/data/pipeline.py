@@ -2,7 +2,9 @@
 
 Rows are converted (formats.py) and tokenized (tokenize.py) in plain Python with the fast tokenizer;
 the result is cached as a NumPy .npz (no pickle) keyed by the source files, tokenizer, template,
-max length, task and packing, so a second run or every rank after the first skips the work.
+max length, truncation strategy, system prompt, task and packing, so a second run or every rank after
+the first skips the work. Rows longer than --max-length are deleted (ms-swift's default; counted in
+`DataStats.deleted`) or cut on the left or right (counted in `DataStats.truncated`).
 """
 
 from __future__ import annotations
@@ -23,15 +25,28 @@ from swiftlite.data.tokenize import IGNORE, encode_messages, encode_text
 from swiftlite import env
 from swiftlite.errors import UserError
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclass
 class DataStats:
-    rows: int = 0
-    truncated: int = 0
+    rows: int = 0              # rows read and tokenized
+    truncated: int = 0         # cut to --max-length (--truncation-strategy left/right), kept
     skipped: list[str] = field(default_factory=list)
-    no_target: int = 0
+    no_target: int = 0         # dropped: no target token left
+    deleted: int = 0           # dropped: longer than --max-length (--truncation-strategy delete)
+
+    def add(self, other: "DataStats") -> None:
+        self.rows += other.rows
+        self.truncated += other.truncated
+        self.skipped += other.skipped
+        self.no_target += other.no_target
+        self.deleted += other.deleted
+
+    def unusable(self) -> str:
+        """Why rows were not used, for "no usable rows" errors."""
+        return (f"read {self.rows}, skipped {len(self.skipped)}, {self.no_target} without an answer"
+                + (f", {self.deleted} longer than --max-length deleted" if self.deleted else ""))
 
 
 @dataclass
@@ -77,7 +92,8 @@ def _save_cache(path: Path, tok: Tokenized) -> None:
     if tok.rows and "position_ids" in tok.rows[0]:
         arrays["pos"] = np.concatenate([np.asarray(r["position_ids"], dtype=np.int64) for r in tok.rows])
     stats = json.dumps({"rows": tok.stats.rows, "truncated": tok.stats.truncated,
-                        "skipped": tok.stats.skipped, "no_target": tok.stats.no_target})
+                        "skipped": tok.stats.skipped, "no_target": tok.stats.no_target,
+                        "deleted": tok.stats.deleted})
     arrays["stats"] = np.frombuffer(stats.encode(), dtype=np.uint8)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp.npz")
@@ -105,23 +121,30 @@ def _load_cache(path: Path) -> Tokenized | None:
 
 
 def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_length: int,
-                 skip_bad_rows: bool) -> tuple[list[dict], DataStats]:
-    """Tokenize (row, where) pairs in order; rows with no target token are dropped and counted. A bad
-    row raises its UserError, or is skipped and counted with --skip-bad-rows."""
+                 skip_bad_rows: bool, truncation: str = "right", system: str | None = None
+                 ) -> tuple[list[dict], DataStats]:
+    """Tokenize (row, where) pairs in order; rows with no target token are dropped and counted, and so
+    are rows longer than max_length under truncation "delete". A bad row raises its UserError, or is
+    skipped and counted with --skip-bad-rows."""
     stats = DataStats()
     rows: list[dict] = []
+    cut = "right" if truncation == "delete" else truncation
     for row, where in items:
         try:
             if task == "pt":
-                enc = encode_text(tokenizer, to_text(row, where), max_length)
+                enc = encode_text(tokenizer, to_text(row, where), max_length, truncation=cut)
             else:
-                enc = encode_messages(tokenizer, to_messages(row, where), max_length, where)
+                enc = encode_messages(tokenizer, to_messages(row, where), max_length, where, truncation=cut,
+                                      system=system)
         except UserError as e:
             if skip_bad_rows:
                 stats.skipped.append(str(e))
                 continue
             raise
         stats.rows += 1
+        if enc.truncated and truncation == "delete":
+            stats.deleted += 1
+            continue
         stats.truncated += int(enc.truncated)
         if not any(x != IGNORE for x in enc.labels[1:]):
             stats.no_target += 1  # nothing to learn (e.g. the answer was truncated away)
@@ -138,13 +161,15 @@ _WORKER: dict[str, Any] = {}
 def _encode_chunk(items: list[tuple[dict, str]]) -> tuple[list[dict], DataStats] | UserError:
     w = _WORKER
     try:
-        return _encode_rows(items, w["tokenizer"], w["task"], w["max_length"], w["skip"])
+        return _encode_rows(items, w["tokenizer"], w["task"], w["max_length"], w["skip"], w["truncation"],
+                            w["system"])
     except UserError as e:  # returned, not raised: the parent re-raises the first one in row order
         return e
 
 
 def _encode_parallel(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_length: int,
-                     skip_bad_rows: bool, num_proc: int) -> tuple[list[dict], DataStats]:
+                     skip_bad_rows: bool, num_proc: int, truncation: str = "right",
+                     system: str | None = None) -> tuple[list[dict], DataStats]:
     """`_encode_rows` over `num_proc` forked processes, chunked in row order: the same rows, stats
     and first error as one process. The tokenizer's own thread pool is turned off first (a forked
     Rust pool deadlocks)."""
@@ -153,7 +178,8 @@ def _encode_parallel(items: list[tuple[dict, str]], tokenizer: Any, task: str, m
     n_chunks = num_proc * 4
     size = max(1, -(-len(items) // n_chunks))
     chunks = [items[i:i + size] for i in range(0, len(items), size)]
-    _WORKER.update(tokenizer=tokenizer, task=task, max_length=max_length, skip=skip_bad_rows)
+    _WORKER.update(tokenizer=tokenizer, task=task, max_length=max_length, skip=skip_bad_rows,
+                   truncation=truncation, system=system)
     try:
         with mp.get_context("fork").Pool(num_proc) as pool:
             parts = pool.map(_encode_chunk, chunks)
@@ -166,10 +192,7 @@ def _encode_parallel(items: list[tuple[dict, str]], tokenizer: Any, task: str, m
             raise part
         r, st = part
         rows += r
-        stats.rows += st.rows
-        stats.truncated += st.truncated
-        stats.skipped += st.skipped
-        stats.no_target += st.no_target
+        stats.add(st)
     return rows, stats
 
 
@@ -179,12 +202,15 @@ PARALLEL_MIN_ROWS = 2000
 
 def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: int, packing: bool,
                    skip_bad_rows: bool, use_cache: bool = True, num_proc: int = 1,
-                   progress: Callable[[str, int], Any] | None = None) -> Tokenized:
-    """Load, convert and tokenize every spec; rows with no target token are dropped and counted.
-    `num_proc` > 1 (--dataset-num-proc) tokenizes in that many forked processes (files of at least
-    PARALLEL_MIN_ROWS rows); the result is identical to one process."""
+                   progress: Callable[[str, int], Any] | None = None, truncation_strategy: str = "right",
+                   system: str | None = None) -> Tokenized:
+    """Load, convert and tokenize every spec; rows with no target token are dropped and counted, and
+    rows over max_length are cut or (truncation_strategy "delete") dropped and counted. `system` is the
+    system turn of sft rows that have none. `num_proc` > 1 (--dataset-num-proc) tokenizes in that many
+    forked processes (files of at least PARALLEL_MIN_ROWS rows); the result is identical to one process."""
     key = _fingerprint(specs, tokenizer, {"task": task, "max_length": max_length, "packing": packing,
-                                          "skip": skip_bad_rows})
+                                          "skip": skip_bad_rows, "truncation": truncation_strategy,
+                                          "system": system})
     cpath = cache_dir() / f"{key}.npz"
     if use_cache and cpath.is_file():
         cached = _load_cache(cpath)
@@ -197,15 +223,13 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
         stats.skipped += src.skipped
         items = list(zip(src.rows, src.where))
         if num_proc > 1 and len(items) >= PARALLEL_MIN_ROWS:
-            part, st = _encode_parallel(items, tokenizer, task, max_length, skip_bad_rows, num_proc)
+            part, st = _encode_parallel(items, tokenizer, task, max_length, skip_bad_rows, num_proc,
+                                        truncation_strategy, system)
         else:
             it = progress(f"tokenizing {spec}", len(items))(items) if progress is not None else items
-            part, st = _encode_rows(it, tokenizer, task, max_length, skip_bad_rows)
+            part, st = _encode_rows(it, tokenizer, task, max_length, skip_bad_rows, truncation_strategy, system)
         rows += part
-        stats.rows += st.rows
-        stats.truncated += st.truncated
-        stats.skipped += st.skipped
-        stats.no_target += st.no_target
+        stats.add(st)
     if packing:
         rows = pack_rows(rows, max_length)
     tok = Tokenized(rows, stats)
@@ -232,34 +256,38 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
     """--dataset / --val-dataset / --split-dataset-ratio -> (train, validation or None, BatchPlan),
     with the checks a run needs before it starts: some usable rows, and at least one global batch
     (per-device x world size x accumulation) of them. UserErrors name the culprit."""
+    from swiftlite.config import resolve_strategies
     from swiftlite.data.loader import BatchPlan
+    from swiftlite.data.tokenize import system_prompt
     d, t = cfg.data, cfg.train
+    if d.max_length is None:  # a hub model (config.load reads local configs only): ms-swift's default
+        from swiftlite.models.loading import resolve_model_defaults
+        resolve_model_defaults(cfg)
+    system = system_prompt(d.system) if cfg.task == "sft" else None
 
     def tok(specs: list[str]) -> Tokenized:
         return tokenize_specs(specs, tokenizer, task=cfg.task, max_length=d.max_length, packing=d.packing,
-                              skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress)
+                              skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress,
+                              truncation_strategy=d.truncation_strategy, system=system)
     train = tok(d.dataset)
     val = None
     if d.val_dataset:
         val = tok(d.val_dataset)
         if not val.rows:
-            raise UserError(f"--val-dataset {' '.join(d.val_dataset)}: no usable rows "
-                            f"(read {val.stats.rows}, skipped {len(val.stats.skipped)}, "
-                            f"{val.stats.no_target} without an answer)")
+            raise UserError(f"--val-dataset {' '.join(d.val_dataset)}: no usable rows ({val.stats.unusable()})")
     elif d.split_dataset_ratio > 0:
         if len(train.rows) < 2:
             raise UserError(f"--split-dataset-ratio {d.split_dataset_ratio}: --dataset has "
                             f"{len(train.rows)} usable row(s), too few to hold some out")
         train, val = split_validation(train, d.split_dataset_ratio, t.seed)
     if not train.rows:
-        raise UserError(f"--dataset {' '.join(d.dataset)}: no usable rows "
-                        f"(read {train.stats.rows}, skipped {len(train.stats.skipped)}, "
-                        f"{train.stats.no_target} without an answer)")
+        raise UserError(f"--dataset {' '.join(d.dataset)}: no usable rows ({train.stats.unusable()})")
     plan = BatchPlan(len(train.rows), t.per_device_train_batch_size, world_size,
                      t.gradient_accumulation_steps, t.seed)
     if plan.steps_per_epoch == 0:
         raise UserError(f"--dataset has {len(train.rows)} usable rows, fewer than one global batch of "
                         f"{plan.global_batch} (per-device {plan.per_device} x {plan.world_size} processes x "
                         f"accumulation {plan.accumulation})")
+    resolve_strategies(cfg, plan.steps_per_epoch)  # --save-strategy/--eval-strategy epoch: now known
     return train, val, plan
 

@@ -6,6 +6,11 @@ prefixes: the text before assistant turn i is `render(messages[:i], add_generati
 the turn ends where `render(messages[:i+1])` ends. Tokens whose characters fall in an assistant span
 keep their label; every other label is -100. The span includes the end-of-turn token, so the model
 learns to stop.
+
+A row longer than max_length is cut (`truncation`): "right" keeps its first max_length tokens, "left"
+its last ones (ms-swift's left/right); "delete" (ms-swift's default) is decided by the caller, which
+drops a row whose `truncated` is set (data/pipeline.py counts them). `--system` is the system turn of
+rows that have none (`with_system`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,32 @@ class Encoded:
     input_ids: list[int]
     labels: list[int]
     truncated: bool
+
+
+def system_prompt(value: str | None) -> str | None:
+    """--system as text: a value ending in .txt is a file holding it (as in ms-swift)."""
+    if value and value.endswith(".txt"):
+        from pathlib import Path
+        p = Path(value).expanduser()
+        if not p.is_file():
+            raise UserError(f"--system {value}: file not found (a value ending in .txt names a file)")
+        return p.read_text(encoding="utf-8").strip("\n")
+    return value
+
+
+def with_system(messages: list[dict], system: str | None) -> list[dict]:
+    """The conversation with `system` as its first turn unless it already has a system turn."""
+    if not system or any(m["role"] == "system" for m in messages):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _cut(ids: list[int], labels: list[int], max_length: int, truncation: str) -> Encoded:
+    if len(ids) <= max_length:
+        return Encoded(ids, labels, False)
+    if truncation == "left":
+        return Encoded(ids[-max_length:], labels[-max_length:], True)
+    return Encoded(ids[:max_length], labels[:max_length], True)
 
 
 def render(tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
@@ -44,8 +75,11 @@ def assistant_spans(tokenizer: Any, messages: list[dict], full: str, where: str 
     return spans
 
 
-def encode_messages(tokenizer: Any, messages: list[dict], max_length: int, where: str = "") -> Encoded:
-    """Tokenize one conversation; labels are -100 except on assistant turns."""
+def encode_messages(tokenizer: Any, messages: list[dict], max_length: int, where: str = "", *,
+                    truncation: str = "right", system: str | None = None) -> Encoded:
+    """Tokenize one conversation; labels are -100 except on assistant turns. `system`: the system turn
+    of a conversation that has none (--system)."""
+    messages = with_system(messages, system)
     full = render(tokenizer, messages)
     spans = assistant_spans(tokenizer, messages, full, where)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -57,18 +91,15 @@ def encode_messages(tokenizer: Any, messages: list[dict], max_length: int, where
             si += 1
         if si < len(spans) and a >= spans[si][0] and b <= spans[si][1] and b > a:
             labels[t] = ids[t]
-    truncated = len(ids) > max_length
-    return Encoded(ids[:max_length], labels[:max_length], truncated)
+    return _cut(ids, labels, max_length, truncation)
 
 
-def encode_text(tokenizer: Any, text: str, max_length: int) -> Encoded:
+def encode_text(tokenizer: Any, text: str, max_length: int, *, truncation: str = "right") -> Encoded:
     """Pre-training: every token is a target; EOS appended so documents end."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if tokenizer.eos_token_id is not None:
         ids = ids + [tokenizer.eos_token_id]
-    truncated = len(ids) > max_length
-    ids = ids[:max_length]
-    return Encoded(ids, list(ids), truncated)
+    return _cut(ids, list(ids), max_length, truncation)
 
 
 def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:

@@ -13,7 +13,6 @@ Already inside a launcher (RANK and WORLD_SIZE set), or one process asked for: r
 
 from __future__ import annotations
 
-import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -21,6 +20,10 @@ from pathlib import Path
 
 from swiftlite import env
 from swiftlite.config import RunConfig
+# Whether torch is a CUDA/ROCm build, read without importing it: `--launcher auto` forks ranks only on
+# CPU builds (a process that has touched CUDA cannot be forked safely; GPU runs keep torchrun's fresh
+# interpreters). config.load uses it too (--torch-dtype auto is fp32 on a CPU build).
+from swiftlite.config.load import gpu_torch_build
 from swiftlite.distributed import free_port
 from swiftlite.errors import UserError
 
@@ -57,21 +60,6 @@ def _is_local(addr: str) -> bool:
     return addr in ("127.0.0.1", "localhost", "0.0.0.0") or addr == socket.gethostname()
 
 
-def gpu_torch_build() -> bool:
-    """Whether the installed torch is a CUDA or ROCm build, read from torch/version.py without
-    importing torch. `--launcher auto` forks ranks only on CPU builds: a process that has touched
-    CUDA cannot be forked safely, and GPU runs keep torchrun's fresh interpreters."""
-    import importlib.util
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.origin:
-        return False
-    try:
-        text = (Path(spec.origin).parent / "version.py").read_text(encoding="utf-8")
-    except OSError:
-        return True  # unknown: take the launcher that is safe everywhere
-    return bool(re.search(r"^(cuda|hip)\s*:.*=\s*['\"]", text, re.MULTILINE))
-
-
 def plan_launch(cfg: RunConfig, argv: list[str]) -> LaunchPlan:
     """Decide how to start the job; `argv` is the swiftlite command line after the program name."""
     p = cfg.parallel
@@ -92,6 +80,10 @@ def plan_launch(cfg: RunConfig, argv: list[str]) -> LaunchPlan:
     if p.launcher == "fork":
         raise UserError("--launcher fork: forks the processes of one node only; use --launcher torchrun "
                         "for --nnodes > 1 or a rendezvous backend")
+    if nnodes > 1 and p.master_addr is None and not p.rdzv_endpoint and not env.in_slurm():
+        raise UserError(f"--nnodes {nnodes} needs --master-addr (the address of node 0, reachable from every "
+                        "node; or MASTER_ADDR): without it each node would wait for a rendezvous on its own "
+                        "127.0.0.1")
     if p.launcher == "deepspeed":
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
                "--master_port", str(port)]

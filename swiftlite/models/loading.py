@@ -59,14 +59,80 @@ def resolve_model(arg: str) -> ModelSource:
         raise UserError(f"--model {arg}: model folder not found")
     if _HUB_ID.match(arg):
         return ModelSource("hub", arg)
-    from swiftlite.models.presets import PRESETS
-    raise UserError(f"--model {arg}: unknown preset (known: {', '.join(PRESETS)}), "
+    from swiftlite.models.presets import PRESETS, suggest_preset
+    close = suggest_preset(arg)
+    hint = f"did you mean {close}? " if close else ""
+    raise UserError(f"--model {arg}: unknown preset ({hint}known: {', '.join(PRESETS)}), "
                     "and not a local folder or hub id (org/name)")
 
 
 def torch_dtype(name: str) -> "torch.dtype":
     """torch dtype of a --torch-dtype name (swiftlite.dtypes is the one table)."""
     return dtypes.torch_dtype(name)
+
+
+# -- ms-swift's defaults that come from the model: --torch-dtype auto, --max-length ---------------------
+
+def resolve_auto_dtype(cfg: "RunConfig", model_config: Any, has_cuda: bool, *, bf16_ok: bool = True) -> str | None:
+    """--torch-dtype auto -> a concrete name, as ms-swift: on a GPU the model config's 16-bit dtype, which
+    is bf16 for current models (bfloat16, float32 or none declared -> bf16); a float16 model trains in bf16
+    too where the GPU has it (fp16 needs loss scaling, which only DeepSpeed has here); on a GPU without
+    bf16, and on CPU, fp32 (what every backend runs; pass --torch-dtype fp16 with --deepspeed for fp16). Sets cfg.model.torch_dtype and returns a phrase saying
+    why ("auto: bf16 on a GPU (the model's dtype)"), or None when it was not auto. Needs no torch import
+    (the caller says whether there is a GPU and whether it has bf16)."""
+    if cfg.model.torch_dtype != "auto":
+        return None
+    if not has_cuda:
+        cfg.model.torch_dtype = "fp32"
+        return "auto: fp32 on CPU"
+    get = model_config.get if isinstance(model_config, dict) else lambda k: getattr(model_config, k, None)
+    declared = get("dtype") or get("torch_dtype")
+    name = dtypes.normalize(declared) if declared is not None else None
+    if not bf16_ok:
+        cfg.model.torch_dtype = "fp32"
+        why = "this GPU has no bf16, and fp16 needs loss scaling: --torch-dtype fp16 with --deepspeed"
+    else:
+        cfg.model.torch_dtype = "bf16"
+        why = {"bf16": "the model's dtype", "fp16": "the model declares float16; bf16 needs no loss scaling"}.get(
+            name, "the model declares no 16-bit dtype")
+    return f"auto: {cfg.model.torch_dtype} on a GPU ({why})"
+
+
+def resolve_max_length(cfg: "RunConfig", model_config: Any) -> str | None:
+    """--max-length unset -> the model's context (max_position_embeddings), as ms-swift. Returns a
+    phrase, or None when it was set; a config that declares no context length is a UserError."""
+    from swiftlite.config import context_length
+    if cfg.data.max_length is not None:
+        return None
+    n = context_length(model_config)
+    if n is None:
+        raise UserError(f"--model {cfg.model.model}: its config declares no context length "
+                        "(max_position_embeddings); pass --max-length")
+    cfg.data.max_length = n
+    return f"max length {n}: the model's context"
+
+
+def resolve_model_defaults(cfg: "RunConfig", source: ModelSource | None = None) -> list[str]:
+    """Make --torch-dtype and --max-length concrete where config.load could not without torch or
+    transformers (a GPU build of torch; a hub model): reads the model's config and asks torch for a GPU,
+    only when something is still unresolved. Idempotent; returns the phrases of what it resolved. Then
+    re-runs the config rules that depend on the dtype (--bnb-4bit-compute-dtype)."""
+    if cfg.model.torch_dtype != "auto" and cfg.data.max_length is not None:
+        return []
+    conf = model_config(cfg, source)
+    done = [_auto_dtype_here(cfg, conf), resolve_max_length(cfg, conf)]
+    from swiftlite.config import validate
+    validate(cfg, check_paths=False)
+    return [d for d in done if d]
+
+
+def _auto_dtype_here(cfg: "RunConfig", conf: Any) -> str | None:
+    """resolve_auto_dtype with this process's GPU (torch asked only when the dtype is still auto)."""
+    if cfg.model.torch_dtype != "auto":
+        return None
+    import torch
+    cuda = torch.cuda.is_available()
+    return resolve_auto_dtype(cfg, conf, cuda, bf16_ok=not cuda or torch.cuda.is_bf16_supported())
 
 
 def load_tokenizer(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
@@ -126,6 +192,8 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
     # from the same bf16 weights DeepSpeed's do (it builds its fp32 master from the bf16 module).
     # Loading in fp32 instead left the torch backends' masters off the bf16 grid and their lr-1e-5
     # curves 2% below ZeRO-3's after 8 steps (docs/backends.md, "Precision").
+    if cfg.model.torch_dtype == "auto":  # a config built without it (export, infer): resolved here
+        _auto_dtype_here(cfg, model_config(cfg, src))
     dtype = torch_dtype(cfg.model.torch_dtype)
     quant = None
     if cfg.quant.quant_bits:
@@ -328,7 +396,9 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
         from swiftlite.models.lora import apply_lora
         model = apply_lora(model, cfg)
     if cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = cfg.train.gradient_checkpointing_kwargs
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=dict(kwargs) if kwargs is not None else {"use_reentrant": False})
         if cfg.is_peft:
             model.enable_input_require_grads()
     if cfg.parallel.compile:

@@ -96,6 +96,13 @@ def get_preset(name: str) -> Preset | None:
     return PRESETS.get(name.lower())
 
 
+def suggest_preset(name: str) -> str | None:
+    """The preset a mistyped name most likely meant (qwen2.5-7bb -> qwen2.5-7b), or None."""
+    import difflib
+    close = difflib.get_close_matches(name.lower(), list(PRESETS), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
 def param_count(cfg: dict) -> int:
     """Parameters of a Llama/Qwen2-style decoder from its config, without building it."""
     h, i, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]

@@ -35,7 +35,8 @@ def _first_line(run) -> str:
     cfg = run.cfg
     return (f"swiftlite: {run.choice.name} x {run.world.world_size} process(es) on {run.world.device}, "
             f"{len(run.train_data.rows)} train rows ({st.truncated} truncated to {cfg.data.max_length}, "
-            f"{len(st.skipped)} skipped, {st.no_target} without target), "
+            f"{len(st.skipped)} skipped, {st.deleted} longer than {cfg.data.max_length} deleted, "
+            f"{st.no_target} without target), "
             f"{len(run.val_data.rows) if run.val_data else 0} validation rows, global batch "
             f"{run.batches.plan.global_batch}, {run.total_steps} steps, "
             f"{(run.batches.form or PADDED).describe(cfg.data.packing, cfg.data.max_length)}, "

@@ -27,6 +27,8 @@ GLOBAL = MICRO * GAS * WORLD
 def make_cfg(parallelism: str, deepspeed_json: str | None = None):
     from swiftlite.config import RunConfig
     cfg = RunConfig()
+    cfg.train.train_type = "full"
+    cfg.model.torch_dtype = "fp32"
     cfg.parallel.parallelism = parallelism
     cfg.parallel.deepspeed = deepspeed_json
     cfg.train.per_device_train_batch_size = MICRO

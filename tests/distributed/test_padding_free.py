@@ -55,7 +55,8 @@ def runs(data, tmp_path_factory):
     out = {}
     for backend, form in wanted:
         d = root / f"{backend}_{form}"
-        proc = run_cli(["sft", "--model", "tiny-llama", "--dataset", train, "--val-dataset", val, "--eval-steps", 5,
+        proc = run_cli(["sft", "--model", "tiny-llama", "--train-type", "full", "--dataset", train,
+                        "--val-dataset", val, "--eval-steps", 5,
                         "--torch-dtype", "fp32", "--learning-rate", "1e-3", "--max-steps", STEPS, "--logging-steps", 1,
                         "--output-dir", d, "--seed", 7, *backends[backend], *forms[form]], timeout=600)
         out[backend, form] = (d, proc.stdout)

@@ -80,7 +80,8 @@ def _check(name, model, backend, train_type, nproc, demo_data, tmp_path, loss_im
     run_cli(["sft", "--model", model, "--dataset", demo_data[0], "--train-type", train_type,
              "--parallelism", backend, "--nproc-per-node", nproc, "--torch-dtype", "fp32",
              "--max-length", MAX_LENGTH, "--packing", "true", "--per-device-train-batch-size", MICRO_BATCH,
-             "--lora-dropout", "0.05", "--max-steps", 3, "--output-dir", out, *loss],
+             *(["--lora-dropout", "0.05"] if train_type != "full" else []), "--max-steps", 3, "--output-dir", out,
+             *loss],
             env=cli_env(MALLOC_MMAP_THRESHOLD_="65536"))
     shape = plan.shape_from_model_arg(str(model))
     w = plan.Workload(train_type=train_type, dtype="fp32", max_length=MAX_LENGTH, micro_batch=MICRO_BATCH,

@@ -39,6 +39,7 @@ def bench(tmp_path_factory):
     out = root / "out"
     proc = run_cli(["bench", "--model", "tiny-llama-2l", "--parallelism", ",".join(backends), "--steps", 6,
                     "--warmup-steps", 1, "--profile-steps", 2, "--nproc-per-node", 2, "--max-length", 32,
+                    "--sft-arg=--truncation-strategy=right",
                     "--per-device-train-batch-size", 2, "--output", out, "--timeout", 300], timeout=900)
     report = json.loads((out / "bench.json").read_text())
     return out, proc, report, {r["label"]: r for r in report["results"]}

@@ -24,7 +24,7 @@ def data(tmp_path_factory):
 
 def test_toy_backend_trains_and_resumes_through_sft(data, tmp_path):
     out = tmp_path / "run"
-    base = ["sft", "--external-plugins", PLUGIN, "--model", "tiny-llama", "--dataset", data,
+    base = ["sft", "--external-plugins", PLUGIN, "--model", "tiny-llama", "--train-type", "full", "--dataset", data,
             "--parallelism", "toy", "--per-device-train-batch-size", "4", "--learning-rate", "2e-3",
             "--logging-steps", "1", "--output-dir", str(out), "--save-steps", "2"]
     proc = run_cli([*base, "--max-steps", "3"])

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-TINY = ["--model", "tiny-llama-2l", "--torch-dtype", "fp32", "--logging-steps", "1"]
+TINY = ["--model", "tiny-llama-2l", "--train-type", "full", "--torch-dtype", "fp32", "--logging-steps", "1"]
 
 
 def env_for(cache: Path, **extra: str) -> dict[str, str]:

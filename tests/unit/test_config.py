@@ -124,7 +124,7 @@ def test_one_node_forks_several_nodes_use_torchrun(monkeypatch):
     one = plan_launch(cfg_from(["--dataset", "d.jsonl", "--nproc-per-node", "2"], validate_paths=False), [])
     assert one.fork and one.command is None and one.world_size == 2 and one.master_port
     two = plan_launch(cfg_from(["--dataset", "d.jsonl", "--nproc-per-node", "2", "--nnodes", "2",
-                                "--master-port", "29555"], validate_paths=False), [])
+                                "--master-addr", "10.0.0.1", "--master-port", "29555"], validate_paths=False), [])
     assert not two.fork and two.command[1:3] == ["-m", "swiftlite.torchrun"]
     rdzv = plan_launch(cfg_from(["--dataset", "d.jsonl", "--nproc-per-node", "2", "--rdzv-backend", "c10d"],
                                 validate_paths=False), [])

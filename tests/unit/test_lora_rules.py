@@ -56,7 +56,7 @@ def test_supported_combinations_pass(argv):
 REJECTED = [
     (["--qlora", "--quant-bits", "3"], "--quant-bits must be 4 or 8"),
     (["--lora", "--quant-bits", "16"], "--quant-bits must be 4 or 8"),
-    (["--quant-bits", "4"], "--quant-bits needs --train-type lora/qlora"),
+    (["--train-type", "full", "--quant-bits", "4"], "--quant-bits needs --train-type lora/qlora"),
     (["--qlora", "--parallelism", "fsdp", "--cpu-offload"], "--cpu-offload with a bitsandbytes-quantized base"),
     (["--qlora", "--parallelism", "fsdp1", "--cpu-offload"], "--cpu-offload with a bitsandbytes-quantized base"),
     (["--qlora", "--parallelism", "zero3_offload"], "DeepSpeed offload cannot move bitsandbytes-quantized"),

@@ -195,6 +195,8 @@ def test_schema_choices_are_the_loss_impls():
 
 def _cfg(**train):
     cfg = RunConfig()
+    cfg.model = dataclasses.replace(cfg.model, torch_dtype="fp32")  # what load_config resolves auto to on CPU
+    cfg.data = dataclasses.replace(cfg.data, max_length=512)        # and the model's context
     cfg.train = dataclasses.replace(cfg.train, **train)
     return cfg
 
@@ -258,7 +260,7 @@ def test_planner_loss_term_by_impl():
 
 def test_workload_from_config_passes_the_loss():
     from swiftlite.planner import workload_from_config
-    assert workload_from_config(RunConfig(), 1, None).loss_impl == "chunked"
+    assert workload_from_config(_cfg(), 1, None).loss_impl == "chunked"
     w = workload_from_config(_cfg(loss_impl="plain", loss_chunk_tokens=64), 1, None)
     assert (w.loss_impl, w.loss_chunk_tokens) == ("plain", 64)
 

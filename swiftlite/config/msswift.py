@@ -1,0 +1,154 @@
+"""ms-swift's `sft`/`pt` flags that mean nothing here, and ms-swift values swiftlite refuses: one table,
+each entry with the line that tells the user what to use instead.
+
+Every other ms-swift flag is a RunConfig field (config/schema.py) under its ms-swift name or an alias,
+and means what it means there (docs/usage.md, "ms-swift flags", lists them all; a test checks each
+row). A key of `NO_MEANING` is refused the same way as a flag (`--use_hf false`) and as a config-file
+key (`use_hf: false`). A value in `fits` asks for exactly what swiftlite always does (`--use_hf true`,
+`--save_only_model false`): it is accepted and sets nothing. Import-light (no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from swiftlite.errors import UserError
+
+
+@dataclass(frozen=True)
+class NoMeaning:
+    name: str                     # ms-swift's spelling (underscores)
+    why: str                      # what it would do, and what to use instead
+    fits: tuple[str, ...] = ()    # values that describe swiftlite's fixed behaviour (accepted)
+    switch: bool = False          # may stand alone: --streaming == --streaming true
+    many: bool = False            # takes several values: --model_author A B
+
+
+_NO_LORA_VARIANT = ("not available: LoRA here has --lora-rank, --lora-alpha, --lora-dropout, --target-modules, "
+                    "--modules-to-save")
+_MULTIMODAL = "multimodal models are not supported (text causal LMs only)"
+
+NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
+    NoMeaning("dataloader_num_workers", "there are no DataLoader workers: every row is tokenized before training "
+              "starts (--dataset-num-proc sets the processes for that) and batches are cut from the tokenized rows "
+              "in the training process; drop the flag", fits=("0",)),
+    NoMeaning("save_only_model", "checkpoints always keep the optimizer and RNG state (what --resume needs); the "
+              "weights alone are written into every checkpoint as model/ or adapter/ (--save-hf-model, on by "
+              "default), which is what this flag would give", fits=("false",), switch=True),
+    NoMeaning("use_hf", "swiftlite downloads from the Hugging Face hub only; for a ModelScope model, download it "
+              "(modelscope download --model ID --local_dir DIR) and pass --model DIR", fits=("true",), switch=True),
+    NoMeaning("model_type", "swiftlite reads the architecture from the model's config.json (--model); there are no "
+              "ms-swift model types: drop the flag"),
+    NoMeaning("streaming", "every row is read and tokenized before training (and cached); drop the flag",
+              fits=("false",), switch=True),
+    NoMeaning("lazy_tokenize", "rows are tokenized before training, once, and cached; drop the flag",
+              fits=("false",), switch=True),
+    NoMeaning("model_author", "fills the {{AUTHOR}} placeholder of ms-swift's self-cognition dataset only; write "
+              "the names into your data rows", many=True),
+    NoMeaning("model_name", "fills the {{NAME}} placeholder of ms-swift's self-cognition dataset only; write the "
+              "names into your data rows", many=True),
+    NoMeaning("neftune_noise_alpha", "NEFTune embedding noise is not implemented; drop the flag", fits=("0", "0.0")),
+    NoMeaning("loss_scale", "the loss is on every assistant turn of sft rows (ms-swift's 'default') and on every "
+              "token for pt; other loss scales are not available", fits=("default",)),
+    NoMeaning("optim", "swiftlite always trains with torch AdamW (tune it with --adam-beta1, --adam-beta2, "
+              "--adam-epsilon, --weight-decay)", fits=("adamw_torch",)),
+    NoMeaning("bf16", "use --torch_dtype bfloat16 (the model trains in that dtype; FSDP can still reduce in fp32 "
+              "with --mixed-precision bf16)", switch=True),
+    NoMeaning("fp16", "use --torch_dtype float16 (loss scaling needs a DeepSpeed backend: --deepspeed zero2/zero3)",
+              switch=True),
+    NoMeaning("add_version", "--output-dir is used as given (no <version>-<timestamp> subfolder); give each run "
+              "its own folder", fits=("false",), switch=True),
+    NoMeaning("logging_dir", "TensorBoard events are written to <output-dir>/runs (--report-to tensorboard)"),
+    NoMeaning("max_new_tokens", "training never generates; generation length is `swiftlite infer --max-new-tokens`"),
+    NoMeaning("tuner_backend", "peft is the only tuner backend", fits=("peft",)),
+    NoMeaning("data_seed", "--seed sets the data order as well as the weights and dropout"),
+    NoMeaning("dataset_shuffle", "the training rows are always shuffled (a permutation per epoch seeded by --seed)",
+              fits=("true",), switch=True),
+    NoMeaning("train_dataloader_shuffle", "the training rows are always shuffled (a permutation per epoch seeded "
+              "by --seed)", fits=("true",), switch=True),
+    NoMeaning("load_from_cache_file", "tokenized data is always cached, keyed by the files, tokenizer and options "
+              "(SWIFTLITE_CACHE moves the cache; delete it to start over)", fits=("true",), switch=True),
+    NoMeaning("check_model", "swiftlite does not compare model files with the hub", fits=("false",), switch=True),
+    NoMeaning("create_checkpoint_symlink", "the newest good checkpoint is named in <output-dir>/latest",
+              fits=("false",), switch=True),
+    NoMeaning("save_safetensors", "weights are always written as safetensors", fits=("true",), switch=True),
+    NoMeaning("push_to_hub", "upload the exported folder yourself (huggingface-cli upload REPO DIR)",
+              fits=("false",), switch=True),
+    NoMeaning("hub_model_id", "nothing is uploaded; upload the exported folder (huggingface-cli upload REPO DIR)"),
+    NoMeaning("ddp_backend", "the process-group backend is chosen automatically: nccl on GPUs, gloo on CPU"),
+    NoMeaning("fsdp", "use --parallelism fsdp (FSDP2) or --parallelism fsdp1", many=True),
+    NoMeaning("fsdp_config", "use --parallelism fsdp with --mixed-precision, --reshard-after-forward, --cpu-offload"),
+    NoMeaning("device_map", "one process per GPU (--nproc-per-node); to spread a model over GPUs use --parallelism "
+              "fsdp or zero3"),
+    NoMeaning("sequence_parallel_size", "sequence parallelism is not available", fits=("1",)),
+    NoMeaning("packing_length", "packs are --max-length tokens long; set --max-length"),
+    NoMeaning("padding_side", "batches are padding-free where the model allows it, else right-padded",
+              fits=("right",)),
+    NoMeaning("strict", "a bad row stops the run by default (ms-swift's --strict true); --skip-bad-rows skips and "
+              "counts such rows instead", fits=("true",), switch=True),
+    NoMeaning("task_type", "swiftlite trains causal language models only", fits=("causal_lm",)),
+    NoMeaning("use_dora", f"DoRA is {_NO_LORA_VARIANT}", fits=("false",), switch=True),
+    NoMeaning("use_rslora", f"rsLoRA is {_NO_LORA_VARIANT}", fits=("false",), switch=True),
+    NoMeaning("lora_bias", f"trainable biases are {_NO_LORA_VARIANT}", fits=("none",)),
+    NoMeaning("lora_dtype", "LoRA weights follow peft's default dtype for the base's --torch-dtype"),
+    NoMeaning("lorap_lr_ratio", f"LoRA+ is {_NO_LORA_VARIANT}"),
+    NoMeaning("init_weights", f"other LoRA initialisations are {_NO_LORA_VARIANT}", fits=("true",)),
+    NoMeaning("target_regex", "give module names or all-linear to --target-modules"),
+    NoMeaning("freeze_vit", _MULTIMODAL, switch=True),
+    NoMeaning("freeze_llm", _MULTIMODAL, switch=True),
+    NoMeaning("freeze_aligner", _MULTIMODAL, switch=True),
+    NoMeaning("max_pixels", _MULTIMODAL),
+    NoMeaning("rope_scaling", "use a model folder whose config.json sets rope_scaling, and --max-length"),
+    NoMeaning("max_model_len", "use a model folder whose config.json sets max_position_embeddings, and --max-length"),
+    NoMeaning("model_kwargs", "put model options into the model folder's config.json"),
+]}
+
+#: ms-swift values of swiftlite fields that are refused: (field, value) -> the reason.
+_TUNERS = "swiftlite trains full, lora or qlora (LoRA on a bitsandbytes 4-bit base)"
+_QUANT = ("quantizing at load time is bitsandbytes only here (--quant_method bnb --quant_bits 4|8); for an "
+          "already GPTQ/AWQ-quantized model, train a LoRA on a 16-bit copy instead")
+REFUSED_VALUES: dict[tuple[str, str], str] = {
+    **{("train_type", t): _TUNERS for t in ("longlora", "adalora", "llamapro", "adapter", "vera", "boft",
+                                            "fourierft", "reft", "bone", "lora_llm")},
+    **{("quant_method", q): _QUANT for q in ("gptq", "awq", "hqq", "eetq", "quanto", "fp8", "aqlm")},
+    ("truncation_strategy", "split"): "split (several samples per long row) is not available; use "
+                                      "--truncation-strategy delete/left/right, or --packing for pt",
+}
+
+
+def canonical_value(value: Any, switch: bool) -> str:
+    """A value as the `fits` tuples spell it: for a switch, booleans and true/false words -> true/false."""
+    from swiftlite.config.schema import FALSE_WORDS, TRUE_WORDS
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    s = str(value).strip().lower()
+    if switch and s in TRUE_WORDS:
+        return "true"
+    if switch and s in FALSE_WORDS:
+        return "false"
+    return s
+
+
+def check_no_meaning(name: str, value: Any, source: str) -> None:
+    """Accept a NO_MEANING key whose value fits swiftlite's behaviour (nothing to set); refuse any other
+    value with its reason, naming the flag as the user wrote it (--name) or the file and key."""
+    entry = NO_MEANING[name]
+    if canonical_value(value, entry.switch) in entry.fits:
+        return
+    from swiftlite.config.schema import SECRET_KEY
+    secret = SECRET_KEY.search(name) is not None  # never echo a secret
+    shown = "" if value is True or secret else \
+        f" {' '.join(map(str, value)) if isinstance(value, (list, tuple)) else value}"
+    where = f"--{name}{shown}" if source == "flags" else f"{source}: {name}" + ("" if secret else f": {value!r}")
+    raise UserError(f"{where}: {entry.why}")
+
+
+def check_value(key: str, value: Any, source: str) -> None:
+    """Refuse an ms-swift value that swiftlite does not implement (--train_type adalora)."""
+    why = REFUSED_VALUES.get((key, str(value).strip().lower()))
+    if why is not None:
+        where = f"--{key} {value}" if source == "flags" else f"{source}: {key}: {value!r}"
+        raise UserError(f"{where}: {why}")
