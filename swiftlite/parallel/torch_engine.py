@@ -51,7 +51,10 @@ class TorchEngine:
         """Summed next-token CE in fp32 (parallel/loss.py, --loss-impl), through the root module, so
         that FSDP's root unit has lm_head unsharded for the loss once per micro-batch."""
         from swiftlite.parallel.loss import loss_options
-        return token_loss_sum(self.module, batch, loss_options(self.cfg))
+        spec = self.inner.__dict__.get("_swiftlite_autocast")  # autocast_forward (single, DDP)
+        ctx = torch.autocast(device_type=spec[0], dtype=spec[1]) if spec else contextlib.nullcontext()
+        with ctx:
+            return token_loss_sum(self.module, batch, loss_options(self.cfg))
 
     def micro_batch(self, last: bool) -> Any:
         """Context for one micro-batch: gradients are synchronised only on the last one of an
@@ -216,26 +219,19 @@ class TorchEngine:
 
 
 def autocast_forward(module: torch.nn.Module, cfg: Any, world: World) -> bool:
-    """Master weights without FSDP (single, DDP): run `module`'s forward under
-    `torch.autocast(device, 16-bit)`, so matmuls compute in bf16 from the fp32 parameters and the
-    backward runs that graph (gradients land in fp32, the parameters' dtype). The module's own
-    forward is wrapped (an instance attribute), so every caller takes it: training, validation, and
-    DDP, whose hooks stay outside. Returns whether it wrapped (False: fp32 or --pure-bf16 runs).
-    With gradient checkpointing, torch's checkpoint replays the autocast state in the recompute."""
+    """Master weights without FSDP (single, DDP): mark `module` so that the engine runs its forward
+    under `torch.autocast(device, 16-bit)` (TorchEngine.forward: training and validation alike), so
+    matmuls compute in bf16 from the fp32 parameters and the backward runs that graph (gradients land
+    in fp32, the parameters' dtype). A context around the engine's call, not a wrapper of the
+    module's forward: the loss (parallel/loss.py) replaces the CausalLM's forward with its own, which
+    would drop a wrapper. Returns whether it marked (False: fp32 or --pure-bf16 runs). With gradient
+    checkpointing, torch's checkpoint replays the autocast state in the recompute."""
     from swiftlite import dtypes
     from swiftlite.optim import master_weights
     if not master_weights(cfg):
         return False
     device_type = "cuda" if world.device.startswith("cuda") else "cpu"
-    dtype = dtypes.torch_dtype(cfg.model.torch_dtype)
-    inner = module.forward
-
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type=device_type, dtype=dtype):
-            return inner(*args, **kwargs)
-
-    module.forward = forward
+    object.__setattr__(module, "_swiftlite_autocast", (device_type, dtypes.torch_dtype(cfg.model.torch_dtype)))
     return True
 
 

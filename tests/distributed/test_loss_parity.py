@@ -78,14 +78,14 @@ def _job(plan: list[dict], root: Path, name: str) -> None:
 
 # name -> (model, backend, extra flags, gradient accumulation)
 PAIRS = {
-    "fsdp": ("tiny-llama-2l", "fsdp", [], 1),
-    "fsdp_ga2": ("tiny-llama-2l", "fsdp", [], 2),
-    "fsdp1": ("tiny-llama-2l", "fsdp1", [], 1),
-    "ddp": ("tiny-llama-2l", "ddp", [], 1),
+    "fsdp": ("tiny-llama-2l", "fsdp", ["--full"], 1),
+    "fsdp_ga2": ("tiny-llama-2l", "fsdp", ["--full"], 2),
+    "fsdp1": ("tiny-llama-2l", "fsdp1", ["--full"], 1),
+    "ddp": ("tiny-llama-2l", "ddp", ["--full"], 1),
     "fsdp_tied_lora": ("tied", "fsdp", ["--lora"], 1),
     "fsdp_tied_qlora": ("tied", "fsdp", ["--qlora"], 1),
-    "zero3": ("tiny-llama-2l", "zero3_all", [], 1),
-    "zero3_tied": ("tied", "zero3_all", [], 1),
+    "zero3": ("tiny-llama-2l", "zero3_all", ["--full"], 1),
+    "zero3_tied": ("tied", "zero3_all", ["--full"], 1),
     "zero3_tied_lora": ("tied", "zero3_all", ["--lora"], 1),
 }
 DEEPSPEED = ("zero3", "zero3_tied", "zero3_tied_lora")
@@ -109,7 +109,8 @@ def runs(demo_data, tied_model, tmp_path_factory) -> dict[str, Path]:
             args = ["sft", "--model", tied_model if model == "tied" else model, "--dataset", f"{train}#64",
                     "--torch-dtype", "fp32", "--parallelism", zero3_json if backend == "zero3_all" else backend,
                     "--nproc-per-node", 2, "--per-device-train-batch-size", 2 // ga,
-                    "--gradient-accumulation-steps", ga, "--learning-rate", "1e-3", "--lora-dropout", 0,
+                    "--gradient-accumulation-steps", ga, "--learning-rate", "1e-3",
+                    *(["--lora-dropout", 0] if "--full" not in extra else []),
                     "--max-steps", STEPS, "--logging-steps", 1, "--seed", 7, "--output-dir", d,
                     "--loss-impl", impl, "--loss-chunk-tokens", CHUNK, *extra]
             jobs["deepspeed" if name in DEEPSPEED else "torch"].append({"name": d.name, "args": args, "out": d})

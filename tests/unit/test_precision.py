@@ -126,10 +126,12 @@ def test_autocast_forward_computes_in_bf16_with_fp32_gradients():
     from swiftlite.parallel.torch_engine import autocast_forward
     m = torch.nn.Linear(8, 8)
     world = World(rank=0, local_rank=0, world_size=1, device="cpu")
-    assert not autocast_forward(m, _ds_cfg(True), world)          # --pure-bf16: nothing wrapped
+    assert not autocast_forward(m, _ds_cfg(True), world)          # --pure-bf16: nothing marked
     assert autocast_forward(m, _ds_cfg(False), world)
-    out = m(torch.randn(2, 8))
+    device_type, dtype = m._swiftlite_autocast                     # what TorchEngine.forward enters
+    with torch.autocast(device_type=device_type, dtype=dtype):
+        out = m(torch.randn(2, 8))
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert m.weight.grad.dtype == torch.float32 and m.weight.dtype == torch.float32
-    assert "weight" in m.state_dict()  # the wrapper is not a module: names unchanged
+    assert "weight" in m.state_dict()  # the mark is not a module: names unchanged
