@@ -179,12 +179,13 @@ PARALLEL_MIN_ROWS = 2000
 
 def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: int, packing: bool,
                    skip_bad_rows: bool, use_cache: bool = True, num_proc: int = 1,
-                   progress: Callable[[str, int], Any] | None = None) -> Tokenized:
+                   progress: Callable[[str, int], Any] | None = None, seed: int = 42) -> Tokenized:
     """Load, convert and tokenize every spec; rows with no target token are dropped and counted.
     `num_proc` > 1 (--dataset-num-proc) tokenizes in that many forked processes (files of at least
-    PARALLEL_MIN_ROWS rows); the result is identical to one process."""
+    PARALLEL_MIN_ROWS rows); the result is identical to one process. `path#N` specs draw their rows
+    with `seed` (one RandomState over the specs in order, as ms-swift), then the specs are concatenated."""
     key = _fingerprint(specs, tokenizer, {"task": task, "max_length": max_length, "packing": packing,
-                                          "skip": skip_bad_rows})
+                                          "skip": skip_bad_rows, "seed": seed})
     cpath = cache_dir() / f"{key}.npz"
     if use_cache and cpath.is_file():
         cached = _load_cache(cpath)
@@ -192,8 +193,9 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
             return cached
     stats = DataStats()
     rows: list[dict] = []
+    rng = np.random.RandomState(seed)
     for spec in specs:
-        src = load_rows(spec, skip_bad_rows=skip_bad_rows)
+        src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng)
         stats.skipped += src.skipped
         items = list(zip(src.rows, src.where))
         if num_proc > 1 and len(items) >= PARALLEL_MIN_ROWS:
@@ -237,7 +239,8 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
 
     def tok(specs: list[str]) -> Tokenized:
         return tokenize_specs(specs, tokenizer, task=cfg.task, max_length=d.max_length, packing=d.packing,
-                              skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress)
+                              skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress,
+                              seed=t.seed)
     train = tok(d.dataset)
     val = None
     if d.val_dataset:
