@@ -229,6 +229,10 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
         raise UserError(f"--resume: {path} is a DeepSpeed checkpoint of {state.get('world_size')} processes; "
                         f"ZeRO checkpoints resume only with the same world size (this run: {world.world_size})")
     if model_only:
+        import inspect
+        if "model_only" not in inspect.signature(engine.load).parameters:  # an --external-plugins engine
+            raise UserError(f"--resume_only_model: the {getattr(choice, 'name', choice.key)} backend's engine cannot "
+                            "load the model weights alone (its load() takes no model_only argument)")
         engine.load(str(path), model_only=True)
         log(f"notice: --resume_only_model: loaded the model weights of {path.name} (step "
             f"{state.get('global_step')}); optimizer, LR schedule and data order start fresh at step 0, and the "

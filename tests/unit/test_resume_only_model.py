@@ -85,3 +85,12 @@ def test_the_flag_in_both_spellings_and_yaml(tmp_path):
     y.write_text("dataset: [d.jsonl]\nresume_only_model: true\n")
     assert load_config(str(y), {}).checkpoint.resume_only_model is True
     assert build_config({}).checkpoint.resume_only_model is False
+
+
+def test_an_engine_without_model_only_is_refused_in_one_line(tmp_path):
+    class PluginEngine:
+        def load(self, path):
+            raise AssertionError("not called")
+    with pytest.raises(UserError, match="the toy backend's engine cannot load the model weights alone"):
+        load_training_state(PluginEngine(), checkpoint(tmp_path), WORLD, cfg(resume_only_model=True),
+                            SimpleNamespace(key="torch", name="toy"), facts())
