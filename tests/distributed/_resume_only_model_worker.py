@@ -60,6 +60,10 @@ def main(config: str, out: str) -> None:
     finally:
         if run.lock is not None:
             run.lock.release()
+        import torch.distributed as dist
+        if dist.is_initialized():   # every rank waits for rank 0's comparison, then a clean gloo shutdown
+            dist.barrier()
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
