@@ -193,18 +193,35 @@ def export_weights(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", wo
         write_model_folder(model, sd, tokenizer, ckpt_dir / layout.MODEL_DIR, cfg.model.torch_dtype)
 
 
+#: Run facts that change the shape of the saved weights: a model-only resume must agree on these.
+WEIGHT_SHAPE = ("train_type", "lora_rank", "target_modules", "quant_bits")
+
+
 def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", choice: Any,
                         facts: dict | None = None, log=print) -> dict:
     """Restore model, optimizer, scheduler and RNG from a checkpoint; returns trainer_state. With
     `facts` (this run's `run_facts`), a checkpoint of another dataset or run shape is refused, naming
-    what changed, unless --ignore-data-skip says to go on (the data order then restarts)."""
+    what changed, unless --ignore-data-skip says to go on (the data order then restarts).
+
+    --resume_only_model (ms-swift's meaning): the model weights only. The optimizer, the LR schedule,
+    the RNG and the data order stay as built for a new run, the returned state says step 0 (its
+    `resumed_from_step` keeps the checkpoint's), and the run-facts check is skipped: only what
+    changes the weights' shapes (train type, LoRA rank and targets, quantization) must agree."""
     state = json.loads((path / layout.TRAINER_STATE).read_text())
-    if facts is not None and "data" in state:
+    model_only = bool(getattr(cfg.checkpoint, "resume_only_model", False))
+    if model_only:
+        if facts is not None and "shape" in state:
+            diff = [d for d in compare_run_facts({"shape": state["shape"]}, {"shape": facts.get("shape", {})})
+                    if d.split(" ")[0].removeprefix("shape.") in WEIGHT_SHAPE]
+            if diff:
+                raise UserError(f"--resume_only_model: the weights of {path.name} have another shape than this "
+                                f"run's model: {', '.join(diff)}")
+    elif facts is not None and "data" in state:
         diff = compare_run_facts(state, facts)
         if diff and not cfg.train.ignore_data_skip:
             raise UserError(f"--resume: {path.name} was trained on other data or another run shape: "
                             f"{', '.join(diff)}; pass --ignore-data-skip to continue anyway (the data order "
-                            "restarts), or start a new run")
+                            "restarts), --resume_only_model to load its weights only, or start a new run")
         if diff:
             log(f"notice: resuming {path.name} with changed {', '.join(diff)} (--ignore-data-skip)")
     if state.get("train_type") != cfg.train.train_type:
@@ -217,6 +234,16 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
     if backend == "deepspeed" and state.get("world_size") != world.world_size:
         raise UserError(f"--resume: {path} is a DeepSpeed checkpoint of {state.get('world_size')} processes; "
                         f"ZeRO checkpoints resume only with the same world size (this run: {world.world_size})")
+    if model_only:
+        import inspect
+        if "model_only" not in inspect.signature(engine.load).parameters:  # an --external-plugins engine
+            raise UserError(f"--resume_only_model: the {getattr(choice, 'name', choice.key)} backend's engine cannot "
+                            "load the model weights alone (its load() takes no model_only argument)")
+        engine.load(str(path), model_only=True)
+        log(f"notice: --resume_only_model: loaded the model weights of {path.name} (step "
+            f"{state.get('global_step')}); optimizer, LR schedule and data order start fresh at step 0, and the "
+            "data/run-shape check was skipped")
+        return {**state, "global_step": 0, "resumed_from_step": state.get("global_step")}
     engine.load(str(path))
     if state.get("world_size") == world.world_size:
         load_rng(path / layout.RNG_DIR, world.rank)

@@ -1,8 +1,9 @@
 """`swiftlite export`: its flags -> `swiftlite.export.ExportOptions` (the work is in swiftlite/export/,
 imported when the command runs).
 
-Flags follow ms-swift: every multi-word flag has both spellings (--max-shard-size and
---max_shard_size); switches are plain flags (`--merge_lora`, not `--merge_lora true`).
+Flags follow ms-swift (`swift export --adapters CKPT --merge_lora true`): every multi-word flag has
+both spellings (--max-shard-size and --max_shard_size); --adapters is --ckpt; a switch is given bare
+(`--merge-lora`) or with a value (`--merge_lora true`, `--merge_lora=false`), as sft's booleans.
 """
 
 from __future__ import annotations
@@ -11,37 +12,82 @@ import sys
 from typing import Optional
 
 import typer
+import typer.core
+
+from swiftlite.errors import UserError
+
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+class _SwitchCommand(typer.core.TyperCommand):
+    """Click has no optional-value options that Typer passes through: a bare switch (last, or
+    followed by another flag) gets "true" inserted before parsing, so `--merge-lora`,
+    `--merge_lora true` and `--merge_lora=false` all work (and `--merge_lora maybe` is an error
+    naming the flag)."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        names = {name for p in self.params if getattr(p, "metavar", None) == SWITCH_METAVAR for name in p.opts}
+        out: list[str] = []
+        for i, a in enumerate(args):
+            out.append(a)
+            if a in names and (i + 1 == len(args) or args[i + 1].startswith("-")):
+                out.append("true")
+        return super().parse_args(ctx, out)
+
+
+SWITCH_METAVAR = "[true|false]"
 
 
 def switch(*names: str, help: str) -> typer.models.OptionInfo:
-    """An on/off flag (ms-swift's `--merge_lora true` is written `--merge_lora` here)."""
-    return typer.Option(False, *names, help=help)
+    """An on/off flag: bare, or with true/false (yes/no, 1/0)."""
+    return typer.Option("false", *names, metavar=SWITCH_METAVAR, help=help + " (default: false)",
+                        show_default=False)
+
+
+def _on(flag: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in TRUE:
+        return True
+    if v in FALSE:
+        return False
+    raise UserError(f"{flag}: expected true or false, got {value!r}")
 
 
 def export_cmd(
-    ckpt: str = typer.Option(..., "--ckpt", "--ckpt-dir", "--ckpt_dir", "--checkpoint",
-                             help="Run folder (its latest checkpoint), checkpoint-N folder, or adapter folder."),
-    output: str = typer.Option(..., "--output", "--output-dir", "--output_dir", "-o",
-                               help="Folder to write (must not exist, unless --overwrite)."),
+    ckpt: Optional[str] = typer.Option(None, "--ckpt", "--ckpt-dir", "--ckpt_dir", "--checkpoint",
+                                       help="Run folder (its latest checkpoint), checkpoint-N folder, or adapter "
+                                            "folder."),
+    adapters: Optional[str] = typer.Option(None, "--adapters",
+                                           help="ms-swift's name for --ckpt: a checkpoint-N folder (or its "
+                                                "adapter/ folder) of a LoRA run."),
+    output: Optional[str] = typer.Option(None, "--output", "--output-dir", "--output_dir", "-o",
+                                         help="Folder to write (must not exist, unless --overwrite). Default: "
+                                              "<checkpoint>-merged with --merge-lora (ms-swift's), else "
+                                              "<checkpoint>-export."),
     base_model: Optional[str] = typer.Option(None, "--base-model", "--base_model", "--model",
                                              help="Base model (preset, folder or hub id); default: the run's."),
-    merge_lora: bool = switch("--merge-lora", "--merge_lora",
-                              help="LoRA runs: merge into the base and write a full model "
-                                   "(default: write the adapter alone)."),
+    merge_lora: str = switch("--merge-lora", "--merge_lora",
+                             help="LoRA runs: merge into the base and write a full model; without it the "
+                                  "adapter alone is written. An error for a full fine-tune"),
     dtype: str = typer.Option("bf16", "--dtype", "--torch-dtype", "--torch_dtype", help="bf16 or fp16."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", "--max_shard_size",
                                        help="Largest safetensors shard (5GB, 500MB, 2GiB)."),
-    verify: bool = switch("--verify", help="Reload the export and compare logits with the "
-                                           "training-side model; exit 1 if anything fails."),
-    overwrite: bool = switch("--overwrite", help="Replace --output if it exists (only once the new "
-                                                 "export is complete)."),
+    verify: str = switch("--verify", help="Reload the export and compare logits with the "
+                                          "training-side model; exit 1 if anything fails"),
+    overwrite: str = switch("--overwrite", "--exist-ok", "--exist_ok",
+                            help="Replace --output if it exists (only once the new export is complete)"),
 ) -> None:
     """Export a checkpoint to a 16-bit Hugging Face folder (vLLM, LMDeploy, transformers)."""
+    if ckpt is None and adapters is None:
+        raise UserError("export: pass the checkpoint to export with --ckpt or --adapters")
+    if ckpt is not None and adapters is not None and ckpt != adapters:
+        raise UserError(f"--ckpt {ckpt} and --adapters {adapters}: both name the checkpoint; give one")
     from swiftlite.export import ExportOptions, VerifyError, export
-    opts = ExportOptions(ckpt=ckpt, output=output, base_model=base_model,
-                         merge_lora=merge_lora, dtype=dtype.lower(),
-                         max_shard_size=max_shard_size, verify=verify,
-                         overwrite=overwrite)
+    opts = ExportOptions(ckpt=ckpt or adapters, output=output, base_model=base_model,
+                         merge_lora=_on("--merge-lora", merge_lora), dtype=dtype.lower(),
+                         max_shard_size=max_shard_size, verify=_on("--verify", verify),
+                         overwrite=_on("--overwrite", overwrite),
+                         ckpt_flag="--ckpt" if ckpt is not None else "--adapters")
     try:
         export(opts)
     except VerifyError as e:
@@ -49,6 +95,9 @@ def export_cmd(
         raise typer.Exit(1)
 
 
+export_cmd.command_settings = {"cls": _SwitchCommand}
+
+
 def register(app: typer.Typer) -> None:
     """Add `export` to an app of your own (swiftlite's app takes it from COMMANDS in cli/main.py)."""
-    app.command("export")(export_cmd)
+    app.command("export", **export_cmd.command_settings)(export_cmd)

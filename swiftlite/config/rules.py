@@ -242,6 +242,8 @@ def _system_template(c: RunConfig):
 
 @rule("resume")
 def _resume(c: RunConfig):
+    if c.checkpoint.resume_only_model and c.checkpoint.resume == "false" and not c.checkpoint.resume_from:
+        return "--resume-only-model needs --resume or --resume-from (the checkpoint whose weights to load)"
     if c.checkpoint.resume != "false" and c.checkpoint.resume_from:
         return "--resume and --resume-from both given: use one of them"
 

@@ -237,6 +237,10 @@ class CheckpointConfig:
                                "<output-dir>/preempted and exit with code 75 (requeue, then --resume auto).")
     resume_from: str | None = opt(None, "Resume from this checkpoint folder.",
                                   aliases=("--resume_from_checkpoint", "--resume-from-checkpoint"))
+    resume_only_model: bool = opt(False, "With --resume/--resume-from: load only the checkpoint's model weights; "
+                                  "the optimizer, LR schedule and data order start fresh at step 0, and the check "
+                                  "that the data and run shape are unchanged is skipped (ms-swift's flag, as before "
+                                  "ms-swift 3.7 or with its --ignore_data_skip true; 3.7+ keeps the step by default).")
 
 
 @dataclass(kw_only=True)

@@ -1,9 +1,10 @@
 """Row formats -> one conversation form (a list of {"role", "content"} messages).
 
 Formats are detected per row from its keys, through a registry of (name, detector, converter), so a
-new format is one entry. Supported: messages (OpenAI / ms-swift), sharegpt (conversations/from/value),
-alpaca (instruction/input/output, optional system/history), query/response (optional
-system/history), and plain text (for `swiftlite pt`).
+new format is one entry. Supported: messages (OpenAI / ms-swift), sharegpt (conversations with
+from/value or role/content), alpaca (instruction/input/output, optional system/history),
+query/response (optional system/history), TRL's prompt/completion (strings, or lists of
+{role, content} messages), and plain text (for `swiftlite pt`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ Message = dict[str, str]
 Converter = Callable[[dict[str, Any], str], list[Message]]
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+                  "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+                  "tool": "tool"}
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -46,18 +48,22 @@ def _system(row: dict, where: str) -> list[Message]:
     return [{"role": "system", "content": _text(s, where, "system")}] if s else []
 
 
-def from_messages(row: dict, where: str) -> list[Message]:
-    msgs = row["messages"]
+def _role_messages(msgs: Any, where: str, key: str) -> list[Message]:
+    """A list of {role, content} messages (OpenAI form), checked."""
     if not isinstance(msgs, list) or not msgs:
-        raise UserError(f"{where}: 'messages' must be a non-empty list")
+        raise UserError(f"{where}: '{key}' must be a non-empty list")
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise UserError(f"{where}: messages[{i}] needs 'role' and 'content'")
+            raise UserError(f"{where}: {key}[{i}] needs 'role' and 'content'")
         if m["role"] not in ROLES:
-            raise UserError(f"{where}: messages[{i}] has unknown role {m['role']!r} (use {', '.join(ROLES)})")
-        out.append({"role": m["role"], "content": _text(m["content"], where, f"messages[{i}].content")})
+            raise UserError(f"{where}: {key}[{i}] has unknown role {m['role']!r} (use {', '.join(ROLES)})")
+        out.append({"role": m["role"], "content": _text(m["content"], where, f"{key}[{i}].content")})
     return out
+
+
+def from_messages(row: dict, where: str) -> list[Message]:
+    return _role_messages(row["messages"], where, "messages")
 
 
 def from_sharegpt(row: dict, where: str) -> list[Message]:
@@ -66,13 +72,36 @@ def from_sharegpt(row: dict, where: str) -> list[Message]:
         raise UserError(f"{where}: 'conversations' must be a non-empty list")
     out = _system(row, where)
     for i, m in enumerate(conv):
-        if not isinstance(m, dict) or "from" not in m or "value" not in m:
-            raise UserError(f"{where}: conversations[{i}] needs 'from' and 'value'")
-        role = SHAREGPT_ROLES.get(str(m["from"]).lower())
+        # ShareGPT's from/value, or the OpenAI role/content that many ShareGPT-named files use
+        if isinstance(m, dict) and "from" in m and "value" in m:
+            speaker, text, key = m["from"], m["value"], "value"
+        elif isinstance(m, dict) and "role" in m and "content" in m:
+            speaker, text, key = m["role"], m["content"], "content"
+        else:
+            raise UserError(f"{where}: conversations[{i}] needs 'from' and 'value' (or 'role' and 'content')")
+        role = SHAREGPT_ROLES.get(str(speaker).lower())
         if role is None:
-            raise UserError(f"{where}: conversations[{i}] has unknown speaker {m['from']!r}")
-        out.append({"role": role, "content": _text(m["value"], where, f"conversations[{i}].value")})
+            raise UserError(f"{where}: conversations[{i}] has unknown speaker {speaker!r}")
+        out.append({"role": role, "content": _text(text, where, f"conversations[{i}].{key}")})
     return out
+
+
+def from_prompt_completion(row: dict, where: str) -> list[Message]:
+    """TRL's prompt-completion rows. Standard: `prompt` and `completion` strings (a user turn and
+    the assistant's answer, with an optional `system`). Conversational: lists of {role, content}
+    messages, the conversation being prompt + completion. Every assistant turn is trained on, as in
+    any other format (so an assistant turn inside a conversational prompt is too; TRL trains on the
+    completion only)."""
+    prompt, completion = row["prompt"], row["completion"]
+    if isinstance(prompt, list):
+        head = _role_messages(prompt, where, "prompt")
+    else:
+        head = _system(row, where) + [{"role": "user", "content": _text(prompt, where, "prompt")}]
+    if isinstance(completion, list):
+        tail = _role_messages(completion, where, "completion")
+    else:
+        tail = [{"role": "assistant", "content": _text(completion, where, "completion")}]
+    return head + tail
 
 
 def from_alpaca(row: dict, where: str) -> list[Message]:
@@ -96,6 +125,7 @@ FORMATS: list[tuple[str, Callable[[dict], bool], Converter]] = [
     ("sharegpt", lambda r: "conversations" in r, from_sharegpt),
     ("alpaca", lambda r: "instruction" in r and "output" in r, from_alpaca),
     ("query_response", lambda r: "query" in r and "response" in r, from_query_response),
+    ("prompt_completion", lambda r: "prompt" in r and "completion" in r, from_prompt_completion),
 ]
 
 
@@ -116,7 +146,7 @@ def to_messages(row: dict, where: str) -> list[Message]:
             return msgs
     keys = ", ".join(sorted(map(str, row))) or "none"
     raise UserError(f"{where}: row matches no known format (found keys: {keys}; expected messages, "
-                    "conversations, instruction+output, query+response, or text for pt)")
+                    "conversations, instruction+output, query+response, prompt+completion, or text for pt)")
 
 
 def to_text(row: dict, where: str) -> str:

@@ -203,14 +203,16 @@ PARALLEL_MIN_ROWS = 2000
 def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: int, packing: bool,
                    skip_bad_rows: bool, use_cache: bool = True, num_proc: int = 1,
                    progress: Callable[[str, int], Any] | None = None, truncation_strategy: str = "right",
-                   system: str | None = None) -> Tokenized:
+                   system: str | None = None, seed: int = 42) -> Tokenized:
     """Load, convert and tokenize every spec; rows with no target token are dropped and counted, and
     rows over max_length are cut or (truncation_strategy "delete") dropped and counted. `system` is the
     system turn of sft rows that have none. `num_proc` > 1 (--dataset-num-proc) tokenizes in that many
-    forked processes (files of at least PARALLEL_MIN_ROWS rows); the result is identical to one process."""
+    forked processes (files of at least PARALLEL_MIN_ROWS rows); the result is identical to one process.
+    `path#N` specs draw their rows with `seed` (one RandomState over the specs in order, as ms-swift),
+    then the specs are concatenated."""
     key = _fingerprint(specs, tokenizer, {"task": task, "max_length": max_length, "packing": packing,
                                           "skip": skip_bad_rows, "truncation": truncation_strategy,
-                                          "system": system})
+                                          "system": system, "seed": seed})
     cpath = cache_dir() / f"{key}.npz"
     if use_cache and cpath.is_file():
         cached = _load_cache(cpath)
@@ -218,8 +220,9 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
             return cached
     stats = DataStats()
     rows: list[dict] = []
+    rng = np.random.RandomState(seed)
     for spec in specs:
-        src = load_rows(spec, skip_bad_rows=skip_bad_rows)
+        src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng)
         stats.skipped += src.skipped
         items = list(zip(src.rows, src.where))
         if num_proc > 1 and len(items) >= PARALLEL_MIN_ROWS:
@@ -268,7 +271,7 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
     def tok(specs: list[str]) -> Tokenized:
         return tokenize_specs(specs, tokenizer, task=cfg.task, max_length=d.max_length, packing=d.packing,
                               skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress,
-                              truncation_strategy=d.truncation_strategy, system=system)
+                              truncation_strategy=d.truncation_strategy, system=system, seed=t.seed)
     train = tok(d.dataset)
     val = None
     if d.val_dataset:

@@ -1,6 +1,7 @@
 """Any swiftlite checkpoint -> a Hugging Face folder (16-bit safetensors) that vLLM and LMDeploy load.
 
     swiftlite export --ckpt RUN_OR_CHECKPOINT --output DIR [--merge-lora] [--dtype bf16] [--verify]
+    swiftlite export --adapters CHECKPOINT --merge_lora true      # ms-swift's spelling: CHECKPOINT-merged
 
 What `--ckpt` may be
     a run folder            its `latest` checkpoint (refused, with the reason, if that one is broken)
@@ -50,13 +51,15 @@ from swiftlite.export.model import export_adapter, export_model
 from swiftlite.export.output import (ExportResult, append_readme, cast_checked, move_into_place, prepare_output,
                                      write_readme)
 from swiftlite.export.reference import Reference, VerifyError, load_reference, reference_model, reference_tokenizer
-from swiftlite.export.source import ExportOptions, Source, inspect_source, resolve_base, resolve_checkpoint
+from swiftlite.export.source import (ExportOptions, Source, default_output, inspect_source, resolve_base,
+                                     resolve_checkpoint)
 from swiftlite.export.verify import (PEFT_MARKERS, TOLERANCE, check_files, prompt_for, reference_weights,
                                      verify_export)
 from swiftlite.hf_io import ADAPTER_FILES, write_config, write_generation_config, write_tokenizer
 
 __all__ = [
     "export", "ExportOptions", "ExportResult", "VerifyError", "Source", "resolve_checkpoint", "inspect_source",
+    "default_output",
     "resolve_base", "TensorReader", "stream", "DCPReader", "SafetensorsReader", "ModelReader", "ZeroReader",
     "tensor_value", "meta_model", "expected_tensors", "tied_names", "Adapter", "peft_name", "load_adapter",
     "check_adapter_fits", "merge_lora", "cast_checked", "write_readme", "append_readme", "prepare_output",
@@ -76,9 +79,13 @@ def export(opts: ExportOptions) -> ExportResult:
     if opts.dtype not in dtypes.HALF:
         raise UserError(f"--dtype {opts.dtype}: choose bf16 or fp16")
     max_shard = parse_size(opts.max_shard_size, "--max-shard-size")
-    src = inspect_source(opts.ckpt, opts.base_model, log)
+    src = inspect_source(opts.ckpt, opts.base_model, log, opts.ckpt_flag)
     if opts.merge_lora and not src.is_peft:
-        log(f"note: --merge-lora ignored, {src.path.name} is a full fine-tune")
+        raise UserError(f"--merge-lora: {opts.ckpt_flag} {opts.ckpt} is a full fine-tune ({src.path.name}), there is "
+                        "no LoRA adapter to merge; export it without --merge-lora")
+    if opts.output is None:
+        opts.output = str(default_output(src, opts.merge_lora))
+        log(f"output {opts.output} (no --output given: <checkpoint>-{'merged' if opts.merge_lora else 'export'})")
     out, tmp = prepare_output(opts.output, opts.overwrite, src)
     log(f"source {src.describe()}")
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ from swiftlite.hf_io import ADAPTER_CONFIG
 @dataclass
 class ExportOptions:
     ckpt: str
-    output: str
+    output: str | None = None        # None: default_output() (ms-swift's <checkpoint>-merged when merging)
     base_model: str | None = None
     merge_lora: bool = False
     dtype: str = "bf16"
@@ -25,6 +25,7 @@ class ExportOptions:
     verify: bool = False
     overwrite: bool = False
     log: Callable[[str], None] = field(default=lambda msg: print(f"export: {msg}", flush=True))
+    ckpt_flag: str = "--ckpt"        # how the user named the checkpoint (--ckpt or --adapters), for messages
 
 
 @dataclass
@@ -70,20 +71,28 @@ class Source:
         return f"{self.path} ({self.form} folder)"
 
 
-def resolve_checkpoint(arg: str) -> tuple[Path, str]:
-    """--ckpt -> (folder, form). A run folder means its `latest` checkpoint."""
+def _is_checkpoint(p: Path) -> bool:
+    return (p / layout.MANIFEST).is_file() or (p / layout.TRAINER_STATE).is_file()
+
+
+def resolve_checkpoint(arg: str, flag: str = "--ckpt") -> tuple[Path, str]:
+    """--ckpt / --adapters -> (folder, form). A run folder means its `latest` checkpoint; the
+    adapter/ folder inside a checkpoint means that checkpoint (its run's base model and seed)."""
     p = Path(arg).expanduser()
     if not p.exists():
-        raise UserError(f"--ckpt {arg}: no such folder")
+        raise UserError(f"{flag} {arg}: no such folder")
     if not p.is_dir():
-        raise UserError(f"--ckpt {arg}: not a checkpoint (a file; pass a run folder or a checkpoint-N folder)")
+        raise UserError(f"{flag} {arg}: not a checkpoint (a file; pass a run folder or a checkpoint-N folder)")
     p = p.resolve()
+    if (p.name == layout.ADAPTER_DIR and (p / ADAPTER_CONFIG).is_file() and not _is_checkpoint(p)
+            and _is_checkpoint(p.parent)):
+        p = p.parent
     if p.name.startswith(layout.TMP_PREFIX + layout.PREFIX):
-        raise UserError(f"--ckpt {arg}: an incomplete checkpoint (its save did not finish)")
-    if (p / layout.MANIFEST).is_file() or (p / layout.TRAINER_STATE).is_file():
+        raise UserError(f"{flag} {arg}: an incomplete checkpoint (its save did not finish)")
+    if _is_checkpoint(p):
         why = ckpt.verify_checkpoint(p, deep=False)
         if why:
-            raise UserError(f"--ckpt {arg}: not a usable checkpoint ({why})")
+            raise UserError(f"{flag} {arg}: not a usable checkpoint ({why})")
         return p, "checkpoint"
     if (p / ADAPTER_CONFIG).is_file():
         return p, "adapter"
@@ -93,7 +102,7 @@ def resolve_checkpoint(arg: str) -> tuple[Path, str]:
         c = p / name
         why = ckpt.verify_checkpoint(c, deep=False) if c.is_dir() else "missing"
         if why:
-            raise UserError(f"--ckpt {arg}: its latest checkpoint {name} is not usable ({why}); "
+            raise UserError(f"{flag} {arg}: its latest checkpoint {name} is not usable ({why}); "
                             "pass an older checkpoint-N folder explicitly")
         return c, "checkpoint"
     found = [c for c in reversed(ckpt.list_checkpoints(p)) if ckpt.verify_checkpoint(c, deep=False) is None]
@@ -101,20 +110,20 @@ def resolve_checkpoint(arg: str) -> tuple[Path, str]:
         return found[0], "checkpoint"
     if (p / "config.json").is_file() and (list(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").is_file()):
         return p, "hf"
-    raise UserError(f"--ckpt {arg}: not a checkpoint (no {layout.MANIFEST}, no `{layout.LATEST}`, no checkpoint-N "
+    raise UserError(f"{flag} {arg}: not a checkpoint (no {layout.MANIFEST}, no `{layout.LATEST}`, no checkpoint-N "
                     f"folder, no {ADAPTER_CONFIG})")
 
 
-def inspect_source(arg: str, base_model: str | None, log: Callable[[str], None]) -> Source:
+def inspect_source(arg: str, base_model: str | None, log: Callable[[str], None], flag: str = "--ckpt") -> Source:
     """Classify --ckpt and attach the run's config (base model, quantization, seed)."""
     from swiftlite.config import build_config, load_args
-    path, form = resolve_checkpoint(arg)
+    path, form = resolve_checkpoint(arg, flag)
     src = Source(arg=arg, path=path, form=form)
     if form == "checkpoint":
         try:
             state = json.loads((path / layout.TRAINER_STATE).read_text())
         except (OSError, ValueError):
-            raise UserError(f"--ckpt {arg}: {path.name}/{layout.TRAINER_STATE} is missing or unreadable") from None
+            raise UserError(f"{flag} {arg}: {path.name}/{layout.TRAINER_STATE} is missing or unreadable") from None
         src.train_type = state.get("train_type", "full")
         src.backend = state.get("backend")
         src.world_size = state.get("world_size")
@@ -127,13 +136,13 @@ def inspect_source(arg: str, base_model: str | None, log: Callable[[str], None])
         elif src.adapter_dir is not None:
             src.weights = "adapter"
         else:
-            raise UserError(f"--ckpt {arg}: {path.name} holds no model weights (no dcp/, ds/ or adapter/)")
+            raise UserError(f"{flag} {arg}: {path.name} holds no model weights (no dcp/, ds/ or adapter/)")
         args_file = path.parent / layout.ARGS
         if args_file.is_file():
             try:
                 src.cfg = load_args(args_file)
             except UserError as e:
-                raise UserError(f"--ckpt {arg}: cannot read the run's args.json ({e})") from None
+                raise UserError(f"{flag} {arg}: cannot read the run's args.json ({e})") from None
         else:
             # A checkpoint copied away from its run: rebuild what trainer_state.json records.
             values = {"train_type": src.train_type, "model": state.get("model") or "tiny-llama",
@@ -149,7 +158,7 @@ def inspect_source(arg: str, base_model: str | None, log: Callable[[str], None])
             conf = json.loads((path / ADAPTER_CONFIG).read_text())
             base_model = conf.get("base_model_name_or_path")
             if not base_model:
-                raise UserError(f"--ckpt {arg}: a bare adapter folder; pass --base-model (its base model)")
+                raise UserError(f"{flag} {arg}: a bare adapter folder; pass --base-model (its base model)")
             src.base_from = ADAPTER_CONFIG
         src.cfg = build_config({"train_type": "lora", "model": base_model}, source="--base-model")
     else:
@@ -160,6 +169,13 @@ def inspect_source(arg: str, base_model: str | None, log: Callable[[str], None])
         if src.base_from != ADAPTER_CONFIG:
             src.base_from = "--base-model"
     return src
+
+
+def default_output(src: Source, merge: bool) -> Path:
+    """The output when none is given: `<checkpoint>-merged` when merging (ms-swift's default for
+    `--merge_lora true`), else `<checkpoint>-export`, next to the checkpoint (or adapter/HF folder).
+    Neither is a `checkpoint-N` name, so a run folder's checkpoint listing ignores it."""
+    return src.path.parent / f"{src.path.name}-{'merged' if merge else 'export'}"
 
 
 def resolve_base(src: Source) -> Any:

@@ -210,14 +210,18 @@ class DeepSpeedEngine:
         """Sharded training state (module, ZeRO optimizer partitions, scheduler) under path/ds/."""
         self.ds.save_checkpoint(path, tag=CKPT_TAG)
 
-    def load(self, path: str) -> None:
+    def load(self, path: str, model_only: bool = False) -> None:
+        """Restore the training state from path/ds/. model_only (--resume_only_model): DeepSpeed's
+        `load_module_only` without optimizer or scheduler states (ZeRO-1/2 read the module file and
+        copy it into fresh fp32 masters; ZeRO-3 rebuilds the fp32 weights from the partitions)."""
         saved = _saved_world_size(path)
         if saved is not None and saved != self.world.world_size:
             raise UserError(f"{path}: this DeepSpeed checkpoint was written by {saved} processes; resume it "
                             f"with {saved} processes (ZeRO checkpoints are tied to the world size), or export "
                             f"its weights and start a new run (got {self.world.world_size})")
-        load_path, _ = self.ds.load_checkpoint(path, tag=CKPT_TAG, load_optimizer_states=True,
-                                               load_lr_scheduler_states=True)
+        load_path, _ = self.ds.load_checkpoint(path, tag=CKPT_TAG, load_optimizer_states=not model_only,
+                                               load_lr_scheduler_states=not model_only,
+                                               load_module_only=model_only)
         if load_path is None:
             raise UserError(f"{path}: no DeepSpeed checkpoint (expected {os.path.join(path, CKPT_TAG)}/)")
 

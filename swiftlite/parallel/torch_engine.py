@@ -124,17 +124,22 @@ class TorchEngine:
         if self.world.is_main:
             (Path(path) / SCHEDULER).write_text(json.dumps(self.scheduler.state_dict()))
 
-    def load(self, path: str) -> None:
+    def load(self, path: str, model_only: bool = False) -> None:
+        """Restore model, optimizer and scheduler from path/dcp/ (any world size). model_only
+        (--resume_only_model): the model entries alone; optimizer and scheduler stay fresh."""
         import torch.distributed.checkpoint as dcp
         from swiftlite.checkpoint.safety import check_dcp_metadata
         check_dcp_metadata(Path(path) / DCP_DIR)
         opts = self._opts(ignore_frozen_params=self._frozen_ok)
         in_place = self._trainable_state()
-        state = {"model": in_place if in_place is not None else get_model_state_dict(self.inner, options=opts),
-                 "optim": get_optimizer_state_dict(self.inner, self.optimizer)}
+        state = {"model": in_place if in_place is not None else get_model_state_dict(self.inner, options=opts)}
+        if not model_only:
+            state["optim"] = get_optimizer_state_dict(self.inner, self.optimizer)
         dcp.load(state, checkpoint_id=str(Path(path) / DCP_DIR))
         if in_place is None:  # the in-place tensors are the parameters themselves: already loaded
             set_model_state_dict(self.inner, state["model"], options=self._opts(strict=False))
+        if model_only:
+            return
         set_optimizer_state_dict(self.inner, self.optimizer, state["optim"])
         sched = json.loads((Path(path) / SCHEDULER).read_text())
         self.scheduler.load_state_dict(sched)

@@ -41,7 +41,8 @@ def _first_line(run) -> str:
             f"{run.batches.plan.global_batch}, {run.total_steps} steps, "
             f"{(run.batches.form or PADDED).describe(cfg.data.packing, cfg.data.max_length)}, "
             f"attention {getattr(getattr(run.model, 'config', None), '_attn_implementation', None) or '?'}"
-            + (f", resuming from {run.resume_path.name}" if run.resume_path else "")
+            + (f", {'weights from' if cfg.checkpoint.resume_only_model else 'resuming from'} {run.resume_path.name}"
+               if run.resume_path else "")
             + (" (data order restarted: --ignore-data-skip)" if run.resume_path and cfg.train.ignore_data_skip else ""))
 
 

@@ -25,7 +25,7 @@ def run(tmp_path_factory):
     d = tmp_path_factory.mktemp("reliability")
     rows = [json.dumps(r) for r in make_rows(40, 0)]
     rows.insert(10, "{this is not json")
-    rows.insert(20, json.dumps({"prompt": "p", "completion": "c"}))
+    rows.insert(20, json.dumps({"question": "p", "answer": "c"}))
     (d / "train.jsonl").write_text("\n".join(rows) + "\n")
     env = env_for(d / "cache", HF_TOKEN=TOKEN, HUGGING_FACE_HUB_TOKEN=TOKEN)
     args = ["sft", *TINY, "--dataset", "train.jsonl", "--skip-bad-rows", "--max-steps", "3", "--save-steps", "1",
@@ -39,7 +39,7 @@ def test_skipped_rows_are_counted_and_named(run):
     d, _, r = run
     assert "40 train rows" in r.stdout and "2 skipped" in r.stdout, r.stdout
     assert "skipped: train.jsonl:11: not valid JSON" in r.stdout, r.stdout
-    assert "skipped: train.jsonl:21: row matches no known format (found keys: completion, prompt" in r.stdout
+    assert "skipped: train.jsonl:21: row matches no known format (found keys: answer, question" in r.stdout
 
 
 def test_save_total_limit_kept_the_newest_two(run):
