@@ -1,10 +1,8 @@
 """An ms-swift user's LoRA command, then `swift export`'s spelling (issue 13, acceptance item 2, the
 export half): underscore flags, `--dataset file#N`, `--target_modules all-linear`,
-`--lr_scheduler_type cosine`, `--report_to tensorboard`; then
+`--lr_scheduler_type cosine`, `--system`, `--report_to tensorboard` (events with HF's tag names); then
 `swiftlite export --adapters <ckpt> --merge_lora true` writes `<ckpt>-merged`, which transformers
 loads and whose logits match the training-side merged model (`--verify`, and checked here again).
-
-(`--system` is left out: it is implemented on another branch.)
 """
 
 from __future__ import annotations
@@ -32,7 +30,8 @@ def lora_run(tmp_path_factory) -> Path:
              "--target_modules", "all-linear", "--lr_scheduler_type", "cosine", "--learning_rate", "2e-2",
              "--lora_rank", "8", "--lora_alpha", "32", "--per_device_train_batch_size", "4",
              "--gradient_accumulation_steps", "1", "--max_steps", "3", "--logging_steps", "1",
-             "--max_length", "64", "--report_to", "tensorboard", "--output_dir", out],
+             "--max_length", "64", "--truncation_strategy", "right", "--system", "You reverse strings.",
+             "--report_to", "tensorboard", "--output_dir", out],
             env=cli_env(SWIFTLITE_CACHE=str(root / "cache")))
     return out
 
@@ -44,7 +43,13 @@ def _export(*args) -> str:
 def test_the_run_trained_on_n_sampled_rows(lora_run):
     first = (lora_run / "logging.jsonl").read_text()
     assert (lora_run / "checkpoint-3" / "adapter" / "adapter_config.json").is_file()
-    assert list((lora_run / "runs").glob("events.out.tfevents.*")), "no TensorBoard events"
+    events = list((lora_run / "runs").glob("events.out.tfevents.*"))
+    assert events, "no TensorBoard events"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(events[0].parent))
+    acc.Reload()
+    assert {"train/loss", "train/learning_rate", "train/grad_norm"} <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
     assert json.loads((lora_run / "args.json").read_text())["data"]["dataset"][0].endswith("#48")
     assert "loss" in first
 
@@ -94,7 +99,7 @@ def test_merge_lora_on_a_full_run_is_an_error(tmp_path):
     train, _ = write_demo_data(tmp_path / "data", n_train=16, n_val=4)
     run = tmp_path / "full"
     run_cli(["sft", "--model", "tiny-llama-2l", "--train_type", "full", "--dataset", train, "--max_steps", "1",
-             "--per_device_train_batch_size", "2", "--max_length", "32", "--output_dir", run],
+             "--per_device_train_batch_size", "2", "--max_length", "32", "--truncation_strategy", "right", "--output_dir", run],
             env=cli_env(SWIFTLITE_CACHE=str(tmp_path / "cache")))
     r = run_cli(["export", "--adapters", run / "checkpoint-1", "--merge_lora", "true"], check=False)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
