@@ -94,10 +94,12 @@ def build_app() -> Any:
 
     for name in COMMANDS:
         fn = command_function(name)
+        # The command list shows each docstring's first line whole (click cuts it at 45 characters).
+        short = {"short_help": (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else None}
         if name in RAW_ARGV:
-            app.command(name, **_RAW_SETTINGS)(_raw_argv_command(fn))
+            app.command(name, **_RAW_SETTINGS, **short)(_raw_argv_command(fn))
         else:
-            app.command(name, **getattr(fn, "command_settings", {}))(fn)
+            app.command(name, **getattr(fn, "command_settings", {}), **short)(fn)
     return app
 
 

@@ -101,6 +101,8 @@ def print_plan(cfg: Any, plan: Any, choice: Any) -> None:
           f"{t.gradient_accumulation_steps} = global {global_batch}")
     print(f"model:          {cfg.model.model} ({cfg.train.train_type}, {cfg.model.torch_dtype})")
     print(f"output:         {cfg.train.output_dir}")
-    how = (shlex.join(redact_argv(plan.command)) if plan.command
+    # The command each node runs, as it would run it: without this --dry-run.
+    shown = [a for a in plan.command if a not in ("--dry-run", "--dry_run")] if plan.command else None
+    how = (shlex.join(redact_argv(shown)) if shown
            else f"{plan.nproc_per_node} processes forked from this one" if plan.fork else "this process")
     print("launch:         " + how)

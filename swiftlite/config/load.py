@@ -264,9 +264,11 @@ def apply_env(values: dict[str, Any]) -> dict[str, Any]:
     """ms-swift's launcher env vars fill launch options the user did not set."""
     from swiftlite import env
     out = dict(values)
+    specs = field_specs()
     for key, value in env.launcher_values().items():
         if out.get(key) is None:
-            out[key] = value
+            # checked here so that a bad value names the variable, not a flag the user never typed
+            out[key] = coerce(specs[key], value, f"environment variable {env.launcher_var_for(key)}")
     return out
 
 

@@ -288,7 +288,9 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
     plan = BatchPlan(len(train.rows), t.per_device_train_batch_size, world_size,
                      t.gradient_accumulation_steps, t.seed)
     if plan.steps_per_epoch == 0:
-        raise UserError(f"--dataset has {len(train.rows)} usable rows, fewer than one global batch of "
+        held = (f" after --split-dataset-ratio {d.split_dataset_ratio} held out {len(val.rows)} for validation"
+                if d.split_dataset_ratio > 0 and val is not None else "")
+        raise UserError(f"--dataset has {len(train.rows)} usable rows{held}, fewer than one global batch of "
                         f"{plan.global_batch} (per-device {plan.per_device} x {plan.world_size} processes x "
                         f"accumulation {plan.accumulation})")
     resolve_strategies(cfg, plan.steps_per_epoch)  # --save-strategy/--eval-strategy epoch: now known
