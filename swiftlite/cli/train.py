@@ -21,10 +21,6 @@ def run_command(task: str, args: list[str]) -> int:
     from swiftlite.config import load_config
     config_file, values = parse_run_args(args)
     cfg = load_config(config_file, values, task=task)
-    # --torch-dtype auto and the model's context length, where they need the model's config or the
-    # GPU (a no-op on CPU builds for presets and local folders: load_config resolved those).
-    from swiftlite.models.loading import resolve_model_defaults
-    resolve_model_defaults(cfg)
     from swiftlite.parallel.base import load_plugins
     load_plugins(cfg.parallel.external_plugins)
     from swiftlite.launch import plan_launch, preflight, resolve_for_launch, run_forked, run_launched, run_rank

@@ -59,11 +59,14 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "Backend
         check_spec(spec, "--dataset")
     for spec in cfg.data.val_dataset:
         check_spec(spec, "--val-dataset")
-    choice = resolve_for_launch(cfg, world_size)
-    from swiftlite.models.loading import check_attn_impl, resolve_model
+    from swiftlite.models.loading import check_attn_impl, resolve_model, resolve_model_defaults
     source = resolve_model(cfg.model.model)
     if source.kind == "folder":
         check_model_folder(cfg, Path(source.ref))
+    # --torch-dtype auto and the model's context length, where they need the model's config or the
+    # GPU (a no-op on CPU builds for presets and local folders: load_config resolved those).
+    resolve_model_defaults(cfg, source)
+    choice = resolve_for_launch(cfg, world_size)
     check_attn_impl(cfg)
     from swiftlite.metrics import check_report_to
     from swiftlite.optim import check_scheduler

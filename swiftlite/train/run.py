@@ -140,6 +140,10 @@ def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
     # DCP warns on every single-process save that no process group exists: that is intended here.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     world = init_distributed(cfg.parallel.ddp_timeout)
+    # Ranks started by torchrun skip preflight: settle --torch-dtype auto and --max-length here too
+    # (idempotent: a no-op when preflight already did).
+    from swiftlite.models.loading import resolve_model_defaults
+    resolve_model_defaults(cfg)
     choice = resolve_backend(cfg, world)
     run_dir = prepare_run_dir(cfg, world.is_main)
     lock = RunLock(run_dir).acquire() if world.is_main else None

@@ -184,7 +184,7 @@ CASES: list[Case] = [
     Case("msswift-fp16", ["sft", *GOOD, *DATA, "--fp16"], "--fp16: use --torch_dtype float16"),
     Case("msswift-add-version", ["sft", *GOOD, *DATA, "--add_version"], "--add_version: --output-dir is used as given"),
     Case("msswift-logging-dir", ["sft", *GOOD, *DATA, "--logging_dir", "tb"], "--logging_dir tb: TensorBoard events"),
-    Case("msswift-liger", ["sft", *GOOD, *DATA, "--use_liger_kernel", "true"], "--use_liger_kernel true: Liger"),
+    Case("msswift-liger", ["sft", *GOOD, *DATA, "--use_liger_kernel", "true"], "--use-liger-kernel runs GPU (Triton/CUDA) kernels and this run has no GPU"),
     Case("msswift-device-map", ["sft", *GOOD, *DATA, "--device_map", "auto"], "--device_map auto: one process per GPU"),
     Case("msswift-tuner-adalora", ["sft", *GOOD, *DATA, "--train_type", "adalora"],
          "--train_type adalora: swiftlite trains full, lora or qlora"),
