@@ -21,10 +21,20 @@
 #   bash scripts/bench_vs_peers.sh --install-only      # just the venvs (4-7 minutes each)
 #   bash scripts/bench_vs_peers.sh --repeats 3 --jobs lora-1p,full-1p --peers trl --steps 100
 # Options: --repeats N (2), --jobs (lora-1p,full-1p,lora-2p,full-2p), --peers (trl,ms-swift),
-#   --steps N (250), --out DIR (bench_vs_peers/), --no-warmup (skip the untimed 2-step run of each).
+#   --steps N (250), --out DIR (bench_vs_peers/), --no-warmup (skip the untimed 3-step run of each),
+#   --peer-padding-free (also run each peer with its own padding-free option, as a second variant in
+#   the same rotation: TRL `SFTConfig(padding_free=True, max_length=None)` (TRL 1.16 refuses
+#   padding_free with a max_length unless packing; every row of this job is <= 42 tokens, so nothing
+#   is truncated either way), ms-swift `--padding_free true` (ms-swift 4.6 refuses it unless
+#   --attn_impl is a flash-attention one: recorded as a failed run on CPU)). The ratios stay against
+#   the peers at their defaults; a second ratio against every peer variant that ran is added.
+# swiftlite runs at its own defaults (padding-free batches and the chunked loss; fp32 because the job
+# is), with --train-type given explicitly. It is imported from this checkout (PYTHONPATH=<repo>); the
+# driver prints swiftlite.__file__ as the runs see it. The peers run without that PYTHONPATH.
 # Environment: SWIFTLITE_PEERS_DIR (venvs; ~/.cache/swiftlite/peers), SWIFTLITE_PEERS_WORK (model,
 #   data, runs; /tmp/swiftlite_peers), SWIFTLITE_PYTHON (the python that runs swiftlite; default
-#   .venv/bin/python of this checkout, else python3).
+#   .venv/bin/python of this checkout, else python3; a worktree without its own venv can use another
+#   checkout's, e.g. SWIFTLITE_PYTHON=/work/main/.venv/bin/python: swiftlite still comes from here).
 # Output: <out>/peers.json (every run and the summary) and <out>/peers.md (tables for
 # docs/benchmarks.md), also printed.
 #
@@ -306,7 +316,9 @@ fi
 
 # -- the TRL job (run by the TRL venv's python, or under `accelerate launch`) --------------------------
 cat > "$WORK/trl_sft.py" <<'EOF'
-"""TRL SFTTrainer on the bench workload: trl_sft.py MODEL DATA OUT MODE PER_DEVICE STEPS LR MAX_LEN."""
+"""TRL SFTTrainer on the bench workload: trl_sft.py MODEL DATA OUT MODE PER_DEVICE STEPS LR MAX_LEN [pf].
+With `pf`: SFTConfig(padding_free=True) (each micro-batch flattened into one row with position_ids, no
+attention mask); TRL 1.16 requires max_length=None then (no packing), the rows here are all shorter."""
 import sys
 import time
 
@@ -317,6 +329,7 @@ from trl import SFTConfig, SFTTrainer
 
 model_dir, data, out, mode, bs, steps, lr, max_len = sys.argv[1:9]
 bs, steps, lr, max_len = int(bs), int(steps), float(lr), int(max_len)
+padding_free = sys.argv[9:10] == ["pf"]
 
 
 class Marks(TrainerCallback):
@@ -339,8 +352,11 @@ cfg = SFTConfig(
     learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.1, adam_beta1=0.9,
     adam_beta2=0.95, max_grad_norm=1.0, optim="adamw_torch", logging_steps=50, logging_first_step=True,
     save_strategy="no", report_to="none", use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-    max_length=max_len, packing=False, dataloader_num_workers=0, dataset_num_proc=1, seed=42,
-    disable_tqdm=True, completion_only_loss=True)
+    max_length=None if padding_free else max_len, packing=False, padding_free=padding_free,
+    dataloader_num_workers=0, dataset_num_proc=1, seed=42, disable_tqdm=True, completion_only_loss=True)
+if int(__import__("os").environ.get("RANK", "0")) == 0:
+    print("TRL SFTConfig:", {k: getattr(cfg, k) for k in ("padding_free", "packing", "max_length",
+                                                          "gradient_checkpointing")}, flush=True)
 trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, peft_config=peft_config,
                      callbacks=[Marks()])
 trainer.train()
@@ -409,6 +425,7 @@ ap.add_argument("--peers", default="trl,ms-swift")
 ap.add_argument("--steps", type=int, default=250)
 ap.add_argument("--out", default="bench_vs_peers")
 ap.add_argument("--no-warmup", action="store_true")
+ap.add_argument("--peer-padding-free", action="store_true")
 ap.add_argument("--timeout", type=int, default=900)
 a = ap.parse_args()
 WORK, PEERS, REPO = Path(os.environ["BENCH_WORK"]), Path(os.environ["BENCH_PEERS_DIR"]), Path(os.environ["BENCH_REPO"])
@@ -426,6 +443,14 @@ for p in frameworks[1:]:
     if not (PEERS / p / "bin" / "python").exists():
         print(f"peers: {p} is not installed in {PEERS / p}: left out")
 frameworks = [f for f in frameworks if f == "swiftlite" or (PEERS / f / "bin" / "python").exists()]
+if a.peer_padding_free:  # a second variant per peer: "<peer>+pf", its own padding-free option on
+    frameworks += [f + "+pf" for f in frameworks[1:]]
+LABEL = {"trl+pf": "trl padding_free=True", "ms-swift+pf": "ms-swift --padding_free true"}
+label = lambda fw: LABEL.get(fw, fw)
+who = subprocess.run([SL_PY, "-c", "import swiftlite, sys; print(swiftlite.__file__, sys.executable)"],
+                     env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+SWIFTLITE_FILE = who.stdout.strip() or who.stderr.strip()[-300:]
+print(f"swiftlite under test (PYTHONPATH={REPO} {SL_PY}): {SWIFTLITE_FILE}")
 
 # -- workload ----------------------------------------------------------------------------------------
 model_dir, data_dir = WORK / "model", WORK / "data"
@@ -473,6 +498,7 @@ def command(fw, job, run_dir, steps):
     mode, nproc = JOBS[job]
     bs = GLOBAL_BATCH // nproc
     env = {}
+    fw, pf = fw.split("+")[0], fw.endswith("+pf")
     if fw == "swiftlite":
         cmd = [SL_PY, "-m", "swiftlite", "sft", "--model", str(model_dir), "--dataset", str(train),
                "--train-type", mode, "--lora-rank", "8", "--lora-alpha", "32", "--lora-dropout", "0.05",
@@ -488,7 +514,7 @@ def command(fw, job, run_dir, steps):
     elif fw == "trl":
         py = PEERS / "trl" / "bin"
         script = [str(WORK / "trl_sft.py"), str(model_dir), str(data_dir / "train_prompt_completion.jsonl"),
-                  str(run_dir), mode, str(bs), str(steps), str(LR), str(MAX_LEN)]
+                  str(run_dir), mode, str(bs), str(steps), str(LR), str(MAX_LEN)] + (["pf"] if pf else [])
         if nproc > 1:  # `accelerate launch --cpu --num_processes 2` would silently run ONE process
             cmd = [str(py / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc), "--num_machines",
                    "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
@@ -509,6 +535,8 @@ def command(fw, job, run_dir, steps):
                "--gradient_checkpointing", "false", "--logging_steps", "50", "--logging_first_step", "true",
                "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0",
                "--dataset_num_proc", "1", "--seed", "42", "--output_dir", str(run_dir), "--add_version", "false"]
+        if pf:
+            cmd += ["--padding_free", "true"]
         if nproc > 1:
             env.update({"NPROC_PER_NODE": str(nproc), "MASTER_PORT": str(free_port())})
         first = re.compile(r"'global_step/max_steps': '1/")
@@ -524,7 +552,8 @@ def run(fw, job, tag, steps, timeout):
     run_dir.mkdir(parents=True)
     cmd, extra, first_re, last_re = command(fw, job, run_dir, steps)
     caches = run_dir / "_cache"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
+           and k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")}  # swiftlite's PYTHONPATH comes from command()
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(caches / "hf_datasets"),
@@ -582,7 +611,9 @@ def run(fw, job, tag, steps, timeout):
            "load": [round(x, 2) for x in os.getloadavg()], "cmd": " ".join(cmd)}
     if rc != 0:
         rec["error"] = "".join(log_lines[-15:])[-1500:]
-    print(f"  {job:8s} {fw:9s} {tag:6s} rc={rc} wall {rec['wall_s']:6.1f} s  first step {rec['first_step_s']} s  "
+    if fw == "swiftlite":  # its "swiftlite: ..." line says how it ran (padding-free or padded, attention)
+        rec["run_line"] = next((l.rstrip() for l in log_lines if l.startswith("swiftlite:")), None)
+    print(f"  {job:8s} {fw:11s} {tag:6s} rc={rc} wall {rec['wall_s']:6.1f} s  first step {rec['first_step_s']} s  "
           f"{rec['samples_per_s']} samples/s  peak {rec['peak_rss_mib']} MiB  load {rec['load'][0]}", flush=True)
     return rec
 
@@ -616,19 +647,28 @@ for job in jobs:
             "first_step_best_s": min([r["first_step_s"] for r in rs if r["first_step_s"] is not None], default=None),
             "samples_per_s": med([r["samples_per_s"] for r in rs]), "peak_rss_mib": med([r["peak_rss_mib"] for r in rs])}
 ratios = {}
+
+
+def vs(me, peers, key):
+    vals = [p[key] for p in peers if p[key]]
+    return round(me[key] / min(vals), 3) if vals and me[key] else None
+
+
 for job in jobs:
     me = summary[f"{job}/swiftlite"]
-    peers = [summary[f"{job}/{p}"] for p in frameworks[1:] if summary[f"{job}/{p}"]["wall_s"]]
-    if me["wall_s"] and peers:
-        fw_wall = min(p["wall_s"] for p in peers)
-        fw_first = min(p["first_step_s"] for p in peers if p["first_step_s"]) if any(p["first_step_s"] for p in peers) else None
-        ratios[job] = {"wall_vs_faster_peer": round(me["wall_s"] / fw_wall, 3),
-                       "first_step_vs_faster_peer": round(me["first_step_s"] / fw_first, 3) if fw_first and me["first_step_s"] else None}
+    default_peers = [summary[f"{job}/{p}"] for p in frameworks[1:] if "+" not in p]
+    ratios[job] = {"wall_vs_faster_peer": vs(me, default_peers, "wall_s"),
+                   "first_step_vs_faster_peer": vs(me, default_peers, "first_step_s")}
+    if a.peer_padding_free:
+        every = [summary[f"{job}/{p}"] for p in frameworks[1:]]
+        ratios[job].update({"wall_vs_fastest_variant": vs(me, every, "wall_s"),
+                            "first_step_vs_fastest_variant": vs(me, every, "first_step_s")})
 load = [r["load"][0] for r in results]
 import platform
 info = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
-        "steps": a.steps, "repeats": a.repeats, "load_1min": [min(load, default=0), max(load, default=0)]}
+        "steps": a.steps, "repeats": a.repeats, "load_1min": [min(load, default=0), max(load, default=0)],
+        "swiftlite": SWIFTLITE_FILE, "peer_padding_free": a.peer_padding_free}
 (OUT / "peers.json").write_text(json.dumps({"info": info, "summary": summary, "ratios": ratios, "runs": results}, indent=1))
 
 f = lambda v, spec=".1f": "-" if v is None else format(v, spec)
@@ -642,15 +682,18 @@ lines = [f"### Against peers, {info['date']}", "",
 for job in jobs:
     for fw in frameworks:
         s = summary[f"{job}/{fw}"]
-        lines.append(f"| {job} | {fw} | {f(s['wall_s'])} ({f(s['wall_best_s'])}) | {f(s['first_step_s'])} "
+        lines.append(f"| {job} | {label(fw)} | {f(s['wall_s'])} ({f(s['wall_best_s'])}) | {f(s['first_step_s'])} "
                      f"({f(s['first_step_best_s'])}) | {f(s['samples_per_s'])} | {f(s['peak_rss_mib'], '.0f')} |")
-lines += ["", "| job | swiftlite wall / faster peer (target <= 0.5) | swiftlite first step / faster peer (target <= 0.3) |",
-          "|---|---|---|"]
+lines += ["", "| job | swiftlite wall / faster peer (target <= 0.5) | swiftlite first step / faster peer (target <= 0.3) |"
+          + (" wall / fastest peer variant | first step / fastest peer variant |" if a.peer_padding_free else ""),
+          "|---|---|---|" + ("---|---|" if a.peer_padding_free else "")]
 for job, r in ratios.items():
-    lines.append(f"| {job} | {f(r['wall_vs_faster_peer'], '.2f')} | {f(r['first_step_vs_faster_peer'], '.2f')} |")
+    lines.append(f"| {job} | {f(r['wall_vs_faster_peer'], '.2f')} | {f(r['first_step_vs_faster_peer'], '.2f')} |"
+                 + (f" {f(r['wall_vs_fastest_variant'], '.2f')} | {f(r['first_step_vs_fastest_variant'], '.2f')} |"
+                    if a.peer_padding_free else ""))
 fails = [r for r in results if r["rc"] != 0]
 if fails:
-    lines += ["", "Failed runs: " + ", ".join(f"{r['job']}/{r['framework']}/{r['tag']} (rc {r['rc']})" for r in fails)]
+    lines += ["", "Failed runs: " + ", ".join(f"{r['job']}/{label(r['framework'])}/{r['tag']} (rc {r['rc']})" for r in fails)]
 (OUT / "peers.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 print(f"wrote {OUT / 'peers.json'} and {OUT / 'peers.md'}")
