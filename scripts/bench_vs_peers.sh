@@ -34,7 +34,7 @@
 # Environment: SWIFTLITE_PEERS_DIR (venvs; ~/.cache/swiftlite/peers), SWIFTLITE_PEERS_WORK (model,
 #   data, runs; /tmp/swiftlite_peers), SWIFTLITE_PYTHON (the python that runs swiftlite; default
 #   .venv/bin/python of this checkout, else python3; a worktree without its own venv can use another
-#   checkout's, e.g. SWIFTLITE_PYTHON=/work/main/.venv/bin/python: swiftlite still comes from here).
+#   checkout's, e.g. another checkout's .venv/bin/python: swiftlite still comes from here).
 # Output: <out>/peers.json (every run and the summary) and <out>/peers.md (tables for
 # docs/benchmarks.md), also printed.
 #
