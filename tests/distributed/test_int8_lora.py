@@ -15,7 +15,8 @@ from tests.conftest import read_losses, run_cli
 
 def _train(out, data, *extra):
     run_cli(["sft", "--model", "tiny-llama-2l", "--dataset", data, "--lora", "--quant-bits", "8",
-             "--max-steps", 4, "--save-steps", 2, "--torch-dtype", "fp32", "--seed", 3, "--output-dir", out, *extra])
+             "--max-steps", 4, "--save-steps", 2, "--logging-steps", 1, "--torch-dtype", "fp32", "--seed", 3,
+             "--output-dir", out, *extra])
 
 
 @pytest.fixture(scope="module")
