@@ -20,8 +20,8 @@
 #   pip wheel --no-deps -w scripts/wheels deepspeed==0.19.8   # PyPI has only its sdist: build a
 #                                                             # pure-python wheel (no ops compiled)
 #   (bitsandbytes too with SWIFTLITE_WHEELS_BNB=1: its wheel is large; the check needs no QLoRA)
-# and keeps them out of git (.git/info/exclude). A device run then carries the folder:
-#   run(command="bash scripts/gpu_check.sh", carry=["scripts/wheels"])
+# and keeps them out of git (.git/info/exclude). Copy the checkout with that folder to the GPU
+# machine (no network needed there) and run `bash scripts/gpu_check.sh` in it.
 # Here the script installs, with `pip install --no-index --no-deps --target`, only the wheels whose
 # distribution is not already installed (so the image's torch/transformers are never replaced).
 #
@@ -65,7 +65,7 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then
     fi
   fi
   ls -la "$WHEELS"; du -sh "$WHEELS"
-  echo "carry it: run(command=\"bash scripts/gpu_check.sh\", carry=[\"${WHEELS#"$REPO"/}\"])"
+  echo "copy ${WHEELS#"$REPO"/} with the checkout to the GPU machine, then run: bash scripts/gpu_check.sh"
   exit 0
 fi
 
