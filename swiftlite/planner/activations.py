@@ -39,7 +39,8 @@ def activation_bytes(shape: ModelShape, w: Any) -> int:
     """
     e = w.elem
     s, b = w.max_length, w.micro_batch
-    tokens = s * b
+    # Padding-free batches compute their real tokens only; without a count, the padded bound.
+    tokens = w.tokens_per_micro_batch or s * b
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     per_token = (4 * shape.hidden + 2 * q_dim + 2 * kv_dim + 4 * shape.intermediate) * e
     if e < 4:
@@ -72,7 +73,7 @@ def logit_bytes(shape: ModelShape, w: Any) -> int:
     cce:     logits stay in on-chip blocks: the gathered hidden states and their gradient only.
     """
     e = w.elem
-    tokens = w.max_length * w.micro_batch
+    tokens = w.tokens_per_micro_batch or w.max_length * w.micro_batch
     v, h = shape.vocab, shape.hidden
     if w.loss_impl == "plain":
         return tokens * v * LOGIT_BYTES

@@ -108,6 +108,8 @@ class Workload:
     pure_bf16: bool = False              # --pure-bf16: bf16 params and optimizer state, no fp32 master
     loss_impl: str = "chunked"           # --loss-impl: chunked (no full logits), liger, cce or plain
     loss_chunk_tokens: int = 0           # --loss-chunk-tokens (0: auto)
+    tokens_per_micro_batch: int | None = None  # real tokens a padding-free micro-batch computes (None: the
+                                               # max_length x micro_batch bound, what padded batches compute)
 
     def __post_init__(self) -> None:
         if dtypes.normalize(self.dtype) in dtypes.NAMES:

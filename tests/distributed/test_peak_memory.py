@@ -81,12 +81,16 @@ def _check(name, model, backend, train_type, nproc, demo_data, tmp_path, loss_im
              "--parallelism", backend, "--nproc-per-node", nproc, "--torch-dtype", "fp32",
              "--max-length", MAX_LENGTH, "--packing", "true", "--per-device-train-batch-size", MICRO_BATCH,
              *(["--lora-dropout", "0.05"] if train_type != "full" else []), "--max-steps", 3, "--output-dir", out,
-             *loss],
+             "--logging-steps", 1, *loss],
             env=cli_env(MALLOC_MMAP_THRESHOLD_="65536"))
     shape = plan.shape_from_model_arg(str(model))
+    # Padding-free batches (the default) compute only their real tokens: the largest step's count per
+    # rank (one micro-batch per step here) is what the activation model is told.
+    logged = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
+    real = max(r["real_tokens"] for r in logged if "real_tokens" in r) // nproc
     w = plan.Workload(train_type=train_type, dtype="fp32", max_length=MAX_LENGTH, micro_batch=MICRO_BATCH,
                       world_size=nproc, overhead_bytes=0, lora_dropout=0.05, cpu=True,
-                      **({"loss_impl": loss_impl} if loss_impl else {}))
+                      tokens_per_micro_batch=real, **({"loss_impl": loss_impl} if loss_impl else {}))
     est = plan.estimate(shape, w, "single" if nproc == 1 else backend)
     records = [json.loads(p.read_text()) for p in sorted((out / "logs").glob("memory_rank*.json"))]
     assert len(records) == nproc
