@@ -55,8 +55,13 @@ def init_distributed(timeout_s: int = 1800) -> World:
 
 
 def teardown() -> None:
+    import gc
+
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
+        # Collect the run's engine (sharded modules, finished gloo work) while the group is alive: freed
+        # later, at interpreter shutdown, gloo's threads can abort the process after a good run.
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -122,8 +122,8 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    parallelism: str = opt("auto", "How to spread the model: auto, single, ddp, fsdp (FSDP2), fsdp1, "
-                           "zero2, zero2_offload, zero3, zero3_offload, zero3_offload_nvme, or a DeepSpeed "
+    parallelism: str = opt("auto", "How to spread the model: auto, single, ddp, fsdp (FSDP2), hsdp, fsdp1, "
+                           "zero2, zero2_offload, zero3, zero3pp, zero3_offload, zero3_offload_nvme, or a DeepSpeed "
                            "JSON file (parallel/resolve.py decides; --dry-run shows the choice).",
                            aliases=("--parallelism_type", "--parallelism-type"))
     deepspeed: str | None = opt(None, "DeepSpeed JSON file or preset name (zero2, zero3, ...).")
@@ -145,6 +145,8 @@ class ParallelConfig:
                                       choices=("bf16", "fp16", "none"))
     reshard_after_forward: bool = opt(True, "FSDP: free gathered params after forward (ZeRO-3 style).")
     cpu_offload: bool = opt(False, "FSDP: keep params, grads and optimizer state on CPU.")
+    hsdp_shard_size: int | None = opt(None, "hsdp: ranks per shard group (each group holds one sharded copy; "
+                                      "copies are replicated across groups). Default: the processes per node.")
     compile: bool = opt(False, "torch.compile each decoder layer before wrapping.")
     offload_dir: str | None = opt(None, "NVMe folder for DeepSpeed parameter/optimizer offload.")
     ddp_timeout: int = opt(1800, "Seconds a collective may wait before the job fails (names the rank).")

@@ -70,7 +70,8 @@ Factory = Callable[..., Engine]
 
 #: Backend-only options (RunConfig.parallel fields) and the flag that sets each. A record lists those
 #: it honours in `options`; setting one for a backend that ignores it is an error, not a no-op.
-OPTION_FLAGS = {"mixed_precision": "--mixed-precision", "cpu_offload": "--cpu-offload"}
+OPTION_FLAGS = {"mixed_precision": "--mixed-precision", "cpu_offload": "--cpu-offload",
+                "hsdp_shard_size": "--hsdp-shard-size"}
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,8 @@ _REGISTRY: dict[str, Backend] = {}
 _ALIASES: dict[str, str] = {}
 
 #: The backend modules shipped with swiftlite (each registers its records when imported).
-BUILTIN_MODULES = ("swiftlite.parallel.ddp", "swiftlite.parallel.fsdp2", "swiftlite.parallel.fsdp1",
-                   "swiftlite.parallel.deepspeed")
+BUILTIN_MODULES = ("swiftlite.parallel.ddp", "swiftlite.parallel.fsdp2", "swiftlite.parallel.hsdp",
+                   "swiftlite.parallel.fsdp1", "swiftlite.parallel.deepspeed")
 _loaded = False
 
 

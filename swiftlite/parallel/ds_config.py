@@ -20,6 +20,7 @@ Trainer integration fills it:
     reduce_bucket_size                  hidden_size * hidden_size
     stage3_prefetch_bucket_size         int(0.9 * hidden_size * hidden_size)
     stage3_param_persistence_threshold  10 * hidden_size
+    zero_hpz_partition_size             --nproc-per-node (ZeRO++ hpZ: one node's processes)
     nvme_path                           --offload-dir (required when a preset says "auto")
     optimizer / scheduler blocks        dropped: swiftlite always builds AdamW + its schedule from the
                                         flags (explicit values there must agree with the flags)
@@ -177,6 +178,9 @@ def fill_auto(ds: dict[str, Any], cfg: "RunConfig", world_size: int, hidden_size
                     zo[key] = fn(int(hidden_size))
                 else:
                     del zo[key]
+        if _is_auto(zo.get("zero_hpz_partition_size")):
+            # ZeRO++ hpZ: the secondary weight partition spans one node's processes.
+            zo["zero_hpz_partition_size"] = int(cfg.parallel.nproc_per_node or world_size)
         offload_dir = cfg.parallel.offload_dir
         for key in ("offload_optimizer", "offload_param"):
             block = zo.get(key)

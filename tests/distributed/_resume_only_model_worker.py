@@ -60,6 +60,12 @@ def main(config: str, out: str) -> None:
     finally:
         if run.lock is not None:
             run.lock.release()
+        # Free the engine (FSDP2 modules, DTensors, pending gloo work) while the process group still
+        # exists: left to interpreter shutdown, gloo's worker threads may free tensors without the GIL
+        # and abort the process ("terminate called without an active exception").
+        del run
+        import gc
+        gc.collect()
         import torch.distributed as dist
         if dist.is_initialized():   # every rank waits for rank 0's comparison, then a clean gloo shutdown
             dist.barrier()
