@@ -1,11 +1,11 @@
-"""The `swiftlite` command line: the command table, the error funnel, and the sft/pt fast path.
+"""The `swiftlite` command line: the command table, the error funnel, and the sft/pt/rlhf fast path.
 
 COMMANDS is the CLI: one entry per command, `name -> "module:function"`. The function's signature
 and docstring are its flags and help (Typer). The app is built from the table and checked against
 it at start-up; a module that does not import is an ImportError with its traceback (a packaging
 bug), never a command silently missing from `--help`.
 
-`sft` and `pt` parse their own flags (generated from the config fields, `cli/run_flags.py`):
+`sft`, `pt` and `rlhf` parse their own flags (generated from the config fields, `cli/run_flags.py`):
 `main` calls their function with the argv directly, without Typer, whose parameter machinery
 costs ~0.3 s of start-up on every run and rank. Typer only lists them.
 
@@ -28,6 +28,7 @@ HELP = "swiftlite: fine-tune LLMs with FSDP2, DeepSpeed ZeRO or DDP, and ship th
 COMMANDS = {
     "sft": "swiftlite.cli.train:sft",
     "pt": "swiftlite.cli.train:pt",
+    "rlhf": "swiftlite.cli.train:rlhf",
     "models": "swiftlite.cli.estimate:models_cmd",
     "estimate": "swiftlite.cli.estimate:estimate_cmd",
     "export": "swiftlite.cli.export:export_cmd",
@@ -35,7 +36,7 @@ COMMANDS = {
     "bench": "swiftlite.cli.bench:bench_cmd",
 }
 #: Commands whose function takes the raw argv (list[str]) and returns the exit code.
-RAW_ARGV = ("sft", "pt")
+RAW_ARGV = ("sft", "pt", "rlhf")
 _RAW_SETTINGS = {"context_settings": {"ignore_unknown_options": True, "allow_extra_args": True,
                                       "help_option_names": []},
                  "add_help_option": False}

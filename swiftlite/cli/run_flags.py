@@ -15,7 +15,8 @@ from swiftlite.errors import UserError
 IGNORED_FLAGS = {"--local_rank", "--local-rank"}  # appended by the DeepSpeed launcher
 SHORTHANDS = {"--lora": ("train_type", "lora"), "--qlora": ("train_type", "qlora"),
               "--full": ("train_type", "full")}
-TASK_HELP = {"sft": "Supervised fine-tuning on chat data.", "pt": "Continued pre-training on text."}
+TASK_HELP = {"sft": "Supervised fine-tuning on chat data.", "pt": "Continued pre-training on text.",
+             "rlhf": "Preference training (DPO, ORPO, SimPO) on chosen/rejected pairs (docs/rlhf.md)."}
 FLAG_WIDTH = 36
 
 
@@ -143,6 +144,8 @@ def run_help(task: str) -> str:
              f"  {'--lora / --qlora / --full':<{FLAG_WIDTH}} shorthands for --train-type"]
     specs = field_specs()
     for sec in SECTIONS:
+        if sec == "rlhf" and task != "rlhf":
+            continue  # rlhf's own options (config/rules.py refuses them elsewhere)
         lines.append(f"\n{sec}:")
         lines += [help_line(s) for s in specs.values() if s.section == sec and s.cli]
     return "\n".join(lines)

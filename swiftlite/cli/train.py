@@ -1,4 +1,4 @@
-"""`swiftlite sft` and `swiftlite pt`: load the config, check it, then print the plan (--dry-run),
+"""`swiftlite sft`, `swiftlite pt` and `swiftlite rlhf`: load the config, check it, then print the plan (--dry-run),
 launch the ranks, or train in this process.
 
 These commands parse their own argv (`cli/run_flags.py`), so `cli/main.py` calls them directly,
@@ -77,6 +77,11 @@ def sft(args: list[str]) -> int:
 def pt(args: list[str]) -> int:
     """Continued pre-training on text (see `swiftlite pt --help`)."""
     return run_command("pt", args)
+
+
+def rlhf(args: list[str]) -> int:
+    """Preference training: DPO, ORPO or SimPO on chosen/rejected pairs (see `swiftlite rlhf --help`)."""
+    return run_command("rlhf", args)
 
 
 def print_plan(cfg: Any, plan: Any, choice: Any) -> None:

@@ -248,6 +248,45 @@ def _resume(c: RunConfig):
         return "--resume and --resume-from both given: use one of them"
 
 
+#: RlhfConfig keys (schema.py): `swiftlite rlhf` options, refused elsewhere when given.
+RLHF_KEYS = ("rlhf_type", "beta", "loss_type", "rpo_alpha", "label_smoothing", "cpo_alpha", "simpo_gamma",
+             "ref_model", "precompute_ref_log_probs")
+#: Which rlhf options each --rlhf_type uses (the others are refused when given, never ignored).
+RLHF_USES = {"dpo": {"beta", "loss_type", "rpo_alpha", "label_smoothing", "ref_model", "precompute_ref_log_probs"},
+             "orpo": {"beta"},
+             "simpo": {"beta", "label_smoothing", "cpo_alpha", "simpo_gamma"}}
+
+
+@rule("preference options")
+def _rlhf(c: RunConfig):
+    r = c.rlhf
+    given = [k for k in RLHF_KEYS if k in c.explicit]
+    if c.task != "rlhf":
+        if given:
+            return f"{_flag(given[0])} is an option of `swiftlite rlhf` (preference training), not of {c.task}"
+        return None
+    for k in given:
+        if k != "rlhf_type" and k not in RLHF_USES[r.rlhf_type]:
+            return f"{_flag(k)} does not apply to --rlhf-type {r.rlhf_type}"
+    if r.beta is not None and not r.beta > 0:
+        return f"--beta must be > 0, got {r.beta}"
+    if not 0.0 <= r.label_smoothing < 0.5:
+        return f"--label-smoothing must be in [0, 0.5), got {r.label_smoothing}"
+    if r.label_smoothing and (r.loss_type or "sigmoid") != "sigmoid":
+        return f"--label-smoothing applies to the sigmoid loss, not --loss-type {r.loss_type}"
+    for k in ("rpo_alpha", "cpo_alpha"):
+        v = getattr(r, k)
+        if v is not None and v < 0:
+            return f"{_flag(k)} must be >= 0, got {v}"
+    if c.data.packing:
+        return "--packing does not apply to rlhf: the chosen and rejected answers of a pair are scored as separate rows"
+    if c.data.padding_free and "padding_free" in c.explicit:
+        return "--padding-free true does not apply to rlhf: pairs are scored in padded micro-batches"
+    if c.train.loss_impl != "chunked" and "loss_impl" in c.explicit:
+        return (f"--loss-impl {c.train.loss_impl} does not apply to rlhf: its log-probs come from the model's "
+                "logits at the answer tokens")
+
+
 def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
     """Run every rule; the first failure raises a UserError with its reason."""
     for _name, fn in RULES:

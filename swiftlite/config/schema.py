@@ -53,6 +53,8 @@ SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constan
               "reduce_lr_on_plateau", "greedy")
 STRATEGIES = ("steps", "epoch", "no")
 TRUNCATION = ("delete", "left", "right")
+RLHF_TYPES = ("dpo", "orpo", "simpo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
 @dataclass(kw_only=True)
@@ -246,6 +248,27 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class RlhfConfig:
+    """`swiftlite rlhf` only (ms-swift's flag names); a sft/pt run that sets one is refused (rules.py)."""
+    rlhf_type: str = opt("dpo", "Preference method: dpo (with a reference model), orpo or simpo (none).",
+                         choices=RLHF_TYPES)
+    beta: float | None = opt(None, "DPO's KL strength / ORPO's odds-ratio weight / SimPO's reward scale. Default: "
+                             "2.0 for simpo, 0.1 otherwise (ms-swift's).")
+    loss_type: str | None = opt(None, "DPO loss: sigmoid (default), ipo (on per-token mean log-ratios, as TRL) or "
+                                "hinge.", choices=DPO_LOSS_TYPES)
+    rpo_alpha: float | None = opt(None, "DPO: add rpo_alpha x the chosen answers' token-mean NLL (RPO). Default: off.")
+    label_smoothing: float = opt(0.0, "DPO sigmoid / SimPO: probability that a pair's preference is flipped "
+                                 "(conservative DPO), in [0, 0.5).")
+    cpo_alpha: float = opt(1.0, "SimPO: weight of the chosen answers' token-mean NLL added to the loss.")
+    simpo_gamma: float = opt(1.0, "SimPO: target reward margin gamma.")
+    ref_model: str | None = opt(None, "DPO reference model (preset, folder or hub id). Default: the starting weights "
+                                "(LoRA/QLoRA: the base with the adapter disabled, no second copy).")
+    precompute_ref_log_probs: bool = opt(False, "DPO: compute the reference log-probs of every pair in one pass "
+                                         "before training (kept per row, saved in checkpoints) instead of a reference "
+                                         "forward each step.")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -255,7 +278,8 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    # Where the run came from ("sft" or "pt"); set by the command, not a flag.
+    rlhf: RlhfConfig = field(default_factory=RlhfConfig)
+    # Where the run came from ("sft", "pt" or "rlhf"); set by the command, not a flag.
     task: str = "sft"
     #: The flat keys the user set (config file or flags), as load_config saw them; not a field, so
     #: args.json does not hold it. Rules use it for "given explicitly" (LoRA flags on a full run).
@@ -292,7 +316,7 @@ class RunConfig:
         return 1e-4 if self.is_peft else 1e-5
 
 
-SECTIONS = ("model", "lora", "quant", "data", "parallel", "optim", "train", "checkpoint")
+SECTIONS = ("model", "lora", "quant", "data", "parallel", "optim", "train", "checkpoint", "rlhf")
 
 
 def section_classes() -> dict[str, type]:

@@ -74,8 +74,8 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "Backend
     check_scheduler(cfg)
     if not data:
         return choice
-    from swiftlite.data.pipeline import prepare_datasets
     from swiftlite.models.loading import load_tokenizer
+    from swiftlite.train.tasks import task_of
     tokenizer = load_tokenizer(cfg, source)
-    prepare_datasets(cfg, tokenizer, world_size)
+    task_of(cfg).prepare_data(cfg, tokenizer, world_size)   # sft/pt: data.pipeline.prepare_datasets
     return choice

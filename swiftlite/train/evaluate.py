@@ -42,3 +42,8 @@ def evaluate(engine: Any, val_data: Any, cfg: Any, world: Any, pad_id: int, form
     engine.train()
     total, count = all_reduce_sum([total, float(count)])
     return round(total / max(1.0, count), 6)
+
+
+def evaluate_run(run: Any) -> dict[str, float]:
+    """The sft/pt validation record of a run (train/tasks.py "evaluate")."""
+    return {"eval_loss": evaluate(run.engine, run.val_data, run.cfg, run.world, run.batches.pad_id)}

@@ -33,17 +33,27 @@ def _first_line(run) -> str:
     from swiftlite.data.collate import PADDED
     st = run.train_data.stats
     cfg = run.cfg
+    unit = "pairs" if cfg.task == "rlhf" else "rows"
     return (f"swiftlite: {run.choice.name} x {run.world.world_size} process(es) on {run.world.device}, "
-            f"{len(run.train_data.rows)} train rows ({st.truncated} truncated to {cfg.data.max_length}, "
+            + (_rlhf_phrase(run) if cfg.task == "rlhf" else "")
+            + f"{len(run.train_data.rows)} train {unit} ({st.truncated} truncated to {cfg.data.max_length}, "
             f"{len(st.skipped)} skipped, {st.deleted} longer than {cfg.data.max_length} deleted, "
             f"{st.no_target} without target), "
-            f"{len(run.val_data.rows) if run.val_data else 0} validation rows, global batch "
+            f"{len(run.val_data.rows) if run.val_data else 0} validation {unit}, global batch "
             f"{run.batches.plan.global_batch}, {run.total_steps} steps, "
             f"{(run.batches.form or PADDED).describe(cfg.data.packing, cfg.data.max_length)}, "
             f"attention {getattr(getattr(run.model, 'config', None), '_attn_implementation', None) or '?'}"
             + (f", {'weights from' if cfg.checkpoint.resume_only_model else 'resuming from'} {run.resume_path.name}"
                if run.resume_path else "")
             + (" (data order restarted: --ignore-data-skip)" if run.resume_path and cfg.train.ignore_data_skip else ""))
+
+
+def _rlhf_phrase(run) -> str:
+    """'dpo (sigmoid, beta 0.1, reference: ...), ' for the first line of an rlhf run."""
+    m, ref = run.batches.method, run.batches.reference
+    what = f"{m.loss_type}, " if m.kind == "dpo" else ""
+    return (f"{m.kind} ({what}beta {m.beta:g}"
+            + (f", reference: {ref.kind}" if ref is not None else "") + "), ")
 
 
 def train(cfg: RunConfig) -> TrainResult:
@@ -113,11 +123,10 @@ def _start_logging(run: Any) -> Any:
 def _loop(run: Any, probe: Any, preempt: Any) -> TrainResult:
     from swiftlite.distributed import barrier
     from swiftlite.metrics import plot_run
-    from swiftlite.train.evaluate import evaluate
     from swiftlite.train.guard import NonFiniteGuard
     from swiftlite.train.observers import FaultInjector, LogObserver, Observers
     from swiftlite.train.preempt import write_marker
-    from swiftlite.train.step import train_step
+    train_step = run.task.step_fn()   # the command's step (train/tasks.py): sft/pt train/step.py, rlhf rlhf/step.py
 
     cfg, world, engine, start, total = run.cfg, run.world, run.engine, run.start_step, run.total_steps
     log = _start_logging(run)
@@ -133,7 +142,7 @@ def _loop(run: Any, probe: Any, preempt: Any) -> TrainResult:
 
     def validate(step: int) -> None:
         if run.val_data is not None:
-            log.log({"step": step, "eval_loss": evaluate(engine, run.val_data, cfg, world, run.batches.pad_id)})
+            log.log({"step": step, **run.task.run_evaluate(run)})
 
     losses: list[float] = []
     try:

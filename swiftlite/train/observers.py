@@ -68,6 +68,8 @@ class LogObserver(Observer):
       alone, and with --logging-steps 1 each record is its own step's loss.
     - `lr`: the learning rate the record's step was taken with (read before the optimizer step, as
       HF's Trainer logs "the learning rate before update"): peak x lambda(step - 1).
+    - task metrics (`StepStats.metrics`; rlhf's rewards/chosen, rewards/margins, logps/chosen, ...):
+      window means, as the loss.
     - `grad_norm`: the record's own step (before clipping), as HF.
     - `tokens_per_s`: real tokens only (`StepStats.tokens`: no pad token, whatever the batch form),
       summed over every rank, per second of the logging window (`real_tokens` is that window's
@@ -83,6 +85,7 @@ class LogObserver(Observer):
         self.steps_per_epoch, self.t0, self.is_main = steps_per_epoch, t0, is_main
         self.tokens, self.t_window = 0, time.perf_counter()
         self.loss_sum, self.loss_steps = 0.0, 0
+        self.metric_sums: dict[str, float] = {}   # StepStats.metrics of the window (rlhf's rewards/...)
         self.step_lr: float | None = None
         self.t_step = self.t_first = self.t_first_done = None
 
@@ -116,6 +119,8 @@ class LogObserver(Observer):
         self.tokens += stats.tokens
         self.loss_sum += stats.loss
         self.loss_steps += 1
+        for k, v in stats.metrics.items():
+            self.metric_sums[k] = self.metric_sums.get(k, 0.0) + v
         if self.is_main and done == self.start + 1:
             self.log.print(f"first step done {now - self.t0:.2f} s after start")
         if done % self.every == 0 or done == self.total or done == self.start + 1:
@@ -126,10 +131,13 @@ class LogObserver(Observer):
                    "tokens_per_s": round(self.tokens / dt, 1) if dt > 0 else 0.0, "real_tokens": self.tokens,
                    "epoch": round(done / self.steps_per_epoch, 4),
                    "elapsed_s": round(now - self.t0, 2)}
+            # Task metrics (rlhf: TRL's rewards/*, logps/*): window means, as the loss.
+            rec.update({k: v / self.loss_steps for k, v in self.metric_sums.items()})
             rec.update(memory_record())
             self.log.log(rec, eta_s=self.eta(done, now))
             self.tokens, self.t_window = 0, time.perf_counter()
             self.loss_sum, self.loss_steps = 0.0, 0
+            self.metric_sums = {}
         step_s = now - self.t_step if self.t_step is not None else 0.0
         speed = f"  {stats.tokens / step_s:.0f} tok/s" if step_s > 0 else ""
         self.log.advance(done, f"loss {stats.loss:.4f}{speed}")

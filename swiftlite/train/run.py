@@ -1,7 +1,10 @@
 """Everything a training run needs before its first step, built in one visible order:
 
     world -> backend choice -> run folder -> resume point -> tokenizer -> data -> model -> engine
-    -> training state from the checkpoint
+    -> training state from the checkpoint -> the task's engine setup (rlhf: its reference)
+
+What differs between commands (data pipeline, batches, step function, validation, engine setup) is
+one entry of train/tasks.py's TASKS, looked up once here (`Run.task`).
 
 `build_run(cfg, probe)` returns a `Run`; the loop (loop.py) only steps it.
 """
@@ -50,6 +53,14 @@ class Run:
     t0: float
     facts: dict                    # checkpoint/state.run_facts: what a resume must agree with
     lock: Any = None               # checkpoint/run_dir.RunLock held by rank 0
+    task: Any = None               # train/tasks.Task: the command's data, step, validation, setup
+
+
+def token_batches(cfg: RunConfig, train: Any, plan: Any, tokenizer: Any, world: Any) -> Batches:
+    """sft/pt's batches (train/tasks.py "batches")."""
+    from swiftlite.models.loading import batch_form
+    return Batches(train.rows, plan, tokenizer.pad_token_id, world,
+                   [train.targets(i) for i in range(len(train.rows))], batch_form(cfg))
 
 
 def resolve_backend(cfg: RunConfig, world: Any) -> Any:
@@ -104,16 +115,17 @@ def _progress_factory(enabled: bool):
 
 
 def prepare_data(cfg: RunConfig, tokenizer: Any, world: Any) -> tuple[Any, Any, Any]:
-    """The same preparation preflight ran (data.pipeline.prepare_datasets, with all its checks):
-    rank 0 first, so it fills the tokenization cache the other ranks then read."""
-    from swiftlite.data.pipeline import prepare_datasets
+    """The same preparation preflight ran (the task's, with all its checks: data.pipeline.prepare_datasets
+    for sft/pt): rank 0 first, so it fills the tokenization cache the other ranks then read."""
     from swiftlite.distributed import barrier
+    from swiftlite.train.tasks import task_of
+    task = task_of(cfg)
     result = None
     if world.is_main:
-        result = prepare_datasets(cfg, tokenizer, world.world_size, progress=_progress_factory(True))
+        result = task.prepare_data(cfg, tokenizer, world.world_size, progress=_progress_factory(True))
     barrier()
     if not world.is_main:
-        result = prepare_datasets(cfg, tokenizer, world.world_size)
+        result = task.prepare_data(cfg, tokenizer, world.world_size)
     return result
 
 
@@ -133,8 +145,9 @@ def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
     from swiftlite.checkpoint.run_dir import RunLock, prepare_run_dir, resume_point
     from swiftlite.checkpoint.state import load_training_state, run_facts
     from swiftlite.distributed import barrier, init_distributed
-    from swiftlite.models.loading import batch_form, load_tokenizer, model_config, prepare_model, resolve_model
+    from swiftlite.models.loading import load_tokenizer, model_config, prepare_model, resolve_model
     from swiftlite.parallel.base import build_engine
+    from swiftlite.train.tasks import task_of
 
     t0 = time.perf_counter()
     # DCP warns on every single-process save that no process group exists: that is intended here.
@@ -156,9 +169,11 @@ def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
         tokenizer = load_tokenizer(cfg, source)
         train_data, val_data, plan = prepare_data(cfg, tokenizer, world)
         steps = total_steps(cfg, plan.steps_per_epoch)
-        batches = Batches(train_data.rows, plan, tokenizer.pad_token_id, world,
-                          [train_data.targets(i) for i in range(len(train_data.rows))], batch_form(cfg))
-        facts = run_facts(cfg, train_data, plan.global_batch)
+        task = task_of(cfg)
+        batches = task.make_batches(cfg, train_data, plan, tokenizer, world)
+        # Pairs (rlhf) are hashed as their two sequences (rlhf/data.PairData.for_facts).
+        facts = run_facts(cfg, train_data.for_facts() if hasattr(train_data, "for_facts") else train_data,
+                          plan.global_batch)
 
         torch.manual_seed(cfg.train.seed + world.rank)
         start_guess = 0
@@ -176,11 +191,13 @@ def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
             start_step = load_training_state(engine, resume_path, world, cfg, choice, facts, log=log)["global_step"]
         if probe is not None:
             probe.start_step = start_step
+        run = Run(cfg=cfg, world=world, choice=choice, run_dir=run_dir, resume_path=resume_path,
+                  tokenizer=tokenizer, train_data=train_data, val_data=val_data, batches=batches,
+                  total_steps=steps, model=model, engine=engine, start_step=start_step, t0=t0, facts=facts,
+                  lock=lock, task=task)
+        run.engine = task.setup_engine(run)   # rlhf: the reference (after the state it may read)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
-    run = Run(cfg=cfg, world=world, choice=choice, run_dir=run_dir, resume_path=resume_path, tokenizer=tokenizer,
-              train_data=train_data, val_data=val_data, batches=batches, total_steps=steps, model=model,
-              engine=engine, start_step=start_step, t0=t0, facts=facts, lock=lock)
     return run, probe

@@ -13,7 +13,7 @@ is the normalisation. `StepStats.tokens` counts real (non-pad) tokens in either 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from swiftlite.data.collate import PADDED, collate, real_tokens
@@ -28,7 +28,8 @@ class StepStats:
     loss: float             # token-mean loss of the global batch
     grad_norm: float        # global norm before clipping
     tokens: int             # real (non-pad) tokens of the global batch (what tokens/s counts)
-    target_tokens: int      # tokens the loss was taken on, over the global batch
+    target_tokens: int      # tokens the loss was taken on, over the global batch (rlhf: pairs)
+    metrics: dict[str, float] = field(default_factory=dict)   # task-specific means (rlhf: rewards/..., logps/...)
 
 
 def train_step(engine: Any, batches: Any, step: int, *, data_step: int | None = None,

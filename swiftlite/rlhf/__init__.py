@@ -1,0 +1,13 @@
+"""Preference training (`swiftlite rlhf --rlhf_type dpo|orpo|simpo`), docs/rlhf.md.
+
+    data.py       pair formats (ms-swift messages + rejected_response, TRL chosen/rejected), tokenization,
+                  collation (a pair's two sides in one micro-batch)
+    loss.py       DPO (sigmoid, ipo, hinge; label smoothing, RPO), ORPO, SimPO from summed log-probs
+    reference.py  per-sequence log-probs through the backend; the reference (adapter off, frozen copy,
+                  precomputed table in checkpoints)
+    frozen.py     the frozen reference copy, laid out like the policy without optimizer
+    step.py       the preference step and validation (sft's StepStats plus TRL's metric names)
+    demo.py       the built-in preference task (reverse strings: right vs wrong)
+
+train/tasks.py is where the trainer picks these for `rlhf`.
+"""

@@ -1,0 +1,233 @@
+"""Preference pairs: row formats -> (prompt, chosen, rejected) -> two tokenized sequences per pair.
+
+Accepted rows (detected per row from its keys):
+
+- ms-swift: any sft chat row (`messages`, `conversations`, query/response, ...) whose last assistant
+  turn is the chosen answer, plus `rejected_response` (a string) holding the rejected one;
+- TRL: `chosen` and `rejected`, both strings or both lists of {role, content} messages, with or
+  without a separate `prompt` (a string or messages). Without a prompt, the prompt is the common
+  beginning of chosen and rejected (TRL's `extract_prompt`: the shared leading messages, or the shared
+  leading characters of two strings, a space before the answers going with them). A string prompt is the user turn and a string answer the
+  assistant turn: every pair is rendered with the chat template, as ms-swift does.
+
+Each side is tokenized as a whole conversation (data/tokenize.py's rule: one render, one tokenization)
+and only the answer's assistant turn(s) are targets; the prompt, earlier turns and the system turn are
+masked. Each sequence is held to --max-length: under `delete` a pair with a side that is longer is
+dropped and counted (DataStats.deleted), under `left`/`right` each side is cut; a pair with a side
+left without a target is dropped and counted (`no_target`). A row with no rejected answer, or whose
+chosen and rejected answers are identical, is a one-line UserError naming the row, or (with
+--skip-bad-rows) a counted skip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from swiftlite.data.formats import Message, _role_messages, to_messages
+from swiftlite.data.pipeline import DataStats, Tokenized, split_validation
+from swiftlite.data.sources import load_rows
+from swiftlite.data.tokenize import IGNORE, assistant_spans, render, system_prompt, with_system
+from swiftlite.errors import UserError
+
+
+@dataclass(frozen=True)
+class Pair:
+    prompt: list[Message]      # the turns before the answers (may be empty)
+    chosen: list[Message]      # the preferred answer's turns (assistant)
+    rejected: list[Message]
+
+
+def _answer(v: Any, where: str, key: str) -> list[Message]:
+    if isinstance(v, str):
+        return [{"role": "assistant", "content": v}]
+    return _role_messages(v, where, key)
+
+
+def _common_prefix(a: list, b: list) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def to_pair(row: dict, where: str) -> Pair:
+    """One row -> Pair (see the module docstring for the formats); a bad row raises a UserError."""
+    if "chosen" in row or "rejected" in row:
+        if "rejected" not in row or row["rejected"] in (None, "", []):
+            raise UserError(f"{where}: no rejected answer (a TRL row needs 'chosen' and 'rejected')")
+        if "chosen" not in row or row["chosen"] in (None, "", []):
+            raise UserError(f"{where}: no chosen answer (a TRL row needs 'chosen' and 'rejected')")
+        c, r = row["chosen"], row["rejected"]
+        if isinstance(c, str) != isinstance(r, str):
+            raise UserError(f"{where}: 'chosen' and 'rejected' must both be strings or both be message lists")
+        prompt = row.get("prompt")
+        if prompt is None:
+            if isinstance(c, str):
+                n = _common_prefix(list(c), list(r))
+                if 0 < n and c[n - 1] == " ":       # the space goes with the answer, as TRL's extract_prompt
+                    n -= 1
+                p = [{"role": "user", "content": c[:n].strip()}] if c[:n].strip() else []
+                pair = Pair(p, _answer(c[n:], where, "chosen"), _answer(r[n:], where, "rejected"))
+            else:
+                cm, rm = _answer(c, where, "chosen"), _answer(r, where, "rejected")
+                n = _common_prefix(cm, rm)
+                pair = Pair(cm[:n], cm[n:], rm[n:])
+        else:
+            p = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else \
+                _role_messages(prompt, where, "prompt")
+            pair = Pair(p, _answer(c, where, "chosen"), _answer(r, where, "rejected"))
+    elif "rejected_response" in row:
+        msgs = to_messages(row, where)
+        last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        rej = row["rejected_response"]
+        if not isinstance(rej, str) or not rej:
+            raise UserError(f"{where}: 'rejected_response' must be a non-empty string")
+        pair = Pair(msgs[:last], msgs[last:], [{"role": "assistant", "content": rej}, *msgs[last + 1:]])
+    else:
+        keys = ", ".join(sorted(map(str, row))) or "none"
+        raise UserError(f"{where}: no rejected answer (found keys: {keys}; expected 'rejected_response' beside "
+                        "the messages, or TRL's 'chosen' and 'rejected')")
+    if not pair.chosen or not pair.rejected or not any(m["role"] == "assistant" for m in pair.chosen) \
+            or not any(m["role"] == "assistant" for m in pair.rejected):
+        raise UserError(f"{where}: chosen and rejected must each end in an assistant answer")
+    if pair.chosen == pair.rejected:
+        raise UserError(f"{where}: the chosen and rejected answers are identical (nothing to prefer)")
+    return pair
+
+
+def encode_side(tokenizer: Any, prompt: list[Message], answer: list[Message], where: str = "",
+                system: str | None = None) -> tuple[list[int], list[int]]:
+    """input_ids and labels of prompt + answer: targets on the answer's assistant turns only."""
+    msgs = with_system([*prompt, *answer], system)
+    first_answer = len(msgs) - len(answer)
+    full = render(tokenizer, msgs)
+    spans = assistant_spans(tokenizer, msgs, full, where)
+    roles = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    spans = [s for i, s in zip(roles, spans) if i >= first_answer]
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids: list[int] = enc["input_ids"]
+    labels = [IGNORE] * len(ids)
+    si = 0
+    for t, (a, b) in enumerate(enc["offset_mapping"]):
+        while si < len(spans) and a >= spans[si][1]:
+            si += 1
+        if si < len(spans) and a >= spans[si][0] and b <= spans[si][1] and b > a:
+            labels[t] = ids[t]
+    return ids, labels
+
+
+def _cut(ids: list[int], labels: list[int], n: int, truncation: str) -> tuple[list[int], list[int]]:
+    if truncation == "left":
+        return ids[-n:], labels[-n:]
+    return ids[:n], labels[:n]
+
+
+def encode_pairs(items: list[tuple[dict, str]], tokenizer: Any, max_length: int, truncation: str,
+                 skip_bad_rows: bool, system: str | None = None) -> tuple[list[dict], DataStats]:
+    """(row, where) items -> pair rows {chosen_ids, chosen_labels, rejected_ids, rejected_labels}."""
+    stats = DataStats()
+    rows: list[dict] = []
+    for row, where in items:
+        try:
+            pair = to_pair(row, where)
+            sides = [encode_side(tokenizer, pair.prompt, ans, where, system) for ans in (pair.chosen, pair.rejected)]
+        except UserError as e:
+            if skip_bad_rows:
+                stats.skipped.append(str(e))
+                continue
+            raise
+        stats.rows += 1
+        if any(len(ids) > max_length for ids, _ in sides):
+            if truncation == "delete":
+                stats.deleted += 1
+                continue
+            stats.truncated += 1
+            sides = [_cut(ids, lab, max_length, truncation) for ids, lab in sides]
+        if not all(any(x != IGNORE for x in lab[1:]) for _, lab in sides):
+            stats.no_target += 1
+            continue
+        (ci, cl), (ri, rl) = sides
+        rows.append({"chosen_ids": ci, "chosen_labels": cl, "rejected_ids": ri, "rejected_labels": rl})
+    return rows, stats
+
+
+class PairData(Tokenized):
+    """Tokenized pairs; `targets(i)` counts the chosen answer's target tokens (the NLL terms' unit)."""
+
+    def targets(self, i: int) -> int:
+        return sum(1 for x in self.rows[i]["chosen_labels"][1:] if x != IGNORE)
+
+    def for_facts(self) -> Tokenized:
+        """The pairs as token rows (chosen then rejected), for checkpoint/state.run_facts' data hash."""
+        return Tokenized([{"input_ids": r["chosen_ids"] + r["rejected_ids"],
+                           "labels": r["chosen_labels"] + r["rejected_labels"]} for r in self.rows], self.stats)
+
+
+def tokenize_pairs(specs: list[str], tokenizer: Any, *, max_length: int, truncation: str, skip_bad_rows: bool,
+                   system: str | None, seed: int, progress: Callable[[str, int], Any] | None = None) -> PairData:
+    import numpy as np
+    stats = DataStats()
+    rows: list[dict] = []
+    rng = np.random.RandomState(seed)
+    for spec in specs:
+        src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng)
+        stats.skipped += src.skipped
+        items = list(zip(src.rows, src.where))
+        it = progress(f"tokenizing {spec}", len(items))(items) if progress is not None else items
+        part, st = encode_pairs(it, tokenizer, max_length, truncation, skip_bad_rows, system)
+        rows += part
+        stats.add(st)
+    return PairData(rows, stats)
+
+
+def prepare_pairs(cfg: Any, tokenizer: Any, world_size: int, *,
+                  progress: Callable[[str, int], Any] | None = None) -> tuple[PairData, PairData | None, Any]:
+    """data.pipeline.prepare_datasets for `swiftlite rlhf`: the same checks (some usable pairs, at least
+    one global batch of pairs), with pairs as the samples."""
+    from swiftlite.config import resolve_strategies
+    from swiftlite.data.loader import BatchPlan
+    d, t = cfg.data, cfg.train
+    if d.max_length is None:
+        from swiftlite.models.loading import resolve_model_defaults
+        resolve_model_defaults(cfg)
+    system = system_prompt(d.system)
+
+    def tok(specs: list[str]) -> PairData:
+        return tokenize_pairs(specs, tokenizer, max_length=d.max_length, truncation=d.truncation_strategy,
+                              skip_bad_rows=d.skip_bad_rows, system=system, seed=t.seed, progress=progress)
+    train = tok(d.dataset)
+    val = None
+    if d.val_dataset:
+        val = tok(d.val_dataset)
+        if not val.rows:
+            raise UserError(f"--val-dataset {' '.join(d.val_dataset)}: no usable pairs ({val.stats.unusable()})")
+    elif d.split_dataset_ratio > 0:
+        if len(train.rows) < 2:
+            raise UserError(f"--split-dataset-ratio {d.split_dataset_ratio}: --dataset has "
+                            f"{len(train.rows)} usable pair(s), too few to hold some out")
+        tr, va = split_validation(train, d.split_dataset_ratio, t.seed)
+        train, val = PairData(tr.rows, tr.stats), PairData(va.rows, va.stats)
+    if not train.rows:
+        raise UserError(f"--dataset {' '.join(d.dataset)}: no usable pairs ({train.stats.unusable()})")
+    plan = BatchPlan(len(train.rows), t.per_device_train_batch_size, world_size,
+                     t.gradient_accumulation_steps, t.seed)
+    if plan.steps_per_epoch == 0:
+        raise UserError(f"--dataset has {len(train.rows)} usable pairs, fewer than one global batch of "
+                        f"{plan.global_batch} (per-device {plan.per_device} x {plan.world_size} processes x "
+                        f"accumulation {plan.accumulation})")
+    resolve_strategies(cfg, plan.steps_per_epoch)
+    return train, val, plan
+
+
+def collate_pairs(rows: list[dict], pad_id: int) -> dict:
+    """n pairs -> one right-padded batch of 2n sequences: the n chosen, then the n rejected (a pair's
+    two sides always share a micro-batch and a forward)."""
+    from swiftlite.data.collate import pad_batch
+    seqs = [{"input_ids": r["chosen_ids"], "labels": r["chosen_labels"]} for r in rows] + \
+           [{"input_ids": r["rejected_ids"], "labels": r["rejected_labels"]} for r in rows]
+    return pad_batch(seqs, pad_id)
+
+
+__all__ = ["Pair", "PairData", "collate_pairs", "encode_pairs", "encode_side", "prepare_pairs", "to_pair",
+           "tokenize_pairs"]
