@@ -99,6 +99,21 @@ def _deepspeed(model: Any, cfg: Any, world: Any, run: Any) -> Frozen:
     return Frozen(ds, contextlib.nullcontext)
 
 
+@contextlib.contextmanager
+def _built_whole():
+    """A built-in preset is built whole, as the policy was (models/loading.py), then partitioned by
+    deepspeed.initialize. Once the policy's ZeRO-3 engine exists, transformers' from_config would build
+    the copy under zero.Init instead, with other random draws: other weights than the policy's start
+    (step 1 of a full zero3 run was not ln 2). So transformers' ZeRO-3 marker is off while it builds."""
+    from transformers.integrations import deepspeed as hf_ds
+    saved = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved
+
+
 #: engine key (Backend.engine) -> how the frozen copy is laid out.
 LAYOUTS = {"single": _replica, "ddp": _replica, "fsdp": _fsdp2, "hsdp": _fsdp2, "fsdp1": _fsdp1,
            "deepspeed": _deepspeed}
@@ -114,7 +129,8 @@ def build_frozen(run: Any) -> Frozen:
     cfg = _ref_config(run.cfg)
     source = resolve_model(cfg.model.model)
     init = run.choice.record.model_init_context(cfg, run.world, lambda: model_config(cfg, source), run.choice)
-    model = prepare_model(cfg, source, run.world, init_context=init)
+    with _built_whole() if source.kind == "preset" else contextlib.nullcontext():
+        model = prepare_model(cfg, source, run.world, init_context=init)
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()

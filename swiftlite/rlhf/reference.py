@@ -12,8 +12,8 @@ The reference (`setup(run)`, the rlhf entry of train/tasks.py), chosen in this o
   `--ref_model`: a frozen copy of that model, dropped after the pass); the [pairs x 2] table is all-reduced,
   kept on every rank and written into each checkpoint (`ref_logps.safetensors`), and a resumed run
   reads it back instead of recomputing.
-- LoRA/QLoRA: the base model with the adapter disabled (peft's `disable_adapter()` context on the
-  policy itself, under no_grad): no second copy.
+- LoRA/QLoRA: the base model with the adapter disabled (the tuner layers' disable flag, as peft's
+  `disable_adapter()` sets it, on the policy itself, under no_grad): no second copy.
 - a full fine-tune (or `--ref_model`): a frozen copy, loaded like the policy and wrapped by the same
   backend with no optimizer (rlhf/frozen.py).
 """
@@ -85,8 +85,27 @@ class AdapterReference:
 
     def logps(self, batch: dict[str, torch.Tensor], idx: list[int] | None = None, split: str = "train"
               ) -> torch.Tensor:
-        with torch.no_grad(), self.peft.disable_adapter():
+        with torch.no_grad(), adapters_disabled(self.peft):
             return sequence_logps(self.engine, batch)[0]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: Any):
+    """peft's `disable_adapter()` without its side effect on `requires_grad`: peft's context turns the
+    adapter weights' requires_grad off and back on, and under FSDP1 (flat parameters, use_orig_params)
+    the following backward then trained a different adapter (2 processes left the 1-process curve at
+    step 2, 8e-3 off). Setting the tuner layers' disable flag (what their forward reads, and what
+    peft's context sets too) gives the same base-model forward and leaves the parameters alone."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    saved = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, v in zip(layers, saved):
+            m._disable_adapters = v
 
 
 class PolicyReference:
