@@ -101,6 +101,14 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             add(two, f"{tt}_{b}", tt, b, 2)
     if quant:
         add(two, "qlora_fsdp", "qlora", "fsdp", 2)
+    # Resume (fsdp x 2): lora_fsdp and full_fsdp_pre also save at step 2; *_resumed restart there.
+    for name in ("lora_fsdp",):
+        two[[r["name"] for r in two].index(name)]["args"] += ["--save-steps", 2]
+    add(two, "full_fsdp_pre", "full", "fsdp", 2)
+    two[-1]["args"] += ["--precompute-ref-log-probs", "--save-steps", 2]
+    for name, tt, extra in (("lora_fsdp", "lora", []), ("full_fsdp_pre", "full", ["--precompute-ref-log-probs"])):
+        add(two, f"{name}_resumed", tt, "fsdp", 2)
+        two[-1]["args"] += [*extra, "--resume-from", out[name] / "checkpoint-2"]
     _job(two, root, "torch_x2", 2)
     if _has("deepspeed"):
         ds: list[dict] = []
@@ -138,3 +146,23 @@ def test_lora_step_one_is_ln2_with_zero_rewards(runs, name):
     assert abs(first["loss"] - math.log(2)) <= 1e-6, first["loss"]
     for k in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
         assert abs(first[k]) <= 1e-6, (k, first[k])
+
+
+@pytest.mark.parametrize("name", ["lora_fsdp", "full_fsdp_pre"])
+def test_resume_on_fsdp_x2_is_bit_exact(runs, name):
+    """A run resumed from its checkpoint-2 logs exactly the steps after it that the whole run logged."""
+    whole, resumed = _records(runs[name]), _records(runs[f"{name}_resumed"])
+    assert sorted(resumed) == [3]
+    for k in ("loss", "grad_norm", "rewards/margins", "rewards/chosen", "logps/chosen"):
+        assert resumed[3][k] == whole[3][k], (k, resumed[3][k], whole[3][k])
+
+
+def test_precomputed_reference_matches_the_frozen_copy_and_resumes_without_recomputing(runs):
+    pre, live = _records(runs["full_fsdp_pre"]), _records(runs["full_fsdp"])
+    for s in range(1, STEPS + 1):
+        assert abs(pre[s]["loss"] - live[s]["loss"]) <= 1e-5, (s, pre[s]["loss"], live[s]["loss"])
+        assert abs(pre[s]["rewards/margins"] - live[s]["rewards/margins"]) <= 1e-5, s
+    assert (runs["full_fsdp_pre"] / "checkpoint-2" / "ref_logps.safetensors").is_file()
+    log = (runs["full_fsdp_pre"].parent / "torch_x2.log").read_text()
+    assert "reference log-probs: precomputed for 16 pairs (the starting weights)" in log
+    assert "reference log-probs: read from checkpoint-2/ref_logps.safetensors (not recomputed)" in log
