@@ -3,7 +3,8 @@
     python scripts/compare_dpo_trl.py --out DIR [--method dpo|simpo] [--steps 10] \
         [--trl-python /path/to/trl-venv/bin/python]
 
-The job: the tiny 2-layer Llama (seed 7, written once to DIR/model as an HF folder both read), the
+The job: the tiny 2-layer Llama (seed 7, written once to DIR/model as an HF folder both read, its chat
+template ending assistant turns at the end token: see CHAT_TEMPLATE), the
 built-in preference task in TRL's conversational form (prompt / chosen / rejected messages), full
 fine-tuning, fp32, one process, batch 4 pairs, AdamW (betas 0.9/0.95, eps 1e-8, weight decay 0), a
 constant learning rate, no warm-up, gradient clipping at 1.0, no dropout. The pairs are handed to TRL
@@ -29,8 +30,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 4
-LR = {"dpo": 1e-4, "simpo": 1e-4}
+LR = {"dpo": 1e-3, "simpo": 1e-3}
 SIMPO = {"beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.0}
+#: The tiny model's chat template with nothing after an assistant turn's end token: CPOTrainer appends an
+#: EOS to any answer that does not end in one (the shipped template ends turns with "<|im_end|>\n"),
+#: which would give TRL one more answer token than swiftlite.
+CHAT_TEMPLATE = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                 "'<|im_end|>' }}{%- if message['role'] != 'assistant' %}{{- '\n' }}{%- endif %}{%- endfor %}"
+                 "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
 
 
 def _prepare(out: Path, steps: int) -> tuple[Path, Path, Path]:
@@ -45,7 +52,9 @@ def _prepare(out: Path, steps: int) -> tuple[Path, Path, Path]:
                            task="rlhf")
         model = load_model(cfg)
         model.save_pretrained(model_dir, safe_serialization=True)
-        load_tokenizer(cfg).save_pretrained(model_dir)
+        tok = load_tokenizer(cfg)
+        tok.chat_template = CHAT_TEMPLATE
+        tok.save_pretrained(model_dir)
     n = steps * BATCH
     rows = make_pairs(n, seed=10)
     ours = out / "pairs.jsonl"
@@ -119,7 +128,7 @@ def trl_side(a: argparse.Namespace) -> int:
     else:
         from trl.experimental.cpo import CPOConfig, CPOTrainer
         conf = CPOConfig(loss_type="simpo", beta=SIMPO["beta"], simpo_gamma=SIMPO["simpo_gamma"],
-                         cpo_alpha=SIMPO["cpo_alpha"], max_length=None, max_prompt_length=None, **common)
+                         cpo_alpha=SIMPO["cpo_alpha"], max_length=4096, **common)
         cls = CPOTrainer
 
     class InOrder(cls):  # the pairs in the order they were written (swiftlite's plan order)
