@@ -49,6 +49,11 @@ def estimate_cmd(
     external_plugins: Optional[list[str]] = typer.Option(
         None, "--external-plugins", "--external_plugins", metavar="FILE",
         help="Python file run first; it may register backends, which then get a row. Repeat for several."),
+    rlhf_type: Optional[str] = typer.Option(None, "--rlhf-type", "--rlhf_type",
+                                            help="Preference training (dpo, orpo, simpo): 2 sequences per pair, "
+                                                 "and DPO's frozen reference copy on a full fine-tune."),
+    precompute_ref_log_probs: bool = typer.Option(False, "--precompute-ref-log-probs", "--precompute_ref_log_probs",
+                                                  help="DPO with precomputed reference log-probs: no copy."),
     as_json: bool = typer.Option(False, "--json", help="Print the decision and every estimate as JSON."),
 ) -> None:
     """Memory per GPU for each backend, what fits, and the recommended backend."""
@@ -62,7 +67,8 @@ def estimate_cmd(
     decision = run_estimate(model=model, train_type=(shorthands or [train_type or "full"])[0], gpus=gpus,
                             nodes=nodes, gpu_memory=gpu_memory, cpu_memory=cpu_memory, max_length=max_length,
                             micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing, dtype=dtype,
-                            lora_rank=lora_rank, quant_bits=quant_bits, loss_impl=loss_impl, pure_bf16=pure_bf16)
+                            lora_rank=lora_rank, quant_bits=quant_bits, loss_impl=loss_impl, pure_bf16=pure_bf16,
+                            rlhf_type=rlhf_type, precompute_ref_log_probs=precompute_ref_log_probs)
     if as_json:
         print(to_json(decision))
     else:

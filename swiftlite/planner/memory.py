@@ -110,6 +110,8 @@ class Workload:
     loss_chunk_tokens: int = 0           # --loss-chunk-tokens (0: auto)
     tokens_per_micro_batch: int | None = None  # real tokens a padding-free micro-batch computes (None: the
                                                # max_length x micro_batch bound, what padded batches compute)
+    reference: str = "none"              # rlhf DPO's reference: "copy" (a frozen copy, full fine-tune or
+                                         # --ref_model) or "none" (LoRA adapter off, precomputed, ORPO, SimPO)
 
     def __post_init__(self) -> None:
         if dtypes.normalize(self.dtype) in dtypes.NAMES:
@@ -189,6 +191,7 @@ class MemoryEstimate:
     gpu_memory_bytes: int | None
     available: bool = True
     note: str = ""          # why the backend cannot run this workload, when it cannot
+    reference: int = 0      # rlhf: the frozen reference copy (reference_bytes), in `total`
 
     @property
     def used_fraction(self) -> float | None:
@@ -393,7 +396,8 @@ def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> M
         states = {"params": 0, "grads": 0, "optimizer": 0}
     acts = activation_bytes(shape, w)
     temp = temp_buffer_bytes(shape, w, rec)
-    total = sum(states.values()) + acts + temp + w.overhead_bytes
+    ref = reference_bytes(shape, w, rec)
+    total = sum(states.values()) + acts + temp + ref + w.overhead_bytes
     cpu_node = cpu * (w.gpus_per_node or w.world_size)
     fits: bool | None = None
     if w.gpu_memory_bytes is not None:
@@ -409,7 +413,22 @@ def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> M
         activations=acts, temp_buffers=temp, overhead=w.overhead_bytes, cpu_offloaded=cpu,
         cpu_per_node=cpu_node, total=total, fits=fits if not note else False,
         comm_bytes_per_step=comm_bytes_per_step(shape, w, rec), gpu_memory_bytes=w.gpu_memory_bytes,
-        available=not note, note=note)
+        available=not note, note=note, reference=ref)
+
+
+def reference_bytes(shape: ModelShape, w: Workload, backend: str | Backend) -> int:
+    """DPO's frozen reference copy per rank (rlhf/frozen.py): the model's weights in the compute dtype,
+    no gradients or optimizer state, laid out like the policy's parameters (sharded over N under
+    fsdp/fsdp1/zero3; a replica under single/ddp and ZeRO-1/2, which shard optimizer state only).
+    Offloaded ZeRO-3 keeps it in GPU memory (the copy is initialised without offload). 0 unless
+    `w.reference == "copy"`: a LoRA run's reference is the base with the adapter off, and precomputed
+    log-probs are a few bytes per pair."""
+    if w.reference != "copy":
+        return 0
+    rec = backend_record(backend)
+    n = 1 if rec.memory_family == "single" else w.world_size
+    nbytes = shape.n_params * w.elem
+    return _ceil_div(nbytes, n) if rec.shards[0] else nbytes
 
 
 def estimate_all(shape: ModelShape, workload: Workload) -> dict[str, MemoryEstimate]:
@@ -420,6 +439,6 @@ def estimate_all(shape: ModelShape, workload: Workload) -> dict[str, MemoryEstim
 
 __all__ = ["CHUNK_LOGIT_BYTES", "GiB", "LOGIT_BYTES", "LOSS_IMPLS", "MemoryEstimate", "Workload", "activation_bytes",
            "base_bits", "logit_bytes",
-           "comm_bytes_per_step", "estimate", "estimate_all", "model_state_bytes", "quantized_bytes",
+           "comm_bytes_per_step", "estimate", "estimate_all", "model_state_bytes", "quantized_bytes", "reference_bytes",
            "temp_buffer_bytes", "trainable_params", "unavailable_reason"]
 

@@ -25,7 +25,8 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
                  gpu_memory: str = "80GB", max_length: int = 2048, micro_batch: int = 1,
                  gradient_checkpointing: bool = True, dtype: str = "bf16", lora_rank: int = 8,
                  quant_bits: int | None = None, cpu_memory: str | None = None, loss_impl: str = "chunked",
-                 pure_bf16: bool = False) -> Decision:
+                 pure_bf16: bool = False, rlhf_type: str | None = None,
+                 precompute_ref_log_probs: bool = False) -> Decision:
     """Estimate every backend for `model` on `nodes` x `gpus` GPUs and recommend one.
 
     `gpus` is per node; sizes are parse_size's (a bare number is GB); `cpu_memory` is per node and,
@@ -35,8 +36,15 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     for flag, v in (("--gpus", gpus), ("--nnodes", nodes)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise UserError(f"{flag} must be a positive integer, got {v!r}")
+    if rlhf_type not in (None, "dpo", "orpo", "simpo"):
+        raise UserError(f"--rlhf-type {rlhf_type!r}: choose from dpo, orpo, simpo")
+    if precompute_ref_log_probs and rlhf_type != "dpo":
+        raise UserError("--precompute-ref-log-probs needs --rlhf-type dpo")
+    copy = rlhf_type == "dpo" and train_type == "full" and not precompute_ref_log_probs
+    if rlhf_type:  # a pair is 2 sequences; the log-probs take the logits at the answer tokens
+        micro_batch, loss_impl = micro_batch * 2, "plain"
     shape = shape_from_model_arg(model)
-    workload = Workload(
+    workload = Workload(reference="copy" if copy else "none",
         train_type=train_type, dtype=dtype, lora_rank=lora_rank, quant_bits=quant_bits,
         max_length=max_length, micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing,
         world_size=gpus * nodes, gpus_per_node=gpus, gpu_memory_bytes=parse_size(gpu_memory, "--gpu-memory"),
@@ -107,6 +115,9 @@ def render(decision: Decision, console=None) -> None:
                       _gib(est.cpu_per_node) if est.cpu_per_node else "-", _gib(est.comm_bytes_per_step),
                       style="bold" if chosen else None)
     console.print(table)
+    if w is not None and w.reference == "copy" and decision.backend in decision.table:
+        console.print(f"[dim]totals include DPO's frozen reference copy: "
+                      f"{_gib(decision.table[decision.backend].reference)} GiB per GPU on {decision.backend}[/dim]")
     for note in notes:
         console.print(f"[dim]n/a {note}[/dim]")
     if decision.backend == "none":

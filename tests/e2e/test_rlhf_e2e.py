@@ -1,0 +1,75 @@
+"""`swiftlite rlhf` through the CLI in a subprocess: a DPO LoRA run, its export reloaded by transformers,
+ORPO's logged terms, and bad preference rows (one-line errors with nothing written, or counted)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.conftest import run_cli
+
+COMMON = ["--model", "tiny-llama-2l", "--torch-dtype", "fp32", "--parallelism", "single", "--seed", "3",
+          "--per-device-train-batch-size", "2", "--logging-steps", "1", "--save-hf-model", "true"]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    from swiftlite.rlhf.demo import write_preference_data
+    return write_preference_data(tmp_path_factory.mktemp("pairs"), n_train=12, n_val=4)
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "logging.jsonl").read_text().splitlines()]
+
+
+def test_dpo_lora_run_exports_and_reloads(pairs, tmp_path):
+    train, val = pairs
+    run = tmp_path / "dpo"
+    proc = run_cli(["rlhf", *COMMON, "--lora", "--lora-dropout", "0", "--learning-rate", "5e-3", "--dataset", train,
+                    "--val-dataset", val, "--max-steps", "3", "--output-dir", run])
+    assert "dpo (sigmoid, beta 0.1, reference: the base model with the adapter disabled)" in proc.stdout
+    recs = _records(run)
+    steps = {r["step"]: r for r in recs if "loss" in r}
+    assert abs(steps[1]["loss"] - math.log(2)) <= 1e-6 and steps[1]["rewards/margins"] == 0.0
+    assert steps[3]["rewards/margins"] != 0.0
+    ev = [r for r in recs if "eval_loss" in r]
+    assert ev and "eval_rewards/accuracies" in ev[-1] and 0.0 <= ev[-1]["eval_rewards/accuracies"] <= 1.0
+    out = tmp_path / "exported"
+    run_cli(["export", "--ckpt", run / "checkpoint-3", "--merge-lora", "true", "--output", out], timeout=300)
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_orpo_logs_its_terms_and_a_pair_over_max_length_is_deleted_and_counted(pairs, tmp_path):
+    train, _ = pairs
+    data = tmp_path / "d.jsonl"
+    long = {"prompt": "reverse: " + "ab" * 40, "chosen": "ba" * 40, "rejected": "ab" * 40}
+    data.write_text(train.read_text() + json.dumps(long) + "\n")
+    run = tmp_path / "orpo"
+    proc = run_cli(["rlhf", *COMMON, "--rlhf-type", "orpo", "--full", "--dataset", data, "--max-steps", "2",
+                    "--max-length", "64", "--save-hf-model", "false", "--output-dir", run])
+    assert "12 train pairs" in proc.stdout and "1 longer than 64 deleted" in proc.stdout
+    first = [r for r in _records(run) if "loss" in r][0]
+    # ORPO's loss = the chosen answers' token-mean NLL - mean(beta log sigmoid(log odds)), TRL's terms
+    assert first["loss"] == pytest.approx(first["nll_loss"] - 0.1 * first["log_odds_ratio"], abs=1e-5)
+    assert first["rewards/chosen"] == pytest.approx(0.1 * first["logps/chosen"], abs=1e-6)
+
+
+@pytest.mark.parametrize("row,words", [
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "no rejected answer"),
+])
+def test_bad_rows_stop_before_anything_is_written(tmp_path, row, words):
+    """(identical answers and the other bad rows: tests/unit/test_rlhf_data.py, the same error path)"""
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"prompt": "reverse: ab", "chosen": "ba", "rejected": "ab"}) + "\n" + json.dumps(row) + "\n")
+    out = tmp_path / "out"
+    proc = run_cli(["rlhf", *COMMON, "--dataset", data, "--max-steps", "1", "--output-dir", out], check=False)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert err.count("\n") == 0 and err.startswith(f"error: {data}:2:") and words in err and "Traceback" not in err
+    assert not out.exists()
