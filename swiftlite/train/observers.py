@@ -119,7 +119,7 @@ class LogObserver(Observer):
         self.tokens += stats.tokens
         self.loss_sum += stats.loss
         self.loss_steps += 1
-        for k, v in stats.metrics.items():
+        for k, v in getattr(stats, "metrics", {}).items():   # task metrics (StepStats.metrics)
             self.metric_sums[k] = self.metric_sums.get(k, 0.0) + v
         if self.is_main and done == self.start + 1:
             self.log.print(f"first step done {now - self.t0:.2f} s after start")
