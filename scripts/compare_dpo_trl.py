@@ -1,6 +1,6 @@
 """swiftlite rlhf against TRL on the same job: per-step loss and rewards/margins side by side.
 
-    python scripts/compare_dpo_trl.py --out DIR [--method dpo|simpo] [--steps 10] \
+    python scripts/compare_dpo_trl.py --out DIR [--method dpo|simpo|orpo] [--steps 10] \
         [--trl-python /path/to/trl-venv/bin/python]
 
 The job: the tiny 2-layer Llama (seed 7, written once to DIR/model as an HF folder both read, its chat
@@ -13,7 +13,8 @@ so both see the same pairs in every step. Before comparing, the script checks th
 pair to the same prompt and answer tokens as swiftlite.
 
 DPO runs TRL's DPOTrainer (sigmoid loss, beta 0.1, the reference a frozen copy of the start);
-SimPO runs trl.experimental.cpo's CPOTrainer with loss_type "simpo" (beta 2, gamma 0.5, cpo_alpha 0).
+SimPO runs trl.experimental.cpo's CPOTrainer with loss_type "simpo" (beta 2, gamma 0.5, cpo_alpha 0);
+ORPO trl.experimental.orpo's ORPOTrainer (beta 0.1).
 Exit status 1 when a step differs by more than --tol (default 1e-3) in loss or rewards/margins.
 TRL runs in its own virtual environment (TRL_PYTHON, --trl-python); this file is its entry point too
 (`--trl-side`, importing nothing from swiftlite).
@@ -30,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 4
-LR = {"dpo": 1e-3, "simpo": 1e-3}
+LR = {"dpo": 1e-3, "simpo": 1e-3, "orpo": 1e-3}
 SIMPO = {"beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.0}
 #: The tiny model's chat template with nothing after an assistant turn's end token: CPOTrainer appends an
 #: EOS to any answer that does not end in one (the shipped template ends turns with "<|im_end|>\n"),
@@ -125,6 +126,9 @@ def trl_side(a: argparse.Namespace) -> int:
     if a.method == "dpo":
         from trl import DPOConfig, DPOTrainer
         conf, cls = DPOConfig(beta=0.1, loss_type=["sigmoid"], max_length=None, **common), DPOTrainer
+    elif a.method == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+        conf, cls = ORPOConfig(beta=0.1, max_length=4096, **common), ORPOTrainer
     else:
         from trl.experimental.cpo import CPOConfig, CPOTrainer
         conf = CPOConfig(loss_type="simpo", beta=SIMPO["beta"], simpo_gamma=SIMPO["simpo_gamma"],
@@ -154,7 +158,7 @@ def trl_side(a: argparse.Namespace) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--method", choices=("dpo", "simpo"), default="dpo")
+    ap.add_argument("--method", choices=("dpo", "simpo", "orpo"), default="dpo")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tol", type=float, default=1e-3)
     ap.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/root/.cache/swiftlite/peers/trl/bin/python"))

@@ -101,6 +101,11 @@ def print_plan(cfg: Any, plan: Any, choice: Any) -> None:
     print(f"batch:          per-device {t.per_device_train_batch_size} x {world} x accumulation "
           f"{t.gradient_accumulation_steps} = global {global_batch}")
     print(f"model:          {cfg.model.model} ({cfg.train.train_type}, {cfg.model.torch_dtype})")
+    if cfg.task == "rlhf":  # the global batch counts pairs (2 sequences each)
+        from swiftlite.rlhf.loss import method_of
+        m = method_of(cfg)
+        print(f"preference:     {m.kind}, beta {m.beta:g}" + (f", {m.loss_type} loss" if m.kind == "dpo" else "")
+              + ("; batches count pairs"))
     print(f"output:         {cfg.train.output_dir}")
     # The command each node runs, as it would run it: without this --dry-run.
     shown = [a for a in plan.command if a not in ("--dry-run", "--dry_run")] if plan.command else None
