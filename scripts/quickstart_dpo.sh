@@ -7,8 +7,10 @@
 # and after, DPO's own held-out metrics (eval_rewards/accuracies, eval_rewards/margins), then exports
 # the result and loads it with transformers.
 #
-# The SFT checkpoint: SFT_CKPT, else the newest of runs/quickstart (scripts/quickstart.sh), else a
-# short SFT run here with the quickstart's settings (SFT_STEPS steps). Runs on a CPU in a few minutes.
+# The SFT checkpoint: SFT_CKPT, else an early one of the SFT demo made here (scripts/quickstart.sh's
+# settings, SFT_STEPS=70 steps at a constant learning rate): the quickstart's finished run
+# (runs/quickstart/checkpoint-250) already ranks every held-out pair right, leaving DPO nothing to
+# show. Runs on a CPU in a few minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${SWIFTLITE_NO_SETUP:-}" ]; then
@@ -18,19 +20,19 @@ if [ -z "${SWIFTLITE_NO_SETUP:-}" ]; then
 fi
 export TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-runs/quickstart_dpo}
-STEPS=${STEPS:-60}
+STEPS=${STEPS:-180}
 NPROC=${NPROC:-2}
-SFT_STEPS=${SFT_STEPS:-250}
+SFT_STEPS=${SFT_STEPS:-70}
 
 python scripts/make_demo_data.py demo_data
 python -m swiftlite.rlhf.demo data demo_data
 
-SFT_CKPT=${SFT_CKPT:-$(ls -d runs/quickstart/checkpoint-*/model 2>/dev/null | sort -V | tail -1 || true)}
+SFT_CKPT=${SFT_CKPT:-}
 if [ -z "$SFT_CKPT" ]; then
-  echo "== no SFT demo checkpoint: supervised fine-tuning first (${SFT_STEPS} steps, as scripts/quickstart.sh) =="
+  echo "== the SFT demo, stopped early (${SFT_STEPS} steps) =="
   swiftlite sft --model tiny-llama --dataset demo_data/train.jsonl --train-type full --parallelism fsdp \
     --nproc-per-node "$NPROC" --torch-dtype fp32 --per-device-train-batch-size 16 --learning-rate 2e-3 \
-    --lr-scheduler cosine --warmup-ratio 0.05 --weight-decay 0.0 --max-steps "$SFT_STEPS" --logging-steps 25 \
+    --lr-scheduler constant_with_warmup --warmup-ratio 0.05 --weight-decay 0.0 --max-steps "$SFT_STEPS" --logging-steps 35 \
     --save-strategy no --seed 42 --output-dir "${OUT}_sft" --overwrite-output-dir
   SFT_CKPT="${OUT}_sft/checkpoint-${SFT_STEPS}/model"
 fi
@@ -42,8 +44,8 @@ echo "== DPO with FSDP2 on ${NPROC} processes =="
 swiftlite rlhf --rlhf_type dpo --beta "${BETA:-0.1}" --model "$SFT_CKPT" \
   --dataset demo_data/pref_train.jsonl --val-dataset demo_data/pref_val.jsonl \
   --train-type full --parallelism fsdp --nproc-per-node "$NPROC" --torch-dtype fp32 \
-  --per-device-train-batch-size 8 --learning-rate "${LR:-1e-5}" --lr-scheduler-type constant --weight-decay 0.0 \
-  --max-steps "$STEPS" --logging-steps 10 --eval-steps "$STEPS" --save-strategy no \
+  --per-device-train-batch-size 8 --learning-rate "${LR:-5e-5}" --lr-scheduler-type constant --weight-decay 0.0 \
+  --max-steps "$STEPS" --logging-steps 20 --eval-steps "$STEPS" --save-strategy no \
   --seed 42 --output-dir "$OUT" --overwrite-output-dir
 
 echo "== after DPO =="
