@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -216,7 +217,13 @@ def start_memory_window() -> dict[str, Any] | None:
     """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0: /proc/self/clear_refs "5")
     and return the baseline. Called just before the model is built, so that the peak read later by
     `end_memory_window` is the training memory (model states, activations, buffers) on top of the
-    interpreter, libraries and data already loaded. None where the mark cannot be reset."""
+    interpreter, libraries and data already loaded. None where the mark cannot be reset.
+
+    Library code imported after this point would be counted as training memory: the backend's
+    libraries are loaded before it (train/run.py makes the backend's init context first; DeepSpeed's
+    records import deepspeed and the modules its engine imports lazily there, ~70 MiB of host memory
+    that a GPU's allocator peak never sees). The modules first imported inside the window are listed
+    in the record (`imported_in_window`), so that this stays checked."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
@@ -226,17 +233,21 @@ def start_memory_window() -> dict[str, Any] | None:
         return None
     # glibc keeps freed blocks below its (adaptive) mmap threshold, so RSS then overstates live
     # memory; with MALLOC_MMAP_THRESHOLD_ set, large tensors are unmapped when freed.
-    return {"rss_before_model": st["rss"], "exact": env.has("MALLOC_MMAP_THRESHOLD_")}
+    return {"rss_before_model": st["rss"], "exact": env.has("MALLOC_MMAP_THRESHOLD_"),
+            "_modules": frozenset(sys.modules)}
 
 
 def end_memory_window(run_dir: str | Path, rank: int, start: dict[str, Any] | None, steps: int) -> None:
     """logs/memory_rank<r>.json: the baseline RSS, the peak RSS since `start_memory_window` and the
-    difference (the measured training memory the estimator predicts), after `steps` steps."""
+    difference (the measured training memory the estimator predicts), after `steps` steps, and
+    `imported_in_window`: the modules first imported inside the window (their code is in the peak)."""
     st = rss_status()
     if start is None or st is None:
         return
-    rec = {**start, "peak_rss": st["peak_rss"], "steps": steps,
-           "training_peak": st["peak_rss"] - start["rss_before_model"]}
+    imported = sorted(set(sys.modules) - start.get("_modules", frozenset()))
+    rec = {**{k: v for k, v in start.items() if not k.startswith("_")}, "peak_rss": st["peak_rss"],
+           "steps": steps, "training_peak": st["peak_rss"] - start["rss_before_model"],
+           "imported_in_window": imported}
     logs = Path(run_dir) / layout.LOGS_DIR
     logs.mkdir(parents=True, exist_ok=True)
     (logs / f"memory_rank{rank}.json").write_text(json.dumps(rec) + "\n")
