@@ -167,7 +167,7 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         gpus_per_node=gpus_per_node or cfg.parallel.nproc_per_node or world_size,
         gpu_memory_bytes=gpu_memory_bytes, fsdp2_available=_has_fsdp2(),
         loss_impl=cfg.train.loss_impl, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
-        pure_bf16=cfg.parallel.pure_bf16)
+        pure_bf16=cfg.parallel.pure_bf16, hsdp_shard_size=cfg.parallel.hsdp_shard_size)
 
 
 def _has_fsdp2() -> bool:

@@ -409,10 +409,17 @@ def test_resolve_auto():
     # across nodes: hsdp on CPU; on GPU the topology comes from --nnodes / --nproc-per-node
     nodes = build_config({"model": "tiny-llama", "dataset": ["x.jsonl"], "nnodes": 2, "nproc_per_node": 2})
     assert resolve_auto(nodes, 4, None).backend == "hsdp"
-    big_nodes = build_config({"model": "llama-70b", "dataset": ["x.jsonl"], "torch_dtype": "bf16",
-                              "nnodes": 4, "nproc_per_node": 8, "gradient_checkpointing": True,
-                              "max_length": 2048})
-    assert resolve_auto(big_nodes, 32, 80 * GB).backend == "zero3pp"  # as 70b-full-4x8x80-zero3pp
+    big_nodes = {"model": "llama-70b", "dataset": ["x.jsonl"], "torch_dtype": "bf16", "nnodes": 4,
+                 "nproc_per_node": 8, "gradient_checkpointing": True, "max_length": 2048}
+    full = resolve_auto(build_config({**big_nodes, "train_type": "full"}), 32, 80 * GB)
+    assert full.backend == "zero3pp"  # as 70b-full-4x8x80-zero3pp
+    # LoRA (the default): the frozen base over one node's 8 GPUs fits; only adapter grads cross nodes
+    lora = resolve_auto(build_config(big_nodes), 32, 80 * GB)
+    assert lora.backend == "hsdp" and lora.table["hsdp"].comm_inter_node_bytes < 10**9
+    # --hsdp-shard-size reaches the estimate: 16 GPUs per shard group span two nodes
+    wide = resolve_auto(build_config({**big_nodes, "hsdp_shard_size": 16}), 32, 80 * GB)
+    assert wide.table["hsdp"].params < lora.table["hsdp"].params
+    assert wide.table["hsdp"].comm_inter_node_bytes > lora.table["hsdp"].comm_inter_node_bytes
 
 
 def test_auto_in_a_run_reads_the_gpu_memory(monkeypatch, capsys):
