@@ -111,6 +111,32 @@ _COMMISH = ("c10d", "wait", "all_gather", "allgather", "reduce_scatter", "allred
             "nccl", "record_param_comms", "broadcast")
 
 
+def collective_kinds(path: str | Path, world: int = 2) -> list[str]:
+    """The kinds of the collectives a rank's trace counts over its profiled steps, in call order
+    (the ops analyze_trace counts: c10d calls, none nested in another). bench/groups.py pairs them
+    with the flight recorder's entries, which know each one's process group but not, on gloo,
+    whether an all-reduce was a reduce-scatter."""
+    data = json.loads(Path(path).read_text())
+    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    steps = [e for e in events if str(e.get("name", "")).startswith("swiftlite_step#")
+             and e.get("cat") != "gpu_user_annotation"]
+    if not steps:
+        return []
+    lo, hi = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
+    counted: dict[tuple, list[tuple[float, float]]] = {}
+    kinds: list[tuple[float, str]] = []
+    for e in sorted([e for e in events if lo <= e["ts"] <= hi], key=lambda e: (e["ts"], -e["dur"])):
+        cb = collective_bytes(e, max(2, world), 4)
+        if cb is None:
+            continue
+        spans = counted.setdefault((e.get("pid"), e.get("tid")), [])
+        if any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in spans):
+            continue
+        spans.append((e["ts"], e["ts"] + e["dur"]))
+        kinds.append((e["ts"], cb[0]))
+    return [k for _, k in sorted(kinds)]
+
+
 def analyze_trace(path: str | Path, world: int, default_elem: int = 4) -> dict[str, Any]:
     """Comm bytes and time per profiled step and the comm/compute overlap of one rank's trace."""
     data = json.loads(Path(path).read_text())
