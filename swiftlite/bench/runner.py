@@ -271,7 +271,7 @@ def collect(cfg: BenchConfig, spec: BackendSpec, res: BackendResult, run_dir: Pa
     profiled = {st for s in stats for st in s.get("profiled_steps", [])}
     collect_links(cfg, planner_family(spec, world), res, prof_dir, world // cfg.nnodes, dtype, shape,
                   len(profiled) or cfg.profile_steps)
-    if res.intra_node_bytes is not None:
+    if res.intra_node_bytes is not None and (cfg.nnodes > 1 or res.link_kinds_from == "trace"):
         # the per-group count knows each collective's own group size (the trace's count assumes the world)
         res.comm_bytes_per_step = res.intra_node_bytes + res.inter_node_bytes
         if res.comm_bytes_theory:
