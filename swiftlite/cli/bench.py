@@ -18,7 +18,7 @@ def bench_cmd(
     model: str = typer.Option("tiny-llama", "--model", help="Preset name or local HF folder."),
     parallelism: str = typer.Option(
         "ddp,fsdp,fsdp1,zero2,zero3", "--parallelism", "--parallelism-type", "--parallelism_type",
-        help="Comma-separated backends: ddp, fsdp, fsdp1, zero2, zero3, zero3_offload, a DeepSpeed .json, or "
+        help="Comma-separated backends: ddp, fsdp, hsdp, fsdp1, zero2, zero3, zero3pp, zero3_offload, a DeepSpeed .json, or "
              "one an --external-plugins file registers; append +compile, +gc (activation checkpointing) or "
              "+offload (FSDP CPU offload)."),
     steps: int = typer.Option(20, "--steps", "--max-steps", "--max_steps", help="Optimizer steps per backend."),
