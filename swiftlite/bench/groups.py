@@ -30,6 +30,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from swiftlite.planner.topology import group_crosses  # the planner's rule for what crosses a node boundary
+
 #: Bytes per element of the dtype names the flight recorder writes (c10::ScalarType names).
 _FR_BYTES = {"Float": 4, "Double": 8, "BFloat16": 2, "Half": 2, "Long": 8, "Int": 4, "Short": 2,
              "Byte": 1, "Char": 1, "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1}
@@ -114,7 +116,7 @@ def rank_link_bytes(record: dict, per_node: int, trace_kinds: list[str] | None =
         counted = entry_ring_bytes(e, len(ranks), kinds[i] if kinds else None)
         if counted is None:
             continue
-        crosses = len({r // per_node for r in ranks}) > 1
+        crosses = group_crosses(ranks, per_node)
         if crosses:
             inter += counted[1]
         else:

@@ -20,7 +20,6 @@ from swiftlite.bench.groups import link_bytes
 from swiftlite.errors import UserError
 
 if TYPE_CHECKING:
-    from swiftlite.bench.runner import BackendResult
     from swiftlite.bench.spec import BenchConfig
 
 LOCALHOST = "127.0.0.1"
@@ -30,6 +29,22 @@ LOCALHOST = "127.0.0.1"
 #: groups; a profiled window with more collectives than this loses its oldest ones.
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 FR_BUFFER_SIZE = 20000
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """End a run's whole process group (launcher and ranks): SIGTERM, then SIGKILL after 15 s."""
+    import os
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=15)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def node_commands(cmd: list[str], nnodes: int, port: int) -> list[list[str]]:
@@ -50,7 +65,6 @@ def run_nodes(cmds: list[list[str]], log_path: Path, env: dict[str, str], timeou
     timeout. Each node runs in its own session, so a kill takes its launcher and ranks together.
     `gpus_per_node`: node r sees GPUs r*n .. r*n+n-1 only (CUDA_VISIBLE_DEVICES), as a host of its own
     would; None on CPU."""
-    from swiftlite.bench.runner import _kill_group
     procs, logs = [], []
     try:
         for r, cmd in enumerate(cmds):
@@ -68,27 +82,27 @@ def run_nodes(cmds: list[list[str]], log_path: Path, env: dict[str, str], timeou
             if failed:
                 for p in procs:
                     if p.poll() is None:
-                        _kill_group(p)
+                        kill_group(p)
                 return failed[0]
             if all(c == 0 for c in codes):
                 return 0
             if time.monotonic() > deadline:
                 for p in procs:
-                    _kill_group(p)
+                    kill_group(p)
                 return None
             time.sleep(0.2)
     except BaseException:  # Ctrl-C, or SIGTERM from an outer timeout: take every node down with us
         for p in procs:
-            _kill_group(p)
+            kill_group(p)
         raise
     finally:
         for log in logs:
             log.close()
 
 
-def collect_links(cfg: "BenchConfig", family: str | None, res: "BackendResult", prof_dir: Path, nproc: int,
+def collect_links(cfg: "BenchConfig", family: str | None, res: Any, prof_dir: Path, nproc: int,
                   dtype: str, shape: Any, steps: int) -> None:
-    """Fill the per-link figures of `res`: intra-/inter-node bytes per step counted from the run's
+    """Fill the per-link figures of `res` (a runner.BackendResult): intra-/inter-node bytes per step counted from the run's
     collectives by process group (bench/groups.py), next to the planner's (planner/topology.py)."""
     counted = link_bytes(prof_dir, nproc, steps)
     if counted is not None:
@@ -100,7 +114,7 @@ def collect_links(cfg: "BenchConfig", family: str | None, res: "BackendResult", 
     if shape is None or family is None:
         return
     from swiftlite import planner as plan
-    from swiftlite.planner.topology import comm_per_link
+    from swiftlite.planner import comm_per_link
     if family not in plan.SHARDING:
         return
     try:
@@ -117,5 +131,5 @@ def collect_links(cfg: "BenchConfig", family: str | None, res: "BackendResult", 
         res.inter_node_ratio = res.inter_node_bytes / theory.inter
 
 
-__all__ = ["FR_BUFFER_ENV", "FR_BUFFER_SIZE", "LOCALHOST", "collect_links", "node_commands", "node_log",
+__all__ = ["FR_BUFFER_ENV", "FR_BUFFER_SIZE", "LOCALHOST", "collect_links", "kill_group", "node_commands", "node_log",
            "run_nodes"]

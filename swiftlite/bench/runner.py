@@ -39,6 +39,7 @@ from swiftlite.checkpoint import layout
 from swiftlite import dtypes, env
 from swiftlite.bench.device import child_pythonpath, datasheet_peak, loadavg, machine_info, probe_device
 from swiftlite.bench.nodes import FR_BUFFER_ENV, FR_BUFFER_SIZE, collect_links, node_commands, run_nodes
+from swiftlite.bench.nodes import kill_group as _kill_group  # one process group per run, launcher and ranks
 from swiftlite.bench.report import render_markdown, render_table, write_chart
 from swiftlite.bench.spec import BackendSpec, BenchConfig
 from swiftlite.bench.trace import analyze_trace
@@ -362,21 +363,6 @@ def _exit_on_sigterm() -> None:
     import threading
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End a run's whole process group (launcher and ranks): SIGTERM, then SIGKILL after 15 s."""
-    import signal
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        try:
-            proc.wait(timeout=15)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def run_bench(cfg: BenchConfig, echo=print, console=None) -> dict[str, Any]:

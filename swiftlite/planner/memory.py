@@ -45,6 +45,7 @@ from swiftlite.planner.backends import backend_record, table_backends
 from swiftlite.planner.activations import (CHUNK_LOGIT_BYTES, LOGIT_BYTES,  # noqa: F401 (re-exported)
                                            activation_bytes, logit_bytes)
 from swiftlite.planner.shape import ModelShape
+from swiftlite.planner.topology import LinkBytes, hsdp_shard_size, split_by_link
 
 if TYPE_CHECKING:
     from swiftlite.parallel.base import Backend
@@ -315,7 +316,6 @@ BASE_FAMILY = {"hsdp": "fsdp", "zero3pp": "zero3"}
 def _sharding_ranks(w: Workload, family: str) -> int:
     """Ranks sharing one copy of the states: hsdp's shard group (--hsdp-shard-size, default the GPUs
     per node; the copies are replicated across the world / shard-size groups)."""
-    from swiftlite.planner.topology import hsdp_shard_size
     return hsdp_shard_size(w) if family == "hsdp" else w.world_size
 
 
@@ -332,7 +332,6 @@ def _hpz_secondary_bytes(param_bytes: int, w: Workload) -> int:
 def topology_problem(w: Workload, family: str) -> str:
     """Why a multi-node family cannot run this layout, or ""."""
     if family == "hsdp":
-        from swiftlite.planner.topology import hsdp_shard_size
         shard = hsdp_shard_size(w)
         if shard < 1 or w.world_size % shard:
             return f"--hsdp-shard-size {shard} does not divide the {w.world_size} GPUs"
@@ -389,10 +388,31 @@ def temp_buffer_bytes(shape: ModelShape, w: Workload, backend: str | Backend) ->
     raise AssertionError(f"memory family {family!r} has no buffer formula")  # FAMILIES lists each
 
 
+def comm_volumes(shape: ModelShape, w: Workload, family: str) -> tuple[float, float]:
+    """(Ψ_g, Ψ_r) of planner/topology.py: bytes all-gathered per step (a full fine-tune: the parameters
+    in the compute dtype; LoRA: the frozen base in its storage form + the adapters) and gradient
+    bytes reduced (the trainable parameters in the dtype the backend reduces in: the torch backends'
+    gradient dtype, fp32 under master weights; DeepSpeed's 16-bit model dtype)."""
+    trainable = trainable_params(shape, w)
+    if w.train_type == "full":
+        gathered = shape.n_params * w.elem
+    else:
+        gathered = (_base_bytes(w, shape.n_linear_params, shape.n_params - shape.n_linear_params,
+                                shape.linear_out_rows) + trainable * w.elem)
+    grad = w.elem if family.startswith("zero") else _state_bytes_per_param(w, family)[1]
+    return float(gathered), float(trainable * grad)
+
+
+def comm_per_link(shape: ModelShape, w: Workload, backend: str | Backend) -> LinkBytes:
+    """Intra- and inter-node bytes each rank moves per optimizer step under `backend` (a record or a
+    name): planner/topology.py's ring terms over this workload's volumes."""
+    family = backend_record(backend).memory_family
+    return split_by_link(family, w, *comm_volumes(shape, w, family))
+
+
 def comm_bytes_per_step(shape: ModelShape, w: Workload, backend: str | Backend) -> int:
-    """Bytes each rank moves per optimizer step in ring terms, both links together: the total of
-    planner/topology.py's `comm_per_link` (its docstring has the formulas, by family)."""
-    from swiftlite.planner.topology import comm_per_link
+    """Bytes each rank moves per optimizer step in ring terms, both links together (the formulas, by
+    family: planner/topology.py)."""
     return comm_per_link(shape, w, backend).total
 
 
@@ -433,7 +453,6 @@ def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> M
         if cpu and w.cpu_memory_bytes is not None:
             fits = fits and cpu_node <= w.usable_fraction * w.cpu_memory_bytes
     note = unavailable_reason(w, rec)
-    from swiftlite.planner.topology import comm_per_link
     links = None if topology_problem(w, rec.memory_family) else comm_per_link(shape, w, rec)
     if rec.max_processes is not None and w.world_size > rec.max_processes:
         note = ("one process cannot use several GPUs" if rec.max_processes == 1
@@ -455,6 +474,6 @@ def estimate_all(shape: ModelShape, workload: Workload) -> dict[str, MemoryEstim
 
 __all__ = ["CHUNK_LOGIT_BYTES", "GiB", "LOGIT_BYTES", "LOSS_IMPLS", "MemoryEstimate", "Workload", "activation_bytes",
            "base_bits", "logit_bytes",
-           "BASE_FAMILY", "comm_bytes_per_step", "estimate", "estimate_all", "model_state_bytes", "quantized_bytes",
+           "BASE_FAMILY", "LinkBytes", "comm_bytes_per_step", "comm_per_link", "comm_volumes", "estimate", "estimate_all", "model_state_bytes", "quantized_bytes",
            "temp_buffer_bytes", "topology_problem", "trainable_params", "unavailable_reason"]
 

@@ -1,8 +1,13 @@
 """Communication per optimizer step, split by link: within a node (NVLink, PCIe, shared memory) and
 across nodes (InfiniBand, Ethernet), for each backend family; docs/backends.md "Across nodes".
 
-    comm = comm_per_link(shape, work, "hsdp")    # LinkBytes(intra=..., inter=...), bytes per rank
+    comm = comm_per_link(shape, work, "hsdp")    # planner/memory.py: LinkBytes(intra=..., inter=...)
     comm.total                                  # what MemoryEstimate.comm_bytes_per_step reports
+    split_by_link("hsdp", work, gathered, reduced)   # here: the same from the two volumes
+
+memory.py's `comm_per_link` works out the volumes (Ψ_g, Ψ_r below) from the model's shape and the
+workload's precision and calls `split_by_link`; this module knows only the topology and the ring
+terms, and imports nothing of the planner (memory.py imports it).
 
 A job is `nnodes` x `P` ranks (Workload.world_size, Workload.gpus_per_node), numbered node-major
 (rank // P is the node, as torchrun assigns them). Every collective runs in a process group; its
@@ -51,12 +56,7 @@ No torch at import time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from swiftlite.parallel.base import Backend
-    from swiftlite.planner.memory import Workload
-    from swiftlite.planner.shape import ModelShape
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def _ring(g: int) -> float:
     return (g - 1) / g if g > 1 else 0.0
 
 
-def hsdp_shard_size(w: "Workload") -> int:
+def hsdp_shard_size(w: Any) -> int:
     """Ranks per hsdp shard group: Workload.hsdp_shard_size, else the GPUs per node (parallel/hsdp.py's rule)."""
     return int(w.hsdp_shard_size or w.gpus_per_node or w.world_size)
 
@@ -84,33 +84,15 @@ def group_crosses(ranks: "list[int] | tuple[int, ...]", per_node: int) -> bool:
     return len({r // per_node for r in ranks}) > 1
 
 
-def _volumes(shape: "ModelShape", w: "Workload", family: str) -> tuple[float, float]:
-    """(Ψ_g, Ψ_r): bytes gathered and gradient bytes reduced per step (see the module docstring)."""
-    from swiftlite.planner.memory import _base_bytes, _state_bytes_per_param, trainable_params
-    trainable = trainable_params(shape, w)
-    if w.train_type == "full":
-        gathered = shape.n_params * w.elem
-    else:
-        gathered = (_base_bytes(w, shape.n_linear_params, shape.n_params - shape.n_linear_params,
-                                shape.linear_out_rows) + trainable * w.elem)
-    if family.startswith("zero"):
-        reduced = trainable * w.elem                 # DeepSpeed reduces in the 16-bit (or fp32) model dtype
-    else:
-        reduced = trainable * _state_bytes_per_param(w, family)[1]   # the torch backends' grad dtype
-    return float(gathered), float(reduced)
-
-
-def comm_per_link(shape: "ModelShape", workload: "Workload", backend: "str | Backend") -> LinkBytes:
-    """Intra- and inter-node bytes per rank per optimizer step under `backend` (a record or a name)."""
-    from swiftlite.planner.backends import backend_record
-    w = workload
-    family = backend_record(backend).memory_family
+def split_by_link(family: str, w: Any, gathered: float, reduced: float) -> LinkBytes:
+    """Intra- and inter-node bytes per rank per optimizer step for a memory family, given the bytes
+    gathered (Ψ_g) and the gradient bytes reduced (Ψ_r) per step; `w` is a planner Workload (its
+    world_size, gpus_per_node and hsdp_shard_size are read)."""
     world = 1 if family == "single" else w.world_size
     if world == 1:
         return LinkBytes(0, 0)
     per_node = int(w.gpus_per_node or world)
     multi = world > per_node
-    gathered, reduced = _volumes(shape, w, family)
     intra = inter = 0.0
 
     def add(nbytes: float, crosses: bool) -> None:
@@ -120,10 +102,9 @@ def comm_per_link(shape: "ModelShape", workload: "Workload", backend: "str | Bac
         else:
             intra += nbytes
 
-    if family == "ddp":
-        add(2 * _ring(world) * reduced, multi)
-    elif family == "zero2":
-        # gradients reduce-scattered, the updated 16-bit parameters all-gathered: the same bytes twice
+    if family in ("ddp", "zero2"):
+        # ddp: one all-reduce of the gradients; zero2: gradients reduce-scattered and the updated
+        # 16-bit parameters all-gathered, the same bytes twice
         add(2 * _ring(world) * reduced, multi)
     elif family == "hsdp":
         shard = hsdp_shard_size(w)
@@ -139,4 +120,4 @@ def comm_per_link(shape: "ModelShape", workload: "Workload", backend: "str | Bac
     return LinkBytes(int(intra), int(inter))
 
 
-__all__ = ["LinkBytes", "comm_per_link", "group_crosses", "hsdp_shard_size"]
+__all__ = ["LinkBytes", "group_crosses", "hsdp_shard_size", "split_by_link"]

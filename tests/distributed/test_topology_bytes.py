@@ -89,7 +89,7 @@ def test_hsdp_sends_less_across_nodes_than_fsdp(bench):
 
 def test_zero3pp_sends_less_across_nodes_than_zero3(bench):
     from swiftlite.planner import Workload, shape_from_model_arg
-    from swiftlite.planner.topology import comm_per_link
+    from swiftlite.planner import comm_per_link
     _report, res = bench
     fsdp, zero3pp = res["fsdp"], res["zero3pp"]
     w = Workload(train_type="full", dtype="fp32", max_length=64, world_size=4, gpus_per_node=2)

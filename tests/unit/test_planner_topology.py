@@ -8,7 +8,8 @@ import json
 import pytest
 
 from swiftlite.planner import Workload, estimate, model_state_bytes, shape_from_model_arg
-from swiftlite.planner.topology import comm_per_link, group_crosses
+from swiftlite.planner import comm_per_link
+from swiftlite.planner.topology import group_crosses
 
 TINY = shape_from_model_arg("tiny-llama")
 PSI = TINY.n_params
