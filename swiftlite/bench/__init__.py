@@ -30,6 +30,7 @@ from swiftlite.bench.nodes import node_commands, run_nodes
 from swiftlite.bench.trace import analyze_trace, collective_bytes
 
 __all__ = ["DATASHEET_PEAKS", "MODIFIERS", "BackendResult", "BackendSpec", "BenchConfig", "planner_family",
-           "analyze_trace", "collect", "collective_bytes", "link_bytes", "node_commands", "run_nodes", "columns", "datasheet_peak", "first_step_s",
+           "analyze_trace", "collect", "collective_bytes", "link_bytes", "node_commands", "run_nodes", "columns",
+           "datasheet_peak", "first_step_s",
            "machine_info", "parse_backends", "probe_device", "ran_as", "render_markdown", "render_table",
            "run_backend", "run_bench", "sft_command", "write_chart"]

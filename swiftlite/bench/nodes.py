@@ -102,8 +102,9 @@ def run_nodes(cmds: list[list[str]], log_path: Path, env: dict[str, str], timeou
 
 def collect_links(cfg: "BenchConfig", family: str | None, res: Any, prof_dir: Path, nproc: int,
                   dtype: str, shape: Any, steps: int) -> None:
-    """Fill the per-link figures of `res` (a runner.BackendResult): intra-/inter-node bytes per step counted from the run's
-    collectives by process group (bench/groups.py), next to the planner's (planner/topology.py)."""
+    """Fill the per-link figures of `res` (a runner.BackendResult): intra-/inter-node bytes per step
+    counted from the run's collectives by process group (bench/groups.py), next to the planner's
+    (planner/topology.py)."""
     counted = link_bytes(prof_dir, nproc, steps)
     if counted is not None:
         res.intra_node_bytes = counted["intra_node_bytes_per_step"]

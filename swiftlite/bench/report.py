@@ -73,7 +73,8 @@ def render_table(report: dict, console=None) -> None:
             console = Console(width=max(console.width, 160))
     s, d = report["settings"], report["device"]
     nodes = f"{s['nnodes']} local nodes x " if (s.get("nnodes") or 1) > 1 else ""
-    table = Table(box=box.SIMPLE_HEAD, title=f"swiftlite bench: {s['model']} x {nodes}{s['nproc_per_node']} process(es), "
+    table = Table(box=box.SIMPLE_HEAD,
+                  title=f"swiftlite bench: {s['model']} x {nodes}{s['nproc_per_node']} process(es), "
                   f"{s['dtype']}, seq {s['max_length']} x batch {s['per_device_train_batch_size']}")
     cols = columns(report)
     for name, _ in cols:

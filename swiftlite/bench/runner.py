@@ -25,7 +25,6 @@ CPU runs get OMP_NUM_THREADS=1 unless it is set (the peak is measured on one thr
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import statistics
 import subprocess

@@ -474,6 +474,7 @@ def estimate_all(shape: ModelShape, workload: Workload) -> dict[str, MemoryEstim
 
 __all__ = ["CHUNK_LOGIT_BYTES", "GiB", "LOGIT_BYTES", "LOSS_IMPLS", "MemoryEstimate", "Workload", "activation_bytes",
            "base_bits", "logit_bytes",
-           "BASE_FAMILY", "LinkBytes", "comm_bytes_per_step", "comm_per_link", "comm_volumes", "estimate", "estimate_all", "model_state_bytes", "quantized_bytes",
+           "BASE_FAMILY", "LinkBytes", "comm_bytes_per_step", "comm_per_link", "comm_volumes", "estimate",
+           "estimate_all", "model_state_bytes", "quantized_bytes",
            "temp_buffer_bytes", "topology_problem", "trainable_params", "unavailable_reason"]
 
