@@ -4,7 +4,9 @@
                 trace (their input/output sizes): all-gather (N-1)/N x output, reduce-scatter
                 (N-1)/N x input, all-reduce 2(N-1)/N x buffer, broadcast (N-1)/N x buffer. The bench
                 shows it next to the estimator's plan.comm_bytes_per_step (3(N-1)/N x 2Psi for
-                ZeRO-3/FSDP in bf16, 2(N-1)/N x grads for DDP, ...).
+                ZeRO-3 in bf16, (N-1)/N x (2 x 2Psi + 4Psi) for FSDP, which reduces in fp32,
+                2(N-1)/N x grads for DDP, ...: planner/topology.py). A count over the world:
+                collectives in sub-groups are counted per group by bench/groups.py.
   overlap       share of collective time hidden under compute: |comm intervals & compute intervals|
                 / |comm intervals| over the profiled steps. GPU: NCCL kernels vs the other kernels.
                 CPU/gloo: gloo's worker-thread collectives vs the main thread's aten ops outside
