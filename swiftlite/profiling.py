@@ -126,14 +126,26 @@ class _State:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
             return
-        try:
-            from torch._C._distributed_c10d import _dump_fr_trace_json
-            from torch.distributed.distributed_c10d import _world
-            dump = json.loads(_dump_fr_trace_json(True, False))
-        except (ImportError, RuntimeError, ValueError, AttributeError):
-            return
+        import torch._C._distributed_c10d as c10d
+        from torch.distributed.distributed_c10d import _world
+        recorded: list = []
+        # gloo's recorder, then NCCL's (CUDA builds only; same entry format)
+        for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+            dump_fn = getattr(c10d, name, None)
+            if dump_fn is None:
+                continue
+            try:
+                recorded += json.loads(dump_fn(True, False)).get("entries") or []
+            except (RuntimeError, ValueError, TypeError):
+                continue
         lo, hi = self.window_ns
-        entries = [e for e in dump.get("entries") or [] if lo <= int(e.get("time_created_ns", 0)) <= hi]
+        seen: set = set()
+        entries = []
+        for e in recorded:  # once each, should both dumps list a collective
+            key = (e.get("pg_id"), e.get("collective_seq_id"), e.get("profiling_name"), e.get("time_created_ns"))
+            if lo <= int(e.get("time_created_ns", 0)) <= hi and key not in seen:
+                seen.add(key)
+                entries.append(e)
         if not entries:
             return
         groups = {name: dist.get_process_group_ranks(pg) for pg, name in _world.pg_names.items()}

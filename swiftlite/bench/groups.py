@@ -105,7 +105,8 @@ def rank_link_bytes(record: dict, per_node: int, trace_kinds: list[str] | None =
     intra = inter = 0.0
     by_group: dict[str, dict[str, Any]] = {}
     by_kind: dict[str, float] = {}
-    entries = sorted(record.get("entries", []), key=lambda e: int(e.get("record_id", 0)))
+    entries = sorted(record.get("entries", []),
+                     key=lambda e: (int(e.get("time_created_ns", 0)), int(e.get("record_id", 0))))
     kinds = _paired_kinds(entries, trace_kinds)
     for i, e in enumerate(entries):
         pg = e.get("process_group") or [""]

@@ -92,3 +92,29 @@ def test_nnodes_is_checked():
     for bad in (0, -1, 1.5):
         with pytest.raises(UserError, match="--nnodes"):
             bench.BenchConfig(backends=bench.parse_backends("hsdp"), nnodes=bad).check()
+
+
+def test_profiling_writes_the_windows_collectives_with_their_groups(tmp_path, monkeypatch):
+    """profiling.py, in one gloo process: only the profiled window's collectives, with group ranks."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from swiftlite import profiling
+    monkeypatch.setenv(profiling.ENV_PROFILE, "2:1")
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")  # read when the process group is created
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        profiling.reset()
+        t = torch.ones(6)
+        for step in range(3):
+            profiling.step_hook(step, tmp_path, 0)
+            for _ in range(step + 1):   # step 2 (the profiled one) runs two all-reduces
+                dist.all_reduce(t)
+        profiling.finish()
+        profiling.reset()
+    finally:
+        dist.destroy_process_group()
+    rec = json.loads((tmp_path / "profile" / "collectives_rank0.json").read_text())
+    assert rec["groups"] == {"0": [0]}
+    assert [e["profiling_name"] for e in rec["entries"]] == ["gloo:all_reduce"] * 2
+    assert rec["entries"][0]["input_sizes"] == [[6]]
