@@ -18,6 +18,12 @@ Environment:
                             hook call; profiler start/stop falls between steps; the last step's
                             end is null: nothing marks it), peak memory (CUDA allocator peak on GPU; max RSS and the
                             model-state bytes on CPU) and the profiled step window.
+  TORCH_FR_BUFFER_SIZE=N    (torch's flight recorder, which `swiftlite bench` turns on) each rank
+                            also writes <run>/profile/collectives_rank<r>.json with the profiled
+                            window: every collective torch.distributed ran in it (name, sizes,
+                            dtypes, process group) and the global ranks of each process group, so
+                            that the bench can tell which collectives crossed a node boundary
+                            (bench/groups.py). The profiler trace does not record process groups.
 
 `maybe_profile(step, run_dir, rank)` is the same thing as a context manager around one step, for
 loops that prefer `with`. Nothing here imports torch until a profile is asked for.
@@ -68,6 +74,7 @@ class _State:
         self.step_ctx: Any = None
         self.profiled: list[int] = []
         self.trace: str | None = None
+        self.window_ns: list = [None, None]
         self.finished = False
         self.out.mkdir(parents=True, exist_ok=True)
         atexit.register(self.finish)
@@ -88,6 +95,7 @@ class _State:
         self.prof = profile(activities=acts, record_shapes=True, with_stack=False,
                             profile_memory=env.settings().profile_memory)
         self.prof.__enter__()
+        self.window_ns = [time.time_ns(), None]   # the flight recorder stamps collectives in wall-clock ns
 
     def _mark(self, done_step: int | None) -> None:
         """Close the previous step's range and open the next one (ProfilerStep-like ranges)."""
@@ -107,9 +115,43 @@ class _State:
         self._sync()
         prof, self.prof = self.prof, None
         prof.__exit__(None, None, None)
+        self.window_ns[1] = time.time_ns()
         path = self.out / f"trace_rank{self.rank}.json"
         prof.export_chrome_trace(str(path))
         self.trace = str(path)
+        self._dump_collectives()
+
+    def _dump_collectives(self) -> None:
+        """The flight recorder's collectives of the profiled window, with each process group's global
+        ranks (see the module docstring); nothing when the recorder is off or there is no group."""
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        import torch._C._distributed_c10d as c10d
+        from torch.distributed.distributed_c10d import _world
+        recorded: list = []
+        # gloo's recorder, then NCCL's (CUDA builds only; same entry format)
+        for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+            dump_fn = getattr(c10d, name, None)
+            if dump_fn is None:
+                continue
+            try:
+                recorded += json.loads(dump_fn(True, False)).get("entries") or []
+            except (RuntimeError, ValueError, TypeError):
+                continue
+        lo, hi = self.window_ns
+        seen: set = set()
+        entries = []
+        for e in recorded:  # once each, should both dumps list a collective
+            key = (e.get("pg_id"), e.get("collective_seq_id"), e.get("profiling_name"), e.get("time_created_ns"))
+            if lo <= int(e.get("time_created_ns", 0)) <= hi and key not in seen:
+                seen.add(key)
+                entries.append(e)
+        if not entries:
+            return
+        groups = {name: dist.get_process_group_ranks(pg) for pg, name in _world.pg_names.items()}
+        rec = {"rank": self.rank, "window_ns": [lo, hi], "groups": groups, "entries": entries}
+        (self.out / f"collectives_rank{self.rank}.json").write_text(json.dumps(rec) + "\n")
 
     # -- hook ---------------------------------------------------------------------------------------
     def on_step(self, step: int) -> None:

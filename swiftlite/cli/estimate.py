@@ -26,7 +26,8 @@ def estimate_cmd(
                                              help="full, lora or qlora (default full)."),
     lora: bool = typer.Option(False, "--lora", help="Shorthand for --train-type lora."),
     qlora: bool = typer.Option(False, "--qlora", help="Shorthand for --train-type qlora (a 4-bit base)."),
-    gpus: int = typer.Option(1, "--gpus", "--nproc-per-node", "--nproc_per_node", help="GPUs per node."),
+    gpus: int = typer.Option(1, "--gpus", "--gpus-per-node", "--gpus_per_node", "--nproc-per-node", "--nproc_per_node",
+                             help="GPUs per node."),
     nodes: int = typer.Option(1, "--nodes", "--nnodes", help="Number of nodes."),
     gpu_memory: str = typer.Option("80GB", "--gpu-memory", "--gpu_memory",
                                    help="Memory per GPU: 80GB (10^9 bytes), 24GiB (2^30); a bare number is GB."),
@@ -49,7 +50,11 @@ def estimate_cmd(
     external_plugins: Optional[list[str]] = typer.Option(
         None, "--external-plugins", "--external_plugins", metavar="FILE",
         help="Python file run first; it may register backends, which then get a row. Repeat for several."),
-    as_json: bool = typer.Option(False, "--json", help="Print the decision and every estimate as JSON."),
+    hsdp_shard_size: Optional[int] = typer.Option(
+        None, "--hsdp-shard-size", "--hsdp_shard_size",
+        help="GPUs per hsdp shard group (default: the GPUs per node); it must divide the GPUs."),
+    as_json: bool = typer.Option(False, "--json", help="Print the decision and every estimate as JSON "
+                                 "(comm_intra_node_bytes / comm_inter_node_bytes: the split by link)."),
 ) -> None:
     """Memory per GPU for each backend, what fits, and the recommended backend."""
     shorthands = [t for t, on in (("lora", lora), ("qlora", qlora)) if on]
@@ -62,7 +67,8 @@ def estimate_cmd(
     decision = run_estimate(model=model, train_type=(shorthands or [train_type or "full"])[0], gpus=gpus,
                             nodes=nodes, gpu_memory=gpu_memory, cpu_memory=cpu_memory, max_length=max_length,
                             micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing, dtype=dtype,
-                            lora_rank=lora_rank, quant_bits=quant_bits, loss_impl=loss_impl, pure_bf16=pure_bf16)
+                            lora_rank=lora_rank, quant_bits=quant_bits, loss_impl=loss_impl, pure_bf16=pure_bf16,
+                            hsdp_shard_size=hsdp_shard_size)
     if as_json:
         print(to_json(decision))
     else:

@@ -430,7 +430,7 @@ register_backend(_record("zero2_offload", "ZeRO-2 with the optimizer state in CP
 register_backend(_record("zero3", "DeepSpeed ZeRO-3: params, grads and optimizer state sharded", "zero3",
                          (True, True, True)))
 register_backend(_record("zero3pp", "DeepSpeed ZeRO++ (ZeRO-3 + hpZ: a secondary copy of the weights "
-                         "sharded within each node)", "zero3pp", (True, True, True), estimate=False))
+                         "sharded within each node)", "zero3pp", (True, True, True), estimate=True))
 register_backend(_record("zero3_offload", "ZeRO-3 with params, grads and optimizer state in CPU memory",
                          "zero3_offload", (True, True, True)))
 register_backend(_record("zero3_offload_nvme", "ZeRO-3 with params and optimizer state on NVMe (--offload-dir)",

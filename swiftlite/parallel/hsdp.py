@@ -78,7 +78,7 @@ def hsdp(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, c
 
 register_backend(Backend(
     name="hsdp", engine="hsdp", factory=hsdp, one_process="single",
-    shards=(True, True, True), memory_family="hsdp", estimate=False,
+    shards=(True, True, True), memory_family="hsdp", estimate=True,
     options=FSDP_OPTIONS | {"hsdp_shard_size"},
     checks=(check_quantized_base, check_precision, _check_shard_size),
     summary="HSDP (FSDP2 on a replicate x shard mesh): sharded within --hsdp-shard-size ranks, replicated across"))
