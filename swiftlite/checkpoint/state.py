@@ -231,9 +231,6 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
     if (backend == "deepspeed") != (choice.key == "deepspeed"):
         raise UserError(f"--resume: {path} holds a {backend} checkpoint; resume it with a "
                         f"{'DeepSpeed' if backend == 'deepspeed' else 'torch'} backend")
-    if backend == "deepspeed" and state.get("world_size") != world.world_size:
-        raise UserError(f"--resume: {path} is a DeepSpeed checkpoint of {state.get('world_size')} processes; "
-                        f"ZeRO checkpoints resume only with the same world size (this run: {world.world_size})")
     if model_only:
         import inspect
         if "model_only" not in inspect.signature(engine.load).parameters:  # an --external-plugins engine

@@ -1,0 +1,170 @@
+"""DeepSpeed's universal checkpoint format: a ZeRO checkpoint converted once, next to itself, so it
+resumes at another world size (or ZeRO stage), and read back as plain per-parameter tensors.
+
+    checkpoint-20/
+        ds/                 the ZeRO checkpoint as DeepSpeed wrote it (tied to its world size)
+        ds_universal/       written by `ensure_universal` on the first resume that needs it:
+            ds/             DeepSpeed's universal layout: zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt,
+                            zero/optimizer_state.pt and the model-states files (LR schedule, steps)
+            latest_universal
+            manifest.json   every file with its sha256 (a folder that fails it is converted again)
+        .tmp-ds_universal/  a conversion in progress (renamed to ds_universal/ when complete)
+
+The conversion is DeepSpeed's own (`deepspeed.checkpoint.ds_to_universal.main`), run by rank 0 with
+every torch.load inside it made weights-only (`safety.safe_torch_load`): nothing from the checkpoint
+is unpickled beyond what DeepSpeed's own loader reads, and less freely. It writes into a temporary
+folder that is fsynced and renamed: a kill at any moment leaves the original `ds/` untouched and at
+most a `.tmp-` folder, which the next resume removes before converting again. Loading goes through
+DeepSpeed's universal loader (`checkpoint.load_universal`, `load_universal_checkpoint`), which
+re-partitions the fp32 masters and the AdamW moments for this run's world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import swiftlite.checkpoint.layout as layout
+from swiftlite.checkpoint.safety import one_line, safe_torch_load
+from swiftlite.errors import UserError
+
+
+@dataclass(frozen=True)
+class ZeroLayout:
+    """What the file names of a checkpoint's `ds/` folder say: ZeRO-3 or ZeRO-1/2, and how many
+    data-parallel processes wrote it (one optimizer file each)."""
+    stage3: bool
+    world_size: int
+
+    @property
+    def stage_name(self) -> str:
+        return "ZeRO-3" if self.stage3 else "ZeRO-1/2"
+
+
+def zero_layout(ckpt: Path) -> ZeroLayout | None:
+    """The layout of `ckpt/ds/`, or None when the checkpoint holds no ZeRO optimizer files."""
+    ds = Path(ckpt) / layout.DS_TAG
+    optim = sorted(ds.glob("*zero_pp_rank_*_optim_states.pt")) if ds.is_dir() else []
+    if not optim:
+        return None
+    stage3 = any(ds.glob("*zero_pp_rank_*_model_states.pt"))  # ZeRO-1/2 write one mp_rank_00 file
+    return ZeroLayout(stage3=stage3, world_size=len(optim))
+
+
+def universal_dir(ckpt: Path) -> Path:
+    return Path(ckpt) / layout.DS_UNIVERSAL
+
+
+def _tmp_dir(ckpt: Path) -> Path:
+    return Path(ckpt) / f"{layout.TMP_PREFIX}{layout.DS_UNIVERSAL}"
+
+
+def is_converted(ckpt: Path) -> bool:
+    """A complete universal folder that still matches its manifest."""
+    from swiftlite.checkpoint.store import verify_checkpoint
+    return verify_checkpoint(universal_dir(ckpt)) is None
+
+
+def convert(ckpt: Path, step: int) -> Path:
+    """Convert `ckpt/ds/` to `ckpt/ds_universal/` (temp folder, manifest with fsync, rename). Run by
+    one process; returns the universal folder. An earlier interrupted or damaged conversion is
+    removed first. Raises UserError with the reason when DeepSpeed cannot convert it."""
+    from swiftlite import faults
+    from swiftlite.checkpoint.store import replace_dir, write_manifest
+    ckpt = Path(ckpt)
+    final, tmp = universal_dir(ckpt), _tmp_dir(ckpt)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise UserError(f"--resume: {ckpt} must be converted to DeepSpeed's universal format next to itself, "
+                        f"but the folder is not writable ({one_line(e)}); copy the checkpoint somewhere writable "
+                        "and resume from the copy") from None
+    args = argparse.Namespace(input_folder=str(ckpt / layout.DS_TAG), output_folder=str(tmp / layout.DS_TAG),
+                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                              # ZeRO-1/2: DeepSpeed asks for a Megatron-style `universal_checkpoint_info`
+                              # client state that a plain engine never writes; its own flag supplies the
+                              # default (version only: no tensor-parallel merge patterns, none needed)
+                              inject_missing_state=True)
+    sink = io.StringIO()  # DeepSpeed prints its progress bars and folder names
+    try:
+        from deepspeed.checkpoint import ds_to_universal
+        with safe_torch_load(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            ds_to_universal.main(args)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - DeepSpeed's converter asserts and raises many kinds
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"--resume: {ckpt}: DeepSpeed could not convert this checkpoint to its universal format "
+                        f"({type(e).__name__}: {one_line(e)}); resume it with its own world size") from None
+    faults.maybe_inject(step, "convert")  # tests: a kill here leaves a full but unpublished temp folder
+    write_manifest(tmp)                   # fsyncs every file and folder
+    replace_dir(tmp, final, ckpt / f"{layout.DEL_PREFIX}{layout.DS_UNIVERSAL}")
+    return final
+
+
+def ensure_universal(ckpt: Path, world: Any, step: int, log=print) -> Path:
+    """The universal folder of `ckpt`, converted by rank 0 if it is missing or fails its manifest;
+    every rank returns together (one all-reduce of rank 0's outcome, so a failed conversion stops
+    every rank with the same message rather than leaving the others waiting)."""
+    from swiftlite.distributed import all_reduce_sum
+    ckpt = Path(ckpt)
+    error = ""
+    if world.is_main:
+        try:
+            if is_converted(ckpt):
+                log(f"notice: {ckpt.name}: using its universal conversion ({layout.DS_UNIVERSAL}/)")
+            else:
+                log(f"notice: {ckpt.name}: converting the ZeRO checkpoint to DeepSpeed's universal format "
+                    f"({layout.DS_UNIVERSAL}/, once)")
+                convert(ckpt, step)
+        except UserError as e:
+            error = str(e)
+    if all_reduce_sum([1.0 if error else 0.0])[0] > 0:
+        raise UserError(error or f"--resume: {ckpt}: the universal conversion failed on rank 0 (see its log)")
+    return universal_dir(ckpt)
+
+
+def load_into_deepspeed(ds_engine: Any, folder: Path, stage: int) -> None:
+    """Load a universal folder into an initialised DeepSpeed engine with DeepSpeed's universal
+    loader: fp32 master partitions, AdamW moments and step, LR schedule, DeepSpeed's step counters.
+
+    `checkpoint.load_universal` is read by DeepSpeed only inside load_checkpoint (deepspeed 0.19.8:
+    engine.load_universal_checkpoint()), and the resume point is known only after the engine is
+    built, so it is switched on for this one call instead of in the run's JSON."""
+    import torch
+    config = ds_engine._config
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        load_path, _ = ds_engine.load_checkpoint(str(folder), tag=layout.DS_TAG, load_optimizer_states=True,
+                                                 load_lr_scheduler_states=True)
+    finally:
+        config.load_universal_checkpoint = before
+    if load_path is None:
+        raise UserError(f"{folder}: DeepSpeed found no universal checkpoint in it")
+    inner = ds_engine.optimizer.optimizer
+    # ZeRO-3's universal loader gives every sub-group's state the *same* `step` tensor (the one read
+    # from optimizer_state.pt); torch's fused and foreach AdamW increment `step` in place, so each
+    # group's step would advance once per group and every step after the resume would use the wrong
+    # bias correction (measured: 1e-3 loss drift by the third step). One tensor per state, as saved.
+    for st in inner.state.values():
+        if torch.is_tensor(st.get("step")):
+            st["step"] = st["step"].clone()
+    if stage == 3:
+        # ZeRO-3's universal loader copies the hyper-parameters of param_groups[0] into every group
+        # (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), so swiftlite's no-decay group
+        # (norms, biases) would inherit weight_decay from the decay group. Restore each group's own.
+        with safe_torch_load():
+            saved = torch.load(str(folder / layout.DS_TAG / "zero" / "optimizer_state.pt"),
+                               map_location="cpu")["param_groups"]
+        groups = inner.param_groups
+        if len(saved) != len(groups):
+            raise UserError(f"{folder}: {len(saved)} optimizer parameter groups, this run has {len(groups)}")
+        for group, own in zip(groups, saved):
+            group.update({k: v for k, v in own.items() if k != "params"})
