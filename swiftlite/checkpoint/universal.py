@@ -168,3 +168,99 @@ def load_into_deepspeed(ds_engine: Any, folder: Path, stage: int) -> None:
             raise UserError(f"{folder}: {len(saved)} optimizer parameter groups, this run has {len(groups)}")
         for group, own in zip(groups, saved):
             group.update({k: v for k, v in own.items() if k != "params"})
+
+
+# --------------------------------------------------------------------------------------------------
+# A universal folder read as plain tensors (a ZeRO checkpoint resumed under a torch backend)
+
+#: Optimizer options that belong to the engine that runs, not to the checkpoint (torch picks its kernel).
+_ENGINE_OPTIONS = {"params", "foreach", "fused", "capturable", "differentiable"}
+
+
+def _load(path: Path) -> Any:
+    import torch
+    with safe_torch_load():
+        return torch.load(str(path), map_location="cpu")
+
+
+def _model_states(folder: Path) -> dict:
+    """DeepSpeed's model-states file of the conversion (LR schedule, step counters)."""
+    files = sorted((folder / layout.DS_TAG).glob("*model_states.pt"))
+    if not files:
+        raise UserError(f"{folder}: no model-states file in the universal checkpoint")
+    return _load(files[0])
+
+
+class UniversalState:
+    """Per-parameter fp32 weights and AdamW moments of a universal folder, read on demand."""
+
+    def __init__(self, folder: Path):
+        self.zero = Path(folder) / layout.DS_TAG / "zero"
+        self.optim = _load(self.zero / "optimizer_state.pt")
+        self.model_states = _model_states(Path(folder))
+        inner = self.optim.get("optimizer_state_dict") or {}   # ZeRO-3's one step for every parameter
+        self._step = (inner.get("state") or {}).get(0, {}).get("step")
+
+    def has(self, name: str) -> bool:
+        return (self.zero / name / "fp32.pt").is_file()
+
+    def tensor(self, name: str, key: str, shape: Any) -> "Any":
+        """`key` (fp32, exp_avg, exp_avg_sq) of parameter `name`: ZeRO-1/2 conversions store
+        {"param": tensor}, ZeRO-3 ones a flat tensor; both are returned in `shape`."""
+        v = _load(self.zero / name / f"{key}.pt")
+        t = v["param"] if isinstance(v, dict) else v
+        return t.reshape(shape).float()
+
+    def step(self, name: str) -> Any:
+        import torch
+        f = self.zero / name / "step.pt"
+        step = _load(f) if f.is_file() else self._step
+        if step is None:
+            raise UserError(f"{self.zero.parent.parent}: no optimizer step for {name}")
+        return torch.as_tensor(step, dtype=torch.float32).clone()
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return list(self.optim.get("param_groups") or [])
+
+    @property
+    def scheduler(self) -> dict:
+        return self.model_states["lr_scheduler"]
+
+
+def load_into_torch(engine: Any, folder: Path, model_only: bool) -> None:
+    """Load a universal folder into a torch engine (single, ddp, fsdp, fsdp1): the fp32 weights of
+    every trainable parameter and, unless model_only, the AdamW moments and step of each, the
+    checkpoint's optimizer hyper-parameters per group (lr included) and the LR schedule. Every rank
+    reads the full tensors and torch's state-dict API (full_state_dict=True) keeps its own shards."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    uni = UniversalState(folder)
+    frozen_ok = bool(getattr(engine, "_frozen_ok", False))
+    current = get_model_state_dict(engine.inner, options=StateDictOptions(ignore_frozen_params=frozen_ok))
+    shapes = {k: tuple(v.shape) for k, v in current.items()}
+    missing = [k for k in shapes if not uni.has(k)]
+    if missing:
+        raise UserError(f"--resume: {folder} holds no fp32 weights for {len(missing)} tensors of this model "
+                        f"({', '.join(missing[:3])}); it was written for another model or train type")
+    model_sd = {k: uni.tensor(k, "fp32", s) for k, s in shapes.items()}
+    set_model_state_dict(engine.inner, model_sd, options=StateDictOptions(full_state_dict=True, strict=False))
+    del model_sd
+    if model_only:
+        return
+    fresh = get_optimizer_state_dict(engine.inner, engine.optimizer, options=StateDictOptions(full_state_dict=True))
+    saved = uni.param_groups
+    if len(saved) != len(fresh["param_groups"]):
+        raise UserError(f"--resume: {folder} has {len(saved)} optimizer parameter groups, this run "
+                        f"{len(fresh['param_groups'])}")
+    groups = [{**g, **{k: v for k, v in own.items() if k not in _ENGINE_OPTIONS}}
+              for g, own in zip(fresh["param_groups"], saved)]
+    state = {}
+    for g in groups:
+        for name in g["params"]:
+            state[name] = {"step": uni.step(name), "exp_avg": uni.tensor(name, "exp_avg", shapes[name]),
+                           "exp_avg_sq": uni.tensor(name, "exp_avg_sq", shapes[name])}
+    set_optimizer_state_dict(engine.inner, engine.optimizer, {"state": state, "param_groups": groups},
+                             options=StateDictOptions(full_state_dict=True))
+    engine.scheduler.load_state_dict(uni.scheduler)
