@@ -231,7 +231,7 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
                         f"this run uses {cfg.train.train_type}")
     backend = state.get("backend")
     cross = (backend == "deepspeed") != bool(getattr(choice, "is_deepspeed", choice.key == "deepspeed"))
-    if cross and (backend != "deepspeed" or not hasattr(engine, "inner")):
+    if cross and not hasattr(engine, "inner" if backend == "deepspeed" else "ds"):  # an --external-plugins engine
         raise UserError(f"--resume: {path} holds a {backend} checkpoint; resume it with a "
                         f"{'DeepSpeed' if backend == 'deepspeed' else 'torch'} backend")
     if model_only:
@@ -248,27 +248,34 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
     same_world = state.get("world_size") == world.world_size
     if same_world:
         load_rng(path / layout.RNG_DIR, world.rank)
-    if cross or not same_world:
+    if cross or not same_world or getattr(engine, "resumed_through_universal", False):
         log(resume_notice(path, state, world, choice, cross, rng=same_world))
     return state
 
 
 def _load_engine(engine: Any, path: Path, world: Any, state: dict, cross: bool, *, model_only: bool,
                  log) -> None:
-    """The engine's own load, or for a ZeRO checkpoint under a torch backend its universal
-    conversion read into the torch engine (checkpoint/universal.py)."""
+    """The engine's own load; across formats, the checkpoint's universal conversion (made once,
+    checkpoint/universal.py) read into a torch engine (from a ZeRO checkpoint) or loaded by
+    DeepSpeed's universal loader (from a DCP checkpoint)."""
     if not cross:
         engine.load(str(path), model_only=True) if model_only else engine.load(str(path))
         return
-    from swiftlite.checkpoint import universal
+    import swiftlite.checkpoint.universal as universal
+    from_zero = state.get("backend") == "deepspeed"
+    if model_only and not from_zero:
+        raise UserError(f"--resume_only_model: {path} is a torch backend's checkpoint; under DeepSpeed it resumes "
+                        "whole (without --resume_only_model), or its model/ folder starts a new run (--model)")
     folder = universal.ensure_universal(path, world, int(state.get("global_step", -1)), log=log)
-    universal.load_into_torch(engine, folder, model_only)
+    if from_zero:
+        universal.load_into_torch(engine, folder, model_only)
+    else:
+        universal.load_into_deepspeed(engine.ds, folder, engine.stage)
 
 
 def resume_notice(path: Path, state: dict, world: Any, choice: Any, cross: bool, rng: bool) -> str:
     """One line saying what a resume at another world size or in another format carried over."""
-    how = ("through DeepSpeed's universal format" if cross or state.get("backend") == "deepspeed"
-           else "through DCP's resharding")
+    how = "through DeepSpeed's universal format" if cross or state.get("backend") == "deepspeed" else "through DCP"
     carried = ("the fp32 weights, the AdamW moments and step, the LR schedule, the data position (step "
                f"{state.get('global_step')})" + (" and the RNG states" if rng else ""))
     dropped = ("nothing" if rng else

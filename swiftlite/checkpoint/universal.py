@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import swiftlite.checkpoint.layout as layout
+import swiftlite.checkpoint.universal_files as universal_files
 from swiftlite.checkpoint.safety import one_line, safe_torch_load
 from swiftlite.errors import UserError
 
@@ -65,15 +66,26 @@ def _tmp_dir(ckpt: Path) -> Path:
 
 
 def is_converted(ckpt: Path) -> bool:
-    """A complete universal folder that still matches its manifest."""
+    """A complete universal folder that still matches its manifest and holds only plain-data
+    pickles (DeepSpeed's loader reads them with weights_only=False; check_checkpoint_safe leaves
+    this folder to us). Anything else is converted again."""
+    from swiftlite.checkpoint.safety import check_checkpoint_safe
     from swiftlite.checkpoint.store import verify_checkpoint
-    return verify_checkpoint(universal_dir(ckpt)) is None
+    folder = universal_dir(ckpt)
+    if verify_checkpoint(folder) is not None:
+        return False
+    try:
+        check_checkpoint_safe(folder)
+    except UserError:
+        return False
+    return True
 
 
 def convert(ckpt: Path, step: int) -> Path:
-    """Convert `ckpt/ds/` to `ckpt/ds_universal/` (temp folder, manifest with fsync, rename). Run by
-    one process; returns the universal folder. An earlier interrupted or damaged conversion is
-    removed first. Raises UserError with the reason when DeepSpeed cannot convert it."""
+    """Convert `ckpt/ds/` (a ZeRO checkpoint, with DeepSpeed's own converter) or `ckpt/dcp/` (a torch
+    backend's, universal_files.from_dcp) to `ckpt/ds_universal/`: temp folder, manifest with fsync,
+    rename. Run by one process; returns the universal folder. An earlier interrupted or damaged
+    conversion is removed first. Raises UserError with the reason when it cannot be converted."""
     from swiftlite import faults
     from swiftlite.checkpoint.store import replace_dir, write_manifest
     ckpt = Path(ckpt)
@@ -85,27 +97,39 @@ def convert(ckpt: Path, step: int) -> Path:
         raise UserError(f"--resume: {ckpt} must be converted to DeepSpeed's universal format next to itself, "
                         f"but the folder is not writable ({one_line(e)}); copy the checkpoint somewhere writable "
                         "and resume from the copy") from None
-    args = argparse.Namespace(input_folder=str(ckpt / layout.DS_TAG), output_folder=str(tmp / layout.DS_TAG),
+    zero = zero_layout(ckpt)
+    out = tmp / layout.DS_TAG
+    try:
+        if zero is None:
+            universal_files.from_dcp(ckpt, out)
+        else:
+            _deepspeed_convert(ckpt / layout.DS_TAG, out)
+            universal_files.normalize(out, zero.stage3)
+    except UserError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:  # noqa: BLE001 - DeepSpeed's converter asserts and raises many kinds
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"--resume: {ckpt}: could not convert this checkpoint to DeepSpeed's universal format "
+                        f"({type(e).__name__}: {one_line(e)}); resume it with its own backend and world size") from None
+    faults.maybe_inject(step, "convert")  # tests: a kill here leaves a full but unpublished temp folder
+    write_manifest(tmp)                   # fsyncs every file and folder
+    replace_dir(tmp, final, ckpt / f"{layout.DEL_PREFIX}{layout.DS_UNIVERSAL}")
+    return final
+
+
+def _deepspeed_convert(src: Path, out: Path) -> None:
+    """DeepSpeed's ds_to_universal, in this process, every torch.load in it weights-only."""
+    args = argparse.Namespace(input_folder=str(src), output_folder=str(out),
                               num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
                               # ZeRO-1/2: DeepSpeed asks for a Megatron-style `universal_checkpoint_info`
                               # client state that a plain engine never writes; its own flag supplies the
                               # default (version only: no tensor-parallel merge patterns, none needed)
                               inject_missing_state=True)
     sink = io.StringIO()  # DeepSpeed prints its progress bars and folder names
-    try:
-        from deepspeed.checkpoint import ds_to_universal
-        with safe_torch_load(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-            ds_to_universal.main(args)
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - DeepSpeed's converter asserts and raises many kinds
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"--resume: {ckpt}: DeepSpeed could not convert this checkpoint to its universal format "
-                        f"({type(e).__name__}: {one_line(e)}); resume it with its own world size") from None
-    faults.maybe_inject(step, "convert")  # tests: a kill here leaves a full but unpublished temp folder
-    write_manifest(tmp)                   # fsyncs every file and folder
-    replace_dir(tmp, final, ckpt / f"{layout.DEL_PREFIX}{layout.DS_UNIVERSAL}")
-    return final
+    from deepspeed.checkpoint import ds_to_universal
+    with safe_torch_load(), contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        ds_to_universal.main(args)
 
 
 def ensure_universal(ckpt: Path, world: Any, step: int, log=print) -> Path:
@@ -120,7 +144,8 @@ def ensure_universal(ckpt: Path, world: Any, step: int, log=print) -> Path:
             if is_converted(ckpt):
                 log(f"notice: {ckpt.name}: using its universal conversion ({layout.DS_UNIVERSAL}/)")
             else:
-                log(f"notice: {ckpt.name}: converting the ZeRO checkpoint to DeepSpeed's universal format "
+                kind = "ZeRO" if zero_layout(ckpt) is not None else "DCP"
+                log(f"notice: {ckpt.name}: converting the {kind} checkpoint to DeepSpeed's universal format "
                     f"({layout.DS_UNIVERSAL}/, once)")
                 convert(ckpt, step)
         except UserError as e:
@@ -160,9 +185,7 @@ def load_into_deepspeed(ds_engine: Any, folder: Path, stage: int) -> None:
         # ZeRO-3's universal loader copies the hyper-parameters of param_groups[0] into every group
         # (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), so swiftlite's no-decay group
         # (norms, biases) would inherit weight_decay from the decay group. Restore each group's own.
-        with safe_torch_load():
-            saved = torch.load(str(folder / layout.DS_TAG / "zero" / "optimizer_state.pt"),
-                               map_location="cpu")["param_groups"]
+        saved = universal_files.load(folder / layout.DS_TAG / "zero" / universal_files.OPTIMIZER_STATE)["param_groups"]
         groups = inner.param_groups
         if len(saved) != len(groups):
             raise UserError(f"{folder}: {len(saved)} optimizer parameter groups, this run has {len(groups)}")
@@ -177,18 +200,12 @@ def load_into_deepspeed(ds_engine: Any, folder: Path, stage: int) -> None:
 _ENGINE_OPTIONS = {"params", "foreach", "fused", "capturable", "differentiable"}
 
 
-def _load(path: Path) -> Any:
-    import torch
-    with safe_torch_load():
-        return torch.load(str(path), map_location="cpu")
-
-
 def _model_states(folder: Path) -> dict:
     """DeepSpeed's model-states file of the conversion (LR schedule, step counters)."""
     files = sorted((folder / layout.DS_TAG).glob("*model_states.pt"))
     if not files:
         raise UserError(f"{folder}: no model-states file in the universal checkpoint")
-    return _load(files[0])
+    return universal_files.load(files[0])
 
 
 class UniversalState:
@@ -196,7 +213,7 @@ class UniversalState:
 
     def __init__(self, folder: Path):
         self.zero = Path(folder) / layout.DS_TAG / "zero"
-        self.optim = _load(self.zero / "optimizer_state.pt")
+        self.optim = universal_files.load(self.zero / "optimizer_state.pt")
         self.model_states = _model_states(Path(folder))
         inner = self.optim.get("optimizer_state_dict") or {}   # ZeRO-3's one step for every parameter
         self._step = (inner.get("state") or {}).get(0, {}).get("step")
@@ -207,14 +224,14 @@ class UniversalState:
     def tensor(self, name: str, key: str, shape: Any) -> "Any":
         """`key` (fp32, exp_avg, exp_avg_sq) of parameter `name`: ZeRO-1/2 conversions store
         {"param": tensor}, ZeRO-3 ones a flat tensor; both are returned in `shape`."""
-        v = _load(self.zero / name / f"{key}.pt")
+        v = universal_files.load(self.zero / name / f"{key}.pt")
         t = v["param"] if isinstance(v, dict) else v
         return t.reshape(shape).float()
 
     def step(self, name: str) -> Any:
         import torch
         f = self.zero / name / "step.pt"
-        step = _load(f) if f.is_file() else self._step
+        step = universal_files.load(f) if f.is_file() else self._step
         if step is None:
             raise UserError(f"{self.zero.parent.parent}: no optimizer step for {name}")
         return torch.as_tensor(step, dtype=torch.float32).clone()

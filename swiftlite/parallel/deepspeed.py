@@ -214,7 +214,7 @@ class DeepSpeedEngine:
         """Restore the training state from path/ds/. model_only (--resume_only_model): DeepSpeed's
         `load_module_only` without optimizer or scheduler states (ZeRO-1/2 read the module file and
         copy it into fresh fp32 masters; ZeRO-3 rebuilds the fp32 weights from the partitions)."""
-        from swiftlite.checkpoint import universal
+        import swiftlite.checkpoint.universal as universal
         saved = universal.zero_layout(path)
         if not model_only and saved is not None and (saved.world_size, saved.stage3) != (self.world.world_size,
                                                                                          self.stage == 3):
@@ -222,6 +222,7 @@ class DeepSpeedEngine:
             folder = universal.ensure_universal(path, self.world, step_of(Path(path)),
                                                 log=print if self.world.is_main else (lambda *_: None))
             universal.load_into_deepspeed(self.ds, folder, self.stage)
+            self.resumed_through_universal = True  # checkpoint/state.py then says what carried over
             return
         load_path, _ = self.ds.load_checkpoint(path, tag=CKPT_TAG, load_optimizer_states=not model_only,
                                                load_lr_scheduler_states=not model_only,

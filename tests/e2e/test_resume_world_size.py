@@ -4,8 +4,9 @@ universal format (swiftlite/checkpoint/universal.py).
 ZeRO-3 and ZeRO-2 on 2 processes write checkpoint-4 of an 8-step run (tiny-llama-2l, full fine-tune,
 fp32, global batch 4 at every world size). Resumed on 1 process and on 4, steps 5-8 are within 1e-4
 of the uninterrupted run (measured: within 3e-7). A kill during the conversion (SWIFTLITE_FAULT
-phase=convert) leaves the checkpoint intact and the next resume converts again. A ZeRO-3
-checkpoint resumed under `single` matches too (fp32 weights, AdamW moments and step, LR schedule).
+phase=convert) leaves the checkpoint intact and the next resume converts again. Across formats, a
+ZeRO-3 checkpoint resumed under `single`, and a `single` (DCP) one under ZeRO-3 on 2 processes, match
+too (fp32 weights, AdamW moments and step, LR schedule, data position).
 """
 
 from __future__ import annotations
@@ -103,9 +104,16 @@ def test_zero2_resumes_on_four_and_after_a_kill_during_conversion_on_one(root):
     assert_continues(full, root / "z2_on4")
 
 
-def test_zero3_checkpoint_resumes_under_a_torch_backend(root):
+def test_across_formats_zero3_to_single_and_dcp_to_zero3(root):
     full = full_run(root, "zero3")
     r = _sft(root, "z3_single", "single", 1, full / "checkpoint-4")
     assert "as single x 1 through DeepSpeed's universal format: carried over the fp32 weights, the AdamW moments" \
         in r.stdout
     assert_continues(full, root / "z3_single")
+    # the other way: a torch backend's DCP checkpoint (1 process) continued by ZeRO-3 on 2
+    _sft(root, "full_single", "single", 1)
+    ckpt = root / "full_single" / "checkpoint-4"
+    r = _sft(root, "single_z3", "zero3", 2, ckpt)
+    assert "converting the DCP checkpoint to DeepSpeed's universal format" in r.stdout
+    assert "notice: resumed checkpoint-4 (single, 1 process(es)) as zero3 x 2 through DeepSpeed's universal" in r.stdout
+    assert_continues(root / "full_single", root / "single_z3")
