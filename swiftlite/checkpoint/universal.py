@@ -163,6 +163,11 @@ def load_into_deepspeed(ds_engine: Any, folder: Path, stage: int) -> None:
     engine.load_universal_checkpoint()), and the resume point is known only after the engine is
     built, so it is switched on for this one call instead of in the run's JSON."""
     import torch
+    if ds_engine.zero_nvme_offload_optimizer():
+        # DeepSpeed then copies `offloaded_tensors/` of the tag folder, which a universal folder lacks
+        raise UserError(f"--resume: {folder.parent.name} must be loaded from DeepSpeed's universal format, which "
+                        "its loader cannot do with the optimizer state on NVMe; resume with zero3_offload or "
+                        "zero3 (or with the world size and backend that wrote it)")
     config = ds_engine._config
     before = config.load_universal_checkpoint
     config.load_universal_checkpoint = True
