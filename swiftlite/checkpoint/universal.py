@@ -98,6 +98,13 @@ def convert(ckpt: Path, step: int) -> Path:
                         f"but the folder is not writable ({one_line(e)}); copy the checkpoint somewhere writable "
                         "and resume from the copy") from None
     zero = zero_layout(ckpt)
+    src = ckpt / (layout.DS_TAG if zero is not None else layout.DCP_DIR)
+    need = 2 * sum(f.stat().st_size for f in src.rglob("*") if f.is_file())  # its fragments, then the merged files
+    free = shutil.disk_usage(ckpt).free
+    if free < need:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"--resume: {ckpt}: converting it to DeepSpeed's universal format needs about {need:,} bytes "
+                        f"next to it, {free:,} are free")
     out = tmp / layout.DS_TAG
     try:
         if zero is None:
@@ -148,8 +155,11 @@ def ensure_universal(ckpt: Path, world: Any, step: int, log=print) -> Path:
                 log(f"notice: {ckpt.name}: converting the {kind} checkpoint to DeepSpeed's universal format "
                     f"({layout.DS_UNIVERSAL}/, once)")
                 convert(ckpt, step)
-        except UserError as e:
-            error = str(e)
+        except (UserError, OSError) as e:  # OSError: the disk filled or failed while writing the conversion
+            shutil.rmtree(_tmp_dir(ckpt), ignore_errors=True)
+            error = str(e) if isinstance(e, UserError) else (
+                f"--resume: {ckpt}: writing its universal conversion failed ({one_line(e)}); the checkpoint itself "
+                "is unchanged")
     if all_reduce_sum([1.0 if error else 0.0])[0] > 0:
         raise UserError(error or f"--resume: {ckpt}: the universal conversion failed on rank 0 (see its log)")
     return universal_dir(ckpt)
@@ -168,6 +178,9 @@ def load_into_deepspeed(ds_engine: Any, folder: Path, stage: int) -> None:
         raise UserError(f"--resume: {folder.parent.name} must be loaded from DeepSpeed's universal format, which "
                         "its loader cannot do with the optimizer state on NVMe; resume with zero3_offload or "
                         "zero3 (or with the world size and backend that wrote it)")
+    inner = ds_engine.optimizer.optimizer
+    saved = universal_files.load(folder / layout.DS_TAG / "zero" / universal_files.OPTIMIZER_STATE)["param_groups"]
+    check_groups(folder, len(saved), len(inner.param_groups))
     config = ds_engine._config
     before = config.load_universal_checkpoint
     config.load_universal_checkpoint = True
@@ -178,7 +191,6 @@ def load_into_deepspeed(ds_engine: Any, folder: Path, stage: int) -> None:
         config.load_universal_checkpoint = before
     if load_path is None:
         raise UserError(f"{folder}: DeepSpeed found no universal checkpoint in it")
-    inner = ds_engine.optimizer.optimizer
     # ZeRO-3's universal loader gives every sub-group's state the *same* `step` tensor (the one read
     # from optimizer_state.pt); torch's fused and foreach AdamW increment `step` in place, so each
     # group's step would advance once per group and every step after the resume would use the wrong
@@ -190,12 +202,16 @@ def load_into_deepspeed(ds_engine: Any, folder: Path, stage: int) -> None:
         # ZeRO-3's universal loader copies the hyper-parameters of param_groups[0] into every group
         # (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), so swiftlite's no-decay group
         # (norms, biases) would inherit weight_decay from the decay group. Restore each group's own.
-        saved = universal_files.load(folder / layout.DS_TAG / "zero" / universal_files.OPTIMIZER_STATE)["param_groups"]
-        groups = inner.param_groups
-        if len(saved) != len(groups):
-            raise UserError(f"{folder}: {len(saved)} optimizer parameter groups, this run has {len(groups)}")
-        for group, own in zip(groups, saved):
+        for group, own in zip(inner.param_groups, saved):
             group.update({k: v for k, v in own.items() if k != "params"})
+
+
+def check_groups(folder: Path, saved: int, here: int) -> None:
+    """Hyper-parameters and the LR schedule are restored group by group: the counts must agree."""
+    if saved != here:
+        raise UserError(f"--resume: {folder.parent.name} has {saved} optimizer parameter group(s) (decay, no decay), "
+                        f"this run's optimizer {here}: fsdp1 flattens every parameter into one group, so its checkpoints "
+                        "and ZeRO/DCP ones of the other backends do not resume into each other; use fsdp, ddp or single")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -251,7 +267,7 @@ class UniversalState:
 
 
 def load_into_torch(engine: Any, folder: Path, model_only: bool) -> None:
-    """Load a universal folder into a torch engine (single, ddp, fsdp, fsdp1): the fp32 weights of
+    """Load a universal folder into a torch engine (single, ddp, fsdp): the fp32 weights of
     every trainable parameter and, unless model_only, the AdamW moments and step of each, the
     checkpoint's optimizer hyper-parameters per group (lr included) and the LR schedule. Every rank
     reads the full tensors and torch's state-dict API (full_state_dict=True) keeps its own shards."""
@@ -261,21 +277,20 @@ def load_into_torch(engine: Any, folder: Path, model_only: bool) -> None:
     uni = UniversalState(folder)
     frozen_ok = bool(getattr(engine, "_frozen_ok", False))
     current = get_model_state_dict(engine.inner, options=StateDictOptions(ignore_frozen_params=frozen_ok))
-    shapes = {k: tuple(v.shape) for k, v in current.items()}
+    shapes = {k: tuple(v.size()) for k, v in current.items()}  # global shapes (Tensor, DTensor, ShardedTensor)
     missing = [k for k in shapes if not uni.has(k)]
     if missing:
         raise UserError(f"--resume: {folder} holds no fp32 weights for {len(missing)} tensors of this model "
                         f"({', '.join(missing[:3])}); it was written for another model or train type")
+    if not model_only:  # checked before anything is loaded
+        fresh = get_optimizer_state_dict(engine.inner, engine.optimizer, options=StateDictOptions(full_state_dict=True))
+        saved = uni.param_groups
+        check_groups(folder, len(saved), len(fresh["param_groups"]))
     model_sd = {k: uni.tensor(k, "fp32", s) for k, s in shapes.items()}
     set_model_state_dict(engine.inner, model_sd, options=StateDictOptions(full_state_dict=True, strict=False))
     del model_sd
     if model_only:
         return
-    fresh = get_optimizer_state_dict(engine.inner, engine.optimizer, options=StateDictOptions(full_state_dict=True))
-    saved = uni.param_groups
-    if len(saved) != len(fresh["param_groups"]):
-        raise UserError(f"--resume: {folder} has {len(saved)} optimizer parameter groups, this run "
-                        f"{len(fresh['param_groups'])}")
     groups = [{**g, **{k: v for k, v in own.items() if k not in _ENGINE_OPTIONS}}
               for g, own in zip(fresh["param_groups"], saved)]
     state = {}
