@@ -213,7 +213,9 @@ class DeepSpeedEngine:
     def load(self, path: str, model_only: bool = False) -> None:
         """Restore the training state from path/ds/. model_only (--resume_only_model): DeepSpeed's
         `load_module_only` without optimizer or scheduler states (ZeRO-1/2 read the module file and
-        copy it into fresh fp32 masters; ZeRO-3 rebuilds the fp32 weights from the partitions)."""
+        copy it into fresh fp32 masters; ZeRO-3 rebuilds the fp32 weights from the partitions), at any
+        world size. A full resume of a checkpoint written by another world size or ZeRO stage goes
+        through its one-time universal conversion (checkpoint/universal.py)."""
         import swiftlite.checkpoint.universal as universal
         saved = universal.zero_layout(path)
         if not model_only and saved is not None and (saved.world_size, saved.stage3) != (self.world.world_size,
