@@ -11,6 +11,7 @@ too (fp32 weights, AdamW moments and step, LR schedule, data position).
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -62,12 +63,21 @@ def full_run(root: Path, stage: str) -> Path:
     return _full[stage]
 
 
+def _records(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run / "logging.jsonl").read_text().splitlines()) if "loss" in r}
+
+
 def assert_continues(full: Path, resumed: Path) -> None:
+    """Steps 5-8 within TOL of the uninterrupted run, with its LR schedule and its batches."""
     a, b = read_losses(full), read_losses(resumed)
     assert sorted(b) == [5, 6, 7, 8], b
     worst = max(abs(a[s] - b[s]) for s in b)
     assert worst < TOL, (worst, a, b)
     assert a[8] < a[1] - 0.5                       # it trained: the comparison is not of flat curves
+    ra, rb = _records(full), _records(resumed)
+    for s in b:
+        assert rb[s]["lr"] == pytest.approx(ra[s]["lr"], rel=1e-9), (s, ra[s], rb[s])   # schedule step carried
+        assert rb[s]["real_tokens"] == ra[s]["real_tokens"], (s, ra[s], rb[s])         # the same batches
 
 
 def test_zero3_resumes_on_one_and_four_processes(root):
