@@ -13,8 +13,8 @@ Keys: `kind` (raise | hang | kill | exit | enospc | nan | sleep; required), `ste
 any step when absent), `rank` (global rank; any rank when absent), `phase` (`step`, the default,
 `checkpoint`, `grads` or `convert`). The trainer calls `maybe_inject(step, phase)` at four places: after each
 optimizer step; inside `save_training_state` after the sharded state is written and before the
-manifest (so a fault there leaves a half-written `.tmp-checkpoint-N`); and between the last backward
-and the optimizer step (`grads`, where `kind=nan` poisons the gradients: `poison_gradients`); in
+manifest (so a fault there leaves a half-written `.tmp-checkpoint-N`); between the last backward
+and the optimizer step (`grads`, where `kind=nan` poisons the gradients: `poison_gradients`); and in
 a resume's universal conversion of checkpoint-N (`convert`, checkpoint/universal.py). Unset,
 it costs one dict lookup. This is the only place that interprets SWIFTLITE_FAULT.
 """
