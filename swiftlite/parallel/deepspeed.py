@@ -41,11 +41,11 @@ cached in TORCH_EXTENSIONS_DIR, needs libaio-dev). See docs/deepspeed.md.
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from swiftlite.checkpoint.layout import DS_TAG
+from swiftlite.checkpoint.layout import DS_TAG, step_of
 from swiftlite.distributed import World
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, BackendChoice, register_backend
@@ -213,12 +213,19 @@ class DeepSpeedEngine:
     def load(self, path: str, model_only: bool = False) -> None:
         """Restore the training state from path/ds/. model_only (--resume_only_model): DeepSpeed's
         `load_module_only` without optimizer or scheduler states (ZeRO-1/2 read the module file and
-        copy it into fresh fp32 masters; ZeRO-3 rebuilds the fp32 weights from the partitions)."""
-        saved = _saved_world_size(path)
-        if saved is not None and saved != self.world.world_size:
-            raise UserError(f"{path}: this DeepSpeed checkpoint was written by {saved} processes; resume it "
-                            f"with {saved} processes (ZeRO checkpoints are tied to the world size), or export "
-                            f"its weights and start a new run (got {self.world.world_size})")
+        copy it into fresh fp32 masters; ZeRO-3 rebuilds the fp32 weights from the partitions), at any
+        world size. A full resume of a checkpoint written by another world size or ZeRO stage goes
+        through its one-time universal conversion (checkpoint/universal.py)."""
+        import swiftlite.checkpoint.universal as universal
+        saved = universal.zero_layout(path)
+        if not model_only and saved is not None and (saved.world_size, saved.stage3) != (self.world.world_size,
+                                                                                         self.stage == 3):
+            # another world size or ZeRO stage: through DeepSpeed's universal format (converted once)
+            folder = universal.ensure_universal(path, self.world, step_of(Path(path)),
+                                                log=print if self.world.is_main else (lambda *_: None))
+            universal.load_into_deepspeed(self.ds, folder, self.stage)
+            self.resumed_through_universal = True  # checkpoint/state.py then says what carried over
+            return
         load_path, _ = self.ds.load_checkpoint(path, tag=CKPT_TAG, load_optimizer_states=not model_only,
                                                load_lr_scheduler_states=not model_only,
                                                load_module_only=model_only)
@@ -329,12 +336,6 @@ class DeepSpeedEngine:
                 if isinstance(v, torch.Tensor) and v.numel() > 1:
                     optim += nbytes(v)
         return {"params": params, "grads": grads, "optimizer": optim}
-
-
-def _saved_world_size(path: str) -> int | None:
-    """Number of ZeRO optimizer shards in a checkpoint (its data-parallel world size), if any."""
-    files = glob.glob(os.path.join(path, CKPT_TAG, "*zero_pp_rank_*_optim_states.pt"))
-    return len(files) or None
 
 
 #: Modules `deepspeed.initialize` imports on its own the first time a ZeRO engine is built
