@@ -167,6 +167,7 @@ class WorldVars:
     world_size: int = 1
     local_world_size: int = 1
     has_master: bool = False
+    has_local_world_size: bool = False   # the launcher said how many processes run on this node
 
 
 def world_vars() -> WorldVars:
@@ -174,7 +175,7 @@ def world_vars() -> WorldVars:
     e = os.environ
     return WorldVars(rank=int(e.get("RANK", 0)), local_rank=int(e.get("LOCAL_RANK", 0)),
                      world_size=int(e.get("WORLD_SIZE", 1)), local_world_size=int(e.get("LOCAL_WORLD_SIZE", 1)),
-                     has_master="MASTER_ADDR" in e)
+                     has_master="MASTER_ADDR" in e, has_local_world_size="LOCAL_WORLD_SIZE" in e)
 
 
 def rank() -> str | None:
