@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from swiftlite import dtypes
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, register_backend
-from swiftlite.parallel.fsdp2 import (FSDP_OPTIONS, check_precision, check_quantized_base, mixed_precision_dtypes,
+from swiftlite.parallel.fsdp2 import (FSDP_OPTIONS, check_cpu_offload, check_precision, check_quantized_base, mixed_precision_dtypes,
                                       refuse_cpu_offload_without_gpu, reshard_after_forward)
 
 if TYPE_CHECKING:
@@ -119,5 +119,5 @@ def fsdp1(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, 
 register_backend(Backend(
     name="fsdp1", engine="fsdp1", factory=fsdp1, one_process="single", shards=(True, True, True),
     memory_family="fsdp1", options=FSDP_OPTIONS,
-    checks=(check_quantized_base, check_precision, check_4bit_master, _check_reshard_bool),
+    checks=(check_quantized_base, check_precision, check_4bit_master, _check_reshard_bool, check_cpu_offload),
     summary="FSDP1 (FullyShardedDataParallel, one unit per decoder layer)"))

@@ -95,6 +95,20 @@ def refuse_cpu_offload_without_gpu(cfg: Any, world: "World") -> None:
                         "(everything is on the CPU already): drop --cpu-offload")
 
 
+def check_cpu_offload(cfg: Any, world_size: int, choice: Any = None, *, cuda: bool | None = None) -> str | None:
+    """Before launch: --cpu-offload (FSDP2's CPUOffloadPolicy, FSDP1's CPUOffload) needs a GPU to
+    offload from; the factories refuse it again in the rank (refuse_cpu_offload_without_gpu)."""
+    if not cfg.parallel.cpu_offload:
+        return None
+    if cuda is None:
+        import torch
+        cuda = torch.cuda.is_available()
+    if cuda:
+        return None
+    return ("--cpu-offload moves parameters from the GPU to the CPU; this run has no GPU (everything is on the "
+            "CPU already): drop --cpu-offload")
+
+
 def check_quantized_base(cfg: Any, world_size: int, choice: Any = None) -> str | None:
     """FSDP (both versions) and a bitsandbytes base."""
     bits = cfg.quant_bits
@@ -186,5 +200,5 @@ def fsdp2(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, 
 register_backend(Backend(
     name="fsdp", engine="fsdp", factory=fsdp2, aliases=("fsdp2",), one_process="single",
     shards=(True, True, True), memory_family="fsdp", options=FSDP2_OPTIONS,
-    checks=(check_quantized_base, check_precision, _check_fsdp2_knobs),
+    checks=(check_quantized_base, check_precision, _check_fsdp2_knobs, check_cpu_offload),
     summary="FSDP2 (fully_shard per decoder layer): params, grads and optimizer state sharded"))

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 from swiftlite import env as envvars
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, register_backend
-from swiftlite.parallel.fsdp2 import (FSDP2_OPTIONS, apply_fsdp2, check_precision, check_quantized_base,
-                                      check_reshard_size, fsdp2_kwargs, refuse_cpu_offload_without_gpu)
+from swiftlite.parallel.fsdp2 import (FSDP2_OPTIONS, apply_fsdp2, check_cpu_offload, check_precision,
+                                      check_quantized_base, check_reshard_size, fsdp2_kwargs,
+                                      refuse_cpu_offload_without_gpu)
 
 if TYPE_CHECKING:
     import torch
@@ -99,5 +100,5 @@ register_backend(Backend(
     name="hsdp", engine="hsdp", factory=hsdp, one_process="single",
     shards=(True, True, True), memory_family="hsdp", estimate=False,
     options=FSDP2_OPTIONS | {"hsdp_shard_size"},
-    checks=(check_quantized_base, check_precision, _check_shard_size),
+    checks=(check_quantized_base, check_precision, _check_shard_size, check_cpu_offload),
     summary="HSDP (FSDP2 on a replicate x shard mesh): sharded within --hsdp-shard-size ranks, replicated across"))
