@@ -21,10 +21,10 @@ STEPS = 6
 REL = 1e-4
 
 
-def _base(train, out, *, train_type="full"):
+def _base(train, out, *, train_type="full", hf_model=False):
     return ["sft", "--model", "tiny-llama-2l", "--train-type", train_type, "--dataset", train,
             "--torch-dtype", "fp32", "--learning-rate", "1e-3", "--max-steps", STEPS, "--logging-steps", 1,
-            "--save-steps", 3, "--output-dir", out, "--seed", 7, "--save-hf-model", "false"] + (
+            "--save-steps", 3, "--output-dir", out, "--seed", 7, "--save-hf-model", str(hf_model).lower()] + (
             ["--lora-dropout", 0] if train_type != "full" else [])  # dropout masks depend on the rank count
 
 
@@ -54,14 +54,14 @@ def runs(demo_data, tmp_path_factory):
     train, _ = demo_data
     root = tmp_path_factory.mktemp("hsdp")
     out = {name: root / name for name in ("single", "hsdp", "fsdp_knobs", "single_lora", "hsdp_lora")}
-    run_cli(_base(train, out["single"]) + ["--parallelism", "single", "--per-device-train-batch-size", 4])
-    _two_nodes(_base(train, out["hsdp"]) + ["--parallelism", "hsdp", "--per-device-train-batch-size", 1])
+    run_cli(_base(train, out["single"], hf_model=True) + ["--parallelism", "single", "--per-device-train-batch-size", 4])
+    _two_nodes(_base(train, out["hsdp"], hf_model=True) + ["--parallelism", "hsdp", "--per-device-train-batch-size", 1])
     run_cli(_base(train, out["fsdp_knobs"]) + ["--parallelism", "fsdp", "--nproc-per-node", 4,
                                                "--per-device-train-batch-size", 1, "--reshard-after-forward", 2,
                                                "--forward-prefetch", 2, "--backward-prefetch", 2])
-    run_cli(_base(train, out["single_lora"], train_type="lora") + ["--parallelism", "single",
+    run_cli(_base(train, out["single_lora"], train_type="lora", hf_model=True) + ["--parallelism", "single",
                                                                    "--per-device-train-batch-size", 4])
-    run_cli(_base(train, out["hsdp_lora"], train_type="lora") + [
+    run_cli(_base(train, out["hsdp_lora"], train_type="lora", hf_model=True) + [
         "--parallelism", "hsdp", "--nproc-per-node", 4, "--hsdp-shard-size", 2, "--per-device-train-batch-size", 1])
     return out
 
@@ -103,3 +103,23 @@ def test_checkpoint_resumes_on_another_world_size(runs, demo_data, tmp_path, how
     resumed = read_losses(out)
     assert min(resumed) == 4, "the resumed run starts after the checkpoint"
     _assert_close(resumed, read_losses(runs["hsdp"]), steps=range(4, STEPS + 1))
+
+
+def test_gathered_model_and_adapter_equal_the_one_process_ones(runs):
+    """What hsdp gathers from the 2-D mesh at the end (the HF folder; LoRA: the peft adapter) holds
+    the one-process run's weights (same training: equal within fp32 reordering)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    ids = torch.tensor([[257, 84, 82, 68, 81, 198, 81, 68, 85]])
+    ref = AutoModelForCausalLM.from_pretrained(runs["single"] / f"checkpoint-{STEPS}" / "model")
+    got = AutoModelForCausalLM.from_pretrained(runs["hsdp"] / f"checkpoint-{STEPS}" / "model")
+    with torch.no_grad():
+        a, b = got(ids).logits, ref(ids).logits
+    assert torch.allclose(a, b, atol=1e-3, rtol=1e-3), (a - b).abs().max()
+    ref_ad = load_file(runs["single_lora"] / f"checkpoint-{STEPS}" / "adapter" / "adapter_model.safetensors")
+    got_ad = load_file(runs["hsdp_lora"] / f"checkpoint-{STEPS}" / "adapter" / "adapter_model.safetensors")
+    assert set(got_ad) == set(ref_ad) and ref_ad
+    for k in ref_ad:
+        assert got_ad[k].shape == ref_ad[k].shape, k
+        assert torch.allclose(got_ad[k], ref_ad[k], atol=1e-4, rtol=1e-3), (k, (got_ad[k] - ref_ad[k]).abs().max())
