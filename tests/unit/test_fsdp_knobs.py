@@ -87,6 +87,17 @@ def test_refused_in_one_line(argv, expect):
     assert "\n" not in str(e.value)
 
 
+def test_flags_reach_apply_fsdp2():
+    from swiftlite.parallel.fsdp2 import fsdp2_kwargs
+    cfg, _ = resolve(["--parallelism", "fsdp", "--nproc-per-node", "8", "--reshard-after-forward", "4",
+                      "--forward-prefetch", "2", "--backward-prefetch", "3"])
+    assert fsdp2_kwargs(cfg) == {"mp": None, "reshard_after_forward": 4, "cpu_offload": False,
+                                 "forward_prefetch": 2, "backward_prefetch": 3}
+    cfg, _ = resolve(["--parallelism", "hsdp", "--nproc-per-node", "2"])
+    assert fsdp2_kwargs(cfg)["reshard_after_forward"] is True
+    assert fsdp2_kwargs(cfg)["forward_prefetch"] is None and fsdp2_kwargs(cfg)["backward_prefetch"] is None
+
+
 def test_knobs_accepted_where_they_apply():
     for argv in (["--parallelism", "fsdp", "--nproc-per-node", "4", "--forward-prefetch", "2", "--backward-prefetch", "3"],
                  ["--parallelism", "hsdp", "--nproc-per-node", "8", "--nnodes", "2", "--reshard-after-forward", "4",
