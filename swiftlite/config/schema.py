@@ -163,7 +163,7 @@ class ParallelConfig:
         "(all-gathered again in backward, ZeRO-3 style; the default), false keeps them until backward "
         "(no second all-gather, more memory); fsdp/hsdp also take a number N of ranks, a divisor of the "
         "shard group between 2 and its size - 1: FSDP2 reshards to groups of N ranks, so the backward "
-        "all-gather stays within N ranks (one node: ZeRO++ hpZ's idea).", normalize=_reshard_value)
+        "all-gather stays within N ranks (N = the GPUs per node: ZeRO++ hpZ's idea).", normalize=_reshard_value)
     forward_prefetch: int | None = opt(None, "fsdp/hsdp: all-gather the next N decoder layers while one runs "
                                        "forward (FSDP2 set_modules_to_forward_prefetch; more memory). Default: "
                                        "FSDP2's own overlap of one layer.")
@@ -171,7 +171,7 @@ class ParallelConfig:
                                         "backward (FSDP2 set_modules_to_backward_prefetch). Default: FSDP2's "
                                         "own prefetch of one layer.")
     cpu_offload: bool = opt(False, "FSDP (fsdp, hsdp, fsdp1): keep params, grads and optimizer state in CPU "
-                            "memory (FSDP2's CPUOffloadPolicy; GPU runs only).")
+                            "memory (FSDP2's CPUOffloadPolicy, FSDP1's CPUOffload; GPU runs only).")
     hsdp_shard_size: int | None = opt(None, "hsdp: ranks per shard group (each group holds one sharded copy; "
                                       "copies are replicated across groups). Default: the processes per node.")
     zero_quantized_weights: bool = opt(False, "zero3pp: ZeRO++ qwZ, all-gather int8-quantized weights "

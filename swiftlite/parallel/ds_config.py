@@ -31,7 +31,8 @@ Trainer integration fills it:
 An explicit value (not "auto") that contradicts a flag is a UserError naming both, never silently
 overridden. Rejected outright: offload_param with ZeRO stage < 3 (DeepSpeed ignores it silently),
 train_batch_size != micro * accumulation * world, fp16 and bf16 both enabled, an "auto" that
-swiftlite cannot fill, and nvme offload without a path.
+swiftlite cannot fill, nvme offload without a path, and ZeRO++ settings below stage 3 (ignored by
+DeepSpeed) or an hpZ group size that does not divide the world.
 
 This module is import-light (no torch, no deepspeed) so the CLI can check a config before launch.
 """
