@@ -147,6 +147,16 @@ def test_shard_size_in_a_rank_comes_from_local_world_size(monkeypatch):
     assert hsdp_mod.mesh_shape(cfg, 16, hsdp_mod._local_world_size(cfg, world)) == (4, 4)
 
 
+def test_the_deepspeed_launchers_local_size_counts_too(monkeypatch):
+    """The DeepSpeed launcher (--launcher deepspeed) sets LOCAL_SIZE instead of LOCAL_WORLD_SIZE."""
+    from swiftlite.distributed import World
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    assert World.from_env().local_world_size == 4
+    cfg = cfg_from(["--parallelism", "zero3pp"])
+    assert resolve_ds_config(cfg, 8, 64, "zero3pp")["zero_optimization"]["zero_hpz_partition_size"] == 4
+
+
 def test_hsdp_runs_as_single_on_one_process():
     _, choice = resolve(["--parallelism", "hsdp"])
     assert choice.name == "single"
