@@ -62,14 +62,15 @@ def _check_shard_size(cfg: Any, world_size: int, choice: Any = None) -> str | No
 
 
 def _local_world_size(cfg: Any, world: "World") -> int | None:
-    """The processes per node as the launcher reports them; None when it does not (a launcher that
+    """The processes per node as the launcher reports them (LOCAL_WORLD_SIZE, or the DeepSpeed
+    launcher's LOCAL_SIZE); None when it does not (a launcher that
     sets RANK/WORLD_SIZE only), then --nproc-per-node or, lacking that, a refusal: a guess of 1 would
     silently replicate the whole model on every rank."""
     if envvars.world_vars().has_local_world_size:
         return world.local_world_size
     if cfg.parallel.hsdp_shard_size is None and cfg.parallel.nproc_per_node is None:
         raise UserError("--parallelism hsdp: the launcher did not say how many processes run per node "
-                        "(LOCAL_WORLD_SIZE is not set): pass --hsdp-shard-size")
+                        "(LOCAL_WORLD_SIZE is not set): pass --hsdp-shard-size or --nproc-per-node")
     return None
 
 
