@@ -21,7 +21,8 @@ Trainer integration fills it:
     stage3_prefetch_bucket_size         int(0.9 * hidden_size * hidden_size)
     stage3_param_persistence_threshold  10 * hidden_size
     zero_hpz_partition_size             --nproc-per-node (ZeRO++ hpZ: one node's processes; in a rank
-                                        started without the flag, the launcher's LOCAL_WORLD_SIZE)
+                                        started without the flag, the launcher's LOCAL_WORLD_SIZE);
+                                        1 (hpZ off) when one node holds the whole world
     zero_quantized_weights / _gradients --zero-quantized-weights / --zero-quantized-gradients (ZeRO++
                                         qwZ/qgZ; refused on CPU runs, deepspeed.py check_config)
     nvme_path                           --offload-dir (required when a preset says "auto")
@@ -183,8 +184,11 @@ def fill_auto(ds: dict[str, Any], cfg: "RunConfig", world_size: int, hidden_size
                 else:
                     del zo[key]
         if _is_auto(zo.get("zero_hpz_partition_size")):
-            # ZeRO++ hpZ: the secondary weight partition spans one node's processes.
-            zo["zero_hpz_partition_size"] = procs_per_node(cfg, world_size)
+            # ZeRO++ hpZ: the secondary weight partition spans one node's processes. On one node that
+            # group is the whole world, and DeepSpeed would still build the secondary partition (the
+            # same size as the primary: measured, twice the parameter bytes) for no traffic saved: 1 (off).
+            per_node = procs_per_node(cfg, world_size)
+            zo["zero_hpz_partition_size"] = per_node if per_node < world_size else 1
         _fill_quantized(zo, cfg)
         offload_dir = cfg.parallel.offload_dir
         for key in ("offload_optimizer", "offload_param"):

@@ -172,6 +172,10 @@ def test_zero3pp_fills_hpz_from_the_processes_per_node(monkeypatch):
     cfg = cfg_from(["--parallelism", "zero3pp"])   # in a rank torchrun started: its LOCAL_WORLD_SIZE
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert resolve_ds_config(cfg, 8, 64, "zero3pp")["zero_optimization"]["zero_hpz_partition_size"] == 2
+    # One node: the hpZ group would be the whole world (a second copy of each partition, no traffic
+    # saved), so "auto" turns hpZ off.
+    cfg = cfg_from(["--parallelism", "zero3pp", "--nproc-per-node", "4"])
+    assert resolve_ds_config(cfg, 4, 64, "zero3pp")["zero_optimization"]["zero_hpz_partition_size"] == 1
 
 
 def test_quantized_flags_fill_the_preset_and_are_allowed_on_a_gpu():
