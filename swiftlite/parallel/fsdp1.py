@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 from swiftlite import dtypes
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, register_backend
-from swiftlite.parallel.fsdp2 import (FSDP_OPTIONS, check_cpu_offload, check_precision, check_quantized_base, mixed_precision_dtypes,
-                                      refuse_cpu_offload_without_gpu, reshard_after_forward)
+from swiftlite.parallel.fsdp2 import (FSDP_OPTIONS, check_cpu_offload, check_one_process, check_precision,
+                                      check_quantized_base, mixed_precision_dtypes, refuse_cpu_offload_without_gpu,
+                                      reshard_after_forward)
 
 if TYPE_CHECKING:
     import torch
@@ -86,7 +87,11 @@ def apply_fsdp1(model: "torch.nn.Module", world: "World", *, mp: tuple | None, r
 
 
 def _check_reshard_bool(cfg: Any, world_size: int, choice: Any = None) -> str | None:
-    """FSDP1 reshards all (FULL_SHARD) or nothing (SHARD_GRAD_OP): no partial resharding."""
+    """FSDP1 reshards all (FULL_SHARD) or nothing (SHARD_GRAD_OP): no partial resharding; on one
+    process (run as single) no FSDP knob applies."""
+    problem = check_one_process(cfg, world_size, backend="fsdp1")
+    if problem:
+        return problem
     n = reshard_after_forward(cfg)
     if not isinstance(n, bool):
         return (f"--reshard-after-forward {n}: partial resharding is FSDP2's (--parallelism fsdp or hsdp); "

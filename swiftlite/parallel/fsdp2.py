@@ -53,8 +53,26 @@ def check_reshard_size(cfg: Any, shard_group: int, *, backend: str) -> str | Non
     return None
 
 
+#: FSDP-only options that a one-process run (which runs as `single`, unwrapped) would ignore.
+ONE_PROCESS_IGNORED = ("reshard_after_forward", "forward_prefetch", "backward_prefetch", "cpu_offload",
+                       "hsdp_shard_size")
+
+
+def check_one_process(cfg: Any, world_size: int, *, backend: str) -> str | None:
+    """On one process fsdp/hsdp/fsdp1 run as `single` (nothing to shard): an FSDP knob would be
+    accepted and ignored there, so it is refused."""
+    if world_size != 1:
+        return None
+    from swiftlite.parallel.base import OPTION_FLAGS
+    for key in ONE_PROCESS_IGNORED:
+        if getattr(cfg.parallel, key, None) not in (None, False):
+            return (f"{OPTION_FLAGS[key]}: --parallelism {backend} on one process runs as single (nothing to "
+                    f"shard), which does not use it; drop it, or start 2 or more processes (--nproc-per-node)")
+    return None
+
+
 def _check_fsdp2_knobs(cfg: Any, world_size: int, choice: Any = None) -> str | None:
-    return check_reshard_size(cfg, world_size, backend="fsdp")
+    return check_one_process(cfg, world_size, backend="fsdp") or check_reshard_size(cfg, world_size, backend="fsdp")
 
 
 def compute_precision(cfg: Any) -> str:

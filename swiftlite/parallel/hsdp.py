@@ -18,7 +18,7 @@ from swiftlite import env as envvars
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, register_backend
 from swiftlite.parallel.fsdp2 import (FSDP2_OPTIONS, apply_fsdp2, check_cpu_offload, check_precision,
-                                      check_quantized_base, check_reshard_size, fsdp2_kwargs,
+                                      check_one_process, check_quantized_base, check_reshard_size, fsdp2_kwargs,
                                       refuse_cpu_offload_without_gpu)
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ def mesh_shape(cfg: Any, world_size: int, local_world_size: int | None) -> tuple
 
 def _check_shard_size(cfg: Any, world_size: int, choice: Any = None) -> str | None:
     """Before launch: the shard size against the planned world (--nnodes x --nproc-per-node)."""
-    return _problem(cfg, world_size, shard_size(cfg, world_size))
+    return (check_one_process(cfg, world_size, backend="hsdp")
+            or _problem(cfg, world_size, shard_size(cfg, world_size)))
 
 
 def _local_world_size(cfg: Any, world: "World") -> int | None:

@@ -98,6 +98,15 @@ def test_flags_reach_apply_fsdp2():
     assert fsdp2_kwargs(cfg)["forward_prefetch"] is None and fsdp2_kwargs(cfg)["backward_prefetch"] is None
 
 
+@pytest.mark.parametrize("backend,knob", [
+    (b, k) for b in ("fsdp", "hsdp", "fsdp1") for k in (["--reshard-after-forward", "false"], ["--cpu-offload"])
+] + [(b, ["--forward-prefetch", "2"]) for b in ("fsdp", "hsdp")] + [("hsdp", ["--hsdp-shard-size", "1"])])
+def test_fsdp_knobs_refused_on_one_process(backend, knob):
+    """One process runs as single (unwrapped): the knob would be ignored there."""
+    with pytest.raises(UserError, match="on one process runs as single"):
+        resolve(["--parallelism", backend, *knob])
+
+
 def test_knobs_accepted_where_they_apply():
     for argv in (["--parallelism", "fsdp", "--nproc-per-node", "4", "--forward-prefetch", "2", "--backward-prefetch", "3"],
                  ["--parallelism", "hsdp", "--nproc-per-node", "8", "--nnodes", "2", "--reshard-after-forward", "4",

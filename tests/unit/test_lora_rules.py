@@ -39,7 +39,7 @@ ACCEPTED = [
     ["--qlora", "--parallelism", "fsdp", "--torch-dtype", "bf16", "--mixed-precision", "bf16"],
     ["--qlora", "--parallelism", "fsdp", "--mixed-precision", "none"],
     ["--lora", "--parallelism", "fsdp", "--mixed-precision", "bf16"],     # no packed weights to scramble
-    ["--lora", "--parallelism", "fsdp1", "--cpu-offload"],
+    ["--lora", "--parallelism", "fsdp1", "--cpu-offload", "--nproc-per-node", "2"],
     ["--lora", "--parallelism", "zero3_offload"],
     ["--lora", "--quant-bits", "8", "--parallelism", "zero3"],
     ["--lora", "--quant-bits", "8", "--parallelism", "ddp"],      # checkpoints hold the adapters only
