@@ -229,14 +229,14 @@ QUANTIZED_KEYS = {"zero_quantized_weights": "--zero-quantized-weights",
 
 
 def _fill_quantized(zo: dict[str, Any], cfg: "RunConfig") -> None:
-    """qwZ/qgZ: "auto" takes the flag (false without it); an explicit value that the flag contradicts
-    is an error."""
+    """qwZ/qgZ: "auto" takes the flag (false without it), so does a config that leaves the key out
+    when the flag is given; an explicit value that the flag contradicts is an error."""
     for key, flag in QUANTIZED_KEYS.items():
         if flag is None:
             continue
         want = bool(getattr(cfg.parallel, key, False))
         cur = zo.get(key)
-        if _is_auto(cur):
+        if _is_auto(cur) or (cur is None and want):
             zo[key] = want
         elif want and cur is not True:
             raise UserError(f"DeepSpeed config zero_optimization.{key}={str(cur).lower()} contradicts {flag}: "

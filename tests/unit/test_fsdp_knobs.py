@@ -238,6 +238,16 @@ def test_flag_contradicting_the_json_is_refused(tmp_path):
         resolve_ds_config(cfg, 2, 64, src)
 
 
+def test_flag_fills_a_json_without_the_key(tmp_path):
+    ds = json.loads((PRESET_DIR / "zero3.json").read_text())
+    p = tmp_path / "mine.json"
+    p.write_text(json.dumps(ds))
+    cfg = cfg_from(["--parallelism", "zero3pp", "--deepspeed", str(p), "--nproc-per-node", "2",
+                    "--zero-quantized-gradients"])
+    zo = resolve_ds_config(cfg, 2, 64, str(p))["zero_optimization"]
+    assert zo["zero_quantized_gradients"] is True and "zero_quantized_weights" not in zo
+
+
 def test_hpz_runs_on_cpu_so_zero3pp_resolves():
     _, choice = resolve(["--parallelism", "zero3pp", "--nproc-per-node", "2", "--nnodes", "2"])
     assert choice.name == "zero3pp" and choice.deepspeed_source == "zero3pp"
