@@ -5,6 +5,11 @@ AdamW state. With --torch-dtype bf16 the sharded parameters, their gradients and
 fp32 (master weights: the trainable parameters are upcast before sharding) and `MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)` all-gathers them in bf16 for compute and reduce-scatters gradients in fp32
 (torchtitan's setup). --pure-bf16 shards the bf16 parameters themselves (docs/backends.md, "Precision").
+
+The knobs for scale (docs/backends.md, "FSDP2 knobs for scale"), shared with hsdp (parallel/hsdp.py):
+--reshard-after-forward true/false or a group size (fully_shard's own int: partial resharding),
+--forward-prefetch / --backward-prefetch (explicit prefetch depth, torchtitan's wiring) and
+--cpu-offload (CPUOffloadPolicy, GPU runs only). Each is refused where it would be ignored.
 """
 
 from __future__ import annotations
