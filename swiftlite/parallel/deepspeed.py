@@ -49,7 +49,8 @@ from swiftlite.checkpoint.layout import DS_TAG, step_of
 from swiftlite.distributed import World
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, BackendChoice, register_backend
-from swiftlite.parallel.ds_config import ds_stage, load_ds_config, offload_devices, resolve_ds_config
+from swiftlite.parallel.ds_config import (QUANTIZED_KEYS, ds_stage, load_ds_config, offload_devices,
+                                          quantized_settings, resolve_ds_config)
 from swiftlite.parallel.ds_env import (DEFAULT_EXT_DIR, _prepare_deepspeed, check_extension_locks,  # noqa: F401
                                        ds_env_defaults, stale_extension_locks)
 from swiftlite.parallel.resolve import ds_source
@@ -302,6 +303,9 @@ class DeepSpeedEngine:
             seen.add(id(p))
             if hasattr(p, "ds_tensor"):
                 params += nbytes(p.ds_tensor)
+                # ZeRO++ hpZ: the secondary partition (this rank's share of one node's copy) is
+                # resident between forward and the optimizer step.
+                params += nbytes(getattr(p, "ds_secondary_tensor", None))
                 if getattr(p, "ds_persist", False):
                     params += p.ds_numel * p.ds_tensor.element_size()
             else:
@@ -391,11 +395,35 @@ def check_config(cfg: "RunConfig", world_size: int, choice: BackendChoice) -> st
         return (f"--parallelism {src}: DeepSpeed offload cannot move bitsandbytes-quantized weights "
                 f"(offload_param to {param_dev} pages the packed weights without their quantization state); use "
                 "zero3, or zero2_offload (optimizer offload only), with --qlora/--quant-bits")
-    resolve_ds_config(cfg, world_size, None, src)
+    ds = resolve_ds_config(cfg, world_size, None, src)
+    problem = quantized_comm_problem(ds, cfg)
+    if problem:
+        return problem
     if cfg.model.torch_dtype == "fp16" and not fp16_available():
         return ("--torch-dtype fp16: this machine has no GPU, and DeepSpeed's CPU accelerator supports fp16 only "
                 "on CPUs with AVX512-FP16 (this one lacks it); use bf16 or fp32")
     return None
+
+
+def quantized_comm_problem(ds: dict[str, Any], cfg: "RunConfig", *, cuda: bool | None = None) -> str | None:
+    """ZeRO++ qwZ/qgZ run DeepSpeed's quantizer op (QuantizerBuilder: CUDA kernels). On the CPU
+    accelerator that op is a NotImplementedBuilder whose load() raises "This op had not been
+    implemented on CPU backend" at the first all-gather (deepspeed/ops/op_builder/cpu/no_impl.py):
+    refused before launch instead, whether a flag or the JSON asks for it."""
+    keys = quantized_settings(ds)
+    if not keys:
+        return None
+    if cuda is None:
+        import torch
+        cuda = torch.cuda.is_available()
+    if cuda:
+        return None
+    key = keys[0]
+    flag = QUANTIZED_KEYS.get(key)
+    what = flag if flag and getattr(cfg.parallel, key, False) else f"DeepSpeed config zero_optimization.{key}=true"
+    return (f"{what} (ZeRO++ quantized communication) needs DeepSpeed's CUDA quantizer kernels, which its CPU "
+            "accelerator lacks (\"This op had not been implemented on CPU backend\"); this run has no GPU: drop it "
+            "(hpZ, zero_hpz_partition_size, runs on CPU)")
 
 
 def fp16_available() -> bool:
@@ -416,9 +444,9 @@ def _needs_source(cfg: "RunConfig", world_size: int, choice: BackendChoice) -> s
 
 
 def _record(name: str, summary: str, family: str | None, shards: tuple[bool, bool, bool], *,
-            estimate: bool = True) -> Backend:
+            estimate: bool = True, options: frozenset[str] = frozenset()) -> Backend:
     return Backend(name=name, engine="deepspeed", factory=build_deepspeed_engine, summary=summary,
-                   shards=shards, memory_family=family, estimate=estimate, loss_scaling=True,
+                   shards=shards, memory_family=family, estimate=estimate, loss_scaling=True, options=options,
                    checks=(_needs_source, check_config) if name == "deepspeed" else (check_config,),
                    init_context=model_init_context, checkpoint_format="ds",
                    ds_preset=None if name == "deepspeed" else name, needs=("deepspeed",))
@@ -431,7 +459,8 @@ register_backend(_record("zero2_offload", "ZeRO-2 with the optimizer state in CP
 register_backend(_record("zero3", "DeepSpeed ZeRO-3: params, grads and optimizer state sharded", "zero3",
                          (True, True, True)))
 register_backend(_record("zero3pp", "DeepSpeed ZeRO++ (ZeRO-3 + hpZ: a secondary copy of the weights "
-                         "sharded within each node)", "zero3pp", (True, True, True), estimate=True))
+                         "sharded within each node)", "zero3pp", (True, True, True), estimate=True,
+                         options=frozenset({"zero_quantized_weights", "zero_quantized_gradients"})))
 register_backend(_record("zero3_offload", "ZeRO-3 with params, grads and optimizer state in CPU memory",
                          "zero3_offload", (True, True, True)))
 register_backend(_record("zero3_offload_nvme", "ZeRO-3 with params and optimizer state on NVMe (--offload-dir)",

@@ -83,7 +83,9 @@ def check_backend(rec: Backend, cfg: "RunConfig", world_size: int, ds_source: st
             if opt == "cpu_offload":
                 raise UserError(f"{flag} applies to {honoured}; for DeepSpeed use --parallelism zero3_offload "
                                 f"(got --parallelism {shown})")
-            raise UserError(f"{flag} applies to {honoured}; with --parallelism {shown} set --torch-dtype instead")
+            if opt == "mixed_precision":
+                raise UserError(f"{flag} applies to {honoured}; with --parallelism {shown} set --torch-dtype instead")
+            raise UserError(f"{flag} applies to {honoured}, not to --parallelism {shown}: drop it")
     if cfg.model.torch_dtype == "fp16" and not rec.loss_scaling:
         raise UserError("--torch-dtype fp16 needs loss scaling, which only the DeepSpeed backends provide; use bf16"
                         + (f" (--parallelism {shown})" if shown != cfg.parallel.parallelism else ""))
