@@ -89,17 +89,7 @@ class BackendResult:
 def planner_family(spec: BackendSpec, world: int) -> str:
     """The planner family of a column (the registry and the resolver decide, as for the run itself)."""
     from swiftlite.parallel.resolve import memory_family_for
-    family = memory_family_for(spec.parallelism, world) or "zero3"
-    if family == "zero3" and spec.parallelism.endswith(".json"):
-        # a ZeRO-3 JSON with hpZ (zero_hpz_partition_size "auto" or > 1) runs as ZeRO++
-        from swiftlite.parallel.ds_config import load_ds_config
-        try:
-            hpz = (load_ds_config(spec.parallelism).get("zero_optimization") or {}).get("zero_hpz_partition_size")
-        except UserError:
-            hpz = None
-        if hpz == "auto" or (isinstance(hpz, int) and hpz > 1):
-            family = "zero3pp"
-    return family
+    return memory_family_for(spec.parallelism, world) or "zero3"
 
 
 def _workload(cfg: BenchConfig, world: int, dtype: str, gpu_memory: int | None):

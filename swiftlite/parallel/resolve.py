@@ -69,7 +69,11 @@ def _memory_family(rec: Backend, ds_source: str | None) -> str | None:
     ds = load_ds_config(ds_source)
     stage = ds_stage(ds)
     if stage == 3:
-        return "zero3_offload" if offload_devices(ds)[1] != "none" else "zero3"
+        if offload_devices(ds)[1] != "none":
+            return "zero3_offload"
+        # hpZ ("auto" = the processes per node, or a size > 1) keeps a secondary weight partition: ZeRO++
+        hpz = (ds.get("zero_optimization") or {}).get("zero_hpz_partition_size")
+        return "zero3pp" if hpz == "auto" or (isinstance(hpz, int) and hpz > 1) else "zero3"
     return "zero2"
 
 
