@@ -4,8 +4,9 @@ Three kinds of variables matter to swiftlite:
 
 * its own settings, ``SWIFTLITE_*`` (fault injection, profiling, caches, test and benchmark hooks),
   parsed by `settings()` into one frozen `Settings` (the names and meanings are listed there);
-* the launcher's (torchrun / ms-swift names): RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-  MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE, NNODES, NODE_RANK (`launcher_values`, `world_vars`);
+* the launcher's (torchrun / ms-swift names): RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (the
+  DeepSpeed launcher's LOCAL_SIZE), MASTER_ADDR, MASTER_PORT, NPROC_PER_NODE, NNODES, NODE_RANK
+  (`launcher_values`, `world_vars`);
 * third-party knobs that must be set before a library is imported (DS_ACCELERATOR,
   TORCH_EXTENSIONS_DIR, OMP_NUM_THREADS, TOKENIZERS_PARALLELISM): `set_default`.
 
@@ -167,14 +168,17 @@ class WorldVars:
     world_size: int = 1
     local_world_size: int = 1
     has_master: bool = False
+    has_local_world_size: bool = False   # the launcher said how many processes run on this node
 
 
 def world_vars() -> WorldVars:
     """This rank's place as torchrun describes it (before the process group exists)."""
     e = os.environ
+    # torchrun (and swiftlite's forked ranks) say LOCAL_WORLD_SIZE; the DeepSpeed launcher LOCAL_SIZE.
+    local = e.get("LOCAL_WORLD_SIZE") or e.get("LOCAL_SIZE")
     return WorldVars(rank=int(e.get("RANK", 0)), local_rank=int(e.get("LOCAL_RANK", 0)),
-                     world_size=int(e.get("WORLD_SIZE", 1)), local_world_size=int(e.get("LOCAL_WORLD_SIZE", 1)),
-                     has_master="MASTER_ADDR" in e)
+                     world_size=int(e.get("WORLD_SIZE", 1)), local_world_size=int(local or 1),
+                     has_master="MASTER_ADDR" in e, has_local_world_size=local is not None)
 
 
 def rank() -> str | None:

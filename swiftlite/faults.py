@@ -6,13 +6,16 @@
     SWIFTLITE_FAULT="step=4,phase=checkpoint,kind=enospc"  the disk "fills" during checkpoint-4's write
     SWIFTLITE_FAULT="step=3,phase=grads,kind=nan"       step 3's gradients become nan before the update
     SWIFTLITE_FAULT="phase=checkpoint,kind=sleep"       every save takes SLEEP_S longer (a slow disk)
+    SWIFTLITE_FAULT="step=4,phase=convert,kind=kill"    SIGKILL once checkpoint-4's universal conversion is
+                                                         written, before it is published
 
 Keys: `kind` (raise | hang | kill | exit | enospc | nan | sleep; required), `step` (the optimizer step, 1-based;
 any step when absent), `rank` (global rank; any rank when absent), `phase` (`step`, the default,
-`checkpoint` or `grads`). The trainer calls `maybe_inject(step, phase)` at three places: after each
+`checkpoint`, `grads` or `convert`). The trainer calls `maybe_inject(step, phase)` at four places: after each
 optimizer step; inside `save_training_state` after the sharded state is written and before the
-manifest (so a fault there leaves a half-written `.tmp-checkpoint-N`); and between the last backward
-and the optimizer step (`grads`, where `kind=nan` poisons the gradients: `poison_gradients`). Unset,
+manifest (so a fault there leaves a half-written `.tmp-checkpoint-N`); between the last backward
+and the optimizer step (`grads`, where `kind=nan` poisons the gradients: `poison_gradients`); and in
+a resume's universal conversion of checkpoint-N (`convert`, checkpoint/universal.py). Unset,
 it costs one dict lookup. This is the only place that interprets SWIFTLITE_FAULT.
 """
 
@@ -29,7 +32,7 @@ from swiftlite.errors import UserError
 
 ENV = env.FAULT
 KINDS = ("raise", "hang", "kill", "exit", "enospc", "nan", "sleep")
-PHASES = ("step", "checkpoint", "grads")
+PHASES = ("step", "checkpoint", "grads", "convert")
 SLEEP_S = 6.0
 
 

@@ -18,6 +18,12 @@ Environment:
                             hook call; profiler start/stop falls between steps; the last step's
                             end is null: nothing marks it), peak memory (CUDA allocator peak on GPU; max RSS and the
                             model-state bytes on CPU) and the profiled step window.
+  TORCH_FR_BUFFER_SIZE=N    (torch's flight recorder, which `swiftlite bench` turns on) each rank
+                            also writes <run>/profile/collectives_rank<r>.json with the profiled
+                            window: every collective torch.distributed ran in it (name, sizes,
+                            dtypes, process group) and the global ranks of each process group, so
+                            that the bench can tell which collectives crossed a node boundary
+                            (bench/groups.py). The profiler trace does not record process groups.
 
 `maybe_profile(step, run_dir, rank)` is the same thing as a context manager around one step, for
 loops that prefer `with`. Nothing here imports torch until a profile is asked for.
@@ -28,6 +34,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -67,6 +74,7 @@ class _State:
         self.step_ctx: Any = None
         self.profiled: list[int] = []
         self.trace: str | None = None
+        self.window_ns: list = [None, None]
         self.finished = False
         self.out.mkdir(parents=True, exist_ok=True)
         atexit.register(self.finish)
@@ -87,6 +95,7 @@ class _State:
         self.prof = profile(activities=acts, record_shapes=True, with_stack=False,
                             profile_memory=env.settings().profile_memory)
         self.prof.__enter__()
+        self.window_ns = [time.time_ns(), None]   # the flight recorder stamps collectives in wall-clock ns
 
     def _mark(self, done_step: int | None) -> None:
         """Close the previous step's range and open the next one (ProfilerStep-like ranges)."""
@@ -106,9 +115,43 @@ class _State:
         self._sync()
         prof, self.prof = self.prof, None
         prof.__exit__(None, None, None)
+        self.window_ns[1] = time.time_ns()
         path = self.out / f"trace_rank{self.rank}.json"
         prof.export_chrome_trace(str(path))
         self.trace = str(path)
+        self._dump_collectives()
+
+    def _dump_collectives(self) -> None:
+        """The flight recorder's collectives of the profiled window, with each process group's global
+        ranks (see the module docstring); nothing when the recorder is off or there is no group."""
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        import torch._C._distributed_c10d as c10d
+        from torch.distributed.distributed_c10d import _world
+        recorded: list = []
+        # gloo's recorder, then NCCL's (CUDA builds only; same entry format)
+        for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+            dump_fn = getattr(c10d, name, None)
+            if dump_fn is None:
+                continue
+            try:
+                recorded += json.loads(dump_fn(True, False)).get("entries") or []
+            except (RuntimeError, ValueError, TypeError):
+                continue
+        lo, hi = self.window_ns
+        seen: set = set()
+        entries = []
+        for e in recorded:  # once each, should both dumps list a collective
+            key = (e.get("pg_id"), e.get("collective_seq_id"), e.get("profiling_name"), e.get("time_created_ns"))
+            if lo <= int(e.get("time_created_ns", 0)) <= hi and key not in seen:
+                seen.add(key)
+                entries.append(e)
+        if not entries:
+            return
+        groups = {name: dist.get_process_group_ranks(pg) for pg, name in _world.pg_names.items()}
+        rec = {"rank": self.rank, "window_ns": [lo, hi], "groups": groups, "entries": entries}
+        (self.out / f"collectives_rank{self.rank}.json").write_text(json.dumps(rec) + "\n")
 
     # -- hook ---------------------------------------------------------------------------------------
     def on_step(self, step: int) -> None:
@@ -216,7 +259,13 @@ def start_memory_window() -> dict[str, Any] | None:
     """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0: /proc/self/clear_refs "5")
     and return the baseline. Called just before the model is built, so that the peak read later by
     `end_memory_window` is the training memory (model states, activations, buffers) on top of the
-    interpreter, libraries and data already loaded. None where the mark cannot be reset."""
+    interpreter, libraries and data already loaded. None where the mark cannot be reset.
+
+    Library code imported after this point would be counted as training memory: the backend's
+    libraries are loaded before it (train/run.py makes the backend's init context first; DeepSpeed's
+    records import deepspeed and the modules its engine imports lazily there, ~70 MiB of host memory
+    that a GPU's allocator peak never sees). The modules first imported inside the window are listed
+    in the record (`imported_in_window`), so that this stays checked."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
@@ -226,17 +275,21 @@ def start_memory_window() -> dict[str, Any] | None:
         return None
     # glibc keeps freed blocks below its (adaptive) mmap threshold, so RSS then overstates live
     # memory; with MALLOC_MMAP_THRESHOLD_ set, large tensors are unmapped when freed.
-    return {"rss_before_model": st["rss"], "exact": env.has("MALLOC_MMAP_THRESHOLD_")}
+    return {"rss_before_model": st["rss"], "exact": env.has("MALLOC_MMAP_THRESHOLD_"),
+            "_modules": frozenset(sys.modules)}
 
 
 def end_memory_window(run_dir: str | Path, rank: int, start: dict[str, Any] | None, steps: int) -> None:
     """logs/memory_rank<r>.json: the baseline RSS, the peak RSS since `start_memory_window` and the
-    difference (the measured training memory the estimator predicts), after `steps` steps."""
+    difference (the measured training memory the estimator predicts), after `steps` steps, and
+    `imported_in_window`: the modules first imported inside the window (their code is in the peak)."""
     st = rss_status()
     if start is None or st is None:
         return
-    rec = {**start, "peak_rss": st["peak_rss"], "steps": steps,
-           "training_peak": st["peak_rss"] - start["rss_before_model"]}
+    imported = sorted(set(sys.modules) - start.get("_modules", frozenset()))
+    rec = {**{k: v for k, v in start.items() if not k.startswith("_")}, "peak_rss": st["peak_rss"],
+           "steps": steps, "training_peak": st["peak_rss"] - start["rss_before_model"],
+           "imported_in_window": imported}
     logs = Path(run_dir) / layout.LOGS_DIR
     logs.mkdir(parents=True, exist_ok=True)
     (logs / f"memory_rank{rank}.json").write_text(json.dumps(rec) + "\n")

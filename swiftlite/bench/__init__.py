@@ -9,6 +9,8 @@ read from the files each run writes (logging.jsonl, args.json, profile/, logs/),
   spec.py     what to run: BackendSpec, parse_backends (names from the backend registry), BenchConfig
   device.py   peak FLOP/s (datasheet or measured in a subprocess) and machine facts
   trace.py    collective bytes and comm/compute overlap from the Chrome traces
+  groups.py   bytes per process group, intra- vs inter-node, from the recorded collectives
+  nodes.py    --nnodes: each column as local nodes (one `swiftlite sft --node-rank r` per node)
   runner.py   one `swiftlite sft` per backend in its own process group; collect; run_bench
   report.py   the rich table, bench.md, bench.png
 
@@ -23,9 +25,12 @@ from swiftlite.bench.report import columns, render_markdown, render_table, write
 from swiftlite.bench.runner import (BackendResult, planner_family, collect, first_step_s, ran_as, run_backend,
                                     run_bench, sft_command)
 from swiftlite.bench.spec import MODIFIERS, BackendSpec, BenchConfig, parse_backends
+from swiftlite.bench.groups import link_bytes
+from swiftlite.bench.nodes import node_commands, run_nodes
 from swiftlite.bench.trace import analyze_trace, collective_bytes
 
 __all__ = ["DATASHEET_PEAKS", "MODIFIERS", "BackendResult", "BackendSpec", "BenchConfig", "planner_family",
-           "analyze_trace", "collect", "collective_bytes", "columns", "datasheet_peak", "first_step_s",
+           "analyze_trace", "collect", "collective_bytes", "link_bytes", "node_commands", "run_nodes", "columns",
+           "datasheet_peak", "first_step_s",
            "machine_info", "parse_backends", "probe_device", "ran_as", "render_markdown", "render_table",
            "run_backend", "run_bench", "sft_command", "write_chart"]

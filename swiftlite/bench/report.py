@@ -45,6 +45,11 @@ def columns(report: dict) -> list[tuple[str, Any]]:
         ("theory MB", lambda r: _fmt(r["comm_bytes_theory"], ".4g", 1e-6)),
         ("meas/theory", lambda r: _fmt(r["comm_ratio"], ".2f", 1, "x")),
     ]
+    if (report["settings"].get("nnodes") or 1) > 1:  # bench --nnodes: the bytes by link (bench/groups.py)
+        cols += [("intra MB/step", lambda r: _fmt(r.get("intra_node_bytes"), ".4g", 1e-6)),
+                 ("inter MB/step", lambda r: _fmt(r.get("inter_node_bytes"), ".4g", 1e-6)),
+                 ("inter theory MB", lambda r: _fmt(r.get("inter_node_bytes_theory"), ".4g", 1e-6)),
+                 ("inter meas/theory", lambda r: _fmt(r.get("inter_node_ratio"), ".2f", 1, "x"))]
     if gpu:
         cols += [("peak GiB/rank", lambda r: _per_rank(r["peak_gpu_gib"], ".2f")),
                  ("estimate GiB", lambda r: _fmt(r["memory_estimate_gib"], ".2f"))]
@@ -67,7 +72,9 @@ def render_table(report: dict, console=None) -> None:
         if not console.is_terminal:
             console = Console(width=max(console.width, 160))
     s, d = report["settings"], report["device"]
-    table = Table(box=box.SIMPLE_HEAD, title=f"swiftlite bench: {s['model']} x {s['nproc_per_node']} process(es), "
+    nodes = f"{s['nnodes']} local nodes x " if (s.get("nnodes") or 1) > 1 else ""
+    table = Table(box=box.SIMPLE_HEAD,
+                  title=f"swiftlite bench: {s['model']} x {nodes}{s['nproc_per_node']} process(es), "
                   f"{s['dtype']}, seq {s['max_length']} x batch {s['per_device_train_batch_size']}")
     cols = columns(report)
     for name, _ in cols:
@@ -94,6 +101,7 @@ def render_markdown(report: dict) -> str:
         f"### swiftlite bench, {report['date']}",
         "",
         f"{s['model']} ({_count(s['params'])} params), {s['train_type']}, {s['dtype']}, "
+        + (f"{s['nnodes']} local nodes x " if (s.get("nnodes") or 1) > 1 else "") +
         f"{s['nproc_per_node']} process(es), per-device batch {s['per_device_train_batch_size']} x "
         f"max length {s['max_length']}, {s['steps']} steps (median of the steps after the first {s['skip_steps']}, "
         f"profiled steps excluded); {dev}; torch {d.get('torch', '?')}; load average "
@@ -111,7 +119,13 @@ def render_markdown(report: dict) -> str:
         lines += ["", *errs]
     lines += ["", "comm = bytes each rank moves per step in ring terms, counted from the collectives of the "
               "profiled steps (torch.profiler) / swiftlite's estimate (planner/). overlap = share of "
-              "collective time that ran under compute.", ""]
+              "collective time that ran under compute."]
+    if (s.get("nnodes") or 1) > 1:
+        lines += ["", f"{s['nnodes']} local nodes x {s['nproc_per_node']} processes (torchrun --nnodes on "
+                  "127.0.0.1): intra / inter = bytes per rank per step in collectives whose process group "
+                  "stays inside one node / spans nodes, counted per group from the flight recorder "
+                  "(bench/groups.py); inter theory = planner/topology.py."]
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -16,13 +16,15 @@ collected from the files the run wrote (never from what it printed). Per backend
   first step s  `elapsed_s` of the run's first logging.jsonl record (the first optimizer step is
                 always logged): seconds from the trainer's start to the end of that step.
   ran as        the backend the run resolved to: its args.json through parallel/resolve.py.
+  intra/inter   with --nnodes N each column runs as N local nodes (bench/nodes.py): bytes per step
+                inside one node / across nodes, counted per process group from the recorded
+                collectives (bench/groups.py), next to the planner's (planner/topology.py).
 CPU runs get OMP_NUM_THREADS=1 unless it is set (the peak is measured on one thread per process).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -35,6 +37,8 @@ from typing import Any
 from swiftlite.checkpoint import layout
 from swiftlite import dtypes, env
 from swiftlite.bench.device import child_pythonpath, datasheet_peak, loadavg, machine_info, probe_device
+from swiftlite.bench.nodes import FR_BUFFER_ENV, FR_BUFFER_SIZE, collect_links, node_commands, run_nodes
+from swiftlite.bench.nodes import kill_group as _kill_group  # one process group per run, launcher and ranks
 from swiftlite.bench.report import render_markdown, render_table, write_chart
 from swiftlite.bench.spec import BackendSpec, BenchConfig
 from swiftlite.bench.trace import analyze_trace
@@ -72,6 +76,14 @@ class BackendResult:
     final_loss: float | None = None
     run_dir: str = ""
     command: str = ""
+    nnodes: int = 1
+    intra_node_bytes: float | None = None          # per rank per step, counted by process group
+    inter_node_bytes: float | None = None
+    intra_node_bytes_theory: int | None = None      # planner/topology.py
+    inter_node_bytes_theory: int | None = None
+    inter_node_ratio: float | None = None
+    comm_groups: dict[str, Any] = field(default_factory=dict)  # group -> ranks, crosses_nodes, bytes/step
+    link_kinds_from: str = ""                       # "trace" or "flight recorder" (bench/groups.py)
 
 
 def planner_family(spec: BackendSpec, world: int) -> str:
@@ -84,7 +96,8 @@ def _workload(cfg: BenchConfig, world: int, dtype: str, gpu_memory: int | None):
     from swiftlite.planner import Workload
     return Workload(train_type=cfg.train_type, dtype=dtype, max_length=cfg.max_length,
                     micro_batch=cfg.per_device_train_batch_size, gradient_checkpointing=cfg.gradient_checkpointing,
-                    world_size=world, gpu_memory_bytes=gpu_memory, overhead_bytes=0)
+                    world_size=world, gpus_per_node=world // cfg.nnodes, gpu_memory_bytes=gpu_memory,
+                    overhead_bytes=0)
 
 
 def sft_command(cfg: BenchConfig, spec: BackendSpec, dataset: str, run_dir: Path, nproc: int, dtype: str) -> list[str]:
@@ -245,6 +258,14 @@ def collect(cfg: BenchConfig, spec: BackendSpec, res: BackendResult, run_dir: Pa
         res.state_bytes.append(int(rec.get("params", 0)) + int(rec.get("grads", 0)) + int(rec.get("optimizer", 0)))
     _estimates(cfg, spec, res, world, dtype, shape, gpu_memory)
     _comm(res, prof_dir, world, dtype)
+    profiled = {st for s in stats for st in s.get("profiled_steps", [])}
+    collect_links(cfg, planner_family(spec, world), res, prof_dir, world // cfg.nnodes, dtype, shape,
+                  len(profiled) or cfg.profile_steps)
+    if res.intra_node_bytes is not None and (cfg.nnodes > 1 or res.link_kinds_from == "trace"):
+        # the per-group count knows each collective's own group size (the trace's count assumes the world)
+        res.comm_bytes_per_step = res.intra_node_bytes + res.inter_node_bytes
+        if res.comm_bytes_theory:
+            res.comm_ratio = res.comm_bytes_per_step / res.comm_bytes_theory
 
 
 def child_env(cfg: BenchConfig, gpu_memory: int | None) -> dict[str, str]:
@@ -260,6 +281,7 @@ def child_env(cfg: BenchConfig, gpu_memory: int | None) -> dict[str, str]:
             extra["MALLOC_MMAP_THRESHOLD_"] = "65536"
     if cfg.profile_steps > 0:
         extra[env.PROFILE] = f"{cfg.skip_steps + 1}:{cfg.profile_steps}"
+        extra[FR_BUFFER_ENV] = str(FR_BUFFER_SIZE)  # collectives with their process groups (bench/groups.py)
     out = env.child_env(extra, drop_rank_vars=True)
     if cfg.profile_steps <= 0:
         out.pop(env.PROFILE, None)
@@ -272,31 +294,30 @@ def run_backend(cfg: BenchConfig, spec: BackendSpec, dataset: str, out: Path, np
     """Run one column to the end (or its timeout) and collect its figures."""
     run_dir = out / "runs" / spec.dirname
     cmd = sft_command(cfg, spec, dataset, run_dir, nproc, dtype)
-    res = BackendResult(label=spec.label, parallelism=spec.parallelism, world_size=nproc, run_dir=str(run_dir),
-                        command=shlex.join(cmd[1:]).replace("-m swiftlite", "swiftlite", 1))
+    world = nproc * cfg.nnodes
+    if cfg.nnodes > 1:
+        from swiftlite.distributed import free_port
+        cmds = node_commands(cmd + ([] if nproc > 1 else ["--nproc-per-node", "1"]), cfg.nnodes, free_port())
+    res = BackendResult(label=spec.label, parallelism=spec.parallelism, world_size=world, nnodes=cfg.nnodes,
+                        run_dir=str(run_dir),
+                        command=shlex.join((cmds[0] if cfg.nnodes > 1 else cmd)[1:]).replace("-m swiftlite",
+                                                                                             "swiftlite", 1))
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log_path = out / "runs" / f"{spec.dirname}.log"
     echo(f"bench: {spec.label}: {res.command}")
     t = time.perf_counter()
-    with log_path.open("w") as log:
-        # its own session, so a timeout can end the launcher and every rank together
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(cfg, gpu_memory),
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=cfg.timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            rc = None
-        except BaseException:  # Ctrl-C, or SIGTERM from an outer timeout: take the run down with us
-            _kill_group(proc)
-            raise
+    if cfg.nnodes > 1:
+        rc = run_nodes(cmds, log_path, child_env(cfg, gpu_memory), cfg.timeout_s,
+                       gpus_per_node=nproc if gpu_memory else None)
+    else:
+        rc = _run_one(cmd, log_path, child_env(cfg, gpu_memory), cfg.timeout_s)
     res.wall_s = round(time.perf_counter() - t, 2)
     if rc is None:
         res.status, res.error = "timeout", f"no result within {cfg.timeout_s} s (see {log_path})"
     elif rc != 0:
         res.status, res.error = "failed", f"exit {rc}: {_last_error(log_path.read_text(errors='replace'))}"
     try:
-        collect(cfg, spec, res, run_dir, nproc, dtype, peak_flops, shape, gpu_memory)
+        collect(cfg, spec, res, run_dir, world, dtype, peak_flops, shape, gpu_memory)
     except (OSError, ValueError, KeyError, TypeError) as e:
         res.error = res.error or f"collect: {type(e).__name__}: {e}"
     if res.status == "ok" and res.step_time_s is None:
@@ -310,27 +331,27 @@ def run_backend(cfg: BenchConfig, spec: BackendSpec, dataset: str, out: Path, np
     return res
 
 
+def _run_one(cmd: list[str], log_path: Path, run_env: dict[str, str], timeout_s: float) -> int | None:
+    """Run one command to its end; its exit code, or None on timeout."""
+    with log_path.open("w") as log:
+        # its own session, so a timeout can end the launcher and every rank together
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            return None
+        except BaseException:  # Ctrl-C, or SIGTERM from an outer timeout: take the run down with us
+            _kill_group(proc)
+            raise
+
+
 def _exit_on_sigterm() -> None:
     """SIGTERM (e.g. `timeout` around the bench) unwinds like Ctrl-C, so the running backend is killed too."""
     import signal
     import threading
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End a run's whole process group (launcher and ranks): SIGTERM, then SIGKILL after 15 s."""
-    import signal
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        try:
-            proc.wait(timeout=15)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def run_bench(cfg: BenchConfig, echo=print, console=None) -> dict[str, Any]:
@@ -359,20 +380,22 @@ def run_bench(cfg: BenchConfig, echo=print, console=None) -> dict[str, Any]:
     per_device_peak = sheet or device.get("measured_peak_flops")
     peak_source = ("datasheet" if sheet else "measured") if per_device_peak else "none"
     gpu_memory = device.get("gpu_memory_bytes") if cuda else None
-    if cuda and nproc > device.get("gpus", 1):
-        raise UserError(f"--nproc-per-node {nproc}: this machine has {device.get('gpus')} GPU(s)")
+    if cuda and nproc * cfg.nnodes > device.get("gpus", 1):
+        raise UserError(f"--nproc-per-node {nproc}" + (f" x --nnodes {cfg.nnodes}" if cfg.nnodes > 1 else "")
+                        + f": this machine has {device.get('gpus')} GPU(s)")
 
     dataset = cfg.dataset
     if not dataset:
         from swiftlite.demo import write_demo_data
-        need = cfg.steps * cfg.per_device_train_batch_size * nproc
+        need = cfg.steps * cfg.per_device_train_batch_size * nproc * cfg.nnodes
         dataset = str(write_demo_data(out / "data", n_train=max(2000, need), n_val=8)[0])
-    echo(f"bench: {cfg.model}, {len(cfg.backends)} backend(s) x {nproc} process(es), {cfg.steps} steps, "
+    nodes = f"{cfg.nnodes} local nodes x " if cfg.nnodes > 1 else ""
+    echo(f"bench: {cfg.model}, {len(cfg.backends)} backend(s) x {nodes}{nproc} process(es), {cfg.steps} steps, "
          f"batch {cfg.per_device_train_batch_size}/process, max length {cfg.max_length}, {dtype}, "
          f"{cfg.train_type}; peak {per_device_peak / 1e12 if per_device_peak else 0:.3g} TFLOP/s per "
          f"{'GPU' if cuda else 'process'} ({peak_source})")
     settings = {"model": cfg.model, "params": shape.n_params if shape else None, "steps": cfg.steps,
-                "nproc_per_node": nproc, "max_length": cfg.max_length,
+                "nproc_per_node": nproc, "nnodes": cfg.nnodes, "max_length": cfg.max_length,
                 "per_device_train_batch_size": cfg.per_device_train_batch_size, "dtype": dtype,
                 "train_type": cfg.train_type, "gradient_checkpointing": cfg.gradient_checkpointing,
                 "dataset": dataset, "skip_steps": cfg.skip_steps, "profile_steps": cfg.profile_steps,

@@ -76,6 +76,7 @@ class BenchConfig:
     backends: list[BackendSpec] = field(default_factory=list)
     steps: int = 20
     nproc_per_node: int | None = None       # None: the GPUs on this machine, else 2 CPU processes
+    nnodes: int = 1                          # > 1: each column runs as this many local nodes (bench/nodes.py)
     max_length: int = 128
     per_device_train_batch_size: int = 4
     dataset: str | None = None               # None: the demo task, written under <output>/data
@@ -109,5 +110,7 @@ class BenchConfig:
             raise UserError("--skip-steps and --profile-steps must be >= 0")
         if self.nproc_per_node is not None and self.nproc_per_node < 1:
             raise UserError(f"--nproc-per-node must be positive, got {self.nproc_per_node}")
+        if not isinstance(self.nnodes, int) or self.nnodes < 1:
+            raise UserError(f"--nnodes must be a positive integer, got {self.nnodes!r}")
         if self.dataset and not Path(self.dataset.split("#")[0]).exists():
             raise UserError(f"--dataset {self.dataset}: not found")

@@ -4,7 +4,9 @@
                 trace (their input/output sizes): all-gather (N-1)/N x output, reduce-scatter
                 (N-1)/N x input, all-reduce 2(N-1)/N x buffer, broadcast (N-1)/N x buffer. The bench
                 shows it next to the estimator's plan.comm_bytes_per_step (3(N-1)/N x 2Psi for
-                ZeRO-3/FSDP in bf16, 2(N-1)/N x grads for DDP, ...).
+                ZeRO-3 in bf16, (N-1)/N x (2 x 2Psi + 4Psi) for FSDP, which reduces in fp32,
+                2(N-1)/N x grads for DDP, ...: planner/topology.py). A count over the world:
+                collectives in sub-groups are counted per group by bench/groups.py.
   overlap       share of collective time hidden under compute: |comm intervals & compute intervals|
                 / |comm intervals| over the profiled steps. GPU: NCCL kernels vs the other kernels.
                 CPU/gloo: gloo's worker-thread collectives vs the main thread's aten ops outside
@@ -109,6 +111,32 @@ def _intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> fl
 
 _COMMISH = ("c10d", "wait", "all_gather", "allgather", "reduce_scatter", "allreduce", "all_reduce", "gloo",
             "nccl", "record_param_comms", "broadcast")
+
+
+def collective_kinds(path: str | Path, world: int = 2) -> list[str]:
+    """The kinds of the collectives a rank's trace counts over its profiled steps, in call order
+    (the ops analyze_trace counts: c10d calls, none nested in another). bench/groups.py pairs them
+    with the flight recorder's entries, which know each one's process group but not, on gloo,
+    whether an all-reduce was a reduce-scatter."""
+    data = json.loads(Path(path).read_text())
+    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    steps = [e for e in events if str(e.get("name", "")).startswith("swiftlite_step#")
+             and e.get("cat") != "gpu_user_annotation"]
+    if not steps:
+        return []
+    lo, hi = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
+    counted: dict[tuple, list[tuple[float, float]]] = {}
+    kinds: list[tuple[float, str]] = []
+    for e in sorted([e for e in events if lo <= e["ts"] <= hi], key=lambda e: (e["ts"], -e["dur"])):
+        cb = collective_bytes(e, max(2, world), 4)
+        if cb is None:
+            continue
+        spans = counted.setdefault((e.get("pid"), e.get("tid")), [])
+        if any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in spans):
+            continue
+        spans.append((e["ts"], e["ts"] + e["dur"]))
+        kinds.append((e["ts"], cb[0]))
+    return [k for _, k in sorted(kinds)]
 
 
 def analyze_trace(path: str | Path, world: int, default_elem: int = 4) -> dict[str, Any]:

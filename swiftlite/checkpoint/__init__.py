@@ -5,6 +5,9 @@
     safety.py    allow-list unpicklers (DCP metadata, torch files, DeepSpeed globals)
     state.py     save/load the training state (engine, RNG, trainer_state.json, HF copy)
     run_dir.py   the --output-dir check (preflight) and preparation (trainer)
+    universal.py a checkpoint converted once to DeepSpeed's universal format (another world size, ZeRO
+                 stage or backend) and loaded into a DeepSpeed or torch engine; universal_files.py
+                 writes what DeepSpeed's converter lacks
     readers/     offline tensor readers of DCP, ZeRO, safetensors folders and live models (export)
 
 The names below are the package's public interface (`from swiftlite import checkpoint as ckpt`).

@@ -8,6 +8,8 @@
         checkpoint-20/
             dcp/                the torch backends' sharded model + optimizer (torch.distributed.checkpoint)
             ds/                 DeepSpeed's checkpoint (its tag); `latest` beside it is DeepSpeed's tag file
+            ds_universal/       ds/ converted to DeepSpeed's universal format, at the first resume that
+                                needs it (another world size, ZeRO stage or backend: checkpoint/universal.py)
             scheduler.json      LR schedule state (torch backends)
             trainer_state.json  global step, backend, world size, train type, model, dtype
             rng/rank<r>.pt      RNG states per rank
@@ -43,6 +45,7 @@ DCP_DIR = "dcp"
 DCP_METADATA = ".metadata"     # torch.distributed.checkpoint's own index file
 DS_TAG = "ds"                  # the tag swiftlite passes to DeepSpeed's save/load_checkpoint
 DS_LATEST = "latest"           # DeepSpeed's own tag file (not the run's LATEST)
+DS_UNIVERSAL = "ds_universal"  # ds/ in DeepSpeed's universal format (its tag folder inside is DS_TAG too)
 MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"
 RNG_DIR = "rng"

@@ -12,7 +12,7 @@ import pickle
 from pathlib import Path
 from typing import Any, Iterator
 
-from swiftlite.checkpoint.layout import DCP_METADATA
+from swiftlite.checkpoint.layout import DCP_METADATA, DS_UNIVERSAL, TMP_PREFIX
 from swiftlite.errors import UserError
 
 # Three kinds of pickle live in a checkpoint, and each is checked before anything loads it:
@@ -157,6 +157,9 @@ def check_checkpoint_safe(ckpt: Path) -> None:
     for p in sorted(ckpt.rglob("*")):
         if not p.is_file():
             continue
+        first = p.relative_to(ckpt).parts[0]
+        if first == DS_UNIVERSAL or first.startswith(TMP_PREFIX):
+            continue  # derived from the checkpoint; checked before use by checkpoint/universal.py, or never read
         if p.name == DCP_METADATA:
             check_dcp_metadata(p.parent)
         elif p.suffix.lower() in PICKLE_SUFFIXES:

@@ -107,7 +107,9 @@ def expected_size(run_dir: Path, engine: Any) -> int:
     model-state bytes (parameters + optimizer state, over every rank: an estimate for the first save)."""
     ckpts = store.list_checkpoints(run_dir)
     if ckpts:
-        return sum(f.stat().st_size for f in ckpts[-1].rglob("*") if f.is_file())
+        newest = ckpts[-1]  # its universal conversion (if a resume made one) is not part of a save
+        return sum(f.stat().st_size for f in newest.rglob("*")
+                   if f.is_file() and f.relative_to(newest).parts[0] != layout.DS_UNIVERSAL)
     from swiftlite.distributed import all_reduce_sum
     sb = engine.state_bytes()
     return int(all_reduce_sum([float(sb.get("params", 0) + sb.get("optimizer", 0))])[0])
@@ -228,23 +230,56 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
         raise UserError(f"--resume: {path} was trained with --train-type {state.get('train_type')}, "
                         f"this run uses {cfg.train.train_type}")
     backend = state.get("backend")
-    if (backend == "deepspeed") != (choice.key == "deepspeed"):
+    cross = (backend == "deepspeed") != bool(getattr(choice, "is_deepspeed", choice.key == "deepspeed"))
+    if cross and not hasattr(engine, "inner" if backend == "deepspeed" else "ds"):  # an --external-plugins engine
         raise UserError(f"--resume: {path} holds a {backend} checkpoint; resume it with a "
                         f"{'DeepSpeed' if backend == 'deepspeed' else 'torch'} backend")
-    if backend == "deepspeed" and state.get("world_size") != world.world_size:
-        raise UserError(f"--resume: {path} is a DeepSpeed checkpoint of {state.get('world_size')} processes; "
-                        f"ZeRO checkpoints resume only with the same world size (this run: {world.world_size})")
     if model_only:
         import inspect
-        if "model_only" not in inspect.signature(engine.load).parameters:  # an --external-plugins engine
+        if not cross and "model_only" not in inspect.signature(engine.load).parameters:  # --external-plugins
             raise UserError(f"--resume_only_model: the {getattr(choice, 'name', choice.key)} backend's engine cannot "
                             "load the model weights alone (its load() takes no model_only argument)")
-        engine.load(str(path), model_only=True)
+        _load_engine(engine, path, world, state, cross, model_only=True, log=log)
         log(f"notice: --resume_only_model: loaded the model weights of {path.name} (step "
             f"{state.get('global_step')}); optimizer, LR schedule and data order start fresh at step 0, and the "
             "data/run-shape check was skipped")
         return {**state, "global_step": 0, "resumed_from_step": state.get("global_step")}
-    engine.load(str(path))
-    if state.get("world_size") == world.world_size:
+    _load_engine(engine, path, world, state, cross, model_only=False, log=log)
+    same_world = state.get("world_size") == world.world_size
+    if same_world:
         load_rng(path / layout.RNG_DIR, world.rank)
+    if cross or not same_world or getattr(engine, "resumed_through_universal", False):
+        log(resume_notice(path, state, world, choice, cross, rng=same_world))
     return state
+
+
+def _load_engine(engine: Any, path: Path, world: Any, state: dict, cross: bool, *, model_only: bool,
+                 log) -> None:
+    """The engine's own load; across formats, the checkpoint's universal conversion (made once,
+    checkpoint/universal.py) read into a torch engine (from a ZeRO checkpoint) or loaded by
+    DeepSpeed's universal loader (from a DCP checkpoint)."""
+    if not cross:
+        engine.load(str(path), model_only=True) if model_only else engine.load(str(path))
+        return
+    import swiftlite.checkpoint.universal as universal
+    from_zero = state.get("backend") == "deepspeed"
+    if model_only and not from_zero:
+        raise UserError(f"--resume_only_model: {path} is a torch backend's checkpoint; under DeepSpeed it resumes "
+                        "whole (without --resume_only_model), or its model/ folder starts a new run (--model)")
+    folder = universal.ensure_universal(path, world, int(state.get("global_step", -1)), log=log)
+    if from_zero:
+        universal.load_into_torch(engine, folder, model_only)
+    else:
+        universal.load_into_deepspeed(engine.ds, folder, engine.stage)
+
+
+def resume_notice(path: Path, state: dict, world: Any, choice: Any, cross: bool, rng: bool) -> str:
+    """One line saying what a resume at another world size or in another format carried over."""
+    how = "through DeepSpeed's universal format" if cross or state.get("backend") == "deepspeed" else "through DCP"
+    carried = ("the fp32 weights, the AdamW moments and step, the LR schedule, the data position (step "
+               f"{state.get('global_step')})" + (" and the RNG states" if rng else ""))
+    dropped = ("nothing" if rng else
+               "the RNG states (another world size: they restart from the seed, which changes only dropout draws)")
+    return (f"notice: resumed {path.name} ({state.get('backend')}, {state.get('world_size')} process(es)) as "
+            f"{getattr(choice, 'name', choice.key)} x {world.world_size} {how}: carried over {carried}; "
+            f"not carried: {dropped}")

@@ -18,13 +18,17 @@ def bench_cmd(
     model: str = typer.Option("tiny-llama", "--model", help="Preset name or local HF folder."),
     parallelism: str = typer.Option(
         "ddp,fsdp,fsdp1,zero2,zero3", "--parallelism", "--parallelism-type", "--parallelism_type",
-        help="Comma-separated backends: ddp, fsdp, fsdp1, zero2, zero3, zero3_offload, a DeepSpeed .json, or "
+        help="Comma-separated backends: ddp, fsdp, hsdp, fsdp1, zero2, zero3, zero3pp, zero3_offload, a DeepSpeed "
+             ".json, or "
              "one an --external-plugins file registers; append +compile, +gc (activation checkpointing) or "
              "+offload (FSDP CPU offload)."),
     steps: int = typer.Option(20, "--steps", "--max-steps", "--max_steps", help="Optimizer steps per backend."),
     nproc_per_node: Optional[int] = typer.Option(
         None, "--nproc-per-node", "--nproc_per_node",
-        help="Processes per run (default: the GPUs here, or 2 on CPU)."),
+        help="Processes per run, per node with --nnodes (default: the GPUs here, or 2 on CPU)."),
+    nnodes: int = typer.Option(
+        1, "--nnodes", help="Run each backend as this many local nodes of --nproc-per-node processes (torchrun "
+                            "--nnodes on 127.0.0.1) and report the bytes that crossed the node boundary."),
     max_length: int = typer.Option(128, "--max-length", "--max_length", help="Tokens per sequence."),
     batch: int = typer.Option(4, "--per-device-train-batch-size", "--per_device_train_batch_size",
                               "--batch-size", "--batch_size", help="Micro-batch per process."),
@@ -84,7 +88,8 @@ def bench_cmd(
     load_plugins(plugins)  # before --parallelism is read: a plugin's backend is a valid column
     from swiftlite.bench import BenchConfig, parse_backends, run_bench
     cfg = BenchConfig(model=model, backends=parse_backends(parallelism), steps=steps,
-                      nproc_per_node=nproc_per_node, max_length=max_length, per_device_train_batch_size=batch,
+                      nproc_per_node=nproc_per_node, nnodes=nnodes, max_length=max_length,
+                      per_device_train_batch_size=batch,
                       dataset=dataset, output=output, train_type=train_type, torch_dtype=dtype,
                       gradient_checkpointing=gradient_checkpointing,
                       skip_steps=3 if skip_steps is None else skip_steps, profile_steps=profile_steps,

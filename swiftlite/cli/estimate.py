@@ -26,7 +26,8 @@ def estimate_cmd(
                                              help="full, lora or qlora (default full)."),
     lora: bool = typer.Option(False, "--lora", help="Shorthand for --train-type lora."),
     qlora: bool = typer.Option(False, "--qlora", help="Shorthand for --train-type qlora (a 4-bit base)."),
-    gpus: int = typer.Option(1, "--gpus", "--nproc-per-node", "--nproc_per_node", help="GPUs per node."),
+    gpus: int = typer.Option(1, "--gpus", "--gpus-per-node", "--gpus_per_node", "--nproc-per-node", "--nproc_per_node",
+                             help="GPUs per node."),
     nodes: int = typer.Option(1, "--nodes", "--nnodes", help="Number of nodes."),
     gpu_memory: str = typer.Option("80GB", "--gpu-memory", "--gpu_memory",
                                    help="Memory per GPU: 80GB (10^9 bytes), 24GiB (2^30); a bare number is GB."),
@@ -49,12 +50,16 @@ def estimate_cmd(
     external_plugins: Optional[list[str]] = typer.Option(
         None, "--external-plugins", "--external_plugins", metavar="FILE",
         help="Python file run first; it may register backends, which then get a row. Repeat for several."),
+    hsdp_shard_size: Optional[int] = typer.Option(
+        None, "--hsdp-shard-size", "--hsdp_shard_size",
+        help="GPUs per hsdp shard group (default: the GPUs per node); it must divide the GPUs."),
     rlhf_type: Optional[str] = typer.Option(None, "--rlhf-type", "--rlhf_type",
                                             help="Preference training (dpo, orpo, simpo): 2 sequences per pair, "
                                                  "and DPO's frozen reference copy on a full fine-tune."),
     precompute_ref_log_probs: bool = typer.Option(False, "--precompute-ref-log-probs", "--precompute_ref_log_probs",
                                                   help="DPO with precomputed reference log-probs: no copy."),
-    as_json: bool = typer.Option(False, "--json", help="Print the decision and every estimate as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the decision and every estimate as JSON "
+                                 "(comm_intra_node_bytes / comm_inter_node_bytes: the split by link)."),
 ) -> None:
     """Memory per GPU for each backend, what fits, and the recommended backend."""
     shorthands = [t for t, on in (("lora", lora), ("qlora", qlora)) if on]
@@ -68,7 +73,8 @@ def estimate_cmd(
                             nodes=nodes, gpu_memory=gpu_memory, cpu_memory=cpu_memory, max_length=max_length,
                             micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing, dtype=dtype,
                             lora_rank=lora_rank, quant_bits=quant_bits, loss_impl=loss_impl, pure_bf16=pure_bf16,
-                            rlhf_type=rlhf_type, precompute_ref_log_probs=precompute_ref_log_probs)
+                            hsdp_shard_size=hsdp_shard_size, rlhf_type=rlhf_type,
+                            precompute_ref_log_probs=precompute_ref_log_probs)
     if as_json:
         print(to_json(decision))
     else:

@@ -135,6 +135,16 @@ def _world(c: RunConfig):
         return f"--ddp-timeout must be > 0 seconds, got {pr.ddp_timeout}"
 
 
+@rule("parallel knob ranges")
+def _parallel_knobs(c: RunConfig):
+    pr = c.parallel
+    for k in ("hsdp_shard_size", "forward_prefetch", "backward_prefetch"):
+        v = getattr(pr, k)
+        if v is not None and v < 1:
+            return f"--{k.replace('_', '-')} must be >= 1, got {v}" + (
+                " (leave it out for FSDP2's own one-layer overlap)" if "prefetch" in k else "")
+
+
 @rule("quantization")
 def _quant(c: RunConfig):
     q = c.quant.quant_bits

@@ -33,6 +33,21 @@ def opt(default: Any = None, help: str = "", *, aliases: tuple[str, ...] = (), c
     return field(default=default, metadata=meta)
 
 
+def _reshard_value(value: Any) -> str:
+    """--reshard-after-forward: true/false (any boolean word) or an integer N >= 2 (FSDP2's partial
+    resharding to groups of N ranks), kept as "true", "false" or "N" (parallel/fsdp2.py reads it)."""
+    from swiftlite.errors import UserError
+    s = str(value).strip().lower()
+    if s in TRUE_WORDS:
+        return "true"
+    if s in FALSE_WORDS:
+        return "false"
+    if s.isdigit() and int(s) >= 2:
+        return str(int(s))
+    raise UserError(f"--reshard-after-forward {value}: expected true, false or a number of ranks >= 2 "
+                    "(FSDP2 reshards each layer to groups of that many ranks after forward)")
+
+
 def _attn_name(value: Any) -> Any:
     """ms-swift's `flash_attn` (kept there for backward compatibility) is flash_attention_2."""
     return "flash_attention_2" if str(value).strip().lower() == "flash_attn" else value
@@ -141,14 +156,30 @@ class ParallelConfig:
                         "of torch, else torchrun), fork, torchrun or deepspeed.",
                         choices=("auto", "fork", "torchrun", "deepspeed"))
     hostfile: str | None = opt(None, "DeepSpeed launcher hostfile (with --launcher deepspeed).")
-    mixed_precision: str | None = opt(None, "FSDP's compute dtype (fsdp, fsdp1): bf16 or fp16 (gradients reduced "
+    mixed_precision: str | None = opt(None, "FSDP's compute dtype (fsdp, hsdp, fsdp1): bf16 or fp16 (gradients reduced "
                                       "in fp32), or none (compute in the parameters' dtype). Default: the 16-bit "
                                       "--torch-dtype (docs/backends.md, Precision).",
                                       choices=("bf16", "fp16", "none"))
-    reshard_after_forward: bool = opt(True, "FSDP: free gathered params after forward (ZeRO-3 style).")
-    cpu_offload: bool = opt(False, "FSDP: keep params, grads and optimizer state on CPU.")
+    reshard_after_forward: str | None = opt(
+        None, "FSDP (fsdp, hsdp, fsdp1): after a layer's forward, true frees its gathered parameters "
+        "(all-gathered again in backward, ZeRO-3 style; the default), false keeps them until backward "
+        "(no second all-gather, more memory); fsdp/hsdp also take a number N of ranks, a divisor of the "
+        "shard group between 2 and its size - 1: FSDP2 reshards to groups of N ranks, so the backward "
+        "all-gather stays within N ranks (N = the GPUs per node: ZeRO++ hpZ's idea).", normalize=_reshard_value)
+    forward_prefetch: int | None = opt(None, "fsdp/hsdp: all-gather the next N decoder layers while one runs "
+                                       "forward (FSDP2 set_modules_to_forward_prefetch; more memory). Default: "
+                                       "FSDP2's own overlap of one layer.")
+    backward_prefetch: int | None = opt(None, "fsdp/hsdp: all-gather the previous N decoder layers while one runs "
+                                        "backward (FSDP2 set_modules_to_backward_prefetch). Default: FSDP2's "
+                                        "own prefetch of one layer.")
+    cpu_offload: bool = opt(False, "FSDP (fsdp, hsdp, fsdp1): keep params, grads and optimizer state in CPU "
+                            "memory (FSDP2's CPUOffloadPolicy, FSDP1's CPUOffload; GPU runs only).")
     hsdp_shard_size: int | None = opt(None, "hsdp: ranks per shard group (each group holds one sharded copy; "
                                       "copies are replicated across groups). Default: the processes per node.")
+    zero_quantized_weights: bool = opt(False, "zero3pp: ZeRO++ qwZ, all-gather int8-quantized weights "
+                                       "(DeepSpeed's CUDA quantizer kernels: GPU runs only).")
+    zero_quantized_gradients: bool = opt(False, "zero3pp: ZeRO++ qgZ, reduce gradients quantized to int4 "
+                                         "(DeepSpeed's CUDA quantizer kernels: GPU runs only).")
     compile: bool = opt(False, "torch.compile each decoder layer before wrapping.")
     offload_dir: str | None = opt(None, "NVMe folder for DeepSpeed parameter/optimizer offload.")
     ddp_timeout: int = opt(1800, "Seconds a collective may wait before the job fails (names the rank).")

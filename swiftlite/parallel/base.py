@@ -71,7 +71,10 @@ Factory = Callable[..., Engine]
 #: Backend-only options (RunConfig.parallel fields) and the flag that sets each. A record lists those
 #: it honours in `options`; setting one for a backend that ignores it is an error, not a no-op.
 OPTION_FLAGS = {"mixed_precision": "--mixed-precision", "cpu_offload": "--cpu-offload",
-                "hsdp_shard_size": "--hsdp-shard-size"}
+                "hsdp_shard_size": "--hsdp-shard-size", "reshard_after_forward": "--reshard-after-forward",
+                "forward_prefetch": "--forward-prefetch", "backward_prefetch": "--backward-prefetch",
+                "zero_quantized_weights": "--zero-quantized-weights",
+                "zero_quantized_gradients": "--zero-quantized-gradients"}
 
 
 @dataclass(frozen=True)

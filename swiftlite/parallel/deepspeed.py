@@ -41,15 +41,16 @@ cached in TORCH_EXTENSIONS_DIR, needs libaio-dev). See docs/deepspeed.md.
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from swiftlite.checkpoint.layout import DS_TAG
+from swiftlite.checkpoint.layout import DS_TAG, step_of
 from swiftlite.distributed import World
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, BackendChoice, register_backend
-from swiftlite.parallel.ds_config import ds_stage, load_ds_config, offload_devices, resolve_ds_config
+from swiftlite.parallel.ds_config import (QUANTIZED_KEYS, ds_stage, load_ds_config, offload_devices,
+                                          quantized_settings, resolve_ds_config)
 from swiftlite.parallel.ds_env import (DEFAULT_EXT_DIR, _prepare_deepspeed, check_extension_locks,  # noqa: F401
                                        ds_env_defaults, stale_extension_locks)
 from swiftlite.parallel.resolve import ds_source
@@ -213,12 +214,19 @@ class DeepSpeedEngine:
     def load(self, path: str, model_only: bool = False) -> None:
         """Restore the training state from path/ds/. model_only (--resume_only_model): DeepSpeed's
         `load_module_only` without optimizer or scheduler states (ZeRO-1/2 read the module file and
-        copy it into fresh fp32 masters; ZeRO-3 rebuilds the fp32 weights from the partitions)."""
-        saved = _saved_world_size(path)
-        if saved is not None and saved != self.world.world_size:
-            raise UserError(f"{path}: this DeepSpeed checkpoint was written by {saved} processes; resume it "
-                            f"with {saved} processes (ZeRO checkpoints are tied to the world size), or export "
-                            f"its weights and start a new run (got {self.world.world_size})")
+        copy it into fresh fp32 masters; ZeRO-3 rebuilds the fp32 weights from the partitions), at any
+        world size. A full resume of a checkpoint written by another world size or ZeRO stage goes
+        through its one-time universal conversion (checkpoint/universal.py)."""
+        import swiftlite.checkpoint.universal as universal
+        saved = universal.zero_layout(path)
+        if not model_only and saved is not None and (saved.world_size, saved.stage3) != (self.world.world_size,
+                                                                                         self.stage == 3):
+            # another world size or ZeRO stage: through DeepSpeed's universal format (converted once)
+            folder = universal.ensure_universal(path, self.world, step_of(Path(path)),
+                                                log=print if self.world.is_main else (lambda *_: None))
+            universal.load_into_deepspeed(self.ds, folder, self.stage)
+            self.resumed_through_universal = True  # checkpoint/state.py then says what carried over
+            return
         load_path, _ = self.ds.load_checkpoint(path, tag=CKPT_TAG, load_optimizer_states=not model_only,
                                                load_lr_scheduler_states=not model_only,
                                                load_module_only=model_only)
@@ -295,6 +303,9 @@ class DeepSpeedEngine:
             seen.add(id(p))
             if hasattr(p, "ds_tensor"):
                 params += nbytes(p.ds_tensor)
+                # ZeRO++ hpZ: the secondary partition (this rank's share of one node's copy) is
+                # resident between forward and the optimizer step.
+                params += nbytes(getattr(p, "ds_secondary_tensor", None))
                 if getattr(p, "ds_persist", False):
                     params += p.ds_numel * p.ds_tensor.element_size()
             else:
@@ -331,16 +342,32 @@ class DeepSpeedEngine:
         return {"params": params, "grads": grads, "optimizer": optim}
 
 
-def _saved_world_size(path: str) -> int | None:
-    """Number of ZeRO optimizer shards in a checkpoint (its data-parallel world size), if any."""
-    files = glob.glob(os.path.join(path, CKPT_TAG, "*zero_pp_rank_*_optim_states.pt"))
-    return len(files) or None
+#: Modules `deepspeed.initialize` imports on its own the first time a ZeRO engine is built
+#: (deepspeed 0.19, runtime/zero/utils.py `is_zero_supported_optimizer`: its Muon optimizer, kept out
+#: of `import deepspeed` because its module-level torch.compile decorator loads dynamo and inductor).
+#: Optional: DeepSpeed itself carries on without them.
+LAZY_MODULES = ("deepspeed.runtime.zero.muon.muon_optimizer",)
+
+
+def load_libraries(cfg: "RunConfig", world: World) -> None:
+    """Import DeepSpeed (its environment and process group first, `_prepare_deepspeed`) and the modules
+    its engine imports lazily, now rather than while the model and engine are built. Library code
+    (~70 MiB of host memory on CPU for deepspeed 0.19 with torch 2.13) is then loaded before the
+    trainer's training-memory window opens (train/run.py), as torch's own modules are."""
+    import importlib
+
+    _prepare_deepspeed(world, cfg.parallel.ddp_timeout)
+    for name in LAZY_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
 
 def model_init_context(cfg: "RunConfig", world: World, model_config: Any, choice: BackendChoice) -> Any:
     """The record's init context: ZeRO-3's partitioned init for a model loaded from weights. A
     quantized base is never partitioned (bitsandbytes packs the weights itself), and a built-in
-    preset is built whole and then partitioned by `deepspeed.initialize`."""
+    preset is built whole and then partitioned by `deepspeed.initialize`. Called before the model is
+    built: DeepSpeed's libraries are loaded here (`load_libraries`)."""
+    load_libraries(cfg, world)
     if cfg.quant_bits is not None:
         return None
     hidden = getattr(model_config(), "hidden_size", None)
@@ -368,11 +395,35 @@ def check_config(cfg: "RunConfig", world_size: int, choice: BackendChoice) -> st
         return (f"--parallelism {src}: DeepSpeed offload cannot move bitsandbytes-quantized weights "
                 f"(offload_param to {param_dev} pages the packed weights without their quantization state); use "
                 "zero3, or zero2_offload (optimizer offload only), with --qlora/--quant-bits")
-    resolve_ds_config(cfg, world_size, None, src)
+    ds = resolve_ds_config(cfg, world_size, None, src)
+    problem = quantized_comm_problem(ds, cfg)
+    if problem:
+        return problem
     if cfg.model.torch_dtype == "fp16" and not fp16_available():
         return ("--torch-dtype fp16: this machine has no GPU, and DeepSpeed's CPU accelerator supports fp16 only "
                 "on CPUs with AVX512-FP16 (this one lacks it); use bf16 or fp32")
     return None
+
+
+def quantized_comm_problem(ds: dict[str, Any], cfg: "RunConfig", *, cuda: bool | None = None) -> str | None:
+    """ZeRO++ qwZ/qgZ run DeepSpeed's quantizer op (QuantizerBuilder: CUDA kernels). On the CPU
+    accelerator that op is a NotImplementedBuilder whose load() raises "This op had not been
+    implemented on CPU backend" at the first all-gather (deepspeed/ops/op_builder/cpu/no_impl.py):
+    refused before launch instead, whether a flag or the JSON asks for it."""
+    keys = quantized_settings(ds)
+    if not keys:
+        return None
+    if cuda is None:
+        import torch
+        cuda = torch.cuda.is_available()
+    if cuda:
+        return None
+    key = keys[0]
+    flag = QUANTIZED_KEYS.get(key)
+    what = flag if flag and getattr(cfg.parallel, key, False) else f"DeepSpeed config zero_optimization.{key}=true"
+    return (f"{what} (ZeRO++ quantized communication) needs DeepSpeed's CUDA quantizer kernels, which its CPU "
+            "accelerator lacks (\"This op had not been implemented on CPU backend\"); this run has no GPU: drop it "
+            "(hpZ, zero_hpz_partition_size, runs on CPU)")
 
 
 def fp16_available() -> bool:
@@ -393,9 +444,9 @@ def _needs_source(cfg: "RunConfig", world_size: int, choice: BackendChoice) -> s
 
 
 def _record(name: str, summary: str, family: str | None, shards: tuple[bool, bool, bool], *,
-            estimate: bool = True) -> Backend:
+            estimate: bool = True, options: frozenset[str] = frozenset()) -> Backend:
     return Backend(name=name, engine="deepspeed", factory=build_deepspeed_engine, summary=summary,
-                   shards=shards, memory_family=family, estimate=estimate, loss_scaling=True,
+                   shards=shards, memory_family=family, estimate=estimate, loss_scaling=True, options=options,
                    checks=(_needs_source, check_config) if name == "deepspeed" else (check_config,),
                    init_context=model_init_context, checkpoint_format="ds",
                    ds_preset=None if name == "deepspeed" else name, needs=("deepspeed",))
@@ -408,7 +459,8 @@ register_backend(_record("zero2_offload", "ZeRO-2 with the optimizer state in CP
 register_backend(_record("zero3", "DeepSpeed ZeRO-3: params, grads and optimizer state sharded", "zero3",
                          (True, True, True)))
 register_backend(_record("zero3pp", "DeepSpeed ZeRO++ (ZeRO-3 + hpZ: a secondary copy of the weights "
-                         "sharded within each node)", "zero3pp", (True, True, True), estimate=False))
+                         "sharded within each node)", "zero3pp", (True, True, True), estimate=True,
+                         options=frozenset({"zero_quantized_weights", "zero_quantized_gradients"})))
 register_backend(_record("zero3_offload", "ZeRO-3 with params, grads and optimizer state in CPU memory",
                          "zero3_offload", (True, True, True)))
 register_backend(_record("zero3_offload_nvme", "ZeRO-3 with params and optimizer state on NVMe (--offload-dir)",

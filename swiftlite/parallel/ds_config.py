@@ -20,7 +20,11 @@ Trainer integration fills it:
     reduce_bucket_size                  hidden_size * hidden_size
     stage3_prefetch_bucket_size         int(0.9 * hidden_size * hidden_size)
     stage3_param_persistence_threshold  10 * hidden_size
-    zero_hpz_partition_size             --nproc-per-node (ZeRO++ hpZ: one node's processes)
+    zero_hpz_partition_size             --nproc-per-node (ZeRO++ hpZ: one node's processes; in a rank
+                                        started without the flag, the launcher's LOCAL_WORLD_SIZE);
+                                        1 (hpZ off) when one node holds the whole world
+    zero_quantized_weights / _gradients --zero-quantized-weights / --zero-quantized-gradients (ZeRO++
+                                        qwZ/qgZ; refused on CPU runs, deepspeed.py check_config)
     nvme_path                           --offload-dir (required when a preset says "auto")
     optimizer / scheduler blocks        dropped: swiftlite always builds AdamW + its schedule from the
                                         flags (explicit values there must agree with the flags)
@@ -28,7 +32,8 @@ Trainer integration fills it:
 An explicit value (not "auto") that contradicts a flag is a UserError naming both, never silently
 overridden. Rejected outright: offload_param with ZeRO stage < 3 (DeepSpeed ignores it silently),
 train_batch_size != micro * accumulation * world, fp16 and bf16 both enabled, an "auto" that
-swiftlite cannot fill, and nvme offload without a path.
+swiftlite cannot fill, nvme offload without a path, and ZeRO++ settings below stage 3 (ignored by
+DeepSpeed) or an hpZ group size that does not divide the world.
 
 This module is import-light (no torch, no deepspeed) so the CLI can check a config before launch.
 """
@@ -179,8 +184,12 @@ def fill_auto(ds: dict[str, Any], cfg: "RunConfig", world_size: int, hidden_size
                 else:
                     del zo[key]
         if _is_auto(zo.get("zero_hpz_partition_size")):
-            # ZeRO++ hpZ: the secondary weight partition spans one node's processes.
-            zo["zero_hpz_partition_size"] = int(cfg.parallel.nproc_per_node or world_size)
+            # ZeRO++ hpZ: the secondary weight partition spans one node's processes. On one node that
+            # group is the whole world, and DeepSpeed would still build the secondary partition (the
+            # same size as the primary: measured, twice the parameter bytes) for no traffic saved: 1 (off).
+            per_node = procs_per_node(cfg, world_size)
+            zo["zero_hpz_partition_size"] = per_node if per_node < world_size else 1
+        _fill_quantized(zo, cfg)
         offload_dir = cfg.parallel.offload_dir
         for key in ("offload_optimizer", "offload_param"):
             block = zo.get(key)
@@ -200,6 +209,44 @@ def fill_auto(ds: dict[str, Any], cfg: "RunConfig", world_size: int, hidden_size
 
     _drop_optimizer_and_scheduler(ds, cfg)
     return ds
+
+
+def procs_per_node(cfg: "RunConfig", world_size: int) -> int:
+    """--nproc-per-node; inside a rank started without it (torchrun by hand), the launcher's
+    LOCAL_WORLD_SIZE; else the whole world (one node)."""
+    from swiftlite import env as envvars
+    if cfg.parallel.nproc_per_node:
+        return int(cfg.parallel.nproc_per_node)
+    v = envvars.world_vars()
+    return v.local_world_size if v.has_local_world_size else world_size
+
+
+#: ZeRO++'s quantized communication switches (zero_optimization block) and the flag that sets each.
+#: zero_quantized_nontrainable_weights has no flag (a user JSON may set it; the same device check).
+QUANTIZED_KEYS = {"zero_quantized_weights": "--zero-quantized-weights",
+                  "zero_quantized_gradients": "--zero-quantized-gradients",
+                  "zero_quantized_nontrainable_weights": None}
+
+
+def _fill_quantized(zo: dict[str, Any], cfg: "RunConfig") -> None:
+    """qwZ/qgZ: "auto" takes the flag (false without it), so does a config that leaves the key out
+    when the flag is given; an explicit value that the flag contradicts is an error."""
+    for key, flag in QUANTIZED_KEYS.items():
+        if flag is None:
+            continue
+        want = bool(getattr(cfg.parallel, key, False))
+        cur = zo.get(key)
+        if _is_auto(cur) or (cur is None and want):
+            zo[key] = want
+        elif want and cur is not True:
+            raise UserError(f"DeepSpeed config zero_optimization.{key}={str(cur).lower()} contradicts {flag}: "
+                            "set it to \"auto\" or make them agree")
+
+
+def quantized_settings(ds: dict[str, Any]) -> list[str]:
+    """The ZeRO++ quantized-communication keys a filled config turns on."""
+    zo = ds.get("zero_optimization") or {}
+    return [k for k in QUANTIZED_KEYS if zo.get(k) is True]
 
 
 #: DeepSpeed's pure-bf16 switches (bf16 block), set together by --pure-bf16.
@@ -304,6 +351,7 @@ def validate_ds_config(ds: dict[str, Any], world_size: int) -> None:
             if not block.get("nvme_path"):
                 raise UserError(f"DeepSpeed config zero_optimization.{key}: device nvme needs nvme_path "
                                 "(or \"auto\" with --offload-dir)")
+    _validate_zeropp(ds, stage, world_size)
     bf16 = bool((ds.get("bf16") or {}).get("enabled", False))
     fp16 = bool((ds.get("fp16") or {}).get("enabled", False))
     if bf16 and fp16:
@@ -328,6 +376,27 @@ def validate_ds_config(ds: dict[str, Any], world_size: int) -> None:
         raise UserError(f"DeepSpeed config train_batch_size={tbs} != train_micro_batch_size_per_gpu {micro} x "
                         f"gradient_accumulation_steps {gas} x world size {world_size} = "
                         f"{int(micro) * int(gas) * world_size}: set it to \"auto\"")
+
+
+def _validate_zeropp(ds: dict[str, Any], stage: int, world_size: int) -> None:
+    """ZeRO++ settings DeepSpeed reads only at stage 3 (ignored silently below), and an hpZ group
+    size that must divide the world (DeepSpeed asserts it deep in its group setup)."""
+    zo = ds.get("zero_optimization") or {}
+    hpz = zo.get("zero_hpz_partition_size", 1)
+    if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 0:
+        raise UserError(f"DeepSpeed config zero_optimization.zero_hpz_partition_size must be a whole number of "
+                        f"processes, got {hpz!r}")
+    if hpz > 1:
+        if stage != 3:
+            raise UserError(f"DeepSpeed config: zero_hpz_partition_size {hpz} (ZeRO++ hpZ) needs ZeRO stage 3, got "
+                            f"stage {stage} (DeepSpeed would silently ignore it)")
+        if hpz > world_size or world_size % hpz:
+            raise UserError(f"DeepSpeed config: zero_hpz_partition_size {hpz} (ZeRO++ hpZ: processes per node) must "
+                            f"divide the {world_size} processes")
+    for key in quantized_settings(ds):
+        if stage != 3:
+            raise UserError(f"DeepSpeed config: {key} (ZeRO++) needs ZeRO stage 3, got stage {stage} "
+                            "(DeepSpeed would silently ignore it)")
 
 
 def resolve_ds_config(cfg: "RunConfig", world_size: int, hidden_size: int | None,

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 from swiftlite import dtypes
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, register_backend
-from swiftlite.parallel.fsdp2 import (FSDP_OPTIONS, check_precision, check_quantized_base, mixed_precision_dtypes,
-                                      refuse_cpu_offload_without_gpu)
+from swiftlite.parallel.fsdp2 import (FSDP_OPTIONS, check_cpu_offload, check_one_process, check_precision,
+                                      check_quantized_base, mixed_precision_dtypes, refuse_cpu_offload_without_gpu,
+                                      reshard_after_forward)
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +86,19 @@ def apply_fsdp1(model: "torch.nn.Module", world: "World", *, mp: tuple | None, r
                 device_id=device_id, use_orig_params=True, sync_module_states=False)
 
 
+def _check_reshard_bool(cfg: Any, world_size: int, choice: Any = None) -> str | None:
+    """FSDP1 reshards all (FULL_SHARD) or nothing (SHARD_GRAD_OP): no partial resharding; on one
+    process (run as single) no FSDP knob applies."""
+    problem = check_one_process(cfg, world_size, backend="fsdp1")
+    if problem:
+        return problem
+    n = reshard_after_forward(cfg)
+    if not isinstance(n, bool):
+        return (f"--reshard-after-forward {n}: partial resharding is FSDP2's (--parallelism fsdp or hsdp); "
+                "fsdp1 takes true or false")
+    return None
+
+
 def fsdp1(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
     from swiftlite.optim import master_weights, trainable_dtype, upcast_trainable
     from swiftlite.parallel.torch_engine import TorchEngine
@@ -101,7 +115,7 @@ def fsdp1(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, 
         model = model.to(world.device)
     mp = mixed_precision_dtypes(cfg)
     wrapped = apply_fsdp1(model, world, mp=mp,
-                          reshard_after_forward=cfg.parallel.reshard_after_forward,
+                          reshard_after_forward=reshard_after_forward(cfg),
                           cpu_offload=cfg.parallel.cpu_offload,
                           buffer_dtype=None if master or mp is None else mp[0])
     return TorchEngine(wrapped, cfg, world, total_steps, clip=wrapped.clip_grad_norm_)
@@ -110,5 +124,5 @@ def fsdp1(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, 
 register_backend(Backend(
     name="fsdp1", engine="fsdp1", factory=fsdp1, one_process="single", shards=(True, True, True),
     memory_family="fsdp1", options=FSDP_OPTIONS,
-    checks=(check_quantized_base, check_precision, check_4bit_master),
+    checks=(check_quantized_base, check_precision, check_4bit_master, _check_reshard_bool, check_cpu_offload),
     summary="FSDP1 (FullyShardedDataParallel, one unit per decoder layer)"))

@@ -5,6 +5,11 @@ AdamW state. With --torch-dtype bf16 the sharded parameters, their gradients and
 fp32 (master weights: the trainable parameters are upcast before sharding) and `MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)` all-gathers them in bf16 for compute and reduce-scatters gradients in fp32
 (torchtitan's setup). --pure-bf16 shards the bf16 parameters themselves (docs/backends.md, "Precision").
+
+The knobs for scale (docs/backends.md, "FSDP2 knobs for scale"), shared with hsdp (parallel/hsdp.py):
+--reshard-after-forward true/false or a group size (fully_shard's own int: partial resharding),
+--forward-prefetch / --backward-prefetch (explicit prefetch depth, torchtitan's wiring) and
+--cpu-offload (CPUOffloadPolicy, GPU runs only). Each is refused where it would be ignored.
 """
 
 from __future__ import annotations
@@ -22,7 +27,57 @@ if TYPE_CHECKING:
     from swiftlite.distributed import World
     from swiftlite.parallel.torch_engine import TorchEngine
 
-FSDP_OPTIONS = frozenset({"mixed_precision", "cpu_offload"})
+#: What FSDP1 and FSDP2 both honour; FSDP2 (fsdp, hsdp) adds partial resharding and prefetch depth.
+FSDP_OPTIONS = frozenset({"mixed_precision", "cpu_offload", "reshard_after_forward"})
+FSDP2_OPTIONS = FSDP_OPTIONS | {"forward_prefetch", "backward_prefetch"}
+
+
+def reshard_after_forward(cfg: Any) -> bool | int:
+    """--reshard-after-forward as fully_shard takes it: True (the default), False, or a group size."""
+    value = cfg.parallel.reshard_after_forward
+    if value is None or value == "true":
+        return True
+    if value == "false":
+        return False
+    return int(value)
+
+
+def check_reshard_size(cfg: Any, shard_group: int, *, backend: str) -> str | None:
+    """An int --reshard-after-forward must be a divisor of the shard group strictly between 1 and its
+    size: FSDP2 would quietly turn 1 into false and the group size into true (_get_post_forward_mesh_info)."""
+    n = reshard_after_forward(cfg)
+    if isinstance(n, bool):
+        return None
+    if n >= shard_group or shard_group % n:
+        sizes = [d for d in range(2, shard_group) if shard_group % d == 0]
+        some = (f"give one of {', '.join(map(str, sizes))}" if sizes
+                else f"{shard_group} ranks have no such group")
+        return (f"--reshard-after-forward {n}: with --parallelism {backend} each parameter is sharded over "
+                f"{shard_group} ranks, and a partial reshard group must divide that and be smaller; {some}, or "
+                "use true (reshard over all of them) / false (keep gathered)")
+    return None
+
+
+#: FSDP-only options that a one-process run (which runs as `single`, unwrapped) would ignore.
+ONE_PROCESS_IGNORED = ("reshard_after_forward", "forward_prefetch", "backward_prefetch", "cpu_offload",
+                       "hsdp_shard_size")
+
+
+def check_one_process(cfg: Any, world_size: int, *, backend: str) -> str | None:
+    """On one process fsdp/hsdp/fsdp1 run as `single` (nothing to shard): an FSDP knob would be
+    accepted and ignored there, so it is refused."""
+    if world_size != 1:
+        return None
+    from swiftlite.parallel.base import OPTION_FLAGS
+    for key in ONE_PROCESS_IGNORED:
+        if getattr(cfg.parallel, key, None) not in (None, False):
+            return (f"{OPTION_FLAGS[key]}: --parallelism {backend} on one process runs as single (nothing to "
+                    f"shard), which does not use it; drop it, or start 2 or more processes (--nproc-per-node)")
+    return None
+
+
+def _check_fsdp2_knobs(cfg: Any, world_size: int, choice: Any = None) -> str | None:
+    return check_one_process(cfg, world_size, backend="fsdp") or check_reshard_size(cfg, world_size, backend="fsdp")
 
 
 def compute_precision(cfg: Any) -> str:
@@ -63,6 +118,20 @@ def refuse_cpu_offload_without_gpu(cfg: Any, world: "World") -> None:
                         "(everything is on the CPU already): drop --cpu-offload")
 
 
+def check_cpu_offload(cfg: Any, world_size: int, choice: Any = None, *, cuda: bool | None = None) -> str | None:
+    """Before launch: --cpu-offload (FSDP2's CPUOffloadPolicy, FSDP1's CPUOffload) needs a GPU to
+    offload from; the factories refuse it again in the rank (refuse_cpu_offload_without_gpu)."""
+    if not cfg.parallel.cpu_offload:
+        return None
+    if cuda is None:
+        import torch
+        cuda = torch.cuda.is_available()
+    if cuda:
+        return None
+    return ("--cpu-offload moves parameters from the GPU to the CPU; this run has no GPU (everything is on the "
+            "CPU already): drop --cpu-offload")
+
+
 def check_quantized_base(cfg: Any, world_size: int, choice: Any = None) -> str | None:
     """FSDP (both versions) and a bitsandbytes base."""
     bits = cfg.quant_bits
@@ -79,9 +148,14 @@ def check_quantized_base(cfg: Any, world_size: int, choice: Any = None) -> str |
     return None
 
 
-def apply_fsdp2(model: "torch.nn.Module", mesh: Any, *, mp: tuple | None, reshard_after_forward: bool,
-                cpu_offload: bool) -> "torch.nn.Module":
-    """Shard each decoder layer, then the root module (embeddings, norm, head)."""
+def apply_fsdp2(model: "torch.nn.Module", mesh: Any, *, mp: tuple | None, reshard_after_forward: bool | int,
+                cpu_offload: bool, forward_prefetch: int | None = None,
+                backward_prefetch: int | None = None) -> "torch.nn.Module":
+    """Shard each decoder layer, then the root module (embeddings, norm, head). A 2-D mesh
+    (replicate, shard) makes it HSDP. `reshard_after_forward` as an int reshards each layer to groups
+    of that many ranks after forward (FSDP2 builds that smaller mesh itself). The prefetch depths set
+    explicit all-gather prefetching N layers ahead, as torchtitan does; None keeps FSDP2's implicit
+    one-layer overlap."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     from swiftlite.models.loading import decoder_layers
@@ -90,10 +164,39 @@ def apply_fsdp2(model: "torch.nn.Module", mesh: Any, *, mp: tuple | None, reshar
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp[0], reduce_dtype=mp[1])
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
-    for layer in decoder_layers(model):
+    layers = list(decoder_layers(model))
+    for layer in layers:
         fully_shard(layer, **kw)
-    fully_shard(model, **kw)
+    # The root holds embeddings, norm and lm_head, which backward needs first: resharding it to a
+    # sub-group would only add an all-gather, so an int applies to the decoder layers alone.
+    fully_shard(model, **(kw | {"reshard_after_forward": bool(reshard_after_forward)}))
+    set_prefetch(model, layers, forward=forward_prefetch, backward=backward_prefetch)
     return model
+
+
+def set_prefetch(root: Any, layers: list, *, forward: int | None, backward: int | None) -> None:
+    """Explicit prefetching, N layers deep: in forward each layer (the root for the first) starts the
+    all-gathers of the next N; in backward, of the N before it in reverse order."""
+    if forward:
+        if layers:
+            root.set_modules_to_forward_prefetch(layers[:forward])
+        for i, layer in enumerate(layers):
+            ahead = layers[i + 1:i + 1 + forward]
+            if ahead:
+                layer.set_modules_to_forward_prefetch(ahead)
+    if backward:
+        for i, layer in enumerate(layers):
+            behind = layers[max(0, i - backward):i][::-1]
+            if behind:
+                layer.set_modules_to_backward_prefetch(behind)
+
+
+def fsdp2_kwargs(cfg: Any) -> dict[str, Any]:
+    """apply_fsdp2's keyword arguments from the run config (fsdp and hsdp alike)."""
+    p = cfg.parallel
+    return {"mp": mixed_precision_dtypes(cfg), "reshard_after_forward": reshard_after_forward(cfg),
+            "cpu_offload": p.cpu_offload, "forward_prefetch": p.forward_prefetch,
+            "backward_prefetch": p.backward_prefetch}
 
 
 def fsdp2(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
@@ -108,9 +211,7 @@ def fsdp2(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, 
     if not cfg.parallel.cpu_offload:
         model = model.to(world.device)
     mesh = init_device_mesh(device_type, (world.world_size,))
-    apply_fsdp2(model, mesh, mp=mixed_precision_dtypes(cfg),
-                reshard_after_forward=cfg.parallel.reshard_after_forward,
-                cpu_offload=cfg.parallel.cpu_offload)
+    apply_fsdp2(model, mesh, **fsdp2_kwargs(cfg))
     def sync(last: bool):
         # Reduce-scatter only at the end of an accumulation window (grads accumulate unsharded
         # in between, as with DDP's no_sync).
@@ -121,6 +222,6 @@ def fsdp2(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, 
 
 register_backend(Backend(
     name="fsdp", engine="fsdp", factory=fsdp2, aliases=("fsdp2",), one_process="single",
-    shards=(True, True, True), memory_family="fsdp", options=FSDP_OPTIONS,
-    checks=(check_quantized_base, check_precision),
+    shards=(True, True, True), memory_family="fsdp", options=FSDP2_OPTIONS,
+    checks=(check_quantized_base, check_precision, _check_fsdp2_knobs, check_cpu_offload),
     summary="FSDP2 (fully_shard per decoder layer): params, grads and optimizer state sharded"))

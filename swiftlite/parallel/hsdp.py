@@ -14,10 +14,12 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from swiftlite import env as envvars
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, register_backend
-from swiftlite.parallel.fsdp2 import (FSDP_OPTIONS, apply_fsdp2, check_precision, check_quantized_base,
-                                      mixed_precision_dtypes, refuse_cpu_offload_without_gpu)
+from swiftlite.parallel.fsdp2 import (FSDP2_OPTIONS, apply_fsdp2, check_cpu_offload, check_precision,
+                                      check_one_process, check_quantized_base, check_reshard_size, fsdp2_kwargs,
+                                      refuse_cpu_offload_without_gpu)
 
 if TYPE_CHECKING:
     import torch
@@ -26,28 +28,50 @@ if TYPE_CHECKING:
     from swiftlite.parallel.torch_engine import TorchEngine
 
 
-def shard_size(cfg: Any, world_size: int, local_world_size: int | None) -> int:
-    """Ranks per shard group: --hsdp-shard-size, else the processes per node."""
+def shard_size(cfg: Any, world_size: int, local_world_size: int | None = None) -> int:
+    """Ranks per shard group: --hsdp-shard-size, else the processes per node: inside a rank the
+    launcher's LOCAL_WORLD_SIZE (torchrun and swiftlite's own launcher set it, on every node), before
+    launch --nproc-per-node. With neither, one node is assumed (world size)."""
     size = cfg.parallel.hsdp_shard_size
     if size is None:
         size = local_world_size or cfg.parallel.nproc_per_node or world_size
     return int(size)
 
 
+def _problem(cfg: Any, world_size: int, shard: int) -> str | None:
+    given = cfg.parallel.hsdp_shard_size is not None
+    what = f"--hsdp-shard-size {shard}" if given else f"hsdp's shard size ({shard}: the processes per node)"
+    if shard < 1 or shard > world_size or world_size % shard:
+        return (f"{what} must divide the {world_size} processes (world = replicas x shard size)"
+                + ("" if given else "; set --hsdp-shard-size"))
+    return check_reshard_size(cfg, shard, backend="hsdp")
+
+
 def mesh_shape(cfg: Any, world_size: int, local_world_size: int | None) -> tuple[int, int]:
     """(replicate, shard) sizes of the device mesh; a world the shard size does not divide is refused."""
     shard = shard_size(cfg, world_size, local_world_size)
-    if shard < 1 or world_size % shard:
-        raise UserError(f"--hsdp-shard-size {shard}: it must divide the {world_size} processes "
-                        "(replicate groups x shard groups)")
+    problem = _problem(cfg, world_size, shard)
+    if problem:
+        raise UserError(problem)
     return world_size // shard, shard
 
 
 def _check_shard_size(cfg: Any, world_size: int, choice: Any = None) -> str | None:
-    size = cfg.parallel.hsdp_shard_size
-    if size is not None and (size < 1 or world_size % size):
-        return (f"--hsdp-shard-size {size}: it must divide the {world_size} processes "
-                "(world = replicas x shard size)")
+    """Before launch: the shard size against the planned world (--nnodes x --nproc-per-node)."""
+    return (check_one_process(cfg, world_size, backend="hsdp")
+            or _problem(cfg, world_size, shard_size(cfg, world_size)))
+
+
+def _local_world_size(cfg: Any, world: "World") -> int | None:
+    """The processes per node as the launcher reports them (LOCAL_WORLD_SIZE, or the DeepSpeed
+    launcher's LOCAL_SIZE); None when it does not (a launcher that
+    sets RANK/WORLD_SIZE only), then --nproc-per-node or, lacking that, a refusal: a guess of 1 would
+    silently replicate the whole model on every rank."""
+    if envvars.world_vars().has_local_world_size:
+        return world.local_world_size
+    if cfg.parallel.hsdp_shard_size is None and cfg.parallel.nproc_per_node is None:
+        raise UserError("--parallelism hsdp: the launcher did not say how many processes run per node "
+                        "(LOCAL_WORLD_SIZE is not set): pass --hsdp-shard-size or --nproc-per-node")
     return None
 
 
@@ -62,11 +86,9 @@ def hsdp(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, c
     device_type = "cuda" if world.device.startswith("cuda") else "cpu"
     if not cfg.parallel.cpu_offload:
         model = model.to(world.device)
-    mesh = init_device_mesh(device_type, mesh_shape(cfg, world.world_size, world.local_world_size),
-                            mesh_dim_names=("replicate", "shard"))
-    apply_fsdp2(model, mesh, mp=mixed_precision_dtypes(cfg),
-                reshard_after_forward=cfg.parallel.reshard_after_forward,
-                cpu_offload=cfg.parallel.cpu_offload)
+    shape = mesh_shape(cfg, world.world_size, _local_world_size(cfg, world))
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+    apply_fsdp2(model, mesh, **fsdp2_kwargs(cfg))
 
     def sync(last: bool):
         # As fsdp: reduce-scatter (and, for HSDP, the all-reduce across replicas) only at the end
@@ -78,7 +100,7 @@ def hsdp(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, c
 
 register_backend(Backend(
     name="hsdp", engine="hsdp", factory=hsdp, one_process="single",
-    shards=(True, True, True), memory_family="hsdp", estimate=False,
-    options=FSDP_OPTIONS | {"hsdp_shard_size"},
-    checks=(check_quantized_base, check_precision, _check_shard_size),
+    shards=(True, True, True), memory_family="hsdp", estimate=True,
+    options=FSDP2_OPTIONS | {"hsdp_shard_size"},
+    checks=(check_quantized_base, check_precision, _check_shard_size, check_cpu_offload),
     summary="HSDP (FSDP2 on a replicate x shard mesh): sharded within --hsdp-shard-size ranks, replicated across"))

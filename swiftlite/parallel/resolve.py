@@ -69,7 +69,11 @@ def _memory_family(rec: Backend, ds_source: str | None) -> str | None:
     ds = load_ds_config(ds_source)
     stage = ds_stage(ds)
     if stage == 3:
-        return "zero3_offload" if offload_devices(ds)[1] != "none" else "zero3"
+        if offload_devices(ds)[1] != "none":
+            return "zero3_offload"
+        # hpZ ("auto" = the processes per node, or a size > 1) keeps a secondary weight partition: ZeRO++
+        hpz = (ds.get("zero_optimization") or {}).get("zero_hpz_partition_size")
+        return "zero3pp" if hpz == "auto" or (isinstance(hpz, int) and hpz > 1) else "zero3"
     return "zero2"
 
 
@@ -83,7 +87,9 @@ def check_backend(rec: Backend, cfg: "RunConfig", world_size: int, ds_source: st
             if opt == "cpu_offload":
                 raise UserError(f"{flag} applies to {honoured}; for DeepSpeed use --parallelism zero3_offload "
                                 f"(got --parallelism {shown})")
-            raise UserError(f"{flag} applies to {honoured}; with --parallelism {shown} set --torch-dtype instead")
+            if opt == "mixed_precision":
+                raise UserError(f"{flag} applies to {honoured}; with --parallelism {shown} set --torch-dtype instead")
+            raise UserError(f"{flag} applies to {honoured}, not to --parallelism {shown}: drop it")
     if cfg.model.torch_dtype == "fp16" and not rec.loss_scaling:
         raise UserError("--torch-dtype fp16 needs loss scaling, which only the DeepSpeed backends provide; use bf16"
                         + (f" (--parallelism {shown})" if shown != cfg.parallel.parallelism else ""))

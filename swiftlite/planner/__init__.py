@@ -3,6 +3,7 @@
     shape = shape_from_model_arg("llama-8b")                      # shape.py: counts, not weights
     work = Workload(train_type="full", dtype="bf16", world_size=8, gpu_memory_bytes=80 * 10**9)
     est = estimate(shape, work, "fsdp")                           # memory.py: MemoryEstimate
+    links = comm_per_link(shape, work, "hsdp")                    # intra/inter-node bytes (topology.py)
     decision = recommend(shape, work)                             # recommend.py: Decision
     decision = run_estimate("llama-8b", gpus=8)                  # render.py: `swiftlite estimate`,
     render.render(decision)                                       #   its table
@@ -23,10 +24,12 @@ from swiftlite.planner.memory import (
 from swiftlite.planner.recommend import RULES, Decision, Rule, fmt_gb, recommend, resolve_auto, workload_from_config
 from swiftlite.planner.render import run_estimate, to_json  # not `render`: that name is the module
 from swiftlite.planner.shape import Linear, ModelShape, shape_from_config, shape_from_model_arg
+from swiftlite.planner.memory import LinkBytes, comm_per_link
 
 __all__ = [
-    "FAMILIES", "RULES", "SHARDING", "Decision", "GiB", "Linear", "MemoryEstimate", "ModelShape", "Rule",
-    "Workload", "activation_bytes", "backend_record", "base_bits", "comm_bytes_per_step", "estimate",
+    "FAMILIES", "RULES", "SHARDING", "Decision", "GiB", "Linear", "LinkBytes", "MemoryEstimate", "ModelShape",
+    "Rule", "Workload", "activation_bytes", "backend_record", "base_bits", "comm_bytes_per_step", "comm_per_link",
+    "estimate",
     "estimate_all", "fmt_gb", "model_state_bytes", "quantized_bytes", "recommend", "resolve_auto",
     "run_estimate", "shape_from_config", "shape_from_model_arg", "table_backends", "temp_buffer_bytes",
     "to_json", "trainable_params", "unavailable_reason", "workload_from_config",

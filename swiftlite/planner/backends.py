@@ -14,7 +14,7 @@ from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, all_backends, find_backend
 
 #: The formula families planner/memory.py implements.
-FAMILIES = ("single", "ddp", "fsdp", "fsdp1", "zero2", "zero3", "zero3_offload")
+FAMILIES = ("single", "ddp", "fsdp", "hsdp", "fsdp1", "zero2", "zero3", "zero3pp", "zero3_offload")
 
 
 def backend_record(backend: str | Backend) -> Backend:

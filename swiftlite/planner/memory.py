@@ -23,6 +23,10 @@ Model-state accounting (Ψ = parameters, N = ranks sharing the states), what eac
     master weights casts the frozen base to fp32 too (a unit flattens one dtype)
   each state is divided by N when the record's `shards` says so (zero2: grads + optimizer; zero3,
   fsdp, fsdp1: all three); the zero3_offload family keeps them in CPU memory instead of the GPU.
+  Across nodes (see topology_state_bytes): hsdp is fsdp with N = its shard size (--hsdp-shard-size,
+  default the GPUs per node); zero3pp is zero3 plus hpZ's secondary copy of the 16-bit weights,
+  sharded over one node's P ranks (params / P more per rank; ZeRO++, Wang et al. 2023, section 3.1).
+  Communication per link: planner/topology.py.
 
 No torch at import time (the CLI imports this).
 """
@@ -41,6 +45,7 @@ from swiftlite.planner.backends import backend_record, table_backends
 from swiftlite.planner.activations import (CHUNK_LOGIT_BYTES, LOGIT_BYTES,  # noqa: F401 (re-exported)
                                            activation_bytes, logit_bytes)
 from swiftlite.planner.shape import ModelShape
+from swiftlite.planner.topology import LinkBytes, hsdp_shard_size, split_by_link
 
 if TYPE_CHECKING:
     from swiftlite.parallel.base import Backend
@@ -110,6 +115,7 @@ class Workload:
     loss_chunk_tokens: int = 0           # --loss-chunk-tokens (0: auto)
     tokens_per_micro_batch: int | None = None  # real tokens a padding-free micro-batch computes (None: the
                                                # max_length x micro_batch bound, what padded batches compute)
+    hsdp_shard_size: int | None = None   # --hsdp-shard-size (None: gpus_per_node)
     reference: str = "none"              # rlhf DPO's reference: "copy" (a frozen copy, full fine-tune or
                                          # --ref_model) or "none" (LoRA adapter off, precomputed, ORPO, SimPO)
 
@@ -148,6 +154,11 @@ class Workload:
         if not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 0:
             return f"--loss-chunk-tokens must be >= 0 (0 = auto), got {self.loss_chunk_tokens!r}"
         return None
+
+    @property
+    def nnodes(self) -> int:
+        """Nodes of the job: world_size / gpus_per_node."""
+        return self.world_size // (self.gpus_per_node or self.world_size)
 
     @property
     def mixed(self) -> bool:
@@ -191,6 +202,8 @@ class MemoryEstimate:
     gpu_memory_bytes: int | None
     available: bool = True
     note: str = ""          # why the backend cannot run this workload, when it cannot
+    comm_intra_node_bytes: int = 0  # of comm_bytes_per_step: collectives inside one node (planner/topology.py)
+    comm_inter_node_bytes: int = 0  # of comm_bytes_per_step: collectives whose group spans nodes
     reference: int = 0      # rlhf: the frozen reference copy (reference_bytes), in `total`
 
     @property
@@ -274,6 +287,8 @@ def model_state_bytes(shape: ModelShape, workload: Workload, backend: str | Back
     rec = backend_record(backend)
     w = workload
     n = 1 if rec.memory_family == "single" else w.world_size
+    if rec.memory_family == "hsdp":
+        n = _sharding_ranks(w, rec.memory_family)
     shard_p, shard_g, shard_o = rec.shards
     p_b, g_b, o_b = _state_bytes_per_param(w, rec.memory_family)
     trainable = trainable_params(shape, w)
@@ -286,9 +301,44 @@ def model_state_bytes(shape: ModelShape, workload: Workload, backend: str | Back
     def part(nbytes: int, sharded: bool) -> int:
         return _ceil_div(nbytes, n) if sharded else nbytes
 
-    return {"params": part(frozen + trainable * p_b, shard_p),
+    params = part(frozen + trainable * p_b, shard_p)
+    if rec.memory_family == "zero3pp":
+        params += _hpz_secondary_bytes(frozen + trainable * p_b, w)
+    return {"params": params,
             "grads": part(trainable * g_b, shard_g),
             "optimizer": part(trainable * o_b, shard_o)}
+
+
+# --- across nodes: hsdp and zero3pp (the families built on fsdp's and zero3's formulas) --------------
+
+#: The family whose buffer formulas a multi-node family uses (hsdp gathers per layer as fsdp does;
+#: zero3pp gathers per module as zero3 does).
+BASE_FAMILY = {"hsdp": "fsdp", "zero3pp": "zero3"}
+
+
+def _sharding_ranks(w: Workload, family: str) -> int:
+    """Ranks sharing one copy of the states: hsdp's shard group (--hsdp-shard-size, default the GPUs
+    per node; the copies are replicated across the world / shard-size groups)."""
+    return hsdp_shard_size(w) if family == "hsdp" else w.world_size
+
+
+def _hpz_secondary_bytes(param_bytes: int, w: Workload) -> int:
+    """ZeRO++ hpZ's secondary partition: the 16-bit weights again, sharded over one node's ranks
+    (zero_hpz_partition_size = GPUs per node), so the backward gathers stay inside the node. On one
+    node DeepSpeed builds no secondary partition (it would equal the primary)."""
+    per_node = int(w.gpus_per_node or w.world_size)
+    if per_node >= w.world_size:
+        return 0
+    return _ceil_div(param_bytes, per_node)
+
+
+def topology_problem(w: Workload, family: str) -> str:
+    """Why a multi-node family cannot run this layout, or ""."""
+    if family == "hsdp":
+        shard = hsdp_shard_size(w)
+        if shard < 1 or w.world_size % shard:
+            return f"--hsdp-shard-size {shard} does not divide the {w.world_size} GPUs"
+    return ""
 
 
 def _gathered_layer_bytes(shape: ModelShape, w: Workload) -> int:
@@ -317,6 +367,7 @@ def temp_buffer_bytes(shape: ModelShape, w: Workload, backend: str | Backend) ->
          layers are unsharded at a time (current + prefetched), plus one layer's unsharded gradients.
     """
     family = backend_record(backend).memory_family
+    family = BASE_FAMILY.get(family, family)
     e = w.elem
     trainable = trainable_params(shape, w)
     h2 = shape.hidden * shape.hidden
@@ -340,31 +391,32 @@ def temp_buffer_bytes(shape: ModelShape, w: Workload, backend: str | Backend) ->
     raise AssertionError(f"memory family {family!r} has no buffer formula")  # FAMILIES lists each
 
 
-def comm_bytes_per_step(shape: ModelShape, w: Workload, backend: str | Backend) -> int:
-    """Bytes each rank sends per micro-step (ring collectives move (N-1)/N of the buffer per rank), by family.
-
-    ddp: all-reduce of the gradients = 2(N-1)/N * grad bytes.
-    zero2: reduce-scatter of grads + all-gather of updated params = 2(N-1)/N * 16-bit trainable bytes.
-    fsdp/fsdp1/zero3: all-gather in forward + all-gather in backward + reduce-scatter of grads
-         = 3(N-1)/N * param bytes in the compute dtype for a full fine-tune (for LoRA the frozen base
-         is all-gathered twice in its storage form and only adapter grads are reduced).
-    """
-    family = backend_record(backend).memory_family
-    n = 1 if family == "single" else w.world_size
-    if n == 1:
-        return 0
-    ring = (n - 1) / n
+def comm_volumes(shape: ModelShape, w: Workload, family: str) -> tuple[float, float]:
+    """(Ψ_g, Ψ_r) of planner/topology.py: bytes all-gathered per step (a full fine-tune: the parameters
+    in the compute dtype; LoRA: the frozen base in its storage form + the adapters) and gradient
+    bytes reduced (the trainable parameters in the dtype the backend reduces in: the torch backends'
+    gradient dtype, fp32 under master weights; DeepSpeed's 16-bit model dtype)."""
     trainable = trainable_params(shape, w)
-    if family == "ddp":
-        return int(2 * ring * trainable * _state_bytes_per_param(w, family)[1])
-    if family == "zero2":
-        return int(2 * ring * trainable * w.elem)
     if w.train_type == "full":
         gathered = shape.n_params * w.elem
     else:
         gathered = (_base_bytes(w, shape.n_linear_params, shape.n_params - shape.n_linear_params,
                                 shape.linear_out_rows) + trainable * w.elem)
-    return int(ring * (2 * gathered + trainable * w.elem))
+    grad = w.elem if family.startswith("zero") else _state_bytes_per_param(w, family)[1]
+    return float(gathered), float(trainable * grad)
+
+
+def comm_per_link(shape: ModelShape, w: Workload, backend: str | Backend) -> LinkBytes:
+    """Intra- and inter-node bytes each rank moves per optimizer step under `backend` (a record or a
+    name): planner/topology.py's ring terms over this workload's volumes."""
+    family = backend_record(backend).memory_family
+    return split_by_link(family, w, *comm_volumes(shape, w, family))
+
+
+def comm_bytes_per_step(shape: ModelShape, w: Workload, backend: str | Backend) -> int:
+    """Bytes each rank moves per optimizer step in ring terms, both links together (the formulas, by
+    family: planner/topology.py)."""
+    return comm_per_link(shape, w, backend).total
 
 
 def unavailable_reason(w: Workload, backend: str | Backend) -> str:
@@ -376,9 +428,9 @@ def unavailable_reason(w: Workload, backend: str | Backend) -> str:
         return "fp16 needs loss scaling, which only the DeepSpeed backends provide"
     if w.quant_bits is not None and rec.memory_family == "zero3_offload":
         return "DeepSpeed offload cannot move bitsandbytes-quantized weights"
-    if rec.memory_family == "fsdp" and not w.fsdp2_available:
+    if rec.memory_family in ("fsdp", "hsdp") and not w.fsdp2_available:
         return "FSDP2 (fully_shard) needs torch >= 2.4"
-    return ""
+    return topology_problem(w, rec.memory_family)
 
 
 def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> MemoryEstimate:
@@ -405,6 +457,7 @@ def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> M
         if cpu and w.cpu_memory_bytes is not None:
             fits = fits and cpu_node <= w.usable_fraction * w.cpu_memory_bytes
     note = unavailable_reason(w, rec)
+    links = None if topology_problem(w, rec.memory_family) else comm_per_link(shape, w, rec)
     if rec.max_processes is not None and w.world_size > rec.max_processes:
         note = ("one process cannot use several GPUs" if rec.max_processes == 1
                 else f"{rec.name} runs at most {rec.max_processes} processes")
@@ -412,14 +465,16 @@ def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> M
         backend=rec.name, params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
         activations=acts, temp_buffers=temp, overhead=w.overhead_bytes, cpu_offloaded=cpu,
         cpu_per_node=cpu_node, total=total, fits=fits if not note else False,
-        comm_bytes_per_step=comm_bytes_per_step(shape, w, rec), gpu_memory_bytes=w.gpu_memory_bytes,
-        available=not note, note=note, reference=ref)
+        comm_bytes_per_step=links.total if links else 0, gpu_memory_bytes=w.gpu_memory_bytes,
+        available=not note, note=note, comm_intra_node_bytes=links.intra if links else 0,
+        comm_inter_node_bytes=links.inter if links else 0, reference=ref)
 
 
 def reference_bytes(shape: ModelShape, w: Workload, backend: str | Backend) -> int:
     """DPO's frozen reference copy per rank (rlhf/frozen.py): the model's weights in the compute dtype,
     no gradients or optimizer state, laid out like the policy's parameters (sharded over N under
-    fsdp/fsdp1/zero3; a replica under single/ddp and ZeRO-1/2, which shard optimizer state only).
+    fsdp/fsdp1/zero3, over a shard group under hsdp; a replica under single/ddp and ZeRO-1/2, which
+    shard optimizer state only; zero3pp's secondary copy is not made for it).
     Offloaded ZeRO-3 keeps it in GPU memory (the copy is initialised without offload). 0 unless
     `w.reference == "copy"`: a LoRA run's reference is the base with the adapter off, and precomputed
     log-probs are a few bytes per pair."""
@@ -427,6 +482,8 @@ def reference_bytes(shape: ModelShape, w: Workload, backend: str | Backend) -> i
         return 0
     rec = backend_record(backend)
     n = 1 if rec.memory_family == "single" else w.world_size
+    if rec.memory_family == "hsdp":  # sharded within a shard group, replicated across groups
+        n = _sharding_ranks(w, rec.memory_family)
     nbytes = shape.n_params * w.elem
     return _ceil_div(nbytes, n) if rec.shards[0] else nbytes
 
@@ -439,6 +496,7 @@ def estimate_all(shape: ModelShape, workload: Workload) -> dict[str, MemoryEstim
 
 __all__ = ["CHUNK_LOGIT_BYTES", "GiB", "LOGIT_BYTES", "LOSS_IMPLS", "MemoryEstimate", "Workload", "activation_bytes",
            "base_bits", "logit_bytes",
-           "comm_bytes_per_step", "estimate", "estimate_all", "model_state_bytes", "quantized_bytes", "reference_bytes",
-           "temp_buffer_bytes", "trainable_params", "unavailable_reason"]
+           "BASE_FAMILY", "LinkBytes", "comm_bytes_per_step", "comm_per_link", "comm_volumes", "estimate",
+           "estimate_all", "model_state_bytes", "quantized_bytes", "reference_bytes",
+           "temp_buffer_bytes", "topology_problem", "trainable_params", "unavailable_reason"]
 

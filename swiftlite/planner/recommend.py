@@ -52,7 +52,8 @@ class Rule:
 
 
 #: Ordered: the first rule whose backend is available, applies and fits wins. Cheaper communication
-#: first; sharding only when needed; offload (slow: PCIe every step) only when nothing else fits.
+#: first; sharding only when needed (across nodes: within a node first); offload (slow: PCIe every
+#: step) only when nothing else fits.
 ROOM = 0.8
 RULES: tuple[Rule, ...] = (
     Rule("single", lambda w: w.world_size == 1, None,
@@ -64,6 +65,16 @@ RULES: tuple[Rule, ...] = (
     Rule("zero2", lambda w: w.dtype == "fp16", ROOM,
          "fits on every GPU with room ({used} of {gpu}); fp16 needs DeepSpeed's loss scaling, and ZeRO-2 "
          "only shards grads and optimizer state"),
+    # Across nodes, when one node's shards hold the model: HSDP keeps the parameter gathers and
+    # reduce-scatters inside the node and sends only an all-reduce of 1/P of the gradients across
+    # (planner/topology.py); ZeRO++'s hpZ keeps the backward gathers inside the node.
+    Rule("hsdp", lambda w: w.nnodes > 1, None,
+         "across {nodes} nodes one node's {per_node} GPUs hold the sharded states ({used} of {gpu}); HSDP "
+         "keeps the gathers and reduce-scatters inside the node: {inter}/step crosses nodes ({inter_fsdp} "
+         "with fsdp), {intra}/step within"),
+    Rule("zero3pp", lambda w: w.nnodes > 1, None,
+         "{hsdp_status}; ZeRO++ (hpZ) shards over all {n} GPUs and keeps a secondary copy of the weights "
+         "per node ({used} of {gpu}): {inter}/step crosses nodes ({inter_zero3} with zero3), {intra}/step within"),
     Rule("fsdp", lambda w: w.world_size > 1, None,
          "a full replica does not fit with room; FSDP2 shards params, grads and optimizer state over "
          "{n} GPUs ({used} of {gpu}; {comm}/step)"),
@@ -85,10 +96,21 @@ def _reason(rule: Rule, est: MemoryEstimate, w: Workload, table: dict[str, Memor
         fsdp_status = f"fsdp is out ({fsdp.note if fsdp else 'not estimated'})"
     else:
         fsdp_status = f"fsdp does not fit ({fmt_gb(fsdp.total)} with its root and two layers unsharded)"
+    hsdp = table.get("hsdp")
+    if hsdp is None or not hsdp.available:
+        hsdp_status = f"hsdp is out ({hsdp.note if hsdp else 'not estimated'})"
+    else:
+        hsdp_status = f"hsdp does not fit ({fmt_gb(hsdp.total)}: states sharded over one node only)"
+
+    def inter(name: str) -> str:
+        other = table.get(name)
+        return fmt_gb(other.comm_inter_node_bytes) if other is not None else "?"
     return f"{est.backend}: " + rule.reason.format(
         used=fmt_gb(est.total), gpu=fmt_gb(est.gpu_memory_bytes or 0), n=w.world_size,
         comm=fmt_gb(est.comm_bytes_per_step), cpu=fmt_gb(est.cpu_per_node), cpu_check=cpu_check,
-        fsdp_status=fsdp_status)
+        fsdp_status=fsdp_status, hsdp_status=hsdp_status, nodes=w.nnodes, per_node=w.gpus_per_node,
+        inter=fmt_gb(est.comm_inter_node_bytes), intra=fmt_gb(est.comm_intra_node_bytes),
+        inter_fsdp=inter("fsdp"), inter_zero3=inter("zero3"))
 
 
 def recommend(shape: ModelShape, workload: Workload, rules: tuple[Rule, ...] = RULES) -> Decision:
@@ -150,7 +172,7 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         gpus_per_node=gpus_per_node or cfg.parallel.nproc_per_node or world_size,
         gpu_memory_bytes=gpu_memory_bytes, fsdp2_available=_has_fsdp2(),
         loss_impl="plain" if rlhf else cfg.train.loss_impl, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
-        pure_bf16=cfg.parallel.pure_bf16)
+        pure_bf16=cfg.parallel.pure_bf16, hsdp_shard_size=cfg.parallel.hsdp_shard_size)
 
 
 def _has_fsdp2() -> bool:
@@ -166,7 +188,8 @@ def resolve_auto(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None
     """The backend `--parallelism auto` runs with.
 
     On CPU (`gpu_memory_bytes` None) memory is not the constraint: one process runs "single", several
-    run "fsdp" (fp16 runs go to DeepSpeed ZeRO-2, the only backend with loss scaling). On GPU the
+    run "fsdp", several nodes "hsdp" (fp16 runs go to DeepSpeed ZeRO-2, the only backend with loss
+    scaling). On GPU the
     memory model decides (`recommend`); pass `shape` when the model is a hub id (this reads only
     presets and local folders). A run that fits nowhere is a UserError naming the smallest need.
     """
@@ -175,6 +198,11 @@ def resolve_auto(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None
             return Decision("zero2", "fp16 needs loss scaling, which only the DeepSpeed backends provide")
         if world_size == 1:
             return Decision("single", "one process on CPU: no parallelism needed")
+        nnodes = cfg.parallel.nnodes or 1
+        if nnodes > 1:
+            return Decision("hsdp", f"{nnodes} nodes of CPU processes: HSDP shards within each node and "
+                            "replicates across, so only gradient shards cross nodes (memory is not estimated "
+                            "on CPU)")
         return Decision("fsdp", f"{world_size} CPU processes: FSDP2 shards params, grads and optimizer "
                         "state (memory is not estimated on CPU)")
     shape = shape or shape_from_model_arg(cfg.model.model)

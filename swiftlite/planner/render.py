@@ -25,14 +25,18 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
                  gpu_memory: str = "80GB", max_length: int = 2048, micro_batch: int = 1,
                  gradient_checkpointing: bool = True, dtype: str = "bf16", lora_rank: int = 8,
                  quant_bits: int | None = None, cpu_memory: str | None = None, loss_impl: str = "chunked",
-                 pure_bf16: bool = False, rlhf_type: str | None = None,
+                 pure_bf16: bool = False, hsdp_shard_size: int | None = None, rlhf_type: str | None = None,
                  precompute_ref_log_probs: bool = False) -> Decision:
     """Estimate every backend for `model` on `nodes` x `gpus` GPUs and recommend one.
 
     `gpus` is per node; sizes are parse_size's (a bare number is GB); `cpu_memory` is per node and,
     when given, makes the offload rows check CPU memory too. `quant_bits` None with "qlora" means 4.
-    Bad values raise a UserError naming the flag.
+    `hsdp_shard_size` None: the hsdp row shards over one node's GPUs. Bad values raise a UserError
+    naming the flag.
     """
+    if hsdp_shard_size is not None and (not isinstance(hsdp_shard_size, int) or hsdp_shard_size <= 0
+                                        or (gpus * nodes) % hsdp_shard_size):
+        raise UserError(f"--hsdp-shard-size {hsdp_shard_size}: it must divide the {gpus * nodes} GPUs")
     for flag, v in (("--gpus", gpus), ("--nnodes", nodes)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise UserError(f"{flag} must be a positive integer, got {v!r}")
@@ -49,7 +53,7 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
         max_length=max_length, micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing,
         world_size=gpus * nodes, gpus_per_node=gpus, gpu_memory_bytes=parse_size(gpu_memory, "--gpu-memory"),
         cpu_memory_bytes=parse_size(cpu_memory, "--cpu-memory") if cpu_memory is not None else None,
-        loss_impl=loss_impl, pure_bf16=pure_bf16)
+        loss_impl=loss_impl, pure_bf16=pure_bf16, hsdp_shard_size=hsdp_shard_size)
     return recommend(shape, workload)
 
 
@@ -99,7 +103,11 @@ def render(decision: Decision, console=None) -> None:
         table.add_column(col, justify="right", no_wrap=True)
     table.add_column("fits", no_wrap=True)
     table.add_column("CPU/node", justify="right", no_wrap=True)
-    table.add_column("comm/step", justify="right", no_wrap=True)
+    # Across nodes the communication splits by link (planner/topology.py): within a node / across.
+    multi = w is not None and w.nnodes > 1
+    comm_cols = ("intra", "inter") if multi else ("comm/step",)
+    for col in comm_cols:
+        table.add_column(col, justify="right", no_wrap=True)
     notes = []
     for name, est in decision.table.items():
         if not est.available:
@@ -110,14 +118,19 @@ def render(decision: Decision, console=None) -> None:
         else:
             fits = "[green]yes[/green]" if est.fits else "[red]no[/red]"
         chosen = name == decision.backend
+        comm = ((_gib(est.comm_intra_node_bytes), _gib(est.comm_inter_node_bytes)) if multi
+                else (_gib(est.comm_bytes_per_step),))
         table.add_row(f"* {name}" if chosen else f"  {name}", _gib(est.params), _gib(est.grads),
                       _gib(est.optimizer), _gib(est.activations), _gib(est.temp_buffers), _gib(est.total), fits,
-                      _gib(est.cpu_per_node) if est.cpu_per_node else "-", _gib(est.comm_bytes_per_step),
+                      _gib(est.cpu_per_node) if est.cpu_per_node else "-", *comm,
                       style="bold" if chosen else None)
     console.print(table)
     if w is not None and w.reference == "copy" and decision.backend in decision.table:
         console.print(f"[dim]totals include DPO's frozen reference copy: "
                       f"{_gib(decision.table[decision.backend].reference)} GiB per GPU on {decision.backend}[/dim]")
+    if multi:
+        console.print("[dim]intra/inter: comm GiB per GPU per step, collectives inside one node / across "
+                      "nodes (ring terms; docs/backends.md \"Across nodes\")[/dim]")
     for note in notes:
         console.print(f"[dim]n/a {note}[/dim]")
     if decision.backend == "none":

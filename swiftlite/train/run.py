@@ -177,11 +177,13 @@ def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
 
         torch.manual_seed(cfg.train.seed + world.rank)
         start_guess = 0
+        # The backend may build the model in a context of its own (ZeRO-3: partitioned as it loads).
+        # Made before the probe starts its memory window: DeepSpeed's records load their libraries
+        # here, which are not training memory.
+        init_context = choice.record.model_init_context(cfg, world, lambda: model_config(cfg, source), choice)
         probe = probe_factory(run_dir, world, start_guess, steps) if probe_factory else None
         if probe is not None:
             probe.start()
-        # The backend may build the model in a context of its own (ZeRO-3: partitioned as it loads).
-        init_context = choice.record.model_init_context(cfg, world, lambda: model_config(cfg, source), choice)
         model = prepare_model(cfg, source, world, init_context=init_context)
         engine = build_engine(model, cfg, world, steps, choice)   # optimizer built here (trap 2)
 

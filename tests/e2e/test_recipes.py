@@ -27,3 +27,16 @@ def test_recipe_dry_run(recipe: Path, demo_data, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "backend:" in proc.stdout and "launch:" in proc.stdout, proc.stdout
     assert not (tmp_path / "out").exists(), "a dry run writes nothing"
+
+
+def test_slurm_recipe_runs_hsdp(demo_data, tmp_path):
+    """PARALLELISM=hsdp: the Slurm recipe plans hsdp over its 2 nodes x 8 processes."""
+    train, _ = demo_data
+    env = cli_env(DATA=str(train), OUTPUT_DIR=str(tmp_path / "out"), DRY_RUN="1", PARALLELISM="hsdp")
+    env["PATH"] = str(Path(os.sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    for k in ("NPROC_PER_NODE", "SLURM_JOB_ID", "SLURM_NODELIST", "SLURM_JOB_NODELIST"):
+        env.pop(k, None)
+    proc = subprocess.run(["bash", str(ROOT / "recipes" / "slurm_fsdp2.sbatch")], capture_output=True, text=True,
+                          env=env, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "backend:        hsdp" in proc.stdout and "2 node(s) x 8 process(es) = 16" in proc.stdout, proc.stdout

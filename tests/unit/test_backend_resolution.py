@@ -94,3 +94,21 @@ def test_expected_choices_on_cpu(data, tmp_path):
     else:                  # refused before launch with the reason, never "no backend"
         with pytest.raises(UserError, match="--parallelism auto chose zero2 .*no GPU"):
             choice("--torch-dtype", "fp16")
+
+
+def test_user_json_memory_family_follows_its_stage_offload_and_hpz(tmp_path):
+    """A DeepSpeed JSON of the user's is estimated with the formulas of what it configures: hpZ makes
+    a ZeRO-3 config ZeRO++ (its secondary weight partition counts), offload makes it zero3_offload."""
+    import json
+
+    from swiftlite.parallel.resolve import memory_family_for
+    cases = {"s2": ({"stage": 2}, "zero2"), "s3": ({"stage": 3}, "zero3"),
+             "hpz": ({"stage": 3, "zero_hpz_partition_size": 2}, "zero3pp"),
+             "hpz_auto": ({"stage": 3, "zero_hpz_partition_size": "auto"}, "zero3pp"),
+             "hpz_off": ({"stage": 3, "zero_hpz_partition_size": 1}, "zero3"),
+             "off": ({"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+                     "zero3_offload")}
+    for name, (zo, family) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"zero_optimization": zo}))
+        assert memory_family_for(str(path), 4) == family, name

@@ -47,11 +47,34 @@ SCENARIOS = [
      # ddp 16Ψ = 128 GB no; fsdp 16Ψ/8 = 16.1 + acts 4.3 + root 2.1 + root grads 2.1 + 2 layers 0.87
      # + layer grads 0.44 + 1.07 = 27 GB <= 36
      "fsdp", "FSDP2 shards"),
-    ("70b-full-32x80-fsdp", "llama-70b", dict(train_type="full", world_size=32, gpus_per_node=8,
-                                              gpu_memory_bytes=80 * GB),
-     # 16Ψ/32 = 35.3 + acts 6.6 + root 4.2 + root grads 4.2 + 2 layers 3.4 + layer grads 1.7 + 1.07
-     # = 56.5 GB <= 72
+    ("70b-full-32x80-fsdp", "llama-70b", dict(train_type="full", world_size=32, gpu_memory_bytes=80 * GB),
+     # one node of 32: 16Ψ/32 = 35.3 + acts 6.6 + root 4.2 + root grads 4.2 + 2 layers 3.4 + layer
+     # grads 1.7 + 1.07 = 56.5 GB <= 72
      "fsdp", "over 32 GPUs"),
+    # Across nodes (4 x 8): hsdp's states over one node, 16Ψ/8 = 141 GB, do not fit; zero3pp = zero3's
+    # 16Ψ/32 = 35.3 + hpZ's secondary weights 2Ψ/8 = 17.6 + acts 6.6 + gathered 2.0 + buckets 0.25
+    # + 1.07 = 63 GB <= 72. Inter-node: (31/32)(2Ψ + 2Ψ) = 273 GB vs zero3's (31/32) 6Ψ = 410 GB.
+    ("70b-full-4x8x80-zero3pp", "llama-70b", dict(train_type="full", world_size=32, gpus_per_node=8,
+                                                  gpu_memory_bytes=80 * GB),
+     "zero3pp", "hsdp does not fit"),
+    # fp16 across nodes: no torch backend (loss scaling), zero2 = 2Ψ + 14Ψ/32 = 172 GB no: zero3pp
+    ("70b-fp16-4x8x80-zero3pp", "llama-70b", dict(train_type="full", dtype="fp16", world_size=32,
+                                                  gpus_per_node=8, gpu_memory_bytes=80 * GB),
+     "zero3pp", "hsdp is out (fp16 needs loss scaling"),
+    # 8B across 2 x 8: ddp 16Ψ = 128 GB no; hsdp = fsdp's 8-GPU numbers, 16Ψ/8 = 16.1 + acts 4.3 +
+    # root 2.1 + root grads 2.1 + 2 layers 0.87 + layer grads 0.44 + 1.07 = 27 GB <= 72
+    ("8b-full-2x8x80-hsdp", "llama-8b", dict(train_type="full", world_size=16, gpus_per_node=8,
+                                             gpu_memory_bytes=80 * GB),
+     "hsdp", "keeps the gathers and reduce-scatters inside the node"),
+    # ... and on 2 x 8 x 40 GB as well (27 <= 36); fsdp would be 16Ψ/16 = 8 GB less but all its
+    # gathers cross nodes
+    ("8b-full-2x8x40-hsdp", "llama-8b", dict(train_type="full", world_size=16, gpus_per_node=8,
+                                             gpu_memory_bytes=40 * GB),
+     "hsdp", "across 2 nodes one node's 8 GPUs hold the sharded states"),
+    # 1B across 2 x 8: a replica fits with room (24.4 GB <= 64): ddp, as on one node
+    ("1b-full-2x8x80-ddp", "llama-1b", dict(train_type="full", world_size=16, gpus_per_node=8,
+                                            gpu_memory_bytes=80 * GB),
+     "ddp", "fits on every GPU with room"),
     ("70b-full-8x80-offload", "llama-70b", dict(train_type="full", world_size=8, gpu_memory_bytes=80 * GB),
      # fsdp/zero3: 16Ψ/8 = 141 GB > 72 before anything else; offload leaves ~10 GB on each GPU
      "zero3_offload", "only offload fits"),
@@ -236,8 +259,11 @@ def test_qlora_base_bytes():
 def test_comm_bytes(n):
     w = work(train_type="full", world_size=n)
     ring = (n - 1) / n
-    for backend in ("fsdp", "fsdp1", "zero3", "zero3_offload"):
+    for backend in ("zero3", "zero3_offload"):
         assert comm_bytes_per_step(TINY, w, backend) == int(3 * ring * 2 * PSI)
+    # FSDP gathers bf16 parameters and reduce-scatters fp32 gradients (reduce_dtype) under master weights
+    for backend in ("fsdp", "fsdp1"):
+        assert comm_bytes_per_step(TINY, w, backend) == int(ring * (2 * 2 + 4) * PSI)
     # DDP all-reduces the gradients in their dtype: fp32 under bf16 master weights, bf16 with --pure-bf16
     assert comm_bytes_per_step(TINY, w, "ddp") == int(2 * ring * 4 * PSI)
     assert comm_bytes_per_step(TINY, work(train_type="full", world_size=n, pure_bf16=True), "ddp") == \
@@ -380,6 +406,20 @@ def test_resolve_auto():
     big = build_config({"model": "llama-70b", "dataset": ["x.jsonl"], "torch_dtype": "bf16"})
     with pytest.raises(UserError, match="--parallelism auto"):
         resolve_auto(big, 1, 1 * GiB)
+    # across nodes: hsdp on CPU; on GPU the topology comes from --nnodes / --nproc-per-node
+    nodes = build_config({"model": "tiny-llama", "dataset": ["x.jsonl"], "nnodes": 2, "nproc_per_node": 2})
+    assert resolve_auto(nodes, 4, None).backend == "hsdp"
+    big_nodes = {"model": "llama-70b", "dataset": ["x.jsonl"], "torch_dtype": "bf16", "nnodes": 4,
+                 "nproc_per_node": 8, "gradient_checkpointing": True, "max_length": 2048}
+    full = resolve_auto(build_config({**big_nodes, "train_type": "full"}), 32, 80 * GB)
+    assert full.backend == "zero3pp"  # as 70b-full-4x8x80-zero3pp
+    # LoRA (the default): the frozen base over one node's 8 GPUs fits; only adapter grads cross nodes
+    lora = resolve_auto(build_config(big_nodes), 32, 80 * GB)
+    assert lora.backend == "hsdp" and lora.table["hsdp"].comm_inter_node_bytes < 10**9
+    # --hsdp-shard-size reaches the estimate: 16 GPUs per shard group span two nodes
+    wide = resolve_auto(build_config({**big_nodes, "hsdp_shard_size": 16}), 32, 80 * GB)
+    assert wide.table["hsdp"].params < lora.table["hsdp"].params
+    assert wide.table["hsdp"].comm_inter_node_bytes > lora.table["hsdp"].comm_inter_node_bytes
 
 
 def test_auto_in_a_run_reads_the_gpu_memory(monkeypatch, capsys):
