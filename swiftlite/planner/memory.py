@@ -116,8 +116,7 @@ class Workload:
     tokens_per_micro_batch: int | None = None  # real tokens a padding-free micro-batch computes (None: the
                                                # max_length x micro_batch bound, what padded batches compute)
     hsdp_shard_size: int | None = None   # --hsdp-shard-size (None: gpus_per_node)
-    reference: str = "none"              # rlhf DPO's reference: "copy" (a frozen copy, full fine-tune or
-                                         # --ref_model) or "none" (LoRA adapter off, precomputed, ORPO, SimPO)
+    reference: str = "none"              # rlhf DPO: "copy" (a frozen reference copy) or "none"
 
     def __post_init__(self) -> None:
         if dtypes.normalize(self.dtype) in dtypes.NAMES:
@@ -471,20 +470,12 @@ def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> M
 
 
 def reference_bytes(shape: ModelShape, w: Workload, backend: str | Backend) -> int:
-    """DPO's frozen reference copy per rank (rlhf/frozen.py): the model's weights in the compute dtype,
-    no gradients or optimizer state, laid out like the policy's parameters (sharded over N under
-    fsdp/fsdp1/zero3, over a shard group under hsdp; a replica under single/ddp and ZeRO-1/2, which
-    shard optimizer state only; zero3pp's secondary copy is not made for it).
-    Offloaded ZeRO-3 keeps it in GPU memory (the copy is initialised without offload). 0 unless
-    `w.reference == "copy"`: a LoRA run's reference is the base with the adapter off, and precomputed
-    log-probs are a few bytes per pair."""
-    if w.reference != "copy":
-        return 0
+    """DPO's frozen reference copy per rank (rlhf/frozen.py; 0 unless w.reference == "copy"): the weights
+    in the compute dtype, no grads or optimizer state, laid out like the policy's parameters (sharded
+    under fsdp/fsdp1/zero3, over a shard group under hsdp; a replica under single/ddp/ZeRO-1/2)."""
     rec = backend_record(backend)
-    n = 1 if rec.memory_family == "single" else w.world_size
-    if rec.memory_family == "hsdp":  # sharded within a shard group, replicated across groups
-        n = _sharding_ranks(w, rec.memory_family)
-    nbytes = shape.n_params * w.elem
+    n = 1 if rec.memory_family == "single" else _sharding_ranks(w, rec.memory_family)
+    nbytes = shape.n_params * w.elem if w.reference == "copy" else 0
     return _ceil_div(nbytes, n) if rec.shards[0] else nbytes
 
 

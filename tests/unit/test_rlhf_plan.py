@@ -19,6 +19,8 @@ def test_reference_copy_bytes_per_backend():
     for b in ("ddp", "fsdp", "zero3"):
         with_ref, without = estimate(shape, copy, b), estimate(shape, none, b)
         assert with_ref.total - without.total == with_ref.reference == reference_bytes(shape, copy, b)
+    hsdp = Workload(train_type="full", dtype="bf16", world_size=4, gpus_per_node=2, reference="copy")
+    assert reference_bytes(shape, hsdp, "hsdp") == -(-whole // 2)    # sharded within a node's group of 2
     lora = Workload(train_type="lora", dtype="bf16", world_size=2)
     assert reference_bytes(shape, lora, "fsdp") == 0
 
