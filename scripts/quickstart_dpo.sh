@@ -44,7 +44,7 @@ echo "== DPO with FSDP2 on ${NPROC} processes =="
 swiftlite rlhf --rlhf_type dpo --beta "${BETA:-0.1}" --model "$SFT_CKPT" \
   --dataset demo_data/pref_train.jsonl --val-dataset demo_data/pref_val.jsonl \
   --train-type full --parallelism fsdp --nproc-per-node "$NPROC" --torch-dtype fp32 \
-  --per-device-train-batch-size 8 --learning-rate "${LR:-5e-5}" --lr-scheduler-type constant --weight-decay 0.0 \
+  --per-device-train-batch-size 8 --learning-rate "${LR:-3e-4}" --lr-scheduler-type constant --weight-decay 0.0 \
   --max-steps "$STEPS" --logging-steps 20 --eval-steps "$STEPS" --save-strategy no \
   --seed 42 --output-dir "$OUT" --overwrite-output-dir
 
