@@ -199,7 +199,10 @@ def fsdp2_kwargs(cfg: Any) -> dict[str, Any]:
             "backward_prefetch": p.backward_prefetch}
 
 
-def fsdp2(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
+def fsdp2_engine(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int,
+                 mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...] | None = None) -> "TorchEngine":
+    """Upcast the trainable parameters (master weights), shard the model on a device mesh of
+    `mesh_shape` (1-D: fsdp; 2-D (replicate, shard): hsdp) and wrap it in the torch engine."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from swiftlite.optim import master_weights, upcast_trainable
@@ -210,14 +213,19 @@ def fsdp2(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, 
     device_type = "cuda" if world.device.startswith("cuda") else "cpu"
     if not cfg.parallel.cpu_offload:
         model = model.to(world.device)
-    mesh = init_device_mesh(device_type, (world.world_size,))
+    mesh = init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names)
     apply_fsdp2(model, mesh, **fsdp2_kwargs(cfg))
+
     def sync(last: bool):
-        # Reduce-scatter only at the end of an accumulation window (grads accumulate unsharded
-        # in between, as with DDP's no_sync).
+        # Reduce-scatter (and, on a 2-D mesh, the all-reduce across replicas) only at the end of an
+        # accumulation window (grads accumulate unsharded in between, as with DDP's no_sync).
         model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
     return TorchEngine(model, cfg, world, total_steps, no_sync=sync)
+
+
+def fsdp2(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
+    return fsdp2_engine(model, cfg, world, total_steps, (world.world_size,))
 
 
 register_backend(Backend(

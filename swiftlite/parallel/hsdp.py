@@ -11,15 +11,13 @@ checkpointing, DCP checkpoints that resume on any world size -- is fsdp's (paral
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 from swiftlite import env as envvars
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, register_backend
-from swiftlite.parallel.fsdp2 import (FSDP2_OPTIONS, apply_fsdp2, check_cpu_offload, check_precision,
-                                      check_one_process, check_quantized_base, check_reshard_size, fsdp2_kwargs,
-                                      refuse_cpu_offload_without_gpu)
+from swiftlite.parallel.fsdp2 import (FSDP2_OPTIONS, check_cpu_offload, check_one_process, check_precision,
+                                      check_quantized_base, check_reshard_size, fsdp2_engine)
 
 if TYPE_CHECKING:
     import torch
@@ -76,26 +74,8 @@ def _local_world_size(cfg: Any, world: "World") -> int | None:
 
 
 def hsdp(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from swiftlite.optim import master_weights, upcast_trainable
-    from swiftlite.parallel.torch_engine import TorchEngine
-    refuse_cpu_offload_without_gpu(cfg, world)
-    if master_weights(cfg):
-        upcast_trainable(model)
-    device_type = "cuda" if world.device.startswith("cuda") else "cpu"
-    if not cfg.parallel.cpu_offload:
-        model = model.to(world.device)
     shape = mesh_shape(cfg, world.world_size, _local_world_size(cfg, world))
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
-    apply_fsdp2(model, mesh, **fsdp2_kwargs(cfg))
-
-    def sync(last: bool):
-        # As fsdp: reduce-scatter (and, for HSDP, the all-reduce across replicas) only at the end
-        # of an accumulation window.
-        model.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
-    return TorchEngine(model, cfg, world, total_steps, no_sync=sync)
+    return fsdp2_engine(model, cfg, world, total_steps, shape, ("replicate", "shard"))
 
 
 register_backend(Backend(
