@@ -74,6 +74,23 @@ def _isolated_cache(tmp_path_factory):
     yield
 
 
+#: What a launcher sets for a rank. A test that joins a process group in-process (or a library it
+#: calls, such as DeepSpeed's init) may leave them in os.environ; a later CLI subprocess would then
+#: think it is a rank under torchrun and skip the launcher's checks.
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_rank_env():
+    before = {k: os.environ.get(k) for k in RANK_VARS}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its kind (its folder): `-m "not distributed"`, `-m e2e`, ..."""
     for item in items:

@@ -82,7 +82,14 @@ def encode_messages(tokenizer: Any, messages: list[dict], max_length: int, where
     messages = with_system(messages, system)
     full = render(tokenizer, messages)
     spans = assistant_spans(tokenizer, messages, full, where)
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, labels = label_spans(tokenizer, full, spans)
+    return _cut(ids, labels, max_length, truncation)
+
+
+def label_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Tokenize `text`; labels are the token ids inside the character `spans` (assistant turns), -100
+    elsewhere. The fast tokenizer's offsets place every token, so a turn boundary never splits one."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = enc["input_ids"]
     labels = [IGNORE] * len(ids)
     si = 0
@@ -91,7 +98,7 @@ def encode_messages(tokenizer: Any, messages: list[dict], max_length: int, where
             si += 1
         if si < len(spans) and a >= spans[si][0] and b <= spans[si][1] and b > a:
             labels[t] = ids[t]
-    return _cut(ids, labels, max_length, truncation)
+    return ids, labels
 
 
 def encode_text(tokenizer: Any, text: str, max_length: int, *, truncation: str = "right") -> Encoded:

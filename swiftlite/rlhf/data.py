@@ -27,7 +27,7 @@ from typing import Any, Callable
 from swiftlite.data.formats import Message, _role_messages, to_messages
 from swiftlite.data.pipeline import DataStats, Tokenized, split_validation
 from swiftlite.data.sources import load_rows
-from swiftlite.data.tokenize import IGNORE, assistant_spans, render, system_prompt, with_system
+from swiftlite.data.tokenize import IGNORE, assistant_spans, label_spans, render, system_prompt, with_system
 from swiftlite.errors import UserError
 
 
@@ -105,16 +105,7 @@ def encode_side(tokenizer: Any, prompt: list[Message], answer: list[Message], wh
     spans = assistant_spans(tokenizer, msgs, full, where)
     roles = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     spans = [s for i, s in zip(roles, spans) if i >= first_answer]
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids: list[int] = enc["input_ids"]
-    labels = [IGNORE] * len(ids)
-    si = 0
-    for t, (a, b) in enumerate(enc["offset_mapping"]):
-        while si < len(spans) and a >= spans[si][1]:
-            si += 1
-        if si < len(spans) and a >= spans[si][0] and b <= spans[si][1] and b > a:
-            labels[t] = ids[t]
-    return ids, labels
+    return label_spans(tokenizer, full, spans)
 
 
 def _cut(ids: list[int], labels: list[int], n: int, truncation: str) -> tuple[list[int], list[int]]:
