@@ -43,6 +43,24 @@ def run_cli(args: list[str], *, timeout: float = 600, check: bool = True, env: d
     return proc
 
 
+def run_plan_job(worker: Path, plan: list[dict], root: Path, name: str, procs: int, timeout: float) -> None:
+    """Run a worker script on a JSON plan of runs (root/NAME.json), on one process or under torchrun
+    with `procs` ranks, with a clean rank environment; its output goes to root/NAME.log."""
+    plan_file = root / f"{name}.json"
+    plan_file.write_text(json.dumps(plan, default=str))
+    env = cli_env()
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE"):
+        env.pop(k, None)
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
+                if procs > 1 else [sys.executable])
+    log = root / f"{name}.log"
+    with open(log, "w") as fh:
+        rc = subprocess.run([*launcher, str(worker), str(plan_file)], stdout=fh, stderr=subprocess.STDOUT,
+                            env=env, timeout=timeout).returncode
+    if rc != 0:
+        raise AssertionError(f"job {name} exited {rc}\n{log.read_text()[-6000:]}")
+
+
 def read_losses(run_dir: str | Path) -> dict[int, float]:
     """step -> training loss from logging.jsonl (the last record of a step wins: resumed runs)."""
     out: dict[int, float] = {}

@@ -250,7 +250,28 @@ def split_validation(tok: Tokenized, ratio: float, seed: int) -> tuple[Tokenized
     val_set = set(idx[:n_val])
     train = [r for i, r in enumerate(tok.rows) if i not in val_set]
     val = [r for i, r in enumerate(tok.rows) if i in val_set]
-    return Tokenized(train, tok.stats), Tokenized(val, DataStats(rows=len(val)))
+    kind = type(tok)  # Tokenized, or rlhf's PairData
+    return kind(train, tok.stats), kind(val, DataStats(rows=len(val)))
+
+
+def train_and_validation(d: Any, tok: Callable[[list[str]], Tokenized], seed: int, unit: str = "row"
+                         ) -> tuple[Tokenized, Tokenized | None]:
+    """--dataset, then --val-dataset or a --split-dataset-ratio share of it, tokenized by `tok`; a
+    selection with nothing usable is a UserError naming the flag (`unit`: row or pair)."""
+    train = tok(d.dataset)
+    val = None
+    if d.val_dataset:
+        val = tok(d.val_dataset)
+        if not val.rows:
+            raise UserError(f"--val-dataset {' '.join(d.val_dataset)}: no usable {unit}s ({val.stats.unusable()})")
+    elif d.split_dataset_ratio > 0:
+        if len(train.rows) < 2:
+            raise UserError(f"--split-dataset-ratio {d.split_dataset_ratio}: --dataset has "
+                            f"{len(train.rows)} usable {unit}(s), too few to hold some out")
+        train, val = split_validation(train, d.split_dataset_ratio, seed)
+    if not train.rows:
+        raise UserError(f"--dataset {' '.join(d.dataset)}: no usable {unit}s ({train.stats.unusable()})")
+    return train, val
 
 
 def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
@@ -272,19 +293,7 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
         return tokenize_specs(specs, tokenizer, task=cfg.task, max_length=d.max_length, packing=d.packing,
                               skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress,
                               truncation_strategy=d.truncation_strategy, system=system, seed=t.seed)
-    train = tok(d.dataset)
-    val = None
-    if d.val_dataset:
-        val = tok(d.val_dataset)
-        if not val.rows:
-            raise UserError(f"--val-dataset {' '.join(d.val_dataset)}: no usable rows ({val.stats.unusable()})")
-    elif d.split_dataset_ratio > 0:
-        if len(train.rows) < 2:
-            raise UserError(f"--split-dataset-ratio {d.split_dataset_ratio}: --dataset has "
-                            f"{len(train.rows)} usable row(s), too few to hold some out")
-        train, val = split_validation(train, d.split_dataset_ratio, t.seed)
-    if not train.rows:
-        raise UserError(f"--dataset {' '.join(d.dataset)}: no usable rows ({train.stats.unusable()})")
+    train, val = train_and_validation(d, tok, t.seed)
     plan = BatchPlan(len(train.rows), t.per_device_train_batch_size, world_size,
                      t.gradient_accumulation_steps, t.seed)
     if plan.steps_per_epoch == 0:

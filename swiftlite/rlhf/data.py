@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from swiftlite.data.formats import Message, _role_messages, to_messages
-from swiftlite.data.pipeline import DataStats, Tokenized, split_validation
+from swiftlite.data.pipeline import DataStats, Tokenized, train_and_validation
 from swiftlite.data.sources import load_rows
 from swiftlite.data.tokenize import IGNORE, assistant_spans, label_spans, render, system_prompt, with_system
 from swiftlite.errors import UserError
@@ -187,20 +187,7 @@ def prepare_pairs(cfg: Any, tokenizer: Any, world_size: int, *,
     def tok(specs: list[str]) -> PairData:
         return tokenize_pairs(specs, tokenizer, max_length=d.max_length, truncation=d.truncation_strategy,
                               skip_bad_rows=d.skip_bad_rows, system=system, seed=t.seed, progress=progress)
-    train = tok(d.dataset)
-    val = None
-    if d.val_dataset:
-        val = tok(d.val_dataset)
-        if not val.rows:
-            raise UserError(f"--val-dataset {' '.join(d.val_dataset)}: no usable pairs ({val.stats.unusable()})")
-    elif d.split_dataset_ratio > 0:
-        if len(train.rows) < 2:
-            raise UserError(f"--split-dataset-ratio {d.split_dataset_ratio}: --dataset has "
-                            f"{len(train.rows)} usable pair(s), too few to hold some out")
-        tr, va = split_validation(train, d.split_dataset_ratio, t.seed)
-        train, val = PairData(tr.rows, tr.stats), PairData(va.rows, va.stats)
-    if not train.rows:
-        raise UserError(f"--dataset {' '.join(d.dataset)}: no usable pairs ({train.stats.unusable()})")
+    train, val = train_and_validation(d, tok, t.seed, unit="pair")
     plan = BatchPlan(len(train.rows), t.per_device_train_batch_size, world_size,
                      t.gradient_accumulation_steps, t.seed)
     if plan.steps_per_epoch == 0:

@@ -18,14 +18,12 @@ of the 4-bit base. Tolerances (measured on torch 2.13 CPU; see docs/lora.md):
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_env, read_losses
+from tests.conftest import read_losses, run_plan_job
 
 pytest.importorskip("bitsandbytes")
 
@@ -60,19 +58,7 @@ def _args(train: Path, val: Path, out: Path, train_type: str, backend: str, *, p
 
 
 def _job(plan: list[dict], root: Path, name: str, procs: int) -> None:
-    plan_file = root / f"{name}.json"
-    plan_file.write_text(json.dumps(plan, default=str))
-    env = cli_env()
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE"):
-        env.pop(k, None)
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
-                if procs > 1 else [sys.executable])
-    log = root / f"{name}.log"
-    with open(log, "w") as fh:
-        rc = subprocess.run([*launcher, str(WORKER), str(plan_file)], stdout=fh, stderr=subprocess.STDOUT,
-                            env=env, timeout=TIMEOUT).returncode
-    if rc != 0:
-        raise AssertionError(f"job {name} exited {rc}\n{log.read_text()[-6000:]}")
+    run_plan_job(WORKER, plan, root, name, procs, TIMEOUT)
 
 
 @pytest.fixture(scope="module")
