@@ -58,6 +58,10 @@ def estimate_cmd(
                                                  "and DPO's frozen reference copy on a full fine-tune."),
     precompute_ref_log_probs: bool = typer.Option(False, "--precompute-ref-log-probs", "--precompute_ref_log_probs",
                                                   help="DPO with precomputed reference log-probs: no copy."),
+    parallelism: Optional[str] = typer.Option(
+        None, "--parallelism", "--parallelism_type", metavar="NAME",
+        help="Estimate this backend only (a --parallelism value, e.g. zero2_offload, or a DeepSpeed .json "
+             "file) and say whether it fits, instead of recommending one."),
     as_json: bool = typer.Option(False, "--json", help="Print the decision and every estimate as JSON "
                                  "(comm_intra_node_bytes / comm_inter_node_bytes: the split by link)."),
 ) -> None:
@@ -74,7 +78,7 @@ def estimate_cmd(
                             micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing, dtype=dtype,
                             lora_rank=lora_rank, quant_bits=quant_bits, loss_impl=loss_impl, pure_bf16=pure_bf16,
                             hsdp_shard_size=hsdp_shard_size, rlhf_type=rlhf_type,
-                            precompute_ref_log_probs=precompute_ref_log_probs)
+                            precompute_ref_log_probs=precompute_ref_log_probs, parallelism=parallelism)
     if as_json:
         print(to_json(decision))
     else:

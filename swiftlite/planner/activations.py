@@ -9,6 +9,7 @@ from typing import Any
 
 from swiftlite.parallel.loss import chunk_tokens_for
 from swiftlite.planner.shape import ModelShape
+from swiftlite.planner.transients import AUTOCAST_LAYER_EXTRA_H
 
 # `w` below is a planner.memory.Workload (not imported: memory.py imports this module).
 
@@ -24,7 +25,7 @@ CHUNK_LOGIT_BYTES = 4
 
 
 
-def activation_bytes(shape: ModelShape, w: Any) -> int:
+def activation_bytes(shape: ModelShape, w: Any, autocast: bool = False) -> int:
     """Activation memory per GPU at the peak of one micro-batch (see docs/estimate.md).
 
     Per token and decoder layer, a Llama-style block keeps (in the compute dtype): both norm inputs
@@ -36,6 +37,9 @@ def activation_bytes(shape: ModelShape, w: Any) -> int:
     plus its mask (1 byte on CUDA; on CPU, torch's dropout multiplies by a noise tensor of the
     input's dtype and keeps that). With checkpointing, each layer keeps only its input (s * b * h) and one
     layer is recomputed at a time. The loss adds `logit_bytes` (its --loss-impl).
+    `autocast` (single/ddp over fp32 master weights, planner/transients.py): the residual stream
+    stays fp32, so each checkpointed layer input is 4 bytes per element, the per-op input casts add
+    AUTOCAST_LAYER_EXTRA_H * h bytes per token and layer, and the loss gathers fp32 hidden states.
     """
     e = w.elem
     s, b = w.max_length, w.micro_batch
@@ -45,6 +49,8 @@ def activation_bytes(shape: ModelShape, w: Any) -> int:
     per_token = (4 * shape.hidden + 2 * q_dim + 2 * kv_dim + 4 * shape.intermediate) * e
     if e < 4:
         per_token += 2 * 4 * shape.hidden
+    if autocast:
+        per_token += AUTOCAST_LAYER_EXTRA_H * shape.hidden
     if w.peft and w.lora_dropout > 0:
         per_token += shape.lora_input_features(w.lora_targets) * (e + (e if w.cpu else 1))
     layer = tokens * per_token
@@ -53,13 +59,13 @@ def activation_bytes(shape: ModelShape, w: Any) -> int:
     else:
         layer += shape.heads * s * s * b * (4 + e)
     if w.gradient_checkpointing:
-        layers = shape.layers * tokens * shape.hidden * e + layer
+        layers = shape.layers * tokens * shape.hidden * (4 if autocast else e) + layer
     else:
         layers = shape.layers * layer
-    return layers + logit_bytes(shape, w)
+    return layers + logit_bytes(shape, w, hidden_elem=4 if autocast else None)
 
 
-def logit_bytes(shape: ModelShape, w: Any) -> int:
+def logit_bytes(shape: ModelShape, w: Any, hidden_elem: int | None = None) -> int:
     """Memory of the loss at its peak, per micro-batch, by --loss-impl (docs/estimate.md, "Logits").
 
     plain:   every token's logits, LOGIT_BYTES per (token x vocab entry).
@@ -71,13 +77,14 @@ def logit_bytes(shape: ModelShape, w: Any) -> int:
     liger:   Liger's chunks of next_pow2(tokens / ceil(vocab / h)) rows in the compute dtype, with the
              same gathered hidden states and gradient.
     cce:     logits stay in on-chip blocks: the gathered hidden states and their gradient only.
+    `hidden_elem`: bytes per hidden-state element when not the compute dtype's (fp32 under autocast).
     """
     e = w.elem
     tokens = w.tokens_per_micro_batch or w.max_length * w.micro_batch
     v, h = shape.vocab, shape.hidden
     if w.loss_impl == "plain":
         return tokens * v * LOGIT_BYTES
-    hidden = 2 * tokens * h * e
+    hidden = 2 * tokens * h * (hidden_elem or e)
     if w.loss_impl == "cce":
         return hidden
     if w.loss_impl == "liger":

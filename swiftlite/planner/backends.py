@@ -9,26 +9,80 @@ in `estimate`. Everything here reads the registry when called, so records regist
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from functools import lru_cache
+from typing import Any
 
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, all_backends, find_backend
 
-#: The formula families planner/memory.py implements.
-FAMILIES = ("single", "ddp", "fsdp", "hsdp", "fsdp1", "zero2", "zero3", "zero3pp", "zero3_offload")
+#: The formula families planner/memory.py implements. The optimizer-only offload families keep the
+#: 16-bit weights on the GPU (zero2_offload: whole; zero3_offload_optimizer: 1/N) and move the fp32
+#: gradient partitions and the optimizer state to host memory; zero3_offload moves the weights too.
+FAMILIES = ("single", "ddp", "fsdp", "hsdp", "fsdp1", "zero2", "zero2_offload", "zero3", "zero3pp",
+            "zero3_offload_optimizer", "zero3_offload")
+
+
+def ds_config_family(ds: dict[str, Any]) -> str:
+    """The memory family of a DeepSpeed config, from its stage and its offload blocks: parameter
+    offload (stage 3) -> zero3_offload; optimizer offload only -> zero2_offload /
+    zero3_offload_optimizer; stage 3 with hpZ (`zero_hpz_partition_size` "auto" or > 1) -> zero3pp."""
+    from swiftlite.parallel.ds_config import ds_stage, offload_devices
+    optimizer, param = offload_devices(ds)
+    if ds_stage(ds) == 3:
+        if param != "none":
+            return "zero3_offload"
+        if optimizer != "none":
+            return "zero3_offload_optimizer"
+        hpz = (ds.get("zero_optimization") or {}).get("zero_hpz_partition_size")
+        return "zero3pp" if hpz == "auto" or (isinstance(hpz, int) and not isinstance(hpz, bool) and hpz > 1) \
+            else "zero3"
+    return "zero2_offload" if optimizer != "none" else "zero2"
+
+
+@lru_cache(maxsize=64)
+def _preset_family(preset: str) -> str:
+    from swiftlite.parallel.ds_config import load_ds_config
+    return ds_config_family(load_ds_config(preset))
+
+
+def _as_estimated(rec: Backend) -> Backend:
+    """A DeepSpeed record's family refined by what its preset offloads: a record registered with its
+    stage's family ("zero2" for ZeRO-2 with offload_optimizer) is estimated with the offload one."""
+    if rec.memory_family in ("zero2", "zero3") and rec.ds_preset:
+        family = _preset_family(rec.ds_preset)
+        if family != rec.memory_family:
+            return replace(rec, memory_family=family)
+    return rec
+
+
+def _json_record(path: str) -> Backend:
+    """The `deepspeed` record for a DeepSpeed JSON file, with the family and the sharding its
+    stage and offload blocks give (stage 1/2: gradients and optimizer state; stage 3: all three)."""
+    from swiftlite.parallel.ds_config import load_ds_config
+    rec = find_backend("deepspeed")
+    if rec is None:
+        raise UserError(f"--parallelism {path!r}: no DeepSpeed backend is registered")
+    family = ds_config_family(load_ds_config(path))
+    stage3 = family.startswith("zero3")
+    return replace(rec, memory_family=family, shards=(stage3, True, True), estimate=False)
 
 
 def backend_record(backend: str | Backend) -> Backend:
-    """The record `backend` names (a --parallelism name or alias), or the record itself, checked to
-    have a memory family these formulas implement."""
+    """The record `backend` names (a --parallelism name or alias, or a DeepSpeed .json file), or the
+    record itself, checked to have a memory family these formulas implement; a DeepSpeed record's
+    family is the one its config's offload gives (`ds_config_family`)."""
+    if isinstance(backend, str) and backend.endswith(".json"):
+        return _json_record(backend)
     rec = backend if isinstance(backend, Backend) else find_backend(backend)
     if rec is None or rec.memory_family is None:
         known = ", ".join(b.name for b in all_backends() if b.memory_family)
         name = backend.name if isinstance(backend, Backend) else backend
-        raise UserError(f"--parallelism {name!r}: the estimator knows {known}")
+        raise UserError(f"--parallelism {name!r}: the estimator knows {known}, or a DeepSpeed .json file")
     if rec.memory_family not in FAMILIES:
         raise UserError(f"backend {rec.name!r}: memory_family {rec.memory_family!r} is not one of "
                         f"{', '.join(FAMILIES)}")
-    return rec
+    return _as_estimated(rec)
 
 
 def table_backends(world_size: int) -> list[Backend]:
@@ -71,4 +125,4 @@ class _Sharding(Mapping):
 SHARDING: Mapping[str, tuple[bool, bool, bool]] = _Sharding()
 
 
-__all__ = ["FAMILIES", "SHARDING", "backend_record", "table_backends"]
+__all__ = ["FAMILIES", "SHARDING", "backend_record", "ds_config_family", "table_backends"]

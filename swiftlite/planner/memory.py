@@ -33,7 +33,6 @@ No torch at import time (the CLI imports this).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,7 +43,11 @@ from swiftlite.parallel.loss import LOSS_IMPLS
 from swiftlite.planner.backends import backend_record, table_backends
 from swiftlite.planner.activations import (CHUNK_LOGIT_BYTES, LOGIT_BYTES,  # noqa: F401 (re-exported)
                                            activation_bytes, logit_bytes)
+from swiftlite.planner.load import LoadPhase, load_phase
 from swiftlite.planner.shape import ModelShape
+from swiftlite.planner.states import (_base_bytes, _ceil_div, _frozen_elem,  # noqa: F401 (re-exported)
+                                      _state_bytes_per_param, quantized_bytes, trainable_params)
+from swiftlite.planner.transients import autocast, autocast_copy_bytes, step_transient_bytes
 from swiftlite.planner.topology import LinkBytes, hsdp_shard_size, split_by_link
 
 if TYPE_CHECKING:
@@ -116,6 +119,9 @@ class Workload:
     tokens_per_micro_batch: int | None = None  # real tokens a padding-free micro-batch computes (None: the
                                                # max_length x micro_batch bound, what padded batches compute)
     hsdp_shard_size: int | None = None   # --hsdp-shard-size (None: gpus_per_node)
+    sharded_loading: bool = True         # --sharded-loading: fsdp/hsdp/fsdp1 fill each rank's shards
+    shard_file_bytes: int | None = None  # largest safetensors file of the checkpoint (None: unknown,
+                                         # planner/load.py HF_SHARD_BYTES)
     reference: str = "none"              # rlhf DPO: "copy" (a frozen reference copy) or "none"
 
     def __post_init__(self) -> None:
@@ -146,6 +152,8 @@ class Workload:
         for flag, v in (("--gpu-memory", self.gpu_memory_bytes), ("--cpu-memory", self.cpu_memory_bytes)):
             if v is not None and v <= 0:
                 return f"{flag} must be > 0, got {v}"
+        if self.shard_file_bytes is not None and self.shard_file_bytes <= 0:
+            return f"shard_file_bytes must be > 0, got {self.shard_file_bytes}"
         if not 0 < self.usable_fraction <= 1:
             return f"usable_fraction must be in (0, 1], got {self.usable_fraction}"
         if self.loss_impl not in LOSS_IMPLS:
@@ -185,7 +193,13 @@ class Workload:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per GPU rank for one backend; `total` sums the GPU components."""
+    """Bytes per GPU rank for one backend, by component and by phase.
+
+    `total` is the training peak: the states, the reference copy and the overhead plus the larger
+    of the forward/backward's activations + buffers and the optimizer step's transient (+ the
+    reduce bucket). `load_*` is the load phase (planner/load.py); `peak` = max(total, load_gpu);
+    `fits` needs the peak under the usable share of the GPU and, when --cpu-memory is known, the
+    host RAM of loading and of offload under that share of the node's memory."""
     backend: str
     params: int
     grads: int
@@ -204,76 +218,18 @@ class MemoryEstimate:
     comm_intra_node_bytes: int = 0  # of comm_bytes_per_step: collectives inside one node (planner/topology.py)
     comm_inter_node_bytes: int = 0  # of comm_bytes_per_step: collectives whose group spans nodes
     reference: int = 0      # rlhf: the frozen reference copy (reference_bytes), in `total`
+    step_transient: int = 0  # DeepSpeed's gradient conversion inside step() (planner/transients.py)
+    load_method: str = ""   # how the weights are loaded (planner/load.py METHODS)
+    load_gpu: int = 0       # per GPU while loading, overhead included
+    load_host_per_rank: int = 0   # host RAM per process while loading
+    load_host_per_node: int = 0   # host RAM per node while loading
+    load_one_memory: int = 0      # the load phase when the device is the host (a CPU run, no overhead)
+    peak: int = 0           # max(total, load_gpu)
 
     @property
     def used_fraction(self) -> float | None:
         """Share of the GPU's memory the estimate uses (None when the GPU is unknown)."""
-        return self.total / self.gpu_memory_bytes if self.gpu_memory_bytes else None
-
-
-def _ceil_div(a: int, b: int) -> int:
-    """a / b rounded up, in integers (byte counts of 405B models exceed float precision margins)."""
-    return -(-a // b)
-
-
-def quantized_bytes(n_weights: int, w: Workload, out_rows: int = 0) -> int:
-    """Storage of `n_weights` linear weights quantized with bitsandbytes.
-
-    nf4: 4 bits per weight plus one absmax per 64-weight block: fp32 (32/64 = 0.5 bit) or, with double
-    quantization, 8-bit absmax plus an fp32 constant per 256 blocks (8/64 + 32/16384 = 0.127 bit).
-    LLM.int8: 1 byte per weight plus an fp32 scale per output row.
-    """
-    if w.quant_bits == 4:
-        absmax = n_weights / 64 + 4 * n_weights / (64 * 256) if w.double_quant else 4 * n_weights / 64
-        return int(math.ceil(n_weights / 2 + absmax))
-    if w.quant_bits == 8:
-        return n_weights + 4 * out_rows
-    raise ValueError(f"quant_bits {w.quant_bits}")
-
-
-def _base_bytes(w: Workload, n_linear: int, n_other: int, out_rows: int, elem: int | None = None) -> int:
-    """Bytes of frozen/gathered base weights: quantized linears (if any) + the rest in `elem` bytes
-    (default: the compute dtype's)."""
-    e = w.elem if elem is None else elem
-    if w.quant_bits is None:
-        return (n_linear + n_other) * e
-    return quantized_bytes(n_linear, w, out_rows) + n_other * e
-
-
-def _frozen_elem(w: Workload, family: str) -> int:
-    """Bytes per frozen (non-quantized) base weight as stored: --torch-dtype, except fsdp1 with master
-    weights, which casts the whole LoRA model to fp32 (one dtype per flattened unit)."""
-    return 4 if family == "fsdp1" and w.master_weights else w.elem
-
-
-def trainable_params(shape: ModelShape, w: Workload) -> int:
-    """Parameters the optimizer updates: all of them (full) or the LoRA adapters."""
-    return shape.n_params if w.train_type == "full" else shape.lora_params(w.lora_rank, w.lora_targets)
-
-
-def _state_bytes_per_param(w: Workload, family: str) -> tuple[int, int, int]:
-    """(param, grad, optimizer) bytes per *trainable* parameter under a memory family: what the
-    backend holds (measured from the tensors: TorchEngine/DeepSpeedEngine.state_bytes)."""
-    zero = family.startswith("zero")
-    if not w.mixed:
-        if zero:
-            # DeepSpeed's ZeRO optimizer keeps its own fp32 flat partition of the weights even when
-            # they are fp32 already (measured: 4 + 8 bytes per trainable param, sharded).
-            return 4, 4, 12
-        return 4, 4, 8                     # fp32 weights, fp32 grads, AdamW exp_avg + exp_avg_sq
-    e = w.elem
-    if zero:
-        # DeepSpeed casts the module to 16-bit and keeps the master partition in its optimizer: fp32
-        # master + m + v (ZeRO paper, 12), or with --pure-bf16 (bf16_master_weights_and_grads,
-        # bf16_optimizer_states) a bf16 "master" + bf16 m + v (measured: 6 bytes).
-        return (e, e, 3 * e) if w.pure_bf16 else (e, e, 12)
-    if w.master_weights or (w.peft and family != "fsdp1"):
-        # The torch backends' fp32 master weights: the trainable parameters themselves are fp32, FSDP
-        # reduce-scatters their gradients in fp32 (reduce_dtype) and keeps them fp32, DDP's autocast
-        # leaves fp32 gradients; AdamW's m and v follow the parameter. peft keeps adapters fp32 under a
-        # 16-bit base (autocast_adapter_dtype) under --pure-bf16 too, except fsdp1 (one dtype per unit).
-        return 4, 4, 8
-    return e, e, 2 * e                     # --pure-bf16: bf16 params, grads, m and v
+        return self.peak / self.gpu_memory_bytes if self.gpu_memory_bytes else None
 
 
 def model_state_bytes(shape: ModelShape, workload: Workload, backend: str | Backend) -> dict[str, int]:
@@ -310,9 +266,10 @@ def model_state_bytes(shape: ModelShape, workload: Workload, backend: str | Back
 
 # --- across nodes: hsdp and zero3pp (the families built on fsdp's and zero3's formulas) --------------
 
-#: The family whose buffer formulas a multi-node family uses (hsdp gathers per layer as fsdp does;
-#: zero3pp gathers per module as zero3 does).
-BASE_FAMILY = {"hsdp": "fsdp", "zero3pp": "zero3"}
+#: The family whose buffer and communication formulas another family uses (hsdp gathers per layer
+#: as fsdp does; zero3pp gathers per module as zero3 does; the optimizer-only offload families keep
+#: their stage's buckets and collectives, only the optimizer moves to the host).
+BASE_FAMILY = {"hsdp": "fsdp", "zero3pp": "zero3", "zero2_offload": "zero2", "zero3_offload_optimizer": "zero3"}
 
 
 def _sharding_ranks(w: Workload, family: str) -> int:
@@ -352,8 +309,10 @@ def _gathered_layer_bytes(shape: ModelShape, w: Workload) -> int:
 def temp_buffer_bytes(shape: ModelShape, w: Workload, backend: str | Backend) -> int:
     """Communication buffers a backend adds on top of the model states (bytes per GPU), by family.
 
-    ddp: none beyond the gradients: swiftlite's DDP uses gradient_as_bucket_view=True, so the
-         gradients are views into DDP's buckets rather than a second copy. single: none.
+    ddp: no bucket copy: swiftlite's DDP uses gradient_as_bucket_view=True, so the gradients are
+         views into DDP's buckets; with fp32 master weights, autocast's cached 16-bit weight copies
+         (planner/transients.py autocast_copy_bytes). single: the same copies where they exceed the
+         gradients, which do not exist yet during the forward.
     zero2: the reduce bucket (reduce_bucket_size = h*h elements, 16-bit); updated params are
          all-gathered into the existing 16-bit buffer.
     zero3 / zero3_offload: the gathered parameters DeepSpeed keeps live (the whole model in the
@@ -371,7 +330,7 @@ def temp_buffer_bytes(shape: ModelShape, w: Workload, backend: str | Backend) ->
     trainable = trainable_params(shape, w)
     h2 = shape.hidden * shape.hidden
     if family in ("single", "ddp"):
-        return 0
+        return autocast_copy_bytes(shape, w, family, model_state_bytes(shape, w, backend)["grads"])
     if family == "zero2":
         return min(h2, trainable) * e
     if family in ("zero3", "zero3_offload"):
@@ -409,6 +368,7 @@ def comm_per_link(shape: ModelShape, w: Workload, backend: str | Backend) -> Lin
     """Intra- and inter-node bytes each rank moves per optimizer step under `backend` (a record or a
     name): planner/topology.py's ring terms over this workload's volumes."""
     family = backend_record(backend).memory_family
+    family = {"zero2_offload": "zero2", "zero3_offload_optimizer": "zero3"}.get(family, family)
     return split_by_link(family, w, *comm_volumes(shape, w, family))
 
 
@@ -432,31 +392,54 @@ def unavailable_reason(w: Workload, backend: str | Backend) -> str:
     return topology_problem(w, rec.memory_family)
 
 
+def _offload(states: dict[str, int], w: Workload, family: str) -> tuple[dict[str, int], int]:
+    """(the states left on the GPU, bytes per rank in host memory) for the offload families.
+
+    DeepSpeed's host-side Adam works on fp32 gradient partitions, so a 16-bit run's offloaded
+    gradients take 4 bytes per parameter there, not 2; the GPU keeps no gradient partition
+    (DeepSpeed 0.19's own estimators: ZeRO-2 offload 2Ψ on the GPU; ZeRO-3 with offload_optimizer
+    only, 2Ψ/N + the largest layer). zero3_offload moves the 16-bit weights too."""
+    if family not in ("zero2_offload", "zero3_offload_optimizer", "zero3_offload"):
+        return states, 0
+    grads_cpu = states["grads"] * 4 // w.elem if w.mixed else states["grads"]
+    cpu = grads_cpu + states["optimizer"]
+    gpu_params = states["params"]
+    if family == "zero3_offload":
+        cpu, gpu_params = cpu + states["params"], 0
+    return {"params": gpu_params, "grads": 0, "optimizer": 0}, cpu
+
+
 def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> MemoryEstimate:
-    """Memory per GPU (and per node in CPU memory) for `backend` (a record, or a name the registry
-    knows), with comm volume and a verdict; labelled with the record's name."""
+    """Memory per GPU (and per node in CPU memory) for `backend` (a record, a name the registry
+    knows, or a DeepSpeed .json file), by phase (load, forward/backward, optimizer step), with comm
+    volume and a verdict; labelled with the record's name."""
     w = workload
     rec = backend_record(backend)
-    states = model_state_bytes(shape, w, rec)
-    cpu = 0
-    if rec.memory_family == "zero3_offload":
-        # Params, grads and optimizer partitions live in CPU memory; DeepSpeed's CPU Adam works on
-        # fp32 gradient partitions, so a 16-bit run's grads take 4 bytes there, not 2.
-        grads_cpu = states["grads"] * 4 // w.elem if w.mixed else states["grads"]
-        cpu = states["params"] + grads_cpu + states["optimizer"]
-        states = {"params": 0, "grads": 0, "optimizer": 0}
-    acts = activation_bytes(shape, w)
+    family = rec.memory_family
+    states, cpu = _offload(model_state_bytes(shape, w, rec), w, family)
+    acts = activation_bytes(shape, w, autocast=autocast(w, family))
     temp = temp_buffer_bytes(shape, w, rec)
     ref = reference_bytes(shape, w, rec)
-    total = sum(states.values()) + acts + temp + ref + w.overhead_bytes
-    cpu_node = cpu * (w.gpus_per_node or w.world_size)
+    step = step_transient_bytes(shape, w, family)
+    # The step runs after the backward has freed the activations and the gathered parameters; the
+    # reduce bucket (h*h elements) stays allocated through it.
+    bucket = min(shape.hidden * shape.hidden, trainable_params(shape, w)) * w.elem if step else 0
+    base = sum(states.values()) + ref + w.overhead_bytes
+    total = base + max(acts + temp, step + bucket)
+    per_node = w.gpus_per_node or w.world_size
+    cpu_node = cpu * per_node
+    ranks = 1 if family in ("single", "ddp", "zero2", "zero2_offload") else _sharding_ranks(w, family)
+    loading: LoadPhase = load_phase(shape, w, family, states["params"] if family != "zero3_offload"
+                                    else model_state_bytes(shape, w, rec)["params"], ranks)
+    load_gpu = loading.gpu + w.overhead_bytes
+    peak = max(total, load_gpu)
     fits: bool | None = None
     if w.gpu_memory_bytes is not None:
-        fits = total <= w.usable_fraction * w.gpu_memory_bytes
-        if cpu and w.cpu_memory_bytes is not None:
-            fits = fits and cpu_node <= w.usable_fraction * w.cpu_memory_bytes
+        fits = peak <= w.usable_fraction * w.gpu_memory_bytes
+        if w.cpu_memory_bytes is not None:
+            fits = fits and max(cpu_node, loading.host_per_node) <= w.usable_fraction * w.cpu_memory_bytes
     note = unavailable_reason(w, rec)
-    links = None if topology_problem(w, rec.memory_family) else comm_per_link(shape, w, rec)
+    links = None if topology_problem(w, family) else comm_per_link(shape, w, rec)
     if rec.max_processes is not None and w.world_size > rec.max_processes:
         note = ("one process cannot use several GPUs" if rec.max_processes == 1
                 else f"{rec.name} runs at most {rec.max_processes} processes")
@@ -466,7 +449,9 @@ def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> M
         cpu_per_node=cpu_node, total=total, fits=fits if not note else False,
         comm_bytes_per_step=links.total if links else 0, gpu_memory_bytes=w.gpu_memory_bytes,
         available=not note, note=note, comm_intra_node_bytes=links.intra if links else 0,
-        comm_inter_node_bytes=links.inter if links else 0, reference=ref)
+        comm_inter_node_bytes=links.inter if links else 0, reference=ref, step_transient=step,
+        load_method=loading.method, load_gpu=load_gpu, load_host_per_rank=loading.host_per_rank,
+        load_host_per_node=loading.host_per_node, load_one_memory=loading.one_memory, peak=peak)
 
 
 def reference_bytes(shape: ModelShape, w: Workload, backend: str | Backend) -> int:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from swiftlite.errors import UserError
+from swiftlite.planner.load import largest_shard_file
 from swiftlite.planner.memory import GiB, MemoryEstimate, Workload, estimate_all
 from swiftlite.planner.shape import ModelShape, shape_from_model_arg
 
@@ -35,6 +36,7 @@ class Decision:
     table: dict[str, MemoryEstimate] = field(default_factory=dict)
     shape: ModelShape | None = None
     workload: Workload | None = None
+    named: bool = False     # the user named the backend (estimate --parallelism): a verdict, not a choice
 
     def to_dict(self) -> dict:
         """Plain data (for --json output and logs)."""
@@ -95,18 +97,18 @@ def _reason(rule: Rule, est: MemoryEstimate, w: Workload, table: dict[str, Memor
     if fsdp is None or not fsdp.available:
         fsdp_status = f"fsdp is out ({fsdp.note if fsdp else 'not estimated'})"
     else:
-        fsdp_status = f"fsdp does not fit ({fmt_gb(fsdp.total)} with its root and two layers unsharded)"
+        fsdp_status = f"fsdp does not fit ({fmt_gb(fsdp.peak)} with its root and two layers unsharded)"
     hsdp = table.get("hsdp")
     if hsdp is None or not hsdp.available:
         hsdp_status = f"hsdp is out ({hsdp.note if hsdp else 'not estimated'})"
     else:
-        hsdp_status = f"hsdp does not fit ({fmt_gb(hsdp.total)}: states sharded over one node only)"
+        hsdp_status = f"hsdp does not fit ({fmt_gb(hsdp.peak)}: states sharded over one node only)"
 
     def inter(name: str) -> str:
         other = table.get(name)
         return fmt_gb(other.comm_inter_node_bytes) if other is not None else "?"
     return f"{est.backend}: " + rule.reason.format(
-        used=fmt_gb(est.total), gpu=fmt_gb(est.gpu_memory_bytes or 0), n=w.world_size,
+        used=fmt_gb(est.peak), gpu=fmt_gb(est.gpu_memory_bytes or 0), n=w.world_size,
         comm=fmt_gb(est.comm_bytes_per_step), cpu=fmt_gb(est.cpu_per_node), cpu_check=cpu_check,
         fsdp_status=fsdp_status, hsdp_status=hsdp_status, nodes=w.nnodes, per_node=w.gpus_per_node,
         inter=fmt_gb(est.comm_inter_node_bytes), intra=fmt_gb(est.comm_intra_node_bytes),
@@ -125,17 +127,50 @@ def recommend(shape: ModelShape, workload: Workload, rules: tuple[Rule, ...] = R
             continue
         # est.fits covers the usable share of the GPU and, for offload, the CPU memory per node.
         limit = w.usable_fraction if rule.limit is None else rule.limit
-        if est.fits and est.total <= limit * w.gpu_memory_bytes:
+        # The peak is the larger of training and loading: a job that fails at load does not fit.
+        if est.fits and est.peak <= limit * w.gpu_memory_bytes:
             return Decision(rule.backend, _reason(rule, est, w, table), table, shape, w)
     return Decision("none", _nothing_fits(table, w), table, shape, w)
+
+
+def assess(shape: ModelShape, workload: Workload, backend: str) -> Decision:
+    """The verdict for one backend the user named (`estimate --parallelism NAME`: a record name or
+    alias, or a DeepSpeed .json file): its estimate as the only row, `backend` its name when it fits,
+    "none" otherwise, with the phase that does not fit in the reason."""
+    from swiftlite.planner.memory import estimate
+    w = workload
+    if w.gpu_memory_bytes is None:
+        raise UserError("--gpu-memory is needed to say whether a backend fits")
+    est = estimate(shape, w, backend)
+    table = {est.backend: est}
+    gpu = fmt_gb(w.gpu_memory_bytes)
+    if not est.available:
+        return Decision("none", f"{est.backend} cannot run this: {est.note}", table, shape, w, named=True)
+    phases = f"load {fmt_gb(est.load_gpu)}, training {fmt_gb(est.total)} per GPU"
+    if est.fits:
+        return Decision(est.backend, f"{est.backend} fits: {phases} of {gpu}", table, shape, w, named=True)
+    usable = w.usable_fraction * w.gpu_memory_bytes
+    if est.peak > usable:
+        where = "while loading" if est.load_gpu > est.total else "while training"
+        why = f"needs {fmt_gb(est.peak)} per GPU {where} ({phases}; {fmt_gb(usable)} usable of {gpu})"
+    else:
+        host = max(est.cpu_per_node, est.load_host_per_node)
+        why = (f"needs {fmt_gb(host)} of CPU memory per node (have {fmt_gb(w.cpu_memory_bytes or 0)}; "
+               f"{fmt_gb(est.load_host_per_node)} while loading, {fmt_gb(est.cpu_per_node)} offloaded)")
+    return Decision("none", f"{est.backend} does not fit: {why}", table, shape, w, named=True)
 
 
 def _nothing_fits(table: dict[str, MemoryEstimate], w: Workload) -> str:
     usable = w.usable_fraction * (w.gpu_memory_bytes or 0)
     candidates = [e for e in table.values() if e.available]
-    best = min(candidates, key=lambda e: e.total)
-    need = f"{best.backend}'s {fmt_gb(best.total)} per GPU"
-    if best.total <= usable and best.cpu_per_node:
+    best = min(candidates, key=lambda e: e.peak)
+    need = f"{best.backend}'s {fmt_gb(best.peak)} per GPU"
+    if best.load_gpu > best.total:
+        need += " while loading the model"
+    host = max(best.cpu_per_node, best.load_host_per_node)
+    if best.peak <= usable and w.cpu_memory_bytes is not None and host > w.usable_fraction * w.cpu_memory_bytes:
+        need += f" and {fmt_gb(host)} of CPU memory per node (have {fmt_gb(w.cpu_memory_bytes)})"
+    elif best.peak <= usable and best.cpu_per_node:
         need += f" and {fmt_gb(best.cpu_per_node)} of CPU memory per node (have {fmt_gb(w.cpu_memory_bytes or 0)})"
     hints = ["more GPUs"]
     if not w.gradient_checkpointing:
@@ -172,7 +207,9 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         gpus_per_node=gpus_per_node or cfg.parallel.nproc_per_node or world_size,
         gpu_memory_bytes=gpu_memory_bytes, fsdp2_available=_has_fsdp2(),
         loss_impl="plain" if rlhf else cfg.train.loss_impl, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
-        pure_bf16=cfg.parallel.pure_bf16, hsdp_shard_size=cfg.parallel.hsdp_shard_size)
+        pure_bf16=cfg.parallel.pure_bf16, hsdp_shard_size=cfg.parallel.hsdp_shard_size,
+        shard_file_bytes=largest_shard_file(cfg.model.model),
+        sharded_loading=bool(getattr(cfg.parallel, "sharded_loading", True)))
 
 
 def _has_fsdp2() -> bool:
@@ -212,4 +249,4 @@ def resolve_auto(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None
     return decision
 
 
-__all__ = ["Decision", "ROOM", "RULES", "Rule", "fmt_gb", "recommend", "resolve_auto", "workload_from_config"]
+__all__ = ["Decision", "ROOM", "RULES", "Rule", "assess", "fmt_gb", "recommend", "resolve_auto", "workload_from_config"]

@@ -16,7 +16,8 @@ import json
 
 from swiftlite.errors import UserError
 from swiftlite.planner.memory import GiB, Workload, trainable_params
-from swiftlite.planner.recommend import Decision, recommend
+from swiftlite.planner.load import largest_shard_file
+from swiftlite.planner.recommend import Decision, assess, recommend
 from swiftlite.planner.shape import shape_from_model_arg
 from swiftlite.sizes import parse_size
 
@@ -26,8 +27,10 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
                  gradient_checkpointing: bool = True, dtype: str = "bf16", lora_rank: int = 8,
                  quant_bits: int | None = None, cpu_memory: str | None = None, loss_impl: str = "chunked",
                  pure_bf16: bool = False, hsdp_shard_size: int | None = None, rlhf_type: str | None = None,
-                 precompute_ref_log_probs: bool = False) -> Decision:
-    """Estimate every backend for `model` on `nodes` x `gpus` GPUs and recommend one.
+                 precompute_ref_log_probs: bool = False, parallelism: str | None = None) -> Decision:
+    """Estimate every backend for `model` on `nodes` x `gpus` GPUs and recommend one; with
+    `parallelism` (a backend name or a DeepSpeed .json file), estimate that one and say whether it
+    fits (recommend.assess).
 
     `gpus` is per node; sizes are parse_size's (a bare number is GB); `cpu_memory` is per node and,
     when given, makes the offload rows check CPU memory too. `quant_bits` None with "qlora" means 4.
@@ -48,12 +51,14 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     if rlhf_type:  # a pair is 2 sequences; the log-probs take the logits at the answer tokens
         micro_batch, loss_impl = micro_batch * 2, "plain"
     shape = shape_from_model_arg(model)
-    workload = Workload(reference="copy" if copy else "none",
+    workload = Workload(shard_file_bytes=largest_shard_file(model),reference="copy" if copy else "none",
         train_type=train_type, dtype=dtype, lora_rank=lora_rank, quant_bits=quant_bits,
         max_length=max_length, micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing,
         world_size=gpus * nodes, gpus_per_node=gpus, gpu_memory_bytes=parse_size(gpu_memory, "--gpu-memory"),
         cpu_memory_bytes=parse_size(cpu_memory, "--cpu-memory") if cpu_memory is not None else None,
         loss_impl=loss_impl, pure_bf16=pure_bf16, hsdp_shard_size=hsdp_shard_size)
+    if parallelism not in (None, "auto"):
+        return assess(shape, workload, parallelism)
     return recommend(shape, workload)
 
 
@@ -125,6 +130,7 @@ def render(decision: Decision, console=None) -> None:
                       _gib(est.cpu_per_node) if est.cpu_per_node else "-", *comm,
                       style="bold" if chosen else None)
     console.print(table)
+    _render_phases(decision, console)
     if w is not None and w.reference == "copy" and decision.backend in decision.table:
         console.print(f"[dim]totals include DPO's frozen reference copy: "
                       f"{_gib(decision.table[decision.backend].reference)} GiB per GPU on {decision.backend}[/dim]")
@@ -133,11 +139,37 @@ def render(decision: Decision, console=None) -> None:
                       "nodes (ring terms; docs/backends.md \"Across nodes\")[/dim]")
     for note in notes:
         console.print(f"[dim]n/a {note}[/dim]")
-    if decision.backend == "none":
+    if decision.named:
+        verdict = "[bold]Fits[/bold]" if decision.backend != "none" else "[bold red]Does not fit[/bold red]"
+        console.print(f"{verdict}: {decision.reason}")
+    elif decision.backend == "none":
         console.print(f"[bold red]No backend fits[/bold red]: {decision.reason}")
     else:
         console.print(f"[bold]Recommendation[/bold] {decision.reason}")
     console.print("[dim]Estimates, not measurements: see docs/estimate.md for the formulas and limits.[/dim]")
+
+
+def _render_phases(decision: Decision, console) -> None:
+    """The second table: per backend, the load phase (GPU, host RAM per node, how the weights are
+    read), DeepSpeed's optimizer-step transient and the peak that decides `fits`."""
+    from rich import box
+    from rich.table import Table
+
+    console.print("Load phase and optimizer step (GiB; peak = max(training total, load) per GPU)")
+    table = Table(box=box.SIMPLE_HEAD, padding=0, pad_edge=False, show_edge=False)
+    table.add_column("backend", no_wrap=True)
+    for col in ("load/GPU", "host/node", "step", "peak"):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column(" loading", no_wrap=True)
+    for name, est in decision.table.items():
+        chosen = name == decision.backend
+        table.add_row(f"* {name}" if chosen else f"  {name}", _gib(est.load_gpu), _gib(est.load_host_per_node),
+                      _gib(est.step_transient) if est.step_transient else "-", _gib(est.peak),
+                      f" {est.load_method}", style="bold" if chosen else None)
+    console.print(table)
+    console.print("[dim]load/GPU: weights held + the largest piece in flight; host/node: RAM the processes of one "
+                  "node stage while loading; step: DeepSpeed's gradient conversion in step(), which replaces "
+                  "the activations at that moment[/dim]")
 
 
 def to_json(decision: Decision) -> str:

@@ -273,16 +273,17 @@ def test_comm_bytes(n):
 
 
 def test_activations_checkpointing_and_logits():
+    # fsdp computes in bf16 (its gathered parameters are cast); single/ddp autocast: see test_autocast_*
     shape = shape_from_model_arg("llama-8b")
-    on = estimate(shape, work(world_size=1, gradient_checkpointing=True), "single").activations
-    off = estimate(shape, work(world_size=1, gradient_checkpointing=False), "single").activations
+    on = estimate(shape, work(world_size=1, gradient_checkpointing=True), "fsdp").activations
+    off = estimate(shape, work(world_size=1, gradient_checkpointing=False), "fsdp").activations
     logits = 2048 * shape.vocab * 12
     # checkpointing keeps each layer's input (s*h*2 bytes) plus one layer recomputed at a time
     per_layer = (off - logits) // shape.layers
     assert on == logits + shape.layers * 2048 * shape.hidden * 2 + per_layer
     assert off - logits > 5 * (on - logits)
     # doubling the micro-batch doubles activations
-    twice = estimate(shape, work(world_size=1, micro_batch=2), "single").activations
+    twice = estimate(shape, work(world_size=1, micro_batch=2), "fsdp").activations
     assert twice == 2 * on
 
 
