@@ -126,17 +126,19 @@ def check_disk_space(run_dir: Path, step: int, need: int) -> None:
 
 
 def save_training_state(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any,
-                        run_dir: Path, step: int, backend: str, facts: dict | None = None) -> Path:
+                        run_dir: Path, step: int, backend: str, facts: dict | None = None, *,
+                        fmt: str = "dcp") -> Path:
     """Write checkpoint-<step> atomically (temp folder, manifest, rename, then `latest`). Before writing:
     the weights are finite and the disk has room for it (the size of the previous checkpoint); a write
     that runs out of space anyway (ENOSPC) removes its partial folder, keeps every earlier checkpoint
     and `latest`, and stops with the path and the bytes. Older checkpoints are pruned only after the
-    new one is published."""
+    new one is published. `backend` is the engine key and `fmt` the record's checkpoint format
+    (`Backend.checkpoint_format`), both written into trainer_state.json."""
     import errno
     check_finite(engine, step)
     check_disk_space(run_dir, step, expected_size(run_dir, engine))
     try:
-        return _save(engine, model, tokenizer, cfg, world, run_dir, step, backend, facts)
+        return _save(engine, model, tokenizer, cfg, world, run_dir, step, backend, facts, fmt)
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
@@ -148,7 +150,7 @@ def save_training_state(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig
 
 
 def _save(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any, run_dir: Path, step: int,
-          backend: str, facts: dict | None) -> Path:
+          backend: str, facts: dict | None, fmt: str) -> Path:
     from swiftlite import faults
     from swiftlite.distributed import barrier
     name = layout.checkpoint_name(step)
@@ -165,7 +167,7 @@ def _save(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any,
     faults.maybe_inject(step, "checkpoint")
     barrier()
     if world.is_main:
-        state = {"global_step": step, "backend": backend, "world_size": world.world_size,
+        state = {"global_step": step, "backend": backend, "format": fmt, "world_size": world.world_size,
                  "train_type": cfg.train.train_type, "model": cfg.model.model,
                  "torch_dtype": cfg.model.torch_dtype, **(facts or {})}
         (tmp / layout.TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
@@ -229,53 +231,63 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
     if state.get("train_type") != cfg.train.train_type:
         raise UserError(f"--resume: {path} was trained with --train-type {state.get('train_type')}, "
                         f"this run uses {cfg.train.train_type}")
-    backend = state.get("backend")
-    cross = (backend == "deepspeed") != bool(getattr(choice, "is_deepspeed", choice.key == "deepspeed"))
-    if cross and not hasattr(engine, "inner" if backend == "deepspeed" else "ds"):  # an --external-plugins engine
-        raise UserError(f"--resume: {path} holds a {backend} checkpoint; resume it with a "
-                        f"{'DeepSpeed' if backend == 'deepspeed' else 'torch'} backend")
+    saved, here = saved_format(state), _format_of(choice)
+    cross = saved != here   # DCP <-> ZeRO: through the checkpoint's universal conversion (made once)
+    if cross and model_only and saved == "dcp":  # refused before anything is converted
+        raise UserError(f"--resume_only_model: {path} is a torch backend's checkpoint; under DeepSpeed it resumes "
+                        "whole (without --resume_only_model), or its model/ folder starts a new run (--model)")
+    if cross and getattr(engine, "load_universal", None) is None:  # an engine of the older Protocol
+        raise UserError(f"--resume: {path} holds a {state.get('backend')} checkpoint; resume it with a "
+                        f"{'DeepSpeed' if saved == 'ds' else 'torch'} backend")
     if model_only:
-        import inspect
-        if not cross and "model_only" not in inspect.signature(engine.load).parameters:  # --external-plugins
-            raise UserError(f"--resume_only_model: the {getattr(choice, 'name', choice.key)} backend's engine cannot "
-                            "load the model weights alone (its load() takes no model_only argument)")
-        _load_engine(engine, path, world, state, cross, model_only=True, log=log)
+        _load_engine(engine, path, world, state, cross, model_only=True, log=log, choice=choice)
         log(f"notice: --resume_only_model: loaded the model weights of {path.name} (step "
             f"{state.get('global_step')}); optimizer, LR schedule and data order start fresh at step 0, and the "
             "data/run-shape check was skipped")
         return {**state, "global_step": 0, "resumed_from_step": state.get("global_step")}
-    _load_engine(engine, path, world, state, cross, model_only=False, log=log)
+    via_universal = _load_engine(engine, path, world, state, cross, model_only=False, log=log, choice=choice)
     same_world = state.get("world_size") == world.world_size
     if same_world:
         load_rng(path / layout.RNG_DIR, world.rank)
-    if cross or not same_world or getattr(engine, "resumed_through_universal", False):
+    if cross or not same_world or via_universal:
         log(resume_notice(path, state, world, choice, cross, rng=same_world))
     return state
 
 
+def saved_format(state: dict) -> str:
+    """The format of a checkpoint's sharded state: trainer_state.json's "format" (`Backend.checkpoint_format`:
+    "dcp" or "ds"); checkpoints written before that field name only their engine key, and every ZeRO
+    record's engine key is "deepspeed"."""
+    return state.get("format") or ("ds" if state.get("backend") == "deepspeed" else "dcp")
+
+
+def _format_of(choice: Any) -> str:
+    """The checkpoint format of the backend that runs now (`BackendChoice.is_deepspeed` reads its record)."""
+    return "ds" if getattr(choice, "is_deepspeed", False) else "dcp"
+
+
 def _load_engine(engine: Any, path: Path, world: Any, state: dict, cross: bool, *, model_only: bool,
-                 log) -> None:
-    """The engine's own load; across formats, the checkpoint's universal conversion (made once,
-    checkpoint/universal.py) read into a torch engine (from a ZeRO checkpoint) or loaded by
-    DeepSpeed's universal loader (from a DCP checkpoint)."""
+                 log, choice: Any) -> bool:
+    """The engine's own load, or across formats its `load_universal` of the checkpoint's universal
+    conversion (made once, checkpoint/universal.py). Returns whether the load went through a universal
+    conversion (the engine's own load says so for another world size or ZeRO stage)."""
     if not cross:
-        engine.load(str(path), model_only=True) if model_only else engine.load(str(path))
-        return
+        try:
+            return bool(engine.load(str(path), model_only=True) if model_only else engine.load(str(path)))
+        except TypeError as e:
+            if model_only and "model_only" in str(e):  # an --external-plugins engine of the older Protocol
+                raise UserError(f"--resume_only_model: the {getattr(choice, 'name', choice.key)} backend's engine "
+                                "cannot load the model weights alone (its load() takes no model_only argument)") from None
+            raise
     import swiftlite.checkpoint.universal as universal
-    from_zero = state.get("backend") == "deepspeed"
-    if model_only and not from_zero:
-        raise UserError(f"--resume_only_model: {path} is a torch backend's checkpoint; under DeepSpeed it resumes "
-                        "whole (without --resume_only_model), or its model/ folder starts a new run (--model)")
     folder = universal.ensure_universal(path, world, int(state.get("global_step", -1)), log=log)
-    if from_zero:
-        universal.load_into_torch(engine, folder, model_only)
-    else:
-        universal.load_into_deepspeed(engine.ds, folder, engine.stage)
+    engine.load_universal(folder, model_only=model_only)
+    return True
 
 
 def resume_notice(path: Path, state: dict, world: Any, choice: Any, cross: bool, rng: bool) -> str:
     """One line saying what a resume at another world size or in another format carried over."""
-    how = "through DeepSpeed's universal format" if cross or state.get("backend") == "deepspeed" else "through DCP"
+    how = "through DeepSpeed's universal format" if cross or saved_format(state) == "ds" else "through DCP"
     carried = ("the fp32 weights, the AdamW moments and step, the LR schedule, the data position (step "
                f"{state.get('global_step')})" + (" and the RNG states" if rng else ""))
     dropped = ("nothing" if rng else

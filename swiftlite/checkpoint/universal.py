@@ -14,9 +14,11 @@ The conversion is DeepSpeed's own (`deepspeed.checkpoint.ds_to_universal.main`),
 every torch.load inside it made weights-only (`safety.safe_torch_load`): nothing from the checkpoint
 is unpickled beyond what DeepSpeed's own loader reads, and less freely. It writes into a temporary
 folder that is fsynced and renamed: a kill at any moment leaves the original `ds/` untouched and at
-most a `.tmp-` folder, which the next resume removes before converting again. Loading goes through
-DeepSpeed's universal loader (`checkpoint.load_universal`, `load_universal_checkpoint`), which
-re-partitions the fp32 masters and the AdamW moments for this run's world size.
+most a `.tmp-` folder, which the next resume removes before converting again. Loading is the engine's
+own (`Engine.load_universal`): DeepSpeed's universal loader (`checkpoint.load_universal`), which
+re-partitions the fp32 masters and the AdamW moments for this run's world size
+(parallel/deepspeed.py), or the per-parameter tensors read here (`UniversalState`) set through torch's
+state-dict API (parallel/torch_engine.py).
 """
 
 from __future__ import annotations
@@ -41,10 +43,6 @@ class ZeroLayout:
     data-parallel processes wrote it (one optimizer file each)."""
     stage3: bool
     world_size: int
-
-    @property
-    def stage_name(self) -> str:
-        return "ZeRO-3" if self.stage3 else "ZeRO-1/2"
 
 
 def zero_layout(ckpt: Path) -> ZeroLayout | None:
@@ -165,47 +163,6 @@ def ensure_universal(ckpt: Path, world: Any, step: int, log=print) -> Path:
     return universal_dir(ckpt)
 
 
-def load_into_deepspeed(ds_engine: Any, folder: Path, stage: int) -> None:
-    """Load a universal folder into an initialised DeepSpeed engine with DeepSpeed's universal
-    loader: fp32 master partitions, AdamW moments and step, LR schedule, DeepSpeed's step counters.
-
-    `checkpoint.load_universal` is read by DeepSpeed only inside load_checkpoint (deepspeed 0.19.8:
-    engine.load_universal_checkpoint()), and the resume point is known only after the engine is
-    built, so it is switched on for this one call instead of in the run's JSON."""
-    import torch
-    if ds_engine.zero_nvme_offload_optimizer():
-        # DeepSpeed then copies `offloaded_tensors/` of the tag folder, which a universal folder lacks
-        raise UserError(f"--resume: {folder.parent.name} must be loaded from DeepSpeed's universal format, which "
-                        "its loader cannot do with the optimizer state on NVMe; resume with zero3_offload or "
-                        "zero3 (or with the world size and backend that wrote it)")
-    inner = ds_engine.optimizer.optimizer
-    saved = universal_files.load(folder / layout.DS_TAG / "zero" / universal_files.OPTIMIZER_STATE)["param_groups"]
-    check_groups(folder, len(saved), len(inner.param_groups))
-    config = ds_engine._config
-    before = config.load_universal_checkpoint
-    config.load_universal_checkpoint = True
-    try:
-        load_path, _ = ds_engine.load_checkpoint(str(folder), tag=layout.DS_TAG, load_optimizer_states=True,
-                                                 load_lr_scheduler_states=True)
-    finally:
-        config.load_universal_checkpoint = before
-    if load_path is None:
-        raise UserError(f"{folder}: DeepSpeed found no universal checkpoint in it")
-    # ZeRO-3's universal loader gives every sub-group's state the *same* `step` tensor (the one read
-    # from optimizer_state.pt); torch's fused and foreach AdamW increment `step` in place, so each
-    # group's step would advance once per group and every step after the resume would use the wrong
-    # bias correction (measured: 1e-3 loss drift by the third step). One tensor per state, as saved.
-    for st in inner.state.values():
-        if torch.is_tensor(st.get("step")):
-            st["step"] = st["step"].clone()
-    if stage == 3:
-        # ZeRO-3's universal loader copies the hyper-parameters of param_groups[0] into every group
-        # (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), so swiftlite's no-decay group
-        # (norms, biases) would inherit weight_decay from the decay group. Restore each group's own.
-        for group, own in zip(inner.param_groups, saved):
-            group.update({k: v for k, v in own.items() if k != "params"})
-
-
 def check_groups(folder: Path, saved: int, here: int) -> None:
     """Hyper-parameters and the LR schedule are restored group by group: the counts must agree."""
     if saved != here:
@@ -216,10 +173,6 @@ def check_groups(folder: Path, saved: int, here: int) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # A universal folder read as plain tensors (a ZeRO checkpoint resumed under a torch backend)
-
-#: Optimizer options that belong to the engine that runs, not to the checkpoint (torch picks its kernel).
-_ENGINE_OPTIONS = {"params", "foreach", "fused", "capturable", "differentiable"}
-
 
 def _model_states(folder: Path) -> dict:
     """DeepSpeed's model-states file of the conversion (LR schedule, step counters)."""
@@ -264,40 +217,3 @@ class UniversalState:
     @property
     def scheduler(self) -> dict:
         return self.model_states["lr_scheduler"]
-
-
-def load_into_torch(engine: Any, folder: Path, model_only: bool) -> None:
-    """Load a universal folder into a torch engine (single, ddp, fsdp): the fp32 weights of
-    every trainable parameter and, unless model_only, the AdamW moments and step of each, the
-    checkpoint's optimizer hyper-parameters per group (lr included) and the LR schedule. Every rank
-    reads the full tensors and torch's state-dict API (full_state_dict=True) keeps its own shards."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_model_state_dict,
-                                                         set_optimizer_state_dict)
-    uni = UniversalState(folder)
-    frozen_ok = bool(getattr(engine, "_frozen_ok", False))
-    current = get_model_state_dict(engine.inner, options=StateDictOptions(ignore_frozen_params=frozen_ok))
-    shapes = {k: tuple(v.size()) for k, v in current.items()}  # global shapes (Tensor, DTensor, ShardedTensor)
-    missing = [k for k in shapes if not uni.has(k)]
-    if missing:
-        raise UserError(f"--resume: {folder} holds no fp32 weights for {len(missing)} tensors of this model "
-                        f"({', '.join(missing[:3])}); it was written for another model or train type")
-    if not model_only:  # checked before anything is loaded
-        fresh = get_optimizer_state_dict(engine.inner, engine.optimizer, options=StateDictOptions(full_state_dict=True))
-        saved = uni.param_groups
-        check_groups(folder, len(saved), len(fresh["param_groups"]))
-    model_sd = {k: uni.tensor(k, "fp32", s) for k, s in shapes.items()}
-    set_model_state_dict(engine.inner, model_sd, options=StateDictOptions(full_state_dict=True, strict=False))
-    del model_sd
-    if model_only:
-        return
-    groups = [{**g, **{k: v for k, v in own.items() if k not in _ENGINE_OPTIONS}}
-              for g, own in zip(fresh["param_groups"], saved)]
-    state = {}
-    for g in groups:
-        for name in g["params"]:
-            state[name] = {"step": uni.step(name), "exp_avg": uni.tensor(name, "exp_avg", shapes[name]),
-                           "exp_avg_sq": uni.tensor(name, "exp_avg_sq", shapes[name])}
-    set_optimizer_state_dict(engine.inner, engine.optimizer, {"state": state, "param_groups": groups},
-                             options=StateDictOptions(full_state_dict=True))
-    engine.scheduler.load_state_dict(uni.scheduler)

@@ -8,8 +8,16 @@ The trainer sees one `Engine`, whatever the backend:
         engine.backward(loss)
     grad_norm = engine.step()                  # clip + optimizer + scheduler + zero_grad
     engine.save(dir) / engine.load(dir)        # sharded training state (model + optimizer + scheduler)
+    engine.load_universal(folder)              # a checkpoint of another format or world size, converted
     engine.full_state_dict()                   # HF names, gathered to rank 0, CPU tensors
     engine.adapter_state_dict()                # peft names, gathered to rank 0
+    with engine.autocast(): engine.root()(...) # a plain forward (DPO log-probs) as the engine runs it
+
+The `Engine` Protocol below is the whole surface that code outside `parallel/` uses (checkpoint/,
+train/, rlhf/; tests/unit/test_seams.py checks it from the source): a backend of an
+`--external-plugins` file that implements it gets the same resume, `--nan-policy` and rlhf behaviour
+as a built-in one. The simplest way there is the torch backends' own engine,
+`parallel.torch_engine.TorchEngine`, around the plugin's wrapped model.
 
 Gradient contract: every backend averages gradients over data-parallel ranks (DDP, FSDP and ZeRO all
 do). The trainer therefore scales each rank's summed loss by world_size / global_target_tokens, so the
@@ -30,7 +38,8 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
 from swiftlite.distributed import World
 from swiftlite.errors import UserError
@@ -40,13 +49,17 @@ if TYPE_CHECKING:  # keep torch out of import time for the CLI
 
     from swiftlite.config import RunConfig
 
-__all__ = ["Backend", "BackendChoice", "Engine", "World", "all_backends", "build_engine", "find_backend",
-           "get_backend", "register_backend", "tensor_bytes"]
+__all__ = ["Backend", "BackendChoice", "ENGINE_SURFACE", "Engine", "FrozenModel", "World", "all_backends",
+           "build_engine", "find_backend", "get_backend", "register_backend", "tensor_bytes"]
 
 
 class Engine(Protocol):
-    """What the trainer drives. See the module docstring for the contract."""
-    module: "torch.nn.Module"
+    """What the trainer, the checkpoints and rlhf drive. See the module docstring for the contract."""
+    module: "torch.nn.Module"     # the (possibly wrapped) model: its parameters are this rank's shards
+    #: Whether `step()` leaves the weights unchanged on a nan/inf gradient norm (torch backends), so
+    #: that `--nan-policy skip` can go on; False where the update is applied before the norm is known
+    #: (DeepSpeed), and such a step always stops the run (train/guard.py).
+    skips_nonfinite: bool
 
     def micro_batch(self, last: bool) -> Any: ...
     def forward(self, batch: dict[str, "torch.Tensor"]) -> "torch.Tensor": ...
@@ -56,10 +69,55 @@ class Engine(Protocol):
     def train(self) -> None: ...
     def eval(self) -> None: ...
     def save(self, path: str) -> None: ...
-    def load(self, path: str) -> None: ...
+
+    def load(self, path: str, *, model_only: bool = False) -> bool:
+        """Restore what `save` wrote (model_only, --resume_only_model: the weights alone, optimizer and
+        schedule fresh). Returns True when it went through the checkpoint's universal conversion
+        (another world size or ZeRO stage), so the resume says what carried over."""
+        ...
+
+    def load_universal(self, folder: Path, *, model_only: bool = False) -> None:
+        """Load a checkpoint converted to DeepSpeed's universal format (checkpoint/universal.py:
+        `ensure_universal`): how a checkpoint of the other format (DCP <-> ZeRO) resumes. An engine
+        that cannot raises UserError saying which backend resumes it."""
+        ...
+
+    def autocast(self) -> ContextManager[Any]:
+        """The context `forward` runs the model in (torch.autocast under fp32 master weights on
+        single/DDP; a null context elsewhere): callers of `root()` enter it too."""
+        ...
+
+    def root(self) -> "torch.nn.Module":
+        """What to call for a plain forward that is not the training loss (DPO's log-probs): the
+        wrapper whose root pre-forward gathers the weights (DDP/FSDP), or the DeepSpeed engine."""
+        ...
+
     def full_state_dict(self) -> dict[str, "torch.Tensor"]: ...
     def adapter_state_dict(self) -> dict[str, "torch.Tensor"]: ...
     def state_bytes(self) -> dict[str, int]: ...
+
+
+#: Engine members that code outside parallel/ may use (tests/unit/test_seams.py reads this).
+ENGINE_SURFACE = frozenset({"module", "skips_nonfinite", "micro_batch", "forward", "backward", "step", "lr",
+                            "train", "eval", "save", "load", "load_universal", "autocast", "root",
+                            "full_state_dict", "adapter_state_dict", "state_bytes"})
+
+
+@dataclass(frozen=True)
+class FrozenModel:
+    """DPO's frozen reference copy as a backend lays it out (`Backend.frozen_copy`): what to call
+    and the context its forward runs in."""
+    module: Any
+    autocast: Callable[[], ContextManager[Any]]
+
+
+#: `frozen_copy(model, cfg, world, policy_engine, choice) -> FrozenModel`: lay out a frozen, eval-mode
+#: copy of the model (no optimizer, no gradients, no gradient all-reduce) the way the backend lays out
+#: the policy; or "module:function" naming one.
+FrozenCopy = Callable[..., FrozenModel]
+#: The default for a record that names none: the copy laid out like the policy's torch engine (a replica
+#: under single/DDP and any plain-module engine, FSDP2 on the policy's mesh, FSDP1 as the policy).
+LIKE_POLICY = "swiftlite.parallel.frozen_copy:like_policy"
 
 
 #: A config check of one backend: (run config, world size, the choice being made) -> an error
@@ -95,7 +153,12 @@ class Backend:
     checks: tuple[Check, ...] = ()             # its own config rules
     init_context: Callable[..., Any] | str | None = None   # (cfg, world, model_config, choice) -> context
     checkpoint_format: str = "dcp"             # "dcp" (torch.distributed.checkpoint) or "ds" (DeepSpeed)
+    # How the model reaches the ranks (docs/backends.md, "Loading at size"): "whole" (every rank
+    # loads all of it), "sharded" (a meta skeleton the factory shards, then fills each rank's rows:
+    # models/sharded.py), "partitioned" (built inside init_context, ZeRO-3's zero.Init).
+    loading: str = "whole"
     ds_preset: str | None = None               # DeepSpeed preset (swiftlite/ds_configs/<name>.json)
+    frozen_copy: FrozenCopy | str = LIKE_POLICY  # DPO's frozen reference copy (see FrozenCopy)
     needs: tuple[str, ...] = ()                # Python packages it imports ("deepspeed")
 
     @property
@@ -104,6 +167,11 @@ class Backend:
 
     def build(self, *args: Any) -> Engine:
         return _resolve_ref(self.factory)(*args)
+
+    def frozen(self, model: Any, cfg: "RunConfig", world: World, engine: Engine,
+               choice: "BackendChoice") -> FrozenModel:
+        """DPO's frozen reference copy of `model` laid out as this backend lays out the policy `engine`."""
+        return _resolve_ref(self.frozen_copy)(model, cfg, world, engine, choice)
 
     def model_init_context(self, cfg: "RunConfig", world: World, model_config: Callable[[], Any],
                            choice: "BackendChoice") -> Any:

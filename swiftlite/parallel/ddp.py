@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from swiftlite.parallel.base import Backend, register_backend
+from swiftlite.parallel.base import Backend, FrozenModel, register_backend
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +37,15 @@ def prepare_replica(model: "torch.nn.Module", cfg: Any, world: "World") -> "torc
     model = model.to(world.device)
     autocast_forward(model, cfg, world)
     return model
+
+
+def frozen_replica(model: "torch.nn.Module", cfg: Any, world: "World", engine: Any = None,
+                   choice: Any = None) -> FrozenModel:
+    """DPO's frozen reference copy (`Backend.frozen_copy`): a replica on this rank's device, under the
+    autocast the policy's forward uses; no optimizer, no DDP wrapper (nothing to all-reduce)."""
+    from swiftlite.parallel.torch_engine import autocast_context
+    model = prepare_replica(model, cfg, world)
+    return FrozenModel(model, lambda: autocast_context(model))
 
 
 def single(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
@@ -68,7 +77,7 @@ def ddp(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, ch
 
 register_backend(Backend(
     name="single", engine="single", factory=single, max_processes=1, memory_family="single",
-    checks=(check_precision,), summary="one process, no wrapping"))
+    checks=(check_precision,), frozen_copy=frozen_replica, summary="one process, no wrapping"))
 register_backend(Backend(
     name="ddp", engine="ddp", factory=ddp, one_process="single", memory_family="ddp", checks=(check_precision,),
-    summary="DistributedDataParallel: a full replica per process, gradients all-reduced"))
+    frozen_copy=frozen_replica, summary="DistributedDataParallel: a full replica per process, gradients all-reduced"))

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from swiftlite.checkpoint.layout import DS_TAG, step_of
 from swiftlite.distributed import World
 from swiftlite.errors import UserError
-from swiftlite.parallel.base import Backend, BackendChoice, register_backend
+from swiftlite.parallel.base import Backend, BackendChoice, FrozenModel, register_backend
 from swiftlite.parallel.ds_config import (QUANTIZED_KEYS, ds_stage, load_ds_config, offload_devices,
                                           quantized_settings, resolve_ds_config)
 from swiftlite.parallel.ds_env import (DEFAULT_EXT_DIR, _prepare_deepspeed, check_extension_locks,  # noqa: F401
@@ -159,6 +159,10 @@ def zero_init_context(cfg: "RunConfig", world: World, hidden_size: int | None,
 class DeepSpeedEngine:
     """swiftlite's Engine over a `deepspeed.DeepSpeedEngine` (see the module docstring)."""
 
+    #: DeepSpeed's `step()` applies the update before the gradient norm is known: a nan/inf step
+    #: cannot be skipped afterwards (train/guard.py stops the run instead).
+    skips_nonfinite = False
+
     def __init__(self, model: "torch.nn.Module", cfg: "RunConfig", world: World, total_steps: int,
                  choice: BackendChoice | None = None):
         from swiftlite.optim import build_optimizer, build_scheduler
@@ -206,12 +210,20 @@ class DeepSpeedEngine:
     def eval(self) -> None:
         self.ds.eval()
 
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """DeepSpeed casts the module itself (bf16/fp16 configs): nothing to enter."""
+        return contextlib.nullcontext()
+
+    def root(self) -> Any:
+        """The DeepSpeed engine: its forward runs ZeRO-3's gathering hooks."""
+        return self.ds
+
     # -- checkpoints -----------------------------------------------------------------------------
     def save(self, path: str) -> None:
         """Sharded training state (module, ZeRO optimizer partitions, scheduler) under path/ds/."""
         self.ds.save_checkpoint(path, tag=CKPT_TAG)
 
-    def load(self, path: str, model_only: bool = False) -> None:
+    def load(self, path: str, *, model_only: bool = False) -> bool:
         """Restore the training state from path/ds/. model_only (--resume_only_model): DeepSpeed's
         `load_module_only` without optimizer or scheduler states (ZeRO-1/2 read the module file and
         copy it into fresh fp32 masters; ZeRO-3 rebuilds the fp32 weights from the partitions), at any
@@ -224,14 +236,65 @@ class DeepSpeedEngine:
             # another world size or ZeRO stage: through DeepSpeed's universal format (converted once)
             folder = universal.ensure_universal(path, self.world, step_of(Path(path)),
                                                 log=print if self.world.is_main else (lambda *_: None))
-            universal.load_into_deepspeed(self.ds, folder, self.stage)
-            self.resumed_through_universal = True  # checkpoint/state.py then says what carried over
-            return
+            self.load_universal(folder)
+            return True  # checkpoint/state.py then says what carried over
         load_path, _ = self.ds.load_checkpoint(path, tag=CKPT_TAG, load_optimizer_states=not model_only,
                                                load_lr_scheduler_states=not model_only,
                                                load_module_only=model_only)
         if load_path is None:
             raise UserError(f"{path}: no DeepSpeed checkpoint (expected {os.path.join(path, CKPT_TAG)}/)")
+        return False
+
+    def load_universal(self, folder: Path, *, model_only: bool = False) -> None:
+        """Load a universal folder with DeepSpeed's universal loader: fp32 master partitions, AdamW
+        moments and step, LR schedule, DeepSpeed's step counters. A torch backend's checkpoint resumes
+        whole here; its weights alone (model_only) start a new run from its model/ folder instead.
+
+        `checkpoint.load_universal` is read by DeepSpeed only inside load_checkpoint (deepspeed 0.19.8:
+        engine.load_universal_checkpoint()), and the resume point is known only after the engine is
+        built, so it is switched on for this one call instead of in the run's JSON."""
+        import torch
+
+        import swiftlite.checkpoint.universal as universal
+        from swiftlite.checkpoint.universal_files import OPTIMIZER_STATE
+        from swiftlite.checkpoint.universal_files import load as load_file
+        folder = Path(folder)
+        if model_only:
+            raise UserError(f"--resume_only_model: {folder.parent} is a torch backend's checkpoint; under DeepSpeed "
+                            "it resumes whole (without --resume_only_model), or its model/ folder starts a new run "
+                            "(--model)")
+        ds = self.ds
+        if ds.zero_nvme_offload_optimizer():
+            # DeepSpeed then copies `offloaded_tensors/` of the tag folder, which a universal folder lacks
+            raise UserError(f"--resume: {folder.parent.name} must be loaded from DeepSpeed's universal format, which "
+                            "its loader cannot do with the optimizer state on NVMe; resume with zero3_offload or "
+                            "zero3 (or with the world size and backend that wrote it)")
+        inner = ds.optimizer.optimizer
+        saved = load_file(folder / CKPT_TAG / "zero" / OPTIMIZER_STATE)["param_groups"]
+        universal.check_groups(folder, len(saved), len(inner.param_groups))
+        config = ds._config
+        before = config.load_universal_checkpoint
+        config.load_universal_checkpoint = True
+        try:
+            load_path, _ = ds.load_checkpoint(str(folder), tag=CKPT_TAG, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        finally:
+            config.load_universal_checkpoint = before
+        if load_path is None:
+            raise UserError(f"{folder}: DeepSpeed found no universal checkpoint in it")
+        # ZeRO-3's universal loader gives every sub-group's state the *same* `step` tensor (the one read
+        # from optimizer_state.pt); torch's fused and foreach AdamW increment `step` in place, so each
+        # group's step would advance once per group and every step after the resume would use the wrong
+        # bias correction (measured: 1e-3 loss drift by the third step). One tensor per state, as saved.
+        for st in inner.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+        if self.stage == 3:
+            # ZeRO-3's universal loader copies the hyper-parameters of param_groups[0] into every group
+            # (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), so swiftlite's no-decay group
+            # (norms, biases) would inherit weight_decay from the decay group. Restore each group's own.
+            for group, own in zip(inner.param_groups, saved):
+                group.update({k: v for k, v in own.items() if k != "params"})
 
     # -- gathering --------------------------------------------------------------------------------
     def _gathered(self, keep) -> dict[str, "torch.Tensor"]:
@@ -374,6 +437,27 @@ def model_init_context(cfg: "RunConfig", world: World, model_config: Any, choice
     return zero_init_context(cfg, world, hidden, choice)
 
 
+def frozen_copy(model: "torch.nn.Module", cfg: "RunConfig", world: World, engine: DeepSpeedEngine,
+                choice: BackendChoice | None = None) -> FrozenModel:
+    """DPO's frozen reference copy (`Backend.frozen_copy`): `deepspeed.initialize` without optimizer on
+    the policy's JSON. ZeRO-3 partitions it like the policy; ZeRO-1/2, which shard optimizer state only,
+    keep a replica (stage 0)."""
+    import copy
+
+    import deepspeed
+    conf = copy.deepcopy(engine.ds_config)
+    for k in ("optimizer", "scheduler"):
+        conf.pop(k, None)
+    zero = dict(conf.get("zero_optimization") or {})
+    if zero.get("stage", 0) != 3:
+        zero = {"stage": 0}
+    zero.pop("offload_optimizer", None)
+    conf["zero_optimization"] = zero
+    ds, *_ = deepspeed.initialize(model=model, config=conf, dist_init_required=None)
+    ds.eval()
+    return FrozenModel(ds, contextlib.nullcontext)
+
+
 def build_deepspeed_engine(model: "torch.nn.Module", cfg: "RunConfig", world: World, total_steps: int,
                            choice: BackendChoice | None = None) -> DeepSpeedEngine:
     return DeepSpeedEngine(model, cfg, world, total_steps, choice)
@@ -448,7 +532,7 @@ def _record(name: str, summary: str, family: str | None, shards: tuple[bool, boo
     return Backend(name=name, engine="deepspeed", factory=build_deepspeed_engine, summary=summary,
                    shards=shards, memory_family=family, estimate=estimate, loss_scaling=True, options=options,
                    checks=(_needs_source, check_config) if name == "deepspeed" else (check_config,),
-                   init_context=model_init_context, checkpoint_format="ds",
+                   init_context=model_init_context, checkpoint_format="ds", frozen_copy=frozen_copy,
                    ds_preset=None if name == "deepspeed" else name, needs=("deepspeed",))
 
 

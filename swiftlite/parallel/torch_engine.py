@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -24,6 +23,12 @@ from swiftlite.checkpoint.layout import DCP_DIR, SCHEDULER
 from swiftlite.optim import build_optimizer, build_scheduler
 from swiftlite.parallel.base import World, tensor_bytes
 from swiftlite.parallel.loss import token_loss_sum
+
+
+#: Optimizer options that belong to the engine that runs, not to a checkpoint (torch picks its kernel).
+_ENGINE_OPTIONS = {"params", "foreach", "fused", "capturable", "differentiable"}
+#: The attribute `autocast_forward` sets on a module (read by `autocast_context` only).
+_AUTOCAST = "_swiftlite_autocast"
 
 
 class TorchEngine:
@@ -51,10 +56,16 @@ class TorchEngine:
         """Summed next-token CE in fp32 (parallel/loss.py, --loss-impl), through the root module, so
         that FSDP's root unit has lm_head unsharded for the loss once per micro-batch."""
         from swiftlite.parallel.loss import loss_options
-        spec = self.inner.__dict__.get("_swiftlite_autocast")  # autocast_forward (single, DDP)
-        ctx = torch.autocast(device_type=spec[0], dtype=spec[1]) if spec else contextlib.nullcontext()
-        with ctx:
+        with self.autocast():
             return token_loss_sum(self.module, batch, loss_options(self.cfg))
+
+    def autocast(self) -> Any:
+        """torch.autocast where `autocast_forward` marked the model (single/DDP under master weights)."""
+        return autocast_context(self.inner)
+
+    def root(self) -> torch.nn.Module:
+        """The wrapper (DDP, FSDP2's root, FSDP1's root unit) or the plain model."""
+        return self.module
 
     def micro_batch(self, last: bool) -> Any:
         """Context for one micro-batch: gradients are synchronised only on the last one of an
@@ -124,9 +135,10 @@ class TorchEngine:
         if self.world.is_main:
             (Path(path) / SCHEDULER).write_text(json.dumps(self.scheduler.state_dict()))
 
-    def load(self, path: str, model_only: bool = False) -> None:
-        """Restore model, optimizer and scheduler from path/dcp/ (any world size). model_only
-        (--resume_only_model): the model entries alone; optimizer and scheduler stay fresh."""
+    def load(self, path: str, *, model_only: bool = False) -> bool:
+        """Restore model, optimizer and scheduler from path/dcp/ (any world size: DCP reshards, no
+        conversion, so this returns False). model_only (--resume_only_model): the model entries alone;
+        optimizer and scheduler stay fresh."""
         import torch.distributed.checkpoint as dcp
         from swiftlite.checkpoint.safety import check_dcp_metadata
         check_dcp_metadata(Path(path) / DCP_DIR)
@@ -139,10 +151,45 @@ class TorchEngine:
         if in_place is None:  # the in-place tensors are the parameters themselves: already loaded
             set_model_state_dict(self.inner, state["model"], options=self._opts(strict=False))
         if model_only:
-            return
+            return False
         set_optimizer_state_dict(self.inner, self.optimizer, state["optim"])
         sched = json.loads((Path(path) / SCHEDULER).read_text())
         self.scheduler.load_state_dict(sched)
+        return False
+
+    def load_universal(self, folder: Path, *, model_only: bool = False) -> None:
+        """Load a universal folder (a ZeRO checkpoint converted once, checkpoint/universal.py): the fp32
+        weights of every trainable parameter and, unless model_only, the AdamW moments and step of each,
+        the checkpoint's optimizer hyper-parameters per group (lr included) and the LR schedule. Every
+        rank reads the full tensors and torch's state-dict API (full_state_dict=True) keeps its own shards."""
+        from swiftlite.checkpoint.universal import UniversalState, check_groups
+        from swiftlite.errors import UserError
+        uni = UniversalState(folder)
+        current = get_model_state_dict(self.inner, options=self._opts(ignore_frozen_params=self._frozen_ok))
+        shapes = {k: tuple(v.size()) for k, v in current.items()}  # global shapes (Tensor, DTensor, ShardedTensor)
+        missing = [k for k in shapes if not uni.has(k)]
+        if missing:
+            raise UserError(f"--resume: {folder} holds no fp32 weights for {len(missing)} tensors of this model "
+                            f"({', '.join(missing[:3])}); it was written for another model or train type")
+        if not model_only:  # checked before anything is loaded
+            fresh = get_optimizer_state_dict(self.inner, self.optimizer, options=self._opts(full_state_dict=True))
+            saved = uni.param_groups
+            check_groups(folder, len(saved), len(fresh["param_groups"]))
+        model_sd = {k: uni.tensor(k, "fp32", s) for k, s in shapes.items()}
+        set_model_state_dict(self.inner, model_sd, options=self._opts(full_state_dict=True, strict=False))
+        del model_sd
+        if model_only:
+            return
+        groups = [{**g, **{k: v for k, v in own.items() if k not in _ENGINE_OPTIONS}}
+                  for g, own in zip(fresh["param_groups"], saved)]
+        state = {}
+        for g in groups:
+            for name in g["params"]:
+                state[name] = {"step": uni.step(name), "exp_avg": uni.tensor(name, "exp_avg", shapes[name]),
+                               "exp_avg_sq": uni.tensor(name, "exp_avg_sq", shapes[name])}
+        set_optimizer_state_dict(self.inner, self.optimizer, {"state": state, "param_groups": groups},
+                                 options=self._opts(full_state_dict=True))
+        self.scheduler.load_state_dict(uni.scheduler)
 
     @property
     def _frozen_ok(self) -> bool:
@@ -236,10 +283,11 @@ def autocast_forward(module: torch.nn.Module, cfg: Any, world: World) -> bool:
     if not master_weights(cfg):
         return False
     device_type = "cuda" if world.device.startswith("cuda") else "cpu"
-    object.__setattr__(module, "_swiftlite_autocast", (device_type, dtypes.torch_dtype(cfg.model.torch_dtype)))
+    object.__setattr__(module, _AUTOCAST, (device_type, dtypes.torch_dtype(cfg.model.torch_dtype)))
     return True
 
 
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+def autocast_context(module: torch.nn.Module) -> Any:
+    """The autocast `autocast_forward` asked for on `module`, or a null context."""
+    spec = module.__dict__.get(_AUTOCAST)
+    return torch.autocast(device_type=spec[0], dtype=spec[1]) if spec else contextlib.nullcontext()

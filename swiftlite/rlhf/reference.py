@@ -34,15 +34,9 @@ REF_LOGPS_FILE = "ref_logps.safetensors"
 
 
 def root_module(engine: Any) -> tuple[Any, Any]:
-    """(what to call, the autocast context) of an engine: the DeepSpeed engine itself, or the torch
-    backends' wrapper with the autocast their own forward enters (single/DDP low-precision runs)."""
-    ds = getattr(engine, "ds", None)
-    if ds is not None:
-        return ds, contextlib.nullcontext()
-    inner = getattr(engine, "inner", engine.module)
-    spec = inner.__dict__.get("_swiftlite_autocast")
-    ctx = torch.autocast(device_type=spec[0], dtype=spec[1]) if spec else contextlib.nullcontext()
-    return engine.module, ctx
+    """(what to call, the autocast context) of an engine: `Engine.root()` (the DDP/FSDP wrapper, the
+    DeepSpeed engine) under `Engine.autocast()` (single/DDP low-precision runs), as its own forward runs."""
+    return engine.root(), engine.autocast()
 
 
 def module_logps(module: Any, batch: dict[str, torch.Tensor], ctx: Any = None

@@ -4,8 +4,8 @@ Both numbers are already all-reduced by the step (no extra synchronisation), so 
 alike. `--nan-policy stop` (default) ends the run with one line naming the step and the newest good
 checkpoint; `--nan-policy skip` counts the step in logging.jsonl and goes on, and stops after
 `--max-skipped-steps` skipped in a row. The torch engines refuse a non-finite update themselves
-(`TorchEngine.step` leaves the weights as they were); DeepSpeed has already applied its step when
-the norm is known, so on DeepSpeed a non-finite step always stops the run. Checkpoints are checked
+(`TorchEngine.step` leaves the weights as they were: `Engine.skips_nonfinite`); DeepSpeed has
+already applied its step when the norm is known, so on DeepSpeed a non-finite step always stops the run. Checkpoints are checked
 for finite weights when they are saved (checkpoint/state.check_finite).
 """
 
@@ -24,7 +24,7 @@ class NonFiniteStep(UserError):
 class NonFiniteGuard:
     def __init__(self, policy: str, max_skipped: int, engine: Any, log: Any):
         self.policy, self.max_skipped, self.log = policy, max_skipped, log
-        self.can_skip = bool(getattr(engine, "skips_nonfinite", False))
+        self.can_skip = bool(engine.skips_nonfinite)   # the Engine Protocol's (parallel/base.py)
         self.skipped = 0      # in total
         self.in_a_row = 0
 

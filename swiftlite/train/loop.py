@@ -90,7 +90,7 @@ class Checkpointer:
         self.preempt.saving = True
         try:
             self.last = save_training_state(r.engine, r.model, r.tokenizer, r.cfg, r.world, r.run_dir, step,
-                                            r.choice.key, r.facts)
+                                            r.choice.key, r.facts, fmt=r.choice.record.checkpoint_format)
         finally:
             self.preempt.saving = False
         return self.last

@@ -1,15 +1,17 @@
 """A backend added from a test module alone (tests/e2e/toy_backend_plugin.py: one record, one apply
-function) trains through `swiftlite sft`, and shows in `--dry-run`, `estimate` and `bench`, with no
-edit to any swiftlite file."""
+function) trains through `swiftlite sft` and `swiftlite rlhf` (DPO with a frozen reference copy laid
+out from its record), skips a nan step under `--nan-policy skip`, and shows in `--dry-run`, `estimate`
+and `bench`, with no edit to any swiftlite file."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import read_losses, run_cli
+from tests.conftest import cli_env, read_losses, run_cli
 
 PLUGIN = str(Path(__file__).with_name("toy_backend_plugin.py"))
 
@@ -40,6 +42,39 @@ def test_toy_backend_trains_and_resumes_through_sft(data, tmp_path):
                      "--resume-from", str(out / "checkpoint-2")])
     assert "resuming from checkpoint-2" in proc2.stdout
     assert read_losses(again)[3] == pytest.approx(losses[3], rel=1e-6)
+
+
+def test_toy_backend_trains_dpo_with_a_frozen_reference_copy(tmp_path):
+    """A full fine-tune's DPO reference is a frozen copy, laid out by the record's default (the layout of
+    its policy's engine: a replica here). It is the starting weights, so step 1's loss is ln 2."""
+    from swiftlite.rlhf.demo import write_preference_data
+    train, _ = write_preference_data(tmp_path / "pref", n_train=32, n_val=8)
+    out = tmp_path / "dpo"
+    proc = run_cli(["rlhf", "--rlhf_type", "dpo", "--external-plugins", PLUGIN, "--model", "tiny-llama",
+                    "--train-type", "full", "--dataset", str(train), "--parallelism", "toy",
+                    "--per-device-train-batch-size", "4", "--learning-rate", "1e-3", "--logging-steps", "1",
+                    "--max-steps", "3", "--output-dir", str(out)])
+    assert "swiftlite: toy x 1 process(es)" in proc.stdout
+    assert "reference: a frozen copy" in proc.stdout
+    losses = read_losses(out)
+    assert sorted(losses) == [1, 2, 3]
+    assert losses[1] == pytest.approx(math.log(2), rel=1e-5)
+    assert losses[3] < losses[1]
+
+
+def test_toy_backend_skips_a_nan_step(data, tmp_path):
+    """--nan-policy skip goes on past a nan gradient: the toy's engine says it leaves the weights alone
+    on such a step (Engine.skips_nonfinite), as the torch backends' engine does."""
+    out = tmp_path / "nan"
+    env = cli_env(SWIFTLITE_FAULT="step=2,phase=grads,kind=nan")
+    run_cli(["sft", "--external-plugins", PLUGIN, "--model", "tiny-llama", "--train-type", "full", "--dataset", data,
+             "--parallelism", "toy", "--per-device-train-batch-size", "4", "--logging-steps", "1",
+             "--max-steps", "4", "--nan-policy", "skip", "--output-dir", str(out)], env=env)
+    recs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
+    skipped = [r for r in recs if "skipped_step" in r]
+    assert [r["step"] for r in skipped] == [2] and "grad norm is nan" in skipped[0]["skipped_step"]
+    assert sorted(read_losses(out)) == [1, 3, 4]
+    assert all(math.isfinite(v) for v in read_losses(out).values())
 
 
 def test_toy_backend_in_dry_run(data, tmp_path):

@@ -10,7 +10,9 @@ import ast
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "swiftlite"
-MAX_LINES = 500
+#: A module may grow to this many lines rather than lose the reasons its docstrings and comments give
+#: (issue 24: under a 500-line cap, docstrings were the first thing cut); past it, it has two jobs.
+MAX_LINES = 600
 
 
 def _module_name(path: Path) -> str:
@@ -114,7 +116,7 @@ def test_config_and_models_do_not_import_backends():
     assert bad == []
 
 
-def test_no_module_over_500_lines():
+def test_no_module_over_600_lines():
     big = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert big == {}
 
