@@ -395,14 +395,19 @@ def unavailable_reason(w: Workload, backend: str | Backend) -> str:
 def _offload(states: dict[str, int], w: Workload, family: str) -> tuple[dict[str, int], int]:
     """(the states left on the GPU, bytes per rank in host memory) for the offload families.
 
-    DeepSpeed's host-side Adam works on fp32 gradient partitions, so a 16-bit run's offloaded
-    gradients take 4 bytes per parameter there, not 2; the GPU keeps no gradient partition
-    (DeepSpeed 0.19's own estimators: ZeRO-2 offload 2Ψ on the GPU; ZeRO-3 with offload_optimizer
-    only, 2Ψ/N + the largest layer). zero3_offload moves the 16-bit weights too."""
+    Measured from the tensors DeepSpeed 0.19 holds (tests/distributed/test_estimator_terms.py): its
+    host-side Adam works on fp32 gradient partitions (4 bytes per parameter / N in host memory
+    whatever the compute dtype), next to the fp32 master, m and v. ZeRO-2 with offload_optimizer
+    keeps no gradient partition on the GPU (the 16-bit weights, 2Ψ, stay: DeepSpeed's estimator
+    too). ZeRO-3's offload families also keep the 16-bit gradient partition buffer in host memory
+    (`grad_partitions_flat_buffer` on the offload device: +2 bytes / N); zero3_offload moves the
+    16-bit weight partitions there as well."""
     if family not in ("zero2_offload", "zero3_offload_optimizer", "zero3_offload"):
         return states, 0
-    grads_cpu = states["grads"] * 4 // w.elem if w.mixed else states["grads"]
-    cpu = grads_cpu + states["optimizer"]
+    fp32_grads = states["grads"] * 4 // w.elem if w.mixed else states["grads"]
+    cpu = fp32_grads + states["optimizer"]
+    if family != "zero2_offload":
+        cpu += states["grads"]   # the gradient partition buffer, in the compute dtype
     gpu_params = states["params"]
     if family == "zero3_offload":
         cpu, gpu_params = cpu + states["params"], 0
