@@ -134,8 +134,9 @@ def help_line(spec: Any) -> str:
 
 
 def run_help(task: str) -> str:
-    """`swiftlite sft --help` / `pt --help`: every config field, by section."""
+    """`swiftlite sft --help` / `pt --help` / `rlhf --help`: every config field, by section."""
     from swiftlite.config import SECTIONS, field_specs
+    from swiftlite.config.tasks import task_spec
     lines = [f"Usage: swiftlite {task} [OPTIONS]", "", TASK_HELP[task],
              "Every option also accepts its underscore spelling (--max_length = --max-length); ms-swift's "
              "flags mean what they mean there, and the ones that mean nothing here say what to use instead "
@@ -144,7 +145,7 @@ def run_help(task: str) -> str:
              f"  {'--lora / --qlora / --full':<{FLAG_WIDTH}} shorthands for --train-type"]
     specs = field_specs()
     for sec in SECTIONS:
-        if sec == "rlhf" and task != "rlhf":
+        if sec == "rlhf" and task_spec(task).own_options != sec:
             continue  # rlhf's own options (config/rules.py refuses them elsewhere)
         lines.append(f"\n{sec}:")
         lines += [help_line(s) for s in specs.values() if s.section == sec and s.cli]

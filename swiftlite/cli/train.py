@@ -13,7 +13,7 @@ from swiftlite.cli.run_flags import parse_run_args, run_help
 
 
 def run_command(task: str, args: list[str]) -> int:
-    """`swiftlite sft|pt ...`: validate, then launch or train here."""
+    """`swiftlite sft|pt|rlhf ...`: validate, then launch or train here."""
     if any(a in ("--help", "-h") for a in args):
         print(run_help(task))
         return 0
@@ -101,11 +101,9 @@ def print_plan(cfg: Any, plan: Any, choice: Any) -> None:
     print(f"batch:          per-device {t.per_device_train_batch_size} x {world} x accumulation "
           f"{t.gradient_accumulation_steps} = global {global_batch}")
     print(f"model:          {cfg.model.model} ({cfg.train.train_type}, {cfg.model.torch_dtype})")
-    if cfg.task == "rlhf":  # the global batch counts pairs (2 sequences each)
-        from swiftlite.rlhf.loss import method_of
-        m = method_of(cfg)
-        print(f"preference:     {m.kind}, beta {m.beta:g}" + (f", {m.loss_type} loss" if m.kind == "dpo" else "")
-              + ("; batches count pairs"))
+    from swiftlite.train.tasks import task_of
+    for line in task_of(cfg).dry_run_lines(cfg):   # rlhf: the method; its global batch counts pairs
+        print(line)
     print(f"output:         {cfg.train.output_dir}")
     # The command each node runs, as it would run it: without this --dry-run.
     shown = [a for a in plan.command if a not in ("--dry-run", "--dry_run")] if plan.command else None

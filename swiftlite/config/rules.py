@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from swiftlite.config.schema import RunConfig
+from swiftlite.config.tasks import task_spec
 from swiftlite.errors import UserError
 
 
@@ -242,8 +243,8 @@ def _strategies(c: RunConfig):
 
 @rule("system prompt and template")
 def _system_template(c: RunConfig):
-    if c.data.system is not None and c.task == "pt":
-        return "--system applies to sft (chat rows); pt trains on plain text"
+    if c.data.system is not None and task_spec(c.task).plain_text:
+        return f"--system applies to sft (chat rows); {c.task} trains on plain text"
     tpl = c.model.template
     if tpl and _NAME.match(tpl) and not Path(tpl).is_file():
         return (f"--template {tpl}: ms-swift template names are not used here: conversations are rendered with "
@@ -271,7 +272,7 @@ RLHF_USES = {"dpo": {"beta", "loss_type", "rpo_alpha", "label_smoothing", "ref_m
 def _rlhf(c: RunConfig):
     r = c.rlhf
     given = [k for k in RLHF_KEYS if k in c.explicit]
-    if c.task != "rlhf":
+    if task_spec(c.task).own_options != "rlhf":
         if given:
             return f"{_flag(given[0])} is an option of `swiftlite rlhf` (preference training), not of {c.task}"
         return None

@@ -21,6 +21,7 @@ import numpy as np
 from swiftlite.data.collate import pack_rows
 from swiftlite.data.formats import to_messages, to_text
 from swiftlite.data.sources import load_rows, parse_spec
+from swiftlite.config.tasks import task_spec
 from swiftlite.data.tokenize import IGNORE, encode_messages, encode_text
 from swiftlite import env
 from swiftlite.errors import UserError
@@ -131,7 +132,7 @@ def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_l
     cut = "right" if truncation == "delete" else truncation
     for row, where in items:
         try:
-            if task == "pt":
+            if task_spec(task).plain_text:  # pt: every token a target, no template
                 enc = encode_text(tokenizer, to_text(row, where), max_length, truncation=cut)
             else:
                 enc = encode_messages(tokenizer, to_messages(row, where), max_length, where, truncation=cut,
@@ -284,10 +285,9 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
     from swiftlite.data.loader import BatchPlan
     from swiftlite.data.tokenize import system_prompt
     d, t = cfg.data, cfg.train
-    if d.max_length is None:  # a hub model (config.load reads local configs only): ms-swift's default
-        from swiftlite.models.loading import resolve_model_defaults
-        resolve_model_defaults(cfg)
-    system = system_prompt(d.system) if cfg.task == "sft" else None
+    # --max-length from a hub model's config (config.load reads local configs only) is settled by the
+    # caller, TokenTask.prepare_data (train/tasks.py): the model loader is not data's to call.
+    system = system_prompt(d.system) if task_spec(cfg.task).chat else None
 
     def tok(specs: list[str]) -> Tokenized:
         return tokenize_specs(specs, tokenizer, task=cfg.task, max_length=d.max_length, packing=d.packing,

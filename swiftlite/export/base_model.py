@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from swiftlite.config.tasks import task_spec
 from swiftlite.errors import UserError
 from swiftlite.export.source import Source
 
@@ -78,7 +79,7 @@ def tokenizer_for(src: Source, ms: Any) -> Any:
         try:
             return load_tokenizer(src.cfg, ms)
         except UserError:
-            if src.cfg.task == "sft":
+            if task_spec(src.cfg.task).needs_chat_template:  # its rows were rendered with one
                 raise
     if ms is not None:
         try:

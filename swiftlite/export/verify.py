@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from swiftlite import dtypes
+from swiftlite.config.tasks import task_spec
 from swiftlite.checkpoint.readers import ModelReader, st_dtype, tensor_value
 from swiftlite.export.adapter import load_adapter
 from swiftlite.export.output import ExportResult
@@ -115,7 +116,7 @@ def verify_export(folder: Path, src: Source, opts: ExportOptions, result: Export
             problems.append(f"tokenizer does not load: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
     if result.kind == "model":
         if tokenizer is not None and not getattr(tokenizer, "chat_template", None) and src.cfg is not None \
-                and src.cfg.task == "sft":
+                and task_spec(src.cfg.task).needs_chat_template:
             problems.append("tokenizer has no chat template")
         exported, loading = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, output_loading_info=True)
         for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):

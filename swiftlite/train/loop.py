@@ -32,10 +32,10 @@ class TrainResult:
 def _first_line(run) -> str:
     from swiftlite.data.collate import PADDED
     st = run.train_data.stats
-    cfg = run.cfg
-    unit = "pairs" if cfg.task == "rlhf" else "rows"
+    cfg, task = run.cfg, run.task
+    unit = f"{task.unit}s"
     return (f"swiftlite: {run.choice.name} x {run.world.world_size} process(es) on {run.world.device}, "
-            + (_rlhf_phrase(run) if cfg.task == "rlhf" else "")
+            + task.describe(run)
             + f"{len(run.train_data.rows)} train {unit} ({st.truncated} truncated to {cfg.data.max_length}, "
             f"{len(st.skipped)} skipped, {st.deleted} longer than {cfg.data.max_length} deleted, "
             f"{st.no_target} without target), "
@@ -46,14 +46,6 @@ def _first_line(run) -> str:
             + (f", {'weights from' if cfg.checkpoint.resume_only_model else 'resuming from'} {run.resume_path.name}"
                if run.resume_path else "")
             + (" (data order restarted: --ignore-data-skip)" if run.resume_path and cfg.train.ignore_data_skip else ""))
-
-
-def _rlhf_phrase(run) -> str:
-    """'dpo (sigmoid, beta 0.1, reference: ...), ' for the first line of an rlhf run."""
-    m, ref = run.batches.method, run.batches.reference
-    what = f"{m.loss_type}, " if m.kind == "dpo" else ""
-    return (f"{m.kind} ({what}beta {m.beta:g}"
-            + (f", reference: {ref.kind}" if ref is not None else "") + "), ")
 
 
 def train(cfg: RunConfig) -> TrainResult:

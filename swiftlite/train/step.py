@@ -32,9 +32,31 @@ class StepStats:
     metrics: dict[str, float] = field(default_factory=dict)   # task-specific means (rlhf: rewards/..., logps/...)
 
 
+@dataclass
+class TokenBatches:
+    """The tokenized training rows and the step-indexed order that cuts them into batches (sft, pt)."""
+    rows: list[dict]
+    plan: Any                      # data.loader.BatchPlan
+    pad_id: int
+    world: Any
+    targets: list[int] = field(default_factory=list)   # target tokens per row (Tokenized.targets)
+    form: Any = None               # data.collate.BatchForm (models.loading.batch_form); None = padded
+
+    def global_targets(self, step: int) -> int:
+        """Target tokens of the whole global batch of `step` (every rank computes it alike, no comms)."""
+        return sum(self.targets[i] for mb in self.plan.all_micro_batches(step) for i in mb)
+
+
+def token_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> TokenBatches:
+    """sft/pt's batches (`TokenTask.make_batches`, train/tasks.py)."""
+    from swiftlite.models.loading import batch_form
+    return TokenBatches(train.rows, plan, tokenizer.pad_token_id, world,
+                        [train.targets(i) for i in range(len(train.rows))], batch_form(cfg))
+
+
 def train_step(engine: Any, batches: Any, step: int, *, data_step: int | None = None,
                before_optimizer: Callable[[Any], None] | None = None) -> StepStats:
-    """Run optimizer step `step` (0-based) on `batches` (train/run.py `Batches`). `data_step` picks
+    """Run optimizer step `step` (0-based) on `batches` (`TokenBatches`). `data_step` picks
     the global batch (the step itself unless a resume restarts the data order); `before_optimizer`
     sees the engine between the last backward and the optimizer step (gradients exist only then)."""
     world = batches.world

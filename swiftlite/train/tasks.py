@@ -1,63 +1,156 @@
-"""What each training command runs: its data pipeline, its step function, its validation and the
-engine setup it needs, in one table (`TASKS`). sft and pt share the token-level pipeline; rlhf trains
-on preference pairs (swiftlite/rlhf/). Preflight and the trainer both ask `task_of(cfg)`, so what is
-checked before launch is what trains.
+"""What each training command runs: its data pipeline, its batches, its step, its validation and the
+engine setup it needs, as one small class per kind of task. sft and pt are `TokenTask`s (token-level
+next-token loss on rows); rlhf is a `PreferenceTask` (pairs, swiftlite/rlhf/). Preflight and the
+trainer both ask `task_of(cfg)`, so what is checked before launch is what trains:
 
     task = task_of(cfg)
     train, val, plan = task.prepare_data(cfg, tokenizer, world_size, progress=...)
-    batches = task.make_batches(cfg, train, plan, tokenizer, world)   # what task.step consumes
-    engine = task.setup(run) or engine      # rlhf: the reference (adapter off, or precomputed log-probs)
-    stats = task.step(engine, batches, step, data_step=..., before_optimizer=...)
-    metrics = task.evaluate(run)            # {"eval_loss": ..., ...}
+    batches = task.make_batches(cfg, train, plan, tokenizer, world)   # what task.step_fn() consumes
+    engine = task.setup_engine(run)         # rlhf: the reference (frozen copy, adapter off, precomputed)
+    stats = task.step_fn()(engine, batches, step, data_step=..., before_optimizer=...)
+    metrics = task.run_evaluate(run)        # {"eval_loss": ..., ...}
+
+What the layers below the trainer need to know about a command (a row or a pair, a chat template or
+plain text, the options only it takes) is its `spec` (config/tasks.py, import-free, so that config,
+data, models, the planner and export read it without importing the trainer). Only this module
+switches on the command; tests/unit/test_seams.py checks that nothing else compares `cfg.task`.
+
+The methods import what they call inside their bodies: preflight asks for the data pipeline only, and
+`swiftlite --help` imports no torch.
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
 from typing import Any, Callable
 
-
-def _ref(name: str) -> Callable[..., Any]:
-    mod, _, attr = name.partition(":")
-    return getattr(importlib.import_module(mod), attr)
+from swiftlite.config.tasks import TaskSpec, task_spec
 
 
-@dataclass(frozen=True)
 class Task:
-    """One command's pieces, named "module:function" (imported on use: preflight needs no torch model)."""
-    prepare: str       # (cfg, tokenizer, world_size, *, progress=None) -> (train, val or None, BatchPlan)
-    batches: str       # (cfg, train, plan, tokenizer, world) -> the object `step` reads
-    step: str          # (engine, batches, step, *, data_step=None, before_optimizer=None) -> StepStats
-    evaluate: str      # (run) -> {"eval_loss": float, ...}
-    setup: str | None = None   # (run) -> the engine the loop drives (None: the backend's engine as built)
+    """One training command. Subclasses give the five pieces; the facts come from `spec`."""
 
-    def prepare_data(self, *args: Any, **kw: Any) -> Any:
-        return _ref(self.prepare)(*args, **kw)
+    def __init__(self, spec: TaskSpec):
+        self.spec = spec
 
-    def make_batches(self, *args: Any) -> Any:
-        return _ref(self.batches)(*args)
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def unit(self) -> str:
+        """What one sample is ("row" or "pair"), for messages."""
+        return self.spec.unit
+
+    @property
+    def needs_chat_template(self) -> bool:
+        return self.spec.needs_chat_template
+
+    @property
+    def sequences_per_sample(self) -> int:
+        return self.spec.sequences_per_sample
+
+    def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
+                     progress: Callable[[str, int], Any] | None = None) -> Any:
+        """(train, validation or None, BatchPlan), with every check a run needs before it starts."""
+        raise NotImplementedError
+
+    def make_batches(self, cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> Any:
+        """What the step reads: the tokenized samples and the step-indexed order over them."""
+        raise NotImplementedError
 
     def step_fn(self) -> Callable[..., Any]:
-        return _ref(self.step)
+        """(engine, batches, step, *, data_step=None, before_optimizer=None) -> StepStats."""
+        raise NotImplementedError
 
     def run_evaluate(self, run: Any) -> dict:
-        return _ref(self.evaluate)(run)
+        """{"eval_loss": float, ...} over the validation data, the same on every rank."""
+        raise NotImplementedError
 
     def setup_engine(self, run: Any) -> Any:
-        return _ref(self.setup)(run) if self.setup else run.engine
+        """The engine the loop drives (the backend's engine as built, unless the task adds to it)."""
+        return run.engine
+
+    def describe(self, run: Any) -> str:
+        """What the first line of a run says about the task before its data (empty for sft/pt)."""
+        return ""
+
+    def dry_run_lines(self, cfg: Any) -> list[str]:
+        """Lines `--dry-run` adds about the task (after the model line)."""
+        return []
 
 
-_TOKENS = Task(prepare="swiftlite.data.pipeline:prepare_datasets", batches="swiftlite.train.run:token_batches",
-               step="swiftlite.train.step:train_step", evaluate="swiftlite.train.evaluate:evaluate_run")
+class TokenTask(Task):
+    """sft and pt: summed next-token loss on target tokens of rows (train/step.py)."""
+
+    def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
+                     progress: Callable[[str, int], Any] | None = None) -> Any:
+        from swiftlite.data.pipeline import prepare_datasets
+        if cfg.data.max_length is None:  # a hub model (config.load reads local configs only): ms-swift's default
+            from swiftlite.models.loading import resolve_model_defaults
+            resolve_model_defaults(cfg)
+        return prepare_datasets(cfg, tokenizer, world_size, progress=progress)
+
+    def make_batches(self, cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> Any:
+        from swiftlite.train.step import token_batches
+        return token_batches(cfg, train, plan, tokenizer, world)
+
+    def step_fn(self) -> Callable[..., Any]:
+        from swiftlite.train.step import train_step
+        return train_step
+
+    def run_evaluate(self, run: Any) -> dict:
+        from swiftlite.train.evaluate import evaluate_run
+        return evaluate_run(run)
+
+
+class PreferenceTask(Task):
+    """rlhf: DPO, ORPO, SimPO on chosen/rejected pairs (rlhf/step.py), with DPO's reference."""
+
+    def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
+                     progress: Callable[[str, int], Any] | None = None) -> Any:
+        from swiftlite.rlhf.data import prepare_pairs
+        return prepare_pairs(cfg, tokenizer, world_size, progress=progress)
+
+    def make_batches(self, cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> Any:
+        from swiftlite.rlhf.step import pair_batches
+        return pair_batches(cfg, train, plan, tokenizer, world)
+
+    def step_fn(self) -> Callable[..., Any]:
+        from swiftlite.rlhf.step import preference_step
+        return preference_step
+
+    def run_evaluate(self, run: Any) -> dict:
+        from swiftlite.rlhf.step import evaluate_pairs
+        return evaluate_pairs(run)
+
+    def setup_engine(self, run: Any) -> Any:
+        """Attach the reference to the batches; returns the engine the loop drives (rlhf/reference.py)."""
+        from swiftlite.rlhf.reference import setup
+        return setup(run)
+
+    def describe(self, run: Any) -> str:
+        """'dpo (sigmoid, beta 0.1, reference: ...), '."""
+        m, ref = run.batches.method, run.batches.reference
+        what = f"{m.loss_type}, " if m.kind == "dpo" else ""
+        return (f"{m.kind} ({what}beta {m.beta:g}"
+                + (f", reference: {ref.kind}" if ref is not None else "") + "), ")
+
+    def dry_run_lines(self, cfg: Any) -> list[str]:
+        from swiftlite.rlhf.loss import method_of
+        m = method_of(cfg)
+        return [f"preference:     {m.kind}, beta {m.beta:g}" + (f", {m.loss_type} loss" if m.kind == "dpo" else "")
+                + "; batches count pairs"]   # the global batch counts pairs (2 sequences each)
+
+
 TASKS: dict[str, Task] = {
-    "sft": _TOKENS,
-    "pt": _TOKENS,
-    "rlhf": Task(prepare="swiftlite.rlhf.data:prepare_pairs", batches="swiftlite.rlhf.step:pair_batches",
-                 step="swiftlite.rlhf.step:preference_step", evaluate="swiftlite.rlhf.step:evaluate_pairs",
-                 setup="swiftlite.rlhf.reference:setup"),
+    "sft": TokenTask(task_spec("sft")),
+    "pt": TokenTask(task_spec("pt")),
+    "rlhf": PreferenceTask(task_spec("rlhf")),
 }
 
 
 def task_of(cfg: Any) -> Task:
     return TASKS[cfg.task]
+
+
+__all__ = ["PreferenceTask", "TASKS", "Task", "TokenTask", "task_of"]
