@@ -15,11 +15,25 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from swiftlite.checkpoint import layout
 from swiftlite.errors import UserError
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step produced (the same on every rank after the all-reduce): what the run
+    logs. Made by each task's step (train/step.py, rlhf/step.py), read by the loop, the non-finite
+    guard and the observers; defined here, below both, so rlhf does not import train."""
+    step: int               # 1-based: the number of optimizer steps done
+    loss: float             # token-mean loss of the global batch
+    grad_norm: float        # global norm before clipping
+    tokens: int             # real (non-pad) tokens of the global batch (what tokens/s counts)
+    target_tokens: int      # tokens the loss was taken on, over the global batch (rlhf: pairs)
+    metrics: dict[str, float] = field(default_factory=dict)   # task-specific means (rlhf: rewards/..., logps/...)
+
 
 #: --report-to loggers: name -> (the module it needs, the swiftlite extra that installs it).
 REPORTERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
@@ -223,11 +237,6 @@ class RunLogger:
                                       TextColumn("{task.fields[info]}"), transient=False)
             self._progress.start()
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
-
-    @property
-    def tty(self) -> bool:
-        """True when the rich progress bar is shown (stderr is a terminal)."""
-        return self._progress is not None
 
     def print(self, msg: str) -> None:
         if not self.enabled:

@@ -204,11 +204,3 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: "RunConfig", total_st
     the torch engines save it as JSON (scheduler.json) and DeepSpeed, which gets it as a client
     object, in its own checkpoint; the schedule itself is rebuilt from the config at resume."""
     return _hf_scheduler(optimizer, cfg, total_steps, _checked_kwargs(cfg))
-
-
-def lr_lambda(cfg: "RunConfig", total_steps: int):
-    """Multiplier of the peak LR at 0-based step s (the lr of optimizer step s + 1), from the same
-    transformers schedule `build_scheduler` makes."""
-    import torch
-    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.learning_rate)
-    return build_scheduler(probe, cfg, total_steps).lr_lambdas[0]

@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 import signal
 from pathlib import Path
-from typing import IO
 
 from swiftlite import env
 from swiftlite.config import RunConfig
+from swiftlite.signals import dump_stacks_to, dumping, stop_stack_dump
 
 SECRET_FLAG = re.compile(r"token|secret|password|passwd|api[-_]?key|credential", re.IGNORECASE)
 SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})\b")
@@ -161,9 +161,6 @@ def record_rank_failure(cfg: RunConfig | None, message: str, user_error: bool) -
         pass
 
 
-_stack_file: IO[str] | None = None
-
-
 #: What swiftlite's fork launcher sends a rank it stops because another rank failed: faulthandler
 #: dumps the stack on it and the rank dies at once, even blocked in a collective. SIGTERM is left
 #: to preemption (train/preempt.py), which finishes the step and saves instead of dying.
@@ -174,46 +171,19 @@ def install_rank_diagnostics(cfg: RunConfig) -> None:
     """In a launched rank: dump every thread's stack to logs/rank<r>.stack when the launcher stops the
     rank (STOP_SIGNAL from swiftlite's fork launcher; SIGTERM from torchrun), even if it is blocked
     inside a collective, so a hung rank can be named and located. Removed again by
-    `finish_rank_diagnostics` when the rank ends normally."""
-    global _stack_file
-    import faulthandler
+    `finish_rank_diagnostics` when the rank ends normally. The dump itself is swiftlite/signals.py's
+    (train/preempt.py puts it back in front of its own SIGTERM handler)."""
     rank = env.rank()
-    if rank is None or _stack_file is not None:
+    if rank is None or dumping():
         return
     logs = logs_dir(cfg)
     try:
         logs.mkdir(parents=True, exist_ok=True)
-        _stack_file = (logs / f"rank{rank}.stack").open("w")
-        faulthandler.enable(file=_stack_file, all_threads=True)          # SIGABRT (and crashes): dump, die
-        faulthandler.register(signal.SIGTERM, file=_stack_file, all_threads=True, chain=True)
-    except (OSError, RuntimeError, ValueError):
-        _stack_file = None
-
-
-def rechain_stack_dump() -> None:
-    """Put the SIGTERM stack dump back in front after a Python handler for SIGTERM was installed
-    (signal.signal replaces faulthandler's handler): the dump runs, then the Python handler."""
-    if _stack_file is None:
+    except OSError:
         return
-    import faulthandler
-    try:
-        faulthandler.register(signal.SIGTERM, file=_stack_file, all_threads=True, chain=True)
-    except (OSError, RuntimeError, ValueError):
-        pass
+    dump_stacks_to(logs / f"rank{rank}.stack")
 
 
 def finish_rank_diagnostics() -> None:
     """The rank ended normally: it was not hung, so whatever a signal (a preemption) dumped is removed."""
-    global _stack_file
-    if _stack_file is None:
-        return
-    import faulthandler
-    try:
-        faulthandler.unregister(signal.SIGTERM)
-        faulthandler.disable()
-        path = Path(_stack_file.name)
-        _stack_file.close()
-        path.unlink(missing_ok=True)
-    except (OSError, RuntimeError, ValueError):
-        pass
-    _stack_file = None
+    stop_stack_dump()

@@ -29,7 +29,7 @@ from swiftlite.distributed import all_reduce_sum
 from swiftlite.rlhf.data import collate_pairs
 from swiftlite.rlhf.loss import Method, method_of, pair_terms
 from swiftlite.rlhf.reference import sequence_logps
-from swiftlite.train.step import StepStats
+from swiftlite.metrics import StepStats
 
 
 @dataclass

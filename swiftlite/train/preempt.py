@@ -50,7 +50,7 @@ class Preemption:
             for sig in SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
             # A launched rank dumps its stack on SIGTERM (to name a hung rank): keep that dump first.
-            from swiftlite.launch.diagnostics import rechain_stack_dump
+            from swiftlite.signals import rechain_stack_dump
             rechain_stack_dump()
 
     def _handle(self, signum: int, frame: Any) -> None:

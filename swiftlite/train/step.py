@@ -19,17 +19,7 @@ from typing import Any, Callable
 from swiftlite.data.collate import PADDED, collate, real_tokens
 from swiftlite.data.loader import select
 from swiftlite.distributed import all_reduce_sum
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one optimizer step produced (the same on every rank after the all-reduce)."""
-    step: int               # 1-based: the number of optimizer steps done
-    loss: float             # token-mean loss of the global batch
-    grad_norm: float        # global norm before clipping
-    tokens: int             # real (non-pad) tokens of the global batch (what tokens/s counts)
-    target_tokens: int      # tokens the loss was taken on, over the global batch (rlhf: pairs)
-    metrics: dict[str, float] = field(default_factory=dict)   # task-specific means (rlhf: rewards/..., logps/...)
+from swiftlite.metrics import StepStats
 
 
 @dataclass
