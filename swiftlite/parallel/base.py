@@ -299,7 +299,6 @@ def load_plugins(paths: list[str]) -> None:
     """Run the user's `--external-plugins` Python files (ms-swift's flag): they may register backends.
     These are files the user names on the command line, run like any script of theirs."""
     import importlib.util
-    from pathlib import Path
     for p in paths:
         path = Path(p).expanduser()
         if not path.is_file() or path.suffix != ".py":
