@@ -77,6 +77,8 @@ class LoadPhase:
     transit: int           # the largest piece in flight on the GPU (a tensor's rows, a unit, a 16-bit linear)
     host_per_rank: int     # host RAM per process while loading
     host_per_node: int     # host_per_rank x processes per node
+    host_copy: bool = True  # the host bytes are a copy beside the resident weights (False: the model
+                            # built in host memory is what then moves to the GPU)
 
     @property
     def gpu(self) -> int:
@@ -84,7 +86,7 @@ class LoadPhase:
 
     @property
     def one_memory(self) -> int:
-        return self.resident + max(self.transit, self.host_per_rank)
+        return self.resident + max(self.transit, self.host_per_rank if self.host_copy else 0)
 
 
 def largest_shard_file(model: str | None) -> int | None:
@@ -159,7 +161,7 @@ def load_phase(shape: ModelShape, w: Any, family: str, resident: int, shard_rank
         # offload_param: the partitions are created in host memory, next to the mapped file
         host, resident = host + resident, 0
     return LoadPhase(method=METHODS[family], resident=resident, transit=transit, host_per_rank=host,
-                     host_per_node=host * per_node)
+                     host_per_node=host * per_node, host_copy=not (family in WHOLE_MODEL and not quant))
 
 
 __all__ = ["FILE_ELEM_BYTES", "HF_SHARD_BYTES", "LoadPhase", "METHODS", "largest_shard_file", "load_phase"]

@@ -47,7 +47,8 @@ from swiftlite.planner.load import LoadPhase, load_phase
 from swiftlite.planner.shape import ModelShape
 from swiftlite.planner.states import (_base_bytes, _ceil_div, _frozen_elem,  # noqa: F401 (re-exported)
                                       _state_bytes_per_param, quantized_bytes, trainable_params)
-from swiftlite.planner.transients import autocast, autocast_copy_bytes, step_transient_bytes
+from swiftlite.planner.transients import (autocast, autocast_copy_bytes, host_step_transient_bytes,
+                                          step_transient_bytes)
 from swiftlite.planner.topology import LinkBytes, hsdp_shard_size, split_by_link
 
 if TYPE_CHECKING:
@@ -422,6 +423,7 @@ def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> M
     rec = backend_record(backend)
     family = rec.memory_family
     states, cpu = _offload(model_state_bytes(shape, w, rec), w, family)
+    cpu += host_step_transient_bytes(shape, w, family)
     acts = activation_bytes(shape, w, autocast=autocast(w, family))
     temp = temp_buffer_bytes(shape, w, rec)
     ref = reference_bytes(shape, w, rec)

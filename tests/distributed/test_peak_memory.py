@@ -53,8 +53,9 @@ CASES = [  # (id, --parallelism, --train-type, processes)
 ]
 
 
-def _mid_llama(out: Path, vocab: int) -> Path:
-    """A Llama folder (512 hidden x 8 layers, random weights) with the shipped tiny tokenizer."""
+def _mid_llama(out: Path, vocab: int, max_shard_size: str | None = None) -> Path:
+    """A Llama folder (512 hidden x 8 layers, random weights) with the shipped tiny tokenizer, in
+    safetensors files of at most `max_shard_size` (default: one file)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -64,7 +65,7 @@ def _mid_llama(out: Path, vocab: int) -> Path:
                        pad_token_id=259, bos_token_id=None, tie_word_embeddings=False)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        LlamaForCausalLM(conf).save_pretrained(out)
+        LlamaForCausalLM(conf).save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     AutoTokenizer.from_pretrained(str(TINY_TOKENIZER)).save_pretrained(out)
     return out
 
@@ -81,12 +82,14 @@ def big_vocab_model(tmp_path_factory) -> Path:
     return _mid_llama(tmp_path_factory.mktemp("mid_llama_64k"), 65_536)
 
 
-def _check(name, model, backend, train_type, nproc, demo_data, tmp_path, loss_impl=None):
+def _check(name, model, backend, train_type, nproc, demo_data, tmp_path, loss_impl=None, dtype="fp32",
+           training=True):
     from swiftlite import planner as plan
+    from swiftlite.planner.load import largest_shard_file
     out = tmp_path / name
     loss = ["--loss-impl", loss_impl] if loss_impl else []
     run_cli(["sft", "--model", model, "--dataset", demo_data[0], "--train-type", train_type,
-             "--parallelism", backend, "--nproc-per-node", nproc, "--torch-dtype", "fp32",
+             "--parallelism", backend, "--nproc-per-node", nproc, "--torch-dtype", dtype,
              "--max-length", MAX_LENGTH, "--packing", "true", "--per-device-train-batch-size", MICRO_BATCH,
              *(["--lora-dropout", "0.05"] if train_type != "full" else []), "--max-steps", 3, "--output-dir", out,
              "--logging-steps", 1, *loss],
@@ -96,10 +99,13 @@ def _check(name, model, backend, train_type, nproc, demo_data, tmp_path, loss_im
     # rank (one micro-batch per step here) is what the activation model is told.
     logged = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     real = max(r["real_tokens"] for r in logged if "real_tokens" in r) // nproc
-    w = plan.Workload(train_type=train_type, dtype="fp32", max_length=MAX_LENGTH, micro_batch=MICRO_BATCH,
+    w = plan.Workload(train_type=train_type, dtype=dtype, max_length=MAX_LENGTH, micro_batch=MICRO_BATCH,
                       world_size=nproc, overhead_bytes=0, lora_dropout=0.05, cpu=True,
-                      tokens_per_micro_batch=real, **({"loss_impl": loss_impl} if loss_impl else {}))
+                      tokens_per_micro_batch=real, shard_file_bytes=largest_shard_file(str(model)),
+                      **({"loss_impl": loss_impl} if loss_impl else {}))
     est = plan.estimate(shape, w, "single" if nproc == 1 else backend)
+    # On CPU the accelerator and the host are one memory: offloaded states count in the same peak.
+    predicted = est.total + est.cpu_offloaded
     records = [json.loads(p.read_text()) for p in sorted((out / "logs").glob("memory_rank*.json"))]
     assert len(records) == nproc
     for r, rec in enumerate(records):
@@ -108,12 +114,16 @@ def _check(name, model, backend, train_type, nproc, demo_data, tmp_path, loss_im
         # and torch.compile's machinery (which DeepSpeed's engine imports, ~70 MiB) load before it.
         late = [m for m in rec["imported_in_window"] if m == "deepspeed" or m.startswith(LIBRARY_CODE)]
         assert not late, f"{name} rank{r}: imported inside the memory window: {late[:5]}"
+        if not training:
+            continue
         measured = rec["training_peak"]
-        ratio = est.total / measured
+        ratio = predicted / measured
         assert abs(ratio - 1) <= TOLERANCE, (
-            f"{name} rank{r}: estimate {est.total / 2**20:.0f} MiB (states "
+            f"{name} rank{r}: estimate {predicted / 2**20:.0f} MiB (states "
             f"{(est.params + est.grads + est.optimizer) / 2**20:.0f}, activations {est.activations / 2**20:.0f}, "
-            f"buffers {est.temp_buffers / 2**20:.0f}) vs measured {measured / 2**20:.0f} MiB: ratio {ratio:.2f}")
+            f"buffers {est.temp_buffers / 2**20:.0f}, step {est.step_transient / 2**20:.0f}, host "
+            f"{est.cpu_offloaded / 2**20:.0f}) vs measured {measured / 2**20:.0f} MiB: ratio {ratio:.2f}")
+    return est, records
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -134,3 +144,45 @@ LOSS_CASES = [  # (id, --parallelism, --train-type, processes, --loss-impl)
 def test_estimated_peak_with_the_loss_impl_within_25_percent(case, big_vocab_model, demo_data, tmp_path):
     name, backend, train_type, nproc, loss_impl = case
     _check(name, big_vocab_model, backend, train_type, nproc, demo_data, tmp_path, loss_impl)
+
+
+BF16_CASES = [  # (id, --parallelism, --train-type, processes): fp32 master weights, bf16 compute
+    # ddp: autocast's cached bf16 weight copies next to the gradient buckets, and the fp32 residual
+    # stream (planner/transients.py); the estimate without them was 1.14x under (docs/estimate.md)
+    ("ddp-bf16-full", "ddp", "full", 2),
+    # optimizer-only offload: the fp32 master, moments and gradients in host memory (the same RSS here)
+    ("zero2_offload-bf16-full", "zero2_offload", "full", 2),
+]
+
+
+@pytest.mark.parametrize("case", BF16_CASES, ids=[c[0] for c in BF16_CASES])
+def test_estimated_peak_bf16_within_25_percent(case, mid_model, demo_data, tmp_path):
+    name, backend, train_type, nproc = case
+    est, _ = _check(name, mid_model, backend, train_type, nproc, demo_data, tmp_path, dtype="bf16")
+    if backend == "ddp":
+        assert est.temp_buffers > 0 and est.step_transient == 0
+    else:
+        assert est.cpu_offloaded > 0 and est.optimizer == 0
+
+
+@pytest.fixture(scope="module")
+def sharded_files_model(tmp_path_factory) -> Path:
+    """The 65,536-token Llama (91M parameters, 364 MB in fp32) in safetensors files of <= 100 MB: the
+    embedding and lm_head (134 MB each) are the largest tensors, one file each."""
+    return _mid_llama(tmp_path_factory.mktemp("mid_llama_64k_sharded"), 65_536, max_shard_size="100MB")
+
+
+def test_load_phase_fsdp_sharded_reads(sharded_files_model, demo_data, tmp_path):
+    """fsdp x 2 loads by sharded reads (planner/load.py): each rank holds its half of the fp32 weights
+    plus one tensor's rows in transit, never the whole model. The trainer's `load_peak` (the RSS
+    peak above the window's start, just before the first step) within 25% of `load_one_memory`."""
+    est, records = _check("load-fsdp-sharded", sharded_files_model, "fsdp", "full", 2, demo_data, tmp_path,
+                          training=False)
+    whole = est.params * 2    # what every rank held before sharded loading: the whole model
+    for r, rec in enumerate(records):
+        assert "load_peak" in rec, f"rank{r}: the trainer wrote no load_peak into {sorted(rec)}"
+        ratio = est.load_one_memory / rec["load_peak"]
+        assert abs(ratio - 1) <= TOLERANCE, (
+            f"rank{r}: load estimate {est.load_one_memory / 2**20:.0f} MiB ({est.load_method}) vs "
+            f"measured {rec['load_peak'] / 2**20:.0f} MiB: ratio {ratio:.2f}")
+        assert rec["load_peak"] < 0.8 * whole
