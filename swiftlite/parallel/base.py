@@ -97,10 +97,8 @@ class Engine(Protocol):
     def state_bytes(self) -> dict[str, int]: ...
 
 
-#: Engine members that code outside parallel/ may use (tests/unit/test_seams.py reads this).
-ENGINE_SURFACE = frozenset({"module", "skips_nonfinite", "micro_batch", "forward", "backward", "step", "lr",
-                            "train", "eval", "save", "load", "load_universal", "autocast", "root",
-                            "full_state_dict", "adapter_state_dict", "state_bytes"})
+#: The Protocol's members: all that code outside parallel/ may use of an engine (tests/unit/test_seams.py).
+ENGINE_SURFACE = frozenset({*Engine.__annotations__, *(n for n in vars(Engine) if not n.startswith("_"))})
 
 
 @dataclass(frozen=True)
