@@ -279,10 +279,18 @@ def start_memory_window() -> dict[str, Any] | None:
             "_modules": frozenset(sys.modules)}
 
 
+def window_peak(start: dict[str, Any]) -> int | None:
+    """Peak RSS since `start_memory_window`, above the RSS it started from (bytes), or None."""
+    st = rss_status()
+    return None if st is None else st["peak_rss"] - start["rss_before_model"]
+
+
 def end_memory_window(run_dir: str | Path, rank: int, start: dict[str, Any] | None, steps: int) -> None:
     """logs/memory_rank<r>.json: the baseline RSS, the peak RSS since `start_memory_window` and the
     difference (the measured training memory the estimator predicts), after `steps` steps, and
-    `imported_in_window`: the modules first imported inside the window (their code is in the peak)."""
+    `imported_in_window`: the modules first imported inside the window (their code is in the peak),
+    and `load_peak` when the trainer marked it: the same peak just before the first step (loading,
+    sharding and building the optimizer: the load phase the estimator predicts)."""
     st = rss_status()
     if start is None or st is None:
         return

@@ -180,6 +180,10 @@ class ParallelConfig:
                                        "(DeepSpeed's CUDA quantizer kernels: GPU runs only).")
     zero_quantized_gradients: bool = opt(False, "zero3pp: ZeRO++ qgZ, reduce gradients quantized to int4 "
                                          "(DeepSpeed's CUDA quantizer kernels: GPU runs only).")
+    sharded_loading: bool = opt(True, "fsdp/hsdp/fsdp1 on 2+ processes: build the model on the meta device, "
+                                "shard it, then fill each rank's shards from the safetensors files, so no rank "
+                                "holds the whole model (docs/backends.md, Loading at size). false: every rank "
+                                "loads the whole model before sharding (more memory; for comparison).")
     compile: bool = opt(False, "torch.compile each decoder layer before wrapping.")
     offload_dir: str | None = opt(None, "NVMe folder for DeepSpeed parameter/optimizer offload.")
     ddp_timeout: int = opt(1800, "Seconds a collective may wait before the job fails (names the rank).")

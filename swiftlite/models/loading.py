@@ -174,10 +174,16 @@ def model_config(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
 
 
 def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
-               init_context: Any = None, attn_impl: str | None = None) -> "torch.nn.Module":
+               init_context: Any = None, attn_impl: str | None = None,
+               sharded: bool = False) -> "torch.nn.Module":
     """Load weights (or build a built-in preset with weights seeded by --seed), quantized if asked,
     with `attn_impl` as transformers' `attn_implementation` (None: transformers' default; training
     passes --attn_impl, export and infer keep the default: the attention kernel changes no weight).
+
+    `sharded=True` (the backend record's `loading == "sharded"`: fsdp, hsdp, fsdp1 on 2+ processes)
+    returns a skeleton instead: parameters on the meta device, the weights filled per rank after the
+    backend has sharded it (models/sharded.py). Where that cannot work (see `sharded_weights`) the
+    model is loaded whole, and rank 0 says why in one line.
 
     Under ZeRO-3 a real checkpoint is loaded inside `deepspeed.zero.Init`, so no rank ever holds the
     whole model. Built-in presets are built normally (they are tiny, and their seeded weights must
@@ -200,6 +206,16 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
         from swiftlite.models.quant import bnb_config
         quant = bnb_config(cfg)
     attn = {"attn_implementation": attn_impl} if attn_impl else {}
+    if sharded:
+        from swiftlite.models import sharded as sharding
+        weights, why_not = sharded_weights(cfg, src, dtype, attn, quantized=quant is not None)
+        if weights is not None:
+            model = sharding.build_skeleton(model_config(cfg, src), dtype, weights, attn)
+            if src.kind != "preset":
+                model.config._name_or_path = src.ref  # what from_pretrained records (peft's base path)
+            return model
+        if world is None or world.is_main:
+            print(f"sharded loading is off: {why_not}; every rank loads the whole model", flush=True)
     if src.kind == "preset":
         conf = model_config(cfg, src)
         conf.use_cache = False
@@ -232,6 +248,34 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
         from swiftlite.models.quant import disable_cpu_repack
         disable_cpu_repack(model)  # trap 1, for every quantized load (train, infer, export)
     return model
+
+
+def sharded_weights(cfg: "RunConfig", src: ModelSource, dtype: "torch.dtype", attn: dict[str, Any], *,
+                    quantized: bool) -> tuple[Any, str | None]:
+    """The weight source sharded loading reads (models/sharded.py), or (None, why it cannot):
+    a quantized base (bitsandbytes quantizes whole layers as transformers loads them), a folder
+    without safetensors files, or a checkpoint whose tensor names are not the model's own (weights
+    transformers converts while loading). A built-in preset's source is its seeded weights."""
+    from swiftlite.models import sharded as sharding
+    if quantized:
+        return None, "a quantized base is quantized whole as transformers loads it"
+    if src.kind == "preset":
+        import torch
+        from transformers import AutoModelForCausalLM
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.train.seed)   # the very weights the whole-model path builds
+            full = AutoModelForCausalLM.from_config(model_config(cfg, src), dtype=dtype, **attn)
+        return sharding.PresetWeights(dict(full.state_dict())), None
+    folder = Path(src.ref) if src.kind == "folder" else sharding.hub_folder(src.ref, cfg.model.model_revision)
+    why_not = sharding.safetensors_folder(folder)
+    if why_not:
+        return None, why_not
+    weights = sharding.FolderWeights(folder)
+    missing = sharding.missing_names(model_config(cfg, src), dtype, weights, attn)
+    if missing:
+        return None, (f"the checkpoint names its tensors differently from the model ({len(missing)} missing, "
+                      f"e.g. {missing[0]}; transformers converts them while loading)")
+    return weights, None
 
 
 # -- attention kernel and batch form (docs/usage.md, "Batches") ------------------------------------
@@ -386,11 +430,13 @@ def decoder_layers(model: "torch.nn.Module") -> list["torch.nn.Module"]:
 
 
 def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
-                  init_context: Any = None) -> "torch.nn.Module":
-    """load -> quantize -> LoRA -> activation checkpointing -> compile. Wrap + optimizer come next."""
+                  init_context: Any = None, sharded: bool = False) -> "torch.nn.Module":
+    """load -> quantize -> LoRA -> activation checkpointing -> compile. Wrap + optimizer come next.
+    `sharded`: load a skeleton that the backend shards and then fills (models/sharded.py)."""
     check_attn_impl(cfg)  # preflight checks it too; a rank started another way gets the same line
     # quantization happens inside loading (bnb needs it there)
-    model = load_model(cfg, source, world, init_context=init_context, attn_impl=cfg.model.attn_impl)
+    model = load_model(cfg, source, world, init_context=init_context, attn_impl=cfg.model.attn_impl,
+                       sharded=sharded)
     check_loaded_attention(cfg, model)
     if cfg.is_peft:
         from swiftlite.models.lora import apply_lora

@@ -8,6 +8,7 @@ model has, not a peft traceback, and it initialises the adapter from --seed alon
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import TYPE_CHECKING
 
@@ -92,7 +93,9 @@ def _wrap(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
         # peft reads transformers' deprecated `is_gradient_checkpointing`: its warning, not the user's
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(cfg.train.seed)
+        from swiftlite.models.sharded import adapters_stay_real, deferred
         try:
-            return get_peft_model(model, conf)
+            with adapters_stay_real() if deferred(model) is not None else contextlib.nullcontext():
+                return get_peft_model(model, conf)
         except ValueError as e:
             raise UserError(f"--target-modules: {str(e).splitlines()[0]}") from None

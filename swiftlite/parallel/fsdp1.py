@@ -69,21 +69,49 @@ def check_4bit_master(cfg: Any, world_size: int, choice: Any = None) -> str | No
 
 
 def apply_fsdp1(model: "torch.nn.Module", world: "World", *, mp: tuple | None, reshard_after_forward: bool,
-                cpu_offload: bool, buffer_dtype: "torch.dtype | None" = None) -> "FSDP":
+                cpu_offload: bool, buffer_dtype: "torch.dtype | None" = None,
+                param_init_fn: Any = None, adapter_units: bool = False, own_units: bool = True) -> "FSDP":
+    """Wrap `model` in FSDP1: one unit per decoder layer; with `own_units` the untied embeddings and
+    lm_head are units of their own (gathered only around their own forward, not for the whole
+    forward as parts of the root unit); with `adapter_units` (LoRA) every trainable leaf (the adapter
+    matrices) is a unit of its own, peft's recipe for FSDP1: a unit flattens its parameters into one
+    FlatParameter whose gradient is as large as the whole flat parameter, so adapters flattened with
+    the frozen base would give every rank a gradient buffer of 1/N of the *base* (measured: +0.25 of
+    the model's bytes per rank at N = 4), where their own units hold gradients of the adapters only."""
     import torch
     from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch.distributed.fsdp.wrap import _or_policy, lambda_auto_wrap_policy, transformer_auto_wrap_policy
 
     from swiftlite.models.loading import decoder_layers
     layer_cls = {type(layer) for layer in decoder_layers(model)}
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_cls)
+    if adapter_units or own_units:
+        policy = functools.partial(_or_policy, policies=[policy, functools.partial(
+            lambda_auto_wrap_policy, lambda_fn=_unit_rule(model, adapter_units, own_units))])
     mixed = MixedPrecision(param_dtype=mp[0], reduce_dtype=mp[1], buffer_dtype=buffer_dtype) if mp else None
     strategy = ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
     device_id = torch.device(world.device)  # explicit "cpu" too: FSDP1 refuses to guess a CPU device
     return FSDP(model, auto_wrap_policy=policy, mixed_precision=mixed, sharding_strategy=strategy,
                 cpu_offload=CPUOffload(offload_params=True) if cpu_offload else None,
-                device_id=device_id, use_orig_params=True, sync_module_states=False)
+                device_id=device_id, use_orig_params=True, sync_module_states=False,
+                param_init_fn=param_init_fn)
+
+
+def _unit_rule(model: "torch.nn.Module", adapter_units: bool, own_units: bool) -> Any:
+    """The modules that get an FSDP1 unit besides the decoder layers (see apply_fsdp1)."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = emb is None or head is None or getattr(emb, "weight", None) is getattr(head, "weight", None)
+    own = {id(emb), id(head)} if own_units and not tied else set()
+
+    def rule(module: "torch.nn.Module") -> bool:
+        if id(module) in own:
+            return True
+        if not adapter_units or next(module.children(), None) is not None:
+            return False
+        weight = getattr(module, "weight", None)
+        return weight is not None and weight.requires_grad
+    return rule
 
 
 def _check_reshard_bool(cfg: Any, world_size: int, choice: Any = None) -> str | None:
@@ -100,6 +128,7 @@ def _check_reshard_bool(cfg: Any, world_size: int, choice: Any = None) -> str | 
 
 
 def fsdp1(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
+    from swiftlite.models.sharded import finish, unit_initializer
     from swiftlite.optim import master_weights, trainable_dtype, upcast_trainable
     from swiftlite.parallel.torch_engine import TorchEngine
     refuse_cpu_offload_without_gpu(cfg, world)
@@ -111,18 +140,22 @@ def fsdp1(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, 
     elif master:
         upcast_trainable(model)
     check_uniform_dtype(model)
-    if not cfg.parallel.cpu_offload:
+    # Sharded loading (models/sharded.py): FSDP1 materializes and fills each unit as it wraps it.
+    init = unit_initializer(model, "cpu" if cfg.parallel.cpu_offload else world.device)
+    if not cfg.parallel.cpu_offload and init is None:
         model = model.to(world.device)
     mp = mixed_precision_dtypes(cfg)
     wrapped = apply_fsdp1(model, world, mp=mp,
                           reshard_after_forward=reshard_after_forward(cfg),
                           cpu_offload=cfg.parallel.cpu_offload,
-                          buffer_dtype=None if master or mp is None else mp[0])
+                          buffer_dtype=None if master or mp is None else mp[0], param_init_fn=init,
+                          adapter_units=cfg.is_peft)
+    finish(model)
     return TorchEngine(wrapped, cfg, world, total_steps, clip=wrapped.clip_grad_norm_)
 
 
 register_backend(Backend(
     name="fsdp1", engine="fsdp1", factory=fsdp1, one_process="single", shards=(True, True, True),
-    memory_family="fsdp1", options=FSDP_OPTIONS,
+    memory_family="fsdp1", options=FSDP_OPTIONS, loading="sharded",
     checks=(check_quantized_base, check_precision, check_4bit_master, _check_reshard_bool, check_cpu_offload),
     summary="FSDP1 (FullyShardedDataParallel, one unit per decoder layer)"))

@@ -165,10 +165,21 @@ def apply_fsdp2(model: "torch.nn.Module", mesh: Any, *, mp: tuple | None, reshar
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
     layers = list(decoder_layers(model))
+    # Untied embeddings and lm_head are units of their own (torchtitan's layout): the embedding is
+    # gathered for its forward only, and lm_head only around the loss, instead of both for the whole
+    # forward as parts of the root. lm_head stays gathered after its forward: backward needs it
+    # first. Tied ones share one parameter, which must live in one unit: the root.
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = emb is None or head is None or getattr(emb, "weight", None) is getattr(head, "weight", None)
+    if not tied:
+        fully_shard(emb, **(kw | {"reshard_after_forward": bool(reshard_after_forward)}))
     for layer in layers:
         fully_shard(layer, **kw)
-    # The root holds embeddings, norm and lm_head, which backward needs first: resharding it to a
-    # sub-group would only add an all-gather, so an int applies to the decoder layers alone.
+    if not tied:
+        fully_shard(head, **(kw | {"reshard_after_forward": False}))
+    # The root keeps what is left (the final norm, tied embeddings), which backward needs first:
+    # resharding it to a sub-group would only add an all-gather, so an int applies to the decoder
+    # layers alone.
     fully_shard(model, **(kw | {"reshard_after_forward": bool(reshard_after_forward)}))
     set_prefetch(model, layers, forward=forward_prefetch, backward=backward_prefetch)
     return model
@@ -205,16 +216,21 @@ def fsdp2_engine(model: "torch.nn.Module", cfg: Any, world: "World", total_steps
     `mesh_shape` (1-D: fsdp; 2-D (replicate, shard): hsdp) and wrap it in the torch engine."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from swiftlite.models.sharded import deferred, materialize
     from swiftlite.optim import master_weights, upcast_trainable
     from swiftlite.parallel.torch_engine import TorchEngine
     refuse_cpu_offload_without_gpu(cfg, world)
     if master_weights(cfg):
         upcast_trainable(model)  # fp32 shards of every trainable parameter (frozen ones keep their dtype)
     device_type = "cuda" if world.device.startswith("cuda") else "cpu"
-    if not cfg.parallel.cpu_offload:
+    skeleton = deferred(model) is not None   # sharded loading: the weights arrive after fully_shard
+    if not cfg.parallel.cpu_offload and not skeleton:
         model = model.to(world.device)
     mesh = init_device_mesh(device_type, mesh_shape, mesh_dim_names=mesh_dim_names)
     apply_fsdp2(model, mesh, **fsdp2_kwargs(cfg))
+    if skeleton:
+        # each rank fills only its own shards (CPUOffloadPolicy keeps them on the CPU)
+        materialize(model, "cpu" if cfg.parallel.cpu_offload else world.device)
 
     def sync(last: bool):
         # Reduce-scatter (and, on a 2-D mesh, the all-reduce across replicas) only at the end of an
@@ -230,6 +246,6 @@ def fsdp2(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, 
 
 register_backend(Backend(
     name="fsdp", engine="fsdp", factory=fsdp2, aliases=("fsdp2",), one_process="single",
-    shards=(True, True, True), memory_family="fsdp", options=FSDP2_OPTIONS,
+    shards=(True, True, True), memory_family="fsdp", options=FSDP2_OPTIONS, loading="sharded",
     checks=(check_quantized_base, check_precision, _check_fsdp2_knobs, check_cpu_offload),
     summary="FSDP2 (fully_shard per decoder layer): params, grads and optimizer state sharded"))

@@ -80,7 +80,7 @@ def hsdp(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, c
 
 register_backend(Backend(
     name="hsdp", engine="hsdp", factory=hsdp, one_process="single",
-    shards=(True, True, True), memory_family="hsdp", estimate=True,
+    shards=(True, True, True), memory_family="hsdp", estimate=True, loading="sharded",
     options=FSDP2_OPTIONS | {"hsdp_shard_size"},
     checks=(check_quantized_base, check_precision, _check_shard_size, check_cpu_offload),
     summary="HSDP (FSDP2 on a replicate x shard mesh): sharded within --hsdp-shard-size ranks, replicated across"))

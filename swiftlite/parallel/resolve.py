@@ -90,6 +90,10 @@ def check_backend(rec: Backend, cfg: "RunConfig", world_size: int, ds_source: st
             if opt == "mixed_precision":
                 raise UserError(f"{flag} applies to {honoured}; with --parallelism {shown} set --torch-dtype instead")
             raise UserError(f"{flag} applies to {honoured}, not to --parallelism {shown}: drop it")
+    if not cfg.parallel.sharded_loading and rec.loading != "sharded":
+        sharded = "/".join(b.name for b in _all() if b.loading == "sharded")
+        raise UserError(f"--sharded-loading false applies to {sharded} (they load the model sharded); "
+                        f"--parallelism {shown} loads it {rec.loading}: drop it")
     if cfg.model.torch_dtype == "fp16" and not rec.loss_scaling:
         raise UserError("--torch-dtype fp16 needs loss scaling, which only the DeepSpeed backends provide; use bf16"
                         + (f" (--parallelism {shown})" if shown != cfg.parallel.parallelism else ""))

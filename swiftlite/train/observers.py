@@ -159,6 +159,8 @@ class BenchProbe(Observer):
         self.window = profiling.start_memory_window() if self.world.device == "cpu" else None
 
     def before_step(self, step: int) -> None:
+        if step == self.start_step and self.window is not None:
+            self.window["load_peak"] = profiling.window_peak(self.window)   # the model is built, no step yet
         profiling.step_hook(step, self.run_dir, self.world.rank)
 
     def before_optimizer(self, step: int, engine: Any) -> None:

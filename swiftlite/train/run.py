@@ -184,7 +184,8 @@ def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
         probe = probe_factory(run_dir, world, start_guess, steps) if probe_factory else None
         if probe is not None:
             probe.start()
-        model = prepare_model(cfg, source, world, init_context=init_context)
+        model = prepare_model(cfg, source, world, init_context=init_context,
+                              sharded=choice.record.loading == "sharded" and cfg.parallel.sharded_loading)
         engine = build_engine(model, cfg, world, steps, choice)   # optimizer built here (trap 2)
 
         start_step = 0
