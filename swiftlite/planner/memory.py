@@ -22,7 +22,12 @@ Model-state accounting (Ψ = parameters, N = ranks sharing the states), what eac
     are fp32 except under DeepSpeed (16-bit + fp32 master) and fsdp1 --pure-bf16 (bf16); fsdp1 with
     master weights casts the frozen base to fp32 too (a unit flattens one dtype)
   each state is divided by N when the record's `shards` says so (zero2: grads + optimizer; zero3,
-  fsdp, fsdp1: all three); the zero3_offload family keeps them in CPU memory instead of the GPU.
+  fsdp, fsdp1: all three); the offload families move some of them to host memory (`_offload`:
+  zero2_offload and zero3_offload_optimizer the gradients and the optimizer state, zero3_offload
+  the weights too).
+  Phases: the load phase (planner/load.py) and the transients of a step (planner/transients.py:
+  DeepSpeed's gradient conversion in step(), autocast's weight copies) are in every estimate;
+  `total` is the training peak, `peak` the larger of it and the load phase.
   Across nodes (see topology_state_bytes): hsdp is fsdp with N = its shard size (--hsdp-shard-size,
   default the GPUs per node); zero3pp is zero3 plus hpZ's secondary copy of the 16-bit weights,
   sharded over one node's P ranks (params / P more per rank; ZeRO++, Wang et al. 2023, section 3.1).

@@ -78,8 +78,8 @@ RULES: tuple[Rule, ...] = (
          "{hsdp_status}; ZeRO++ (hpZ) shards over all {n} GPUs and keeps a secondary copy of the weights "
          "per node ({used} of {gpu}): {inter}/step crosses nodes ({inter_zero3} with zero3), {intra}/step within"),
     Rule("fsdp", lambda w: w.world_size > 1, None,
-         "a full replica does not fit with room; FSDP2 shards params, grads and optimizer state over "
-         "{n} GPUs ({used} of {gpu}; {comm}/step)"),
+         "a full replica does not fit with room (on the GPU, or in host RAM while every process loads "
+         "it); FSDP2 shards params, grads and optimizer state over {n} GPUs ({used} of {gpu}; {comm}/step)"),
     # Reached when FSDP2 is unavailable (fp16, old torch) or its larger gather units (two layers
     # plus the unsharded root) do not fit: ZeRO-3 shards the same states in smaller pieces.
     Rule("zero3", lambda w: w.world_size > 1, None,

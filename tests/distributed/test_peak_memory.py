@@ -26,6 +26,12 @@ and estimated with its own --loss-impl. Ratios seen (2026-12-01): LoRA chunked 1
 full chunked 1.09, fsdp x2 LoRA chunked 0.84 / 0.85. The plain - chunked difference is estimated at
 700 MiB and measured at 707 MiB; the LoRA cases' excess is probably the frozen embedding rows of the
 ids the tiny tokenizer never produces (>= 260, 128 MiB): their memory-mapped pages are never read.
+
+bf16 with fp32 master weights (issue 21): ddp x 2 (autocast's weight copies and fp32 residual stream,
+planner/transients.py) 0.84 / 0.85, and zero2_offload x 2 (estimated as GPU total + host states:
+on CPU they are one memory) 0.81 / 0.82; without those terms the estimates were 0.74 and 0.69.
+The load phase: fsdp x 2 on a 91M-parameter Llama in four safetensors files, the trainer's
+`load_peak` against planner/load.py's `load_one_memory`: 0.93 / 0.94 (2026-12-01).
 """
 
 from __future__ import annotations
