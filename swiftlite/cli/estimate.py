@@ -58,6 +58,9 @@ def estimate_cmd(
                                                  "and DPO's frozen reference copy on a full fine-tune."),
     precompute_ref_log_probs: bool = typer.Option(False, "--precompute-ref-log-probs", "--precompute_ref_log_probs",
                                                   help="DPO with precomputed reference log-probs: no copy."),
+    sharded_loading: bool = typer.Option(True, "--sharded-loading/--no-sharded-loading",
+                                         help="fsdp/hsdp/fsdp1 fill each rank's shards from the files (the "
+                                              "default); off: every rank loads the whole model first."),
     parallelism: Optional[str] = typer.Option(
         None, "--parallelism", "--parallelism_type", metavar="NAME",
         help="Estimate this backend only (a --parallelism value, e.g. zero2_offload, or a DeepSpeed .json "
@@ -78,7 +81,8 @@ def estimate_cmd(
                             micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing, dtype=dtype,
                             lora_rank=lora_rank, quant_bits=quant_bits, loss_impl=loss_impl, pure_bf16=pure_bf16,
                             hsdp_shard_size=hsdp_shard_size, rlhf_type=rlhf_type,
-                            precompute_ref_log_probs=precompute_ref_log_probs, parallelism=parallelism)
+                            precompute_ref_log_probs=precompute_ref_log_probs, parallelism=parallelism,
+                            sharded_loading=sharded_loading)
     if as_json:
         print(to_json(decision))
     else:

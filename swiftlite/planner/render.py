@@ -27,7 +27,8 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
                  gradient_checkpointing: bool = True, dtype: str = "bf16", lora_rank: int = 8,
                  quant_bits: int | None = None, cpu_memory: str | None = None, loss_impl: str = "chunked",
                  pure_bf16: bool = False, hsdp_shard_size: int | None = None, rlhf_type: str | None = None,
-                 precompute_ref_log_probs: bool = False, parallelism: str | None = None) -> Decision:
+                 precompute_ref_log_probs: bool = False, parallelism: str | None = None,
+                 sharded_loading: bool = True) -> Decision:
     """Estimate every backend for `model` on `nodes` x `gpus` GPUs and recommend one; with
     `parallelism` (a backend name or a DeepSpeed .json file), estimate that one and say whether it
     fits (recommend.assess).
@@ -51,7 +52,7 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     if rlhf_type:  # a pair is 2 sequences; the log-probs take the logits at the answer tokens
         micro_batch, loss_impl = micro_batch * 2, "plain"
     shape = shape_from_model_arg(model)
-    workload = Workload(shard_file_bytes=largest_shard_file(model),reference="copy" if copy else "none",
+    workload = Workload(shard_file_bytes=largest_shard_file(model), sharded_loading=sharded_loading,reference="copy" if copy else "none",
         train_type=train_type, dtype=dtype, lora_rank=lora_rank, quant_bits=quant_bits,
         max_length=max_length, micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing,
         world_size=gpus * nodes, gpus_per_node=gpus, gpu_memory_bytes=parse_size(gpu_memory, "--gpu-memory"),

@@ -248,6 +248,19 @@ def test_estimate_named_backend_that_does_not_fit(capsys):
     assert "zero2_offload" in out
 
 
+def test_estimate_sharded_loading_flag(capsys):
+    from swiftlite.cli import main
+    args = ["estimate", "--model", "llama-70b", "--parallelism", "fsdp", "--gpus", "8", "--gpu-memory", "24GB",
+            "--qlora", "--max-length", "1024", "--json"]
+    assert main(args) == 0
+    on = json.loads(capsys.readouterr().out)
+    assert main([*args, "--no-sharded-loading"]) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert on["backend"] == "fsdp" and off["backend"] == "none"
+    assert off["table"]["fsdp"]["load_method"] == "whole, then sharded"
+    assert off["table"]["fsdp"]["load_gpu"] > 7 * on["table"]["fsdp"]["load_gpu"] // 2
+
+
 def test_estimate_parallelism_errors(capsys):
     from swiftlite.cli import main
     assert main(["estimate", "--parallelism", "nosuch"]) == 2
