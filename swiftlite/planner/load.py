@@ -117,7 +117,7 @@ def _fsdp1_unit_bytes(shape: ModelShape, w: Any, family: str) -> tuple[int, int]
     """(bytes on the GPU, bytes read from the file) of fsdp1's largest unit whole: the root
     (embeddings, final norm, lm_head; never quantized) or one decoder layer."""
     root, layer = shape.n_nonlayer_params, shape.n_layer_params
-    read = max(root, layer) * (FILE_ELEM_BYTES if w.elem < 4 else 4)
+    read = max(root, layer) * w.elem
     if w.train_type == "full":
         per = _state_bytes_per_param(w, family)[0]
         return max(root, layer) * per, read
@@ -135,9 +135,9 @@ def load_phase(shape: ModelShape, w: Any, family: str, resident: int, shard_rank
     if family in (*SHARDED_READS, "fsdp1") and not w.sharded_loading:
         # the whole model on every rank first, then sharded: the weights as one process holds them
         return replace(load_phase(shape, w, "single", resident * shard_ranks, 1), method="whole, then sharded")
-    e = w.elem if w.elem < 4 else 4          # what one tensor is read in: the run's dtype
+    e = w.elem                               # a tensor is read in the run's dtype (--torch-dtype)
     largest = shape.largest_module_params
-    linear16 = _largest_linear(shape) * max(2, FILE_ELEM_BYTES)
+    linear16 = _largest_linear(shape) * 2    # bitsandbytes quantizes from the 16-bit weight
     quant = w.quant_bits is not None
     per_node = int(w.gpus_per_node or w.world_size)
     if family in SHARDED_READS:
