@@ -59,7 +59,11 @@ def _as_estimated(rec: Backend) -> Backend:
 def _json_record(path: str) -> Backend:
     """The `deepspeed` record for a DeepSpeed JSON file, with the family and the sharding its
     stage and offload blocks give (stage 1/2: gradients and optimizer state; stage 3: all three)."""
+    from pathlib import Path
+
     from swiftlite.parallel.ds_config import load_ds_config
+    if not Path(path).expanduser().is_file():
+        raise UserError(f"--parallelism {path}: file not found (a DeepSpeed .json config)")
     rec = find_backend("deepspeed")
     if rec is None:
         raise UserError(f"--parallelism {path!r}: no DeepSpeed backend is registered")

@@ -266,6 +266,8 @@ def test_estimate_parallelism_errors(capsys):
     assert main(["estimate", "--parallelism", "nosuch"]) == 2
     err = capsys.readouterr().err
     assert "--parallelism 'nosuch'" in err and len(err.strip().splitlines()) == 1
+    assert main(["estimate", "--parallelism", "missing.json"]) == 2
+    assert "--parallelism missing.json: file not found" in capsys.readouterr().err
     with pytest.raises(UserError, match="--parallelism 'deepspeed'"):
         from swiftlite.planner.render import run_estimate
         run_estimate("tiny-llama", parallelism="deepspeed")
