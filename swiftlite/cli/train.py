@@ -28,21 +28,23 @@ def run_command(task: str, args: list[str]) -> int:
     world = env.world_vars().world_size if env.inside_launcher() else plan.world_size
     # Everything that can be checked without a process group is checked here, once, before any
     # folder is created or any rank starts: a run that fails validation leaves nothing behind.
+    # The job's facts (backend, dtype, max length: swiftlite/job.py) are resolved here once and handed
+    # to the ranks this process starts.
     if not env.settings().preflight_done:
-        choice = preflight(cfg, world, data=not cfg.parallel.dry_run and not env.inside_launcher())
+        facts = preflight(cfg, world, data=not cfg.parallel.dry_run and not env.inside_launcher())
     else:
-        choice = None
+        facts = None
     if cfg.parallel.dry_run:
-        print_plan(cfg, plan, choice or resolve_for_launch(cfg, world))
+        print_plan(cfg, plan, (facts or resolve_for_launch(cfg, world)).choice)
         return 0
     import time
     started = time.time()
     if plan.fork:
-        rc = run_forked(plan, cfg)
+        rc = run_forked(plan, cfg, facts)
     elif plan.command is not None:
-        rc = run_launched(plan, cfg)
+        rc = run_launched(plan, cfg, facts)
     else:
-        run_rank(cfg)
+        run_rank(cfg, facts)
         rc = 0
     # A launcher that was itself signalled may end non-zero after its ranks saved: the marker decides.
     return preempted_exit(cfg, started) or rc

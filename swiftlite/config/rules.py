@@ -298,8 +298,13 @@ def _rlhf(c: RunConfig):
                 "logits at the answer tokens")
 
 
+#: How many times this process ran the rules (a test checks that one `swiftlite sft` runs them once).
+RUNS = {"count": 0}
+
+
 def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
     """Run every rule; the first failure raises a UserError with its reason."""
+    RUNS["count"] += 1
     for _name, fn in RULES:
         msg = fn(cfg)
         if msg:

@@ -20,6 +20,7 @@ from swiftlite.launch.preflight import resolve_for_launch
 from swiftlite.launch.run import run_rank
 
 if TYPE_CHECKING:
+    from swiftlite.job import JobFacts
     from swiftlite.parallel.base import BackendChoice
 
 #: What every rank imports; paid once before forking instead of once per rank.
@@ -58,17 +59,22 @@ def warm_imports(cfg: RunConfig, choice: "BackendChoice") -> None:
             pass
 
 
-def rank_vars(plan: LaunchPlan, local_rank: int) -> dict[str, str]:
-    """The environment torchrun would give rank `local_rank` of this one-node job."""
-    return {"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0",
-            "WORLD_SIZE": str(plan.world_size), "LOCAL_WORLD_SIZE": str(plan.nproc_per_node),
-            "MASTER_ADDR": plan.master_addr, "MASTER_PORT": str(plan.master_port),
-            env.PREFLIGHT_DONE: "1"}
+def rank_vars(plan: LaunchPlan, local_rank: int, facts: "JobFacts | None" = None) -> dict[str, str]:
+    """The environment torchrun would give rank `local_rank` of this one-node job, and the job's
+    facts this process resolved (swiftlite/job.py)."""
+    out = {"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0",
+           "WORLD_SIZE": str(plan.world_size), "LOCAL_WORLD_SIZE": str(plan.nproc_per_node),
+           "MASTER_ADDR": plan.master_addr, "MASTER_PORT": str(plan.master_port),
+           env.PREFLIGHT_DONE: "1"}
+    if facts is not None:
+        out[env.JOB_FACTS] = facts.to_json()
+    return out
 
 
-def _forked_rank(local_rank: int, cfg: RunConfig, plan: LaunchPlan, threads: int) -> None:
+def _forked_rank(local_rank: int, cfg: RunConfig, plan: LaunchPlan, threads: int,
+                 facts: "JobFacts | None" = None) -> None:
     """Entry point of a forked rank: the environment torchrun would have given it, then the rank."""
-    env.update(rank_vars(plan, local_rank))
+    env.update(rank_vars(plan, local_rank, facts))
     import torch
     torch.set_num_threads(threads)  # the parent's torch chose its thread count before OMP_NUM_THREADS
     try:
@@ -79,7 +85,7 @@ def _forked_rank(local_rank: int, cfg: RunConfig, plan: LaunchPlan, threads: int
         sys.exit(1)
 
 
-def run_forked(plan: LaunchPlan, cfg: RunConfig) -> int:
+def run_forked(plan: LaunchPlan, cfg: RunConfig, facts: "JobFacts | None" = None) -> int:
     """Fork the ranks of a one-node job from this process and wait for them; on failure, stop the
     others (STOP_SIGNAL: a hung rank dumps its stack) and name the rank that caused it. Preemption
     signals are forwarded to the ranks, which save and end (train/preempt.py)."""
@@ -88,7 +94,8 @@ def run_forked(plan: LaunchPlan, cfg: RunConfig) -> int:
     import time
 
     import torch.multiprocessing as tmp
-    warm_imports(cfg, resolve_for_launch(cfg, plan.world_size))
+    facts = facts or resolve_for_launch(cfg, plan.world_size)
+    warm_imports(cfg, facts.choice)
     logs = clear_rank_logs(cfg)
     env.set_default("OMP_NUM_THREADS", "1")
     # Forked children must not share the tokenizer's Rust thread pool; saying so up front also
@@ -105,7 +112,7 @@ def run_forked(plan: LaunchPlan, cfg: RunConfig) -> int:
     # collections then skip the millions of inherited objects (modules, tokenizer) instead of
     # walking them, and leave their pages shared (Python's gc.freeze recipe for fork).
     gc.freeze()
-    ctx = tmp.start_processes(_forked_rank, args=(cfg, plan, threads), nprocs=plan.nproc_per_node,
+    ctx = tmp.start_processes(_forked_rank, args=(cfg, plan, threads, facts), nprocs=plan.nproc_per_node,
                               join=False, start_method="fork")
     procs = ctx.processes
     forwarding = _forward_signals(procs) if cfg.checkpoint.save_on_signal else None

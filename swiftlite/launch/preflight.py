@@ -11,7 +11,7 @@ from swiftlite.config import RunConfig
 from swiftlite.errors import UserError
 
 if TYPE_CHECKING:
-    from swiftlite.parallel.base import BackendChoice
+    from swiftlite.job import JobFacts
 
 
 def check_model_folder(cfg: RunConfig, folder: Path) -> None:
@@ -36,19 +36,21 @@ def check_model_folder(cfg: RunConfig, folder: Path) -> None:
         raise UserError(f"--model {arg}: folder has config.json but no weights (*.safetensors, pytorch_model.bin)")
 
 
-def resolve_for_launch(cfg: RunConfig, world_size: int) -> "BackendChoice":
-    """The backend, resolved in the launching process (its GPUs stand for the job's: the ranks resolve
-    again with the smallest GPU of the whole job, which can only differ on mixed machines)."""
-    from swiftlite.parallel.resolve import local_gpu_memory, resolve_backend
-    return resolve_backend(cfg, world_size, local_gpu_memory, gpus_per_node=cfg.parallel.nproc_per_node)
+def resolve_for_launch(cfg: RunConfig, world_size: int) -> "JobFacts":
+    """The job's facts, resolved in the launching process (swiftlite/job.py): its GPUs stand for the
+    job's; a rank resolves again only if the smallest GPU of the whole job differs (mixed machines)."""
+    from swiftlite.job import resolve_job
+    from swiftlite.parallel.resolve import local_gpu_memory
+    return resolve_job(cfg, world_size, gpu_memory=local_gpu_memory, gpus_per_node=cfg.parallel.nproc_per_node)
 
 
-def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "BackendChoice":
+def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "JobFacts":
     """Validate everything a run can get wrong before any process starts or any file is written:
     output folder, resume checkpoint (intact and free of unsafe pickles), model, DeepSpeed config,
     and (data=True) the datasets themselves: every row read, converted and tokenized (which fills the
     tokenization cache the ranks then read), the usable-row count against one global batch.
-    Raises a one-line UserError; creates nothing but cache files. Returns the backend choice."""
+    Raises a one-line UserError; creates nothing but cache files. Returns the job's facts (the
+    backend choice among them), which the launcher hands to the ranks."""
     from swiftlite.checkpoint.run_dir import resume_point
     from swiftlite.data.sources import check_spec
     run_dir = check_output_dir(cfg)
@@ -59,23 +61,22 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "Backend
         check_spec(spec, "--dataset")
     for spec in cfg.data.val_dataset:
         check_spec(spec, "--val-dataset")
-    from swiftlite.models.loading import check_attn_impl, resolve_model, resolve_model_defaults
+    from swiftlite.models.loading import check_attn_impl, resolve_model
     source = resolve_model(cfg.model.model)
     if source.kind == "folder":
         check_model_folder(cfg, Path(source.ref))
-    # --torch-dtype auto and the model's context length, where they need the model's config or the
-    # GPU (a no-op on CPU builds for presets and local folders: load_config resolved those).
-    resolve_model_defaults(cfg, source)
-    choice = resolve_for_launch(cfg, world_size)
+    # --torch-dtype auto, the model's context length (where they need the model's config or the GPU)
+    # and the backend, once (swiftlite/job.py)
+    facts = resolve_for_launch(cfg, world_size)
     check_attn_impl(cfg)
     from swiftlite.metrics import check_report_to
     from swiftlite.optim import check_scheduler
     check_report_to(cfg)
     check_scheduler(cfg)
     if not data:
-        return choice
+        return facts
     from swiftlite.models.loading import load_tokenizer
     from swiftlite.train.tasks import task_of
     tokenizer = load_tokenizer(cfg, source)
     task_of(cfg).prepare_data(cfg, tokenizer, world_size)   # sft/pt: data.pipeline.prepare_datasets
-    return choice
+    return facts

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from swiftlite import env
 from swiftlite.config import RunConfig
@@ -17,17 +17,21 @@ from swiftlite.launch.diagnostics import (clear_rank_logs, explain_failure, fini
                                           install_rank_diagnostics, record_rank_failure, redact_argv)
 from swiftlite.launch.plan import LaunchPlan
 
+if TYPE_CHECKING:
+    from swiftlite.job import JobFacts
+
 #: Lines of the launcher's stderr kept to read its failure summary.
 TAIL_LINES = 200
 
 
-def run_rank(cfg: RunConfig) -> None:
+def run_rank(cfg: RunConfig, facts: "JobFacts | None" = None) -> None:
     """The body of one rank (or of a single-process run): train, and on failure leave the rank's
-    error where the launcher looks for it."""
+    error where the launcher looks for it. `facts`: the job's facts when this process resolved them
+    (a single-process run); a launched rank reads them from its environment (swiftlite/job.py)."""
     install_rank_diagnostics(cfg)
     try:
         from swiftlite.train import train
-        train(cfg)
+        train(cfg, facts)
     except UserError as e:
         record_rank_failure(cfg, str(e), user_error=True)
         raise
@@ -52,12 +56,14 @@ def _pump(stream: IO[str], tail: list[str]) -> None:
         del tail[:-TAIL_LINES]
 
 
-def run_launched(plan: LaunchPlan, cfg: RunConfig) -> int:
+def run_launched(plan: LaunchPlan, cfg: RunConfig, facts: "JobFacts | None" = None) -> int:
     """Run the launcher; on failure name the rank that caused it (see `explain_failure`)."""
     assert plan.command is not None
     print("launching: " + shlex.join(redact_argv(plan.command)), flush=True)
     logs = clear_rank_logs(cfg)
     extra = {env.PREFLIGHT_DONE: "1"}  # the ranks skip the checks this process just ran
+    if facts is not None:
+        extra[env.JOB_FACTS] = facts.to_json()   # ... and train with the facts it resolved
     if not env.has("OMP_NUM_THREADS"):
         extra["OMP_NUM_THREADS"] = "1"
     t0 = time.monotonic()

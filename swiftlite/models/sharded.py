@@ -87,10 +87,13 @@ class FolderWeights:
             return f.get_tensor(name)
         return f.get_slice(name)[rows[0]:rows[1]]
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Unmap the open file (it is opened again when next read)."""
         if self._open is not None:
             self._open[1].__exit__(None, None, None)
             self._open = None
+
+    close = release
 
 
 class PresetWeights:
@@ -108,6 +111,9 @@ class PresetWeights:
     def read(self, name: str, rows: tuple[int, int] | None = None) -> "torch.Tensor":
         t = self.state[name]
         return t if rows is None else t[rows[0]:rows[1]]
+
+    def release(self) -> None:
+        """Nothing is mapped: the weights are tensors in memory, freed by `close`."""
 
     def close(self) -> None:
         self.state = {}
@@ -156,14 +162,24 @@ def _empty_weights() -> Iterator[None]:
         yield
 
 
+def _empty_model(conf: Any, dtype: "torch.dtype", attn: dict[str, Any]) -> Any:
+    """The causal LM of `conf` with meta parameters and its tied weights tied (accelerate's
+    init_empty_weights unties them: its parameter hook registers a copy where tying assigns one)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    with torch.random.fork_rng(devices=[]):
+        # fork_rng: building consumes no randomness a later step (LoRA init, dropout) would miss
+        with _empty_weights():
+            model = AutoModelForCausalLM.from_config(conf, dtype=dtype, **attn)
+        # outside the context: inside it, assigning a parameter registers a new meta copy of it
+        model.tie_weights()
+    return model
+
+
 def build_skeleton(conf: Any, dtype: "torch.dtype", source: Any, attn: dict[str, Any]) -> Any:
     """The causal LM of `conf` with its parameters on the meta device and its pending weights
     registered; a UserError-free `None`-returning check is `plan_sharded`, called first."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    with torch.random.fork_rng(devices=[]), _empty_weights():
-        # fork_rng: building consumes no randomness a later step (LoRA init, dropout) would miss
-        model = AutoModelForCausalLM.from_config(conf, dtype=dtype, **attn)
+    model = _empty_model(conf, dtype, attn)
     model.config.use_cache = False
     plan = Deferred(source)
     places: dict[int, list[tuple[int, str]]] = {}
@@ -194,10 +210,7 @@ def build_skeleton(conf: Any, dtype: "torch.dtype", source: Any, attn: dict[str,
 
 def missing_names(conf: Any, dtype: "torch.dtype", source: Any, attn: dict[str, Any]) -> list[str]:
     """The model's parameters the checkpoint has under none of their names (tied ones count once)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    with torch.random.fork_rng(devices=[]), _empty_weights():
-        model = AutoModelForCausalLM.from_config(conf, dtype=dtype, **attn)
+    model = _empty_model(conf, dtype, attn)
     have = source.names()
     groups: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -280,7 +293,7 @@ def unit_initializer(model: Any, device: "torch.device | str") -> Any:
                         other._parameters[other_attr] = module._parameters[attr]
         # The unit's tensors were read whole: unmap the file so its touched pages leave this rank's
         # resident set now, not when the last unit is done.
-        plan.source.close()
+        plan.source.release()
     return init
 
 

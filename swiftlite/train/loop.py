@@ -48,8 +48,9 @@ def _first_line(run) -> str:
             + (" (data order restarted: --ignore-data-skip)" if run.resume_path and cfg.train.ignore_data_skip else ""))
 
 
-def train(cfg: RunConfig) -> TrainResult:
-    """Run one training job in this process (one rank of it when launched under torchrun)."""
+def train(cfg: RunConfig, facts: Any = None) -> TrainResult:
+    """Run one training job in this process (one rank of it when launched under torchrun).
+    `facts`: the job's facts (swiftlite/job.py) when this process resolved them."""
     from swiftlite.train.observers import BenchProbe
     from swiftlite.train.preempt import Preemption
     from swiftlite.train.run import build_run
@@ -58,7 +59,7 @@ def train(cfg: RunConfig) -> TrainResult:
     # after the first step.
     preempt = Preemption(cfg.checkpoint.save_on_signal)
     try:
-        run, probe = build_run(cfg, BenchProbe)
+        run, probe = build_run(cfg, BenchProbe, facts)
         try:
             return _loop(run, probe, preempt)
         finally:

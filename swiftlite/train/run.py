@@ -63,12 +63,13 @@ def token_batches(cfg: RunConfig, train: Any, plan: Any, tokenizer: Any, world: 
                    [train.targets(i) for i in range(len(train.rows))], batch_form(cfg))
 
 
-def resolve_backend(cfg: RunConfig, world: Any) -> Any:
-    """The backend this rank builds: `parallel.resolve.resolve_backend` with the smallest GPU of the
-    whole job (every rank must pick the same one) and, for `auto` on CUDA, the model's shape."""
-    from swiftlite.parallel.resolve import resolve_backend as resolve
-    choice = resolve(cfg, world.world_size, lambda: smallest_gpu_memory(world),
-                     shape=lambda: _shape_for_auto(cfg), gpus_per_node=world.local_world_size)
+def resolve_backend(cfg: RunConfig, world: Any, facts: Any = None) -> Any:
+    """The backend this rank builds, from the job's facts (swiftlite/job.py `rank_facts`): those its
+    launcher handed over (`facts`, or the environment) when the smallest GPU of the whole job is the
+    one they were resolved with, else resolved here by the same function (every rank must pick the
+    same backend, so the job's smallest GPU decides)."""
+    from swiftlite.job import rank_facts
+    choice = rank_facts(cfg, world, facts, job_gpu_memory=lambda: smallest_gpu_memory(world)).choice
     if world.is_main and choice.requested == "auto":
         print(f"--parallelism auto: {choice.name} ({choice.reason})", flush=True)
     return choice
@@ -87,17 +88,6 @@ def smallest_gpu_memory(world: Any) -> int | None:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         total = int(t.item())
     return int(total)
-
-
-def _shape_for_auto(cfg: RunConfig) -> Any:
-    """The model's shape for the memory model: presets and local folders directly, a hub id from its
-    downloaded config (never its weights)."""
-    from swiftlite.models.loading import model_config, resolve_model
-    from swiftlite.planner.shape import shape_from_config, shape_from_model_arg
-    source = resolve_model(cfg.model.model)
-    if source.kind in ("preset", "folder"):
-        return shape_from_model_arg(cfg.model.model)
-    return shape_from_config(model_config(cfg, source).to_dict(), cfg.model.model)
 
 
 def _progress_factory(enabled: bool):
@@ -135,9 +125,10 @@ def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
     return max(1, math.ceil(cfg.train.num_train_epochs * steps_per_epoch))
 
 
-def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
+def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> tuple[Run, Any]:
     """Build the run in the order of the module docstring. `probe_factory(run_dir, world, start_step,
-    total_steps)` makes the observer that must see the model being built (observers.BenchProbe)."""
+    total_steps)` makes the observer that must see the model being built (observers.BenchProbe);
+    `facts`: the job's facts when this process resolved them (swiftlite/job.py)."""
     import warnings
 
     import torch
@@ -153,11 +144,9 @@ def build_run(cfg: RunConfig, probe_factory: Any = None) -> tuple[Run, Any]:
     # DCP warns on every single-process save that no process group exists: that is intended here.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     world = init_distributed(cfg.parallel.ddp_timeout)
-    # Ranks started by torchrun skip preflight: settle --torch-dtype auto and --max-length here too
-    # (idempotent: a no-op when preflight already did).
-    from swiftlite.models.loading import resolve_model_defaults
-    resolve_model_defaults(cfg)
-    choice = resolve_backend(cfg, world)
+    # The job's facts: handed over by the launcher (dtype, max length, backend), or resolved here
+    # by the same function when this rank was started by an external launcher.
+    choice = resolve_backend(cfg, world, facts)
     run_dir = prepare_run_dir(cfg, world.is_main)
     lock = RunLock(run_dir).acquire() if world.is_main else None
     barrier()

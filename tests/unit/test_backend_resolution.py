@@ -61,7 +61,7 @@ def test_dry_run_preflight_and_trainer_agree(parallelism, nproc, dtype, data, tm
         monkeypatch.delenv(k, raising=False)
     argv = _argv(data, str(tmp_path / "out"), parallelism, nproc, dtype)
     cfg = load_config(*parse_run_args(argv))
-    pre = _outcome(lambda: preflight(cfg, nproc, data=False).name)
+    pre = _outcome(lambda: preflight(cfg, nproc, data=False).choice.name)
     world = SimpleNamespace(device="cpu", distributed=nproc > 1, world_size=nproc, local_world_size=nproc,
                             rank=0, is_main=False)
     run = _outcome(lambda: trainer_resolve(cfg, world).name)
@@ -80,7 +80,7 @@ def test_expected_choices_on_cpu(data, tmp_path):
     """The table's content, not only its agreement: a few rows spelled out."""
     def choice(*extra):
         cfg = load_config(*parse_run_args(["--dataset", data, "--output-dir", str(tmp_path / "o"), *extra]))
-        return preflight(cfg, (cfg.parallel.nproc_per_node or 1), data=False)
+        return preflight(cfg, (cfg.parallel.nproc_per_node or 1), data=False).choice
     assert choice().name == "single"
     assert choice("--nproc-per-node", "2").name == "fsdp"
     assert choice("--parallelism", "ddp").name == "single"          # one process: nothing to replicate
