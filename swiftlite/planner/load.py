@@ -8,13 +8,19 @@ How each family loads (models/ and parallel/ do the loading; this module counts 
   fsdp, hsdp   sharded loading: the model is built on the meta device and `fully_shard`ed, then
                each rank copies only its own dim-0 rows of each tensor out of the safetensors files.
                GPU: its shard of the weights (1/N; hsdp: 1/S of its shard group) + one tensor's
-               rows in transit; host per rank: the same rows, staged.
+               rows in transit. Host per rank: the pages of the open (memory-mapped) file it has
+               touched, its rows of every tensor in that file, which stay mapped until the next
+               file is opened (models/sharded.py keeps one file open): the largest shard file / N,
+               or one tensor's rows where that is more.
                With a 4-bit base (QLoRA) each rank reads one whole 16-bit linear weight at a time,
                quantizes it and keeps its 1/N of the packed storage: GPU 1/N of the base + the
-               largest linear whole in 16-bit; host per rank: that weight.
-  fsdp1        built on meta; each FSDP unit (one decoder layer; the root: embeddings, final norm,
-               lm_head) is materialized whole, filled, then flattened and sharded: GPU 1/N of the
-               weights + the largest unit whole; host per rank: that unit.
+               largest linear whole in 16-bit; host per rank: the whole tensors it read, up to the
+               largest shard file (or that weight where it is larger).
+  fsdp1        built on meta; each FSDP unit (a decoder layer; the untied embeddings and lm_head
+               are units of their own; the root: the final norm, and a tied embedding) is
+               materialized whole, filled, then flattened and sharded: GPU 1/N of the weights + the
+               largest unit whole; host per rank: the pages of the open file (every tensor read
+               whole), the largest shard file, or the largest unit where that is more.
   single, ddp, zero2 (and zero2_offload)
                the whole model on every GPU (16-bit weights, or the 4-bit base). `from_pretrained`
                without a device map builds the model in host memory and the backend then moves it
@@ -75,8 +81,8 @@ class LoadPhase:
     method: str
     resident: int          # the model as the rank holds it once loaded (on the GPU)
     transit: int           # the largest piece in flight on the GPU (a tensor's rows, a unit, a 16-bit linear)
-    host_per_rank: int     # host RAM per process while loading
-    host_per_node: int     # host_per_rank x processes per node
+    host_per_rank: int     # host RAM per process while loading (its resident set: private + shared pages)
+    host_per_node: int     # processes per node x private + the file pages they all map, once
     host_copy: bool = True  # the host bytes are a copy beside the resident weights (False: the model
                             # built in host memory is what then moves to the GPU)
 
@@ -114,9 +120,11 @@ def _shard_file(shape: ModelShape, w: Any) -> int:
 
 
 def _fsdp1_unit_bytes(shape: ModelShape, w: Any, family: str) -> tuple[int, int]:
-    """(bytes on the GPU, bytes read from the file) of fsdp1's largest unit whole: the root
-    (embeddings, final norm, lm_head; never quantized) or one decoder layer."""
-    root, layer = shape.n_nonlayer_params, shape.n_layer_params
+    """(bytes on the GPU, bytes read from the file) of fsdp1's largest unit whole: the embedding or
+    lm_head (units of their own when untied; with the final norm when tied; never quantized) or one
+    decoder layer."""
+    root = shape.vocab * shape.hidden + (shape.hidden if shape.tie else 0)
+    layer = shape.n_layer_params
     read = max(root, layer) * w.elem
     if w.train_type == "full":
         per = _state_bytes_per_param(w, family)[0]
@@ -140,13 +148,19 @@ def load_phase(shape: ModelShape, w: Any, family: str, resident: int, shard_rank
     linear16 = _largest_linear(shape) * 2    # bitsandbytes quantizes from the 16-bit weight
     quant = w.quant_bits is not None
     per_node = int(w.gpus_per_node or w.world_size)
+    # `host` is private to each process; `shared` are pages of the open file that every process of
+    # the node maps (all of them read the same tensors whole): the page cache holds them once.
+    shared = 0
     if family in SHARDED_READS:
         if quant:
-            transit = host = linear16
+            transit, host, shared = linear16, linear16, _shard_file(shape, w)
         else:
-            transit = host = _ceil_div(largest * e, shard_ranks)
+            # each rank touches its own rows of every tensor of the open file: distinct pages
+            transit = _ceil_div(largest * e, shard_ranks)
+            host = max(transit, _ceil_div(_shard_file(shape, w), shard_ranks))
     elif family == "fsdp1":
         transit, host = _fsdp1_unit_bytes(shape, w, family)
+        shared = _shard_file(shape, w)
     elif family in WHOLE_MODEL:
         host = _shard_file(shape, w) if quant else shape.n_params * e
         # Master weights are upcast to fp32 one tensor at a time; a 4-bit base quantizes one 16-bit
@@ -160,8 +174,8 @@ def load_phase(shape: ModelShape, w: Any, family: str, resident: int, shard_rank
     if family == "zero3_offload":
         # offload_param: the partitions are created in host memory, next to the mapped file
         host, resident = host + resident, 0
-    return LoadPhase(method=METHODS[family], resident=resident, transit=transit, host_per_rank=host,
-                     host_per_node=host * per_node, host_copy=not (family in WHOLE_MODEL and not quant))
+    return LoadPhase(method=METHODS[family], resident=resident, transit=transit, host_per_rank=host + shared,
+                     host_per_node=host * per_node + shared, host_copy=not (family in WHOLE_MODEL and not quant))
 
 
 __all__ = ["FILE_ELEM_BYTES", "HF_SHARD_BYTES", "LoadPhase", "METHODS", "largest_shard_file", "load_phase"]

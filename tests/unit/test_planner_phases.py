@@ -41,7 +41,11 @@ def test_fsdp_sharded_reads_hold_a_shard_and_one_tensors_rows():
     # fp32 master shards (4Ψ/8) + the largest tensor's (embedding, bf16) rows over 8 ranks + overhead
     transit = -(-L8.largest_module_params * 2 // 8)
     assert est.load_gpu == est.params + transit + GiB
-    assert est.load_host_per_rank == transit and est.load_host_per_node == 8 * transit
+    # host: the rank's rows of every tensor in the open file (a 5 GB hub shard / 8), or one tensor's rows
+    assert est.load_host_per_rank == max(transit, HF_SHARD_BYTES // 8) == HF_SHARD_BYTES // 8
+    assert est.load_host_per_node == HF_SHARD_BYTES
+    small_files = estimate(L8, replace(w, shard_file_bytes=GB), "fsdp")
+    assert small_files.load_host_per_rank == transit        # 1 GB / 8 < one embedding's rows
     assert est.load_method == "sharded reads"
     # hsdp shards within its group of 4: twice fsdp's bytes per rank at load
     hsdp = estimate(L8, replace(w, hsdp_shard_size=4), "hsdp")
@@ -53,7 +57,9 @@ def test_fsdp_qlora_quantizes_one_full_linear_at_a_time():
     est = estimate(L70, w, "fsdp")
     linear16 = _largest_linear(L70) * 2
     assert est.load_gpu == est.params + linear16 + GiB
-    assert est.load_host_per_rank == linear16 and est.load_host_per_node == 8 * linear16
+    # host: the rank's copy of that weight + the open file's pages, which every rank maps (once per node)
+    assert est.load_host_per_rank == linear16 + HF_SHARD_BYTES
+    assert est.load_host_per_node == 8 * linear16 + HF_SHARD_BYTES
     # 70B: the 4-bit base + 16-bit embeddings over 8 GPUs, ~4.6 GiB; one MLP weight 0.44 GiB
     assert 5 * GiB < est.load_gpu - GiB < 6 * GiB
 
@@ -61,9 +67,12 @@ def test_fsdp_qlora_quantizes_one_full_linear_at_a_time():
 def test_fsdp1_materializes_its_largest_unit_whole():
     w = work(world_size=8, gpu_memory_bytes=80 * GB)
     est = estimate(L8, w, "fsdp1")
-    # the root unit (embeddings + lm_head + final norm) in fp32 master form, whole
-    assert est.load_gpu == est.params + L8.n_nonlayer_params * 4 + GiB
-    assert est.load_host_per_rank == L8.n_nonlayer_params * 2   # read in the file's 16-bit dtype
+    # the largest unit whole, in fp32 master form: the (untied) embedding or lm_head, a unit of its own
+    unit = L8.vocab * L8.hidden
+    assert est.load_gpu == est.params + unit * 4 + GiB
+    # read in bf16, beside the open file's pages (every rank reads whole tensors: mapped once per node)
+    assert est.load_host_per_rank == unit * 2 + HF_SHARD_BYTES
+    assert est.load_host_per_node == 8 * unit * 2 + HF_SHARD_BYTES
 
 
 def test_whole_model_families_build_in_host_memory():
@@ -121,7 +130,7 @@ def test_recommendation_skips_a_job_that_fails_at_load_host_ram():
     assert recommend(L8, w).backend == "ddp"
     d = recommend(L8, replace(w, cpu_memory_bytes=100 * GB))
     assert not d.table["ddp"].fits and d.table["ddp"].load_host_per_node == 8 * L8.n_params * 2
-    assert d.backend == "fsdp" and d.table["fsdp"].load_host_per_node < 2 * GB   # one embedding, in 8 slices
+    assert d.backend == "fsdp" and d.table["fsdp"].load_host_per_node == HF_SHARD_BYTES   # one file, in 8 slices
 
 
 def test_recommendation_skips_a_job_that_fails_at_load_gpu():
