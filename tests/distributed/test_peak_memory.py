@@ -23,7 +23,9 @@ The loss (issue 14, acceptance 5): the same 512 x 8 Llama with a 65,536-token vo
 tokenizer's 260 ids are a subset), where the logits matter: --loss-impl plain holds 1024 x 65,536 x
 12 B = 768 MiB of them, the chunked loss (the default) 256-row chunks of 64 MiB. Each case is trained
 and estimated with its own --loss-impl. Ratios seen (2026-12-01): LoRA chunked 1.19, LoRA plain 1.09,
-full chunked 1.09, fsdp x2 LoRA chunked 0.84 / 0.85. The plain - chunked difference is estimated at
+full chunked 1.09, fsdp x2 LoRA chunked 0.84 / 0.85 (1.02 / 1.04 since sharded loading gave the untied
+embedding and lm_head FSDP units of their own, afternoon: the root-unit buffer term, which counts
+them unsharded together, was not re-derived). The plain - chunked difference is estimated at
 700 MiB and measured at 707 MiB; the LoRA cases' excess is probably the frozen embedding rows of the
 ids the tiny tokenizer never produces (>= 260, 128 MiB): their memory-mapped pages are never read.
 
