@@ -275,7 +275,8 @@ def model_state_bytes(shape: ModelShape, workload: Workload, backend: str | Back
 #: The family whose buffer and communication formulas another family uses (hsdp gathers per layer
 #: as fsdp does; zero3pp gathers per module as zero3 does; the optimizer-only offload families keep
 #: their stage's buckets and collectives, only the optimizer moves to the host).
-BASE_FAMILY = {"hsdp": "fsdp", "zero3pp": "zero3", "zero2_offload": "zero2", "zero3_offload_optimizer": "zero3"}
+OFFLOAD_STAGE = {"zero2_offload": "zero2", "zero3_offload_optimizer": "zero3"}
+BASE_FAMILY = {"hsdp": "fsdp", "zero3pp": "zero3", **OFFLOAD_STAGE}
 
 
 def _sharding_ranks(w: Workload, family: str) -> int:
@@ -374,7 +375,7 @@ def comm_per_link(shape: ModelShape, w: Workload, backend: str | Backend) -> Lin
     """Intra- and inter-node bytes each rank moves per optimizer step under `backend` (a record or a
     name): planner/topology.py's ring terms over this workload's volumes."""
     family = backend_record(backend).memory_family
-    family = {"zero2_offload": "zero2", "zero3_offload_optimizer": "zero3"}.get(family, family)
+    family = OFFLOAD_STAGE.get(family, family)   # their collectives are their stage's
     return split_by_link(family, w, *comm_volumes(shape, w, family))
 
 
