@@ -80,8 +80,11 @@ def run_case(model: Path, data: Path, backend: str, nproc: int, train_type: str,
     ranks = []
     for f in sorted((out / "logs").glob("memory_rank*.json")):
         rec = json.loads(f.read_text())
+        # the parameter bytes this rank holds, counted from its tensors (logs/state_rank<r>.json)
+        state = json.loads((f.parent / f.name.replace("memory_", "state_")).read_text())
         ranks.append({"load": rec["load_peak"] / size, "peak": rec["training_peak"] / size,
-                      "load_mib": rec["load_peak"] / 2**20, "peak_mib": rec["training_peak"] / 2**20})
+                      "load_mib": rec["load_peak"] / 2**20, "peak_mib": rec["training_peak"] / 2**20,
+                      "params_mib": state["params"] / 2**20})
     sharded = "sharded loading is off" not in proc.stdout
     return {"backend": backend, "nproc": nproc, "train_type": train_type, "ranks": ranks,
             "model_mib": size / 2**20, "largest_file_mib": largest_file(model) / 2**20, "sharded_loading": sharded}
@@ -90,7 +93,7 @@ def run_case(model: Path, data: Path, backend: str, nproc: int, train_type: str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="fsdp:1:lora,fsdp:2:lora,fsdp:4:lora,fsdp:2:full,fsdp:4:full",
-                    help="comma-separated BACKEND:NPROC:TRAIN_TYPE")
+                    help="comma-separated BACKEND:NPROC:TRAIN_TYPE[:whole] (whole: --sharded-loading false)")
     ap.add_argument("--model-dir", default=None, help="where the model folder is (built there if missing)")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
@@ -101,15 +104,19 @@ def main() -> None:
     data, _ = write_demo_data(work / "data", n_train=64, n_val=8)
     results = []
     print(f"model {model_bytes(model) / 2**20:.0f} MiB, largest file {largest_file(model) / 2**20:.0f} MiB")
-    print("| backend | N | train | load / model (max rank) | peak / model (max rank) | peak MiB (max rank) |")
-    print("|---|---|---|---|---|---|")
+    print("| backend | N | train | load / model (max rank) | peak / model (max rank) | peak MiB (max rank) "
+          "| parameters MiB per rank |")
+    print("|---|---|---|---|---|---|---|")
     for case in a.cases.split(","):
-        backend, nproc, train_type = case.split(":")
-        r = run_case(model, data, backend, int(nproc), train_type, work / case.replace(":", "-"), a.steps)
+        backend, nproc, train_type, *how = case.split(":")   # a 4th field "whole": --sharded-loading false
+        extra = ("--sharded-loading", "false") if how == ["whole"] else ()
+        r = run_case(model, data, backend, int(nproc), train_type, work / case.replace(":", "-"), a.steps, extra)
+        r["loading"] = "whole" if extra else "default"
         results.append(r)
         worst = max(r["ranks"], key=lambda x: x["peak"])
-        print(f"| {backend} | {nproc} | {train_type} | {max(x['load'] for x in r['ranks']):.2f} | "
-              f"{worst['peak']:.2f} | {worst['peak_mib']:.0f} |", flush=True)
+        print(f"| {backend}{' (whole)' if extra else ''} | {nproc} | {train_type} | {max(x['load'] for x in r['ranks']):.2f} | "
+              f"{worst['peak']:.2f} | {worst['peak_mib']:.0f} | {max(x['params_mib'] for x in r['ranks']):.0f} |",
+              flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1) + "\n")
 

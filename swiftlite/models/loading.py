@@ -210,9 +210,14 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
         from swiftlite.models import sharded as sharding
         weights, why_not = sharded_weights(cfg, src, dtype, attn, quantized=quant is not None)
         if weights is not None:
-            model = sharding.build_skeleton(model_config(cfg, src), dtype, weights, attn)
+            model = sharding.build_skeleton(model_config(cfg, src), dtype, weights, attn, quantization=quant)
             if src.kind != "preset":
                 model.config._name_or_path = src.ref  # what from_pretrained records (peft's base path)
+            if quant is not None:   # what from_pretrained marks on a 4-bit model (peft reads it)
+                model.is_loaded_in_4bit = True
+                model.config.quantization_config = quant
+                from swiftlite.models.quant import disable_cpu_repack
+                disable_cpu_repack(model)
             return model
         if world is None or world.is_main:
             print(f"sharded loading is off: {why_not}; every rank loads the whole model", flush=True)
@@ -253,12 +258,12 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
 def sharded_weights(cfg: "RunConfig", src: ModelSource, dtype: "torch.dtype", attn: dict[str, Any], *,
                     quantized: bool) -> tuple[Any, str | None]:
     """The weight source sharded loading reads (models/sharded.py), or (None, why it cannot):
-    a quantized base (bitsandbytes quantizes whole layers as transformers loads them), a folder
+    an 8-bit base (4-bit ones are quantized layer by layer as the weights arrive), a folder
     without safetensors files, or a checkpoint whose tensor names are not the model's own (weights
     transformers converts while loading). A built-in preset's source is its seeded weights."""
     from swiftlite.models import sharded as sharding
-    if quantized:
-        return None, "a quantized base is quantized whole as transformers loads it"
+    if quantized and cfg.quant.quant_bits != 4:
+        return None, "an 8-bit base is quantized whole as transformers loads it"
     if src.kind == "preset":
         import torch
         from transformers import AutoModelForCausalLM

@@ -128,6 +128,19 @@ class Deferred:
     names: dict[tuple[int, str], list[str]] = field(default_factory=dict)
     modules: "weakref.WeakValueDictionary" = field(default_factory=weakref.WeakValueDictionary)
     ties: dict[tuple[int, str], list[tuple[int, str]]] = field(default_factory=dict)   # one parameter, many places
+    #: 4-bit layers' weights: quantized as they arrive (`_Quantized`), keyed like `names`
+    quantized: dict[tuple[int, str], "_Quantized"] = field(default_factory=dict)
+    dtype: Any = None                                  # the run's dtype: checkpoint tensors are cast to it
+
+
+@dataclass(frozen=True)
+class _Quantized:
+    """How one bitsandbytes 4-bit layer quantizes its weight (Params4bit's settings)."""
+    blocksize: int
+    compress_statistics: bool
+    quant_type: str
+    quant_storage: Any
+    shape: tuple[int, ...]                             # the 16/32-bit weight's shape in the checkpoint
 
 
 _DEFERRED: "weakref.WeakKeyDictionary[Any, Deferred]" = weakref.WeakKeyDictionary()
@@ -176,12 +189,21 @@ def _empty_model(conf: Any, dtype: "torch.dtype", attn: dict[str, Any]) -> Any:
     return model
 
 
-def build_skeleton(conf: Any, dtype: "torch.dtype", source: Any, attn: dict[str, Any]) -> Any:
+def build_skeleton(conf: Any, dtype: "torch.dtype", source: Any, attn: dict[str, Any],
+                   quantization: Any = None) -> Any:
     """The causal LM of `conf` with its parameters on the meta device and its pending weights
-    registered; a UserError-free `None`-returning check is `plan_sharded`, called first."""
+    registered (the caller checked with `missing_names` that the checkpoint has them all).
+
+    `quantization` (transformers' BitsAndBytesConfig, 4-bit): the linear layers transformers would
+    quantize become bitsandbytes Linear4bit layers, chosen by transformers' own rules
+    (`get_keys_to_not_convert`: not lm_head), each with a meta weight already of the packed shape and
+    dtype (`bnb_4bit_quant_storage`), so that the backend shards the packed bytes; `materialize`
+    (FSDP2) or `unit_initializer` (FSDP1) quantizes each weight when it arrives, one at a time."""
     model = _empty_model(conf, dtype, attn)
     model.config.use_cache = False
-    plan = Deferred(source)
+    plan = Deferred(source, dtype=dtype)
+    if quantization is not None:
+        _swap_in_4bit(model, quantization, plan)
     places: dict[int, list[tuple[int, str]]] = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for attr, p in module._parameters.items():
@@ -206,6 +228,39 @@ def build_skeleton(conf: Any, dtype: "torch.dtype", source: Any, attn: dict[str,
                 plan.names[k] = list(dict.fromkeys(names))
     _DEFERRED[model] = plan
     return model
+
+
+def _swap_in_4bit(model: Any, quantization: Any, plan: Deferred) -> None:
+    """Replace the linear layers by meta Linear4bit layers holding packed-shape meta weights."""
+    import torch
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+    shapes = {name: tuple(m.weight.shape) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    skip = list(set(get_keys_to_not_convert(model) + list(getattr(model, "_keep_in_fp32_modules", None) or [])))
+    replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=quantization)
+    for name, m in model.named_modules():
+        if type(m).__name__ != "Linear4bit":
+            continue
+        w = m.weight
+        spec = _Quantized(w.blocksize, w.compress_statistics, w.quant_type, w.quant_storage, shapes[name])
+        numel = 1
+        for d in spec.shape:
+            numel *= d
+        per_element = torch.tensor([], dtype=spec.quant_storage).element_size() * 2   # 4-bit values per element
+        w.data = torch.empty(((numel + 1) // per_element, 1), dtype=spec.quant_storage, device="meta")
+        w.bnb_quantized = True   # packed: a later .to(device) must not quantize it again
+        plan.quantized[(id(m), "weight")] = spec
+
+
+def _quantize(module: Any, spec: _Quantized, value: "torch.Tensor", device: Any) -> "torch.Tensor":
+    """bitsandbytes' 4-bit quantization of one whole weight, as Params4bit does it when transformers
+    loads a layer; the module keeps the quantization state (scales), the packed bytes are returned."""
+    import bitsandbytes as bnb
+    packed, state = bnb.functional.quantize_4bit(
+        value.contiguous().to(device), blocksize=spec.blocksize, compress_statistics=spec.compress_statistics,
+        quant_type=spec.quant_type, quant_storage=spec.quant_storage)
+    module.quant_state = state
+    return packed
 
 
 def missing_names(conf: Any, dtype: "torch.dtype", source: Any, attn: dict[str, Any]) -> list[str]:
@@ -249,7 +304,7 @@ def materialize(model: Any, device: "torch.device | str") -> None:
                 if (mid, attr) in kept_keys:   # a buffer the skeleton computed, not a checkpoint tensor
                     continue
                 raise RuntimeError(f"sharded loading: no tensor {names[0]} in the checkpoint")
-            _fill(t, plan.source, name)
+            _fill(t, plan, name, module, attr, device)
     plan.source.close()
     # Every tensor must have been filled or kept: one left as to_empty made it would train on
     # uninitialised memory without a word.
@@ -286,7 +341,7 @@ def unit_initializer(model: Any, device: "torch.device | str") -> Any:
                 name = next((n for n in plan.names.get(key, []) if n in names), None)
                 if name is None:
                     raise RuntimeError(f"sharded loading: no checkpoint tensor for {type(module).__name__}.{attr}")
-                _fill(_tensor_of(module, attr), plan.source, name)
+                _fill(_tensor_of(module, attr), plan, name, module, attr, device)
                 for mid, other_attr in plan.ties.get(key, []):   # tied: every place gets this parameter
                     other = plan.modules.get(mid)
                     if other is not None and attr in module._parameters:
@@ -374,9 +429,21 @@ def _keep_real_tensors(model: Any) -> list[tuple[tuple[Any, str], "torch.Tensor"
     return kept
 
 
-def _fill(t: Any, source: Any, name: str) -> None:
-    """Copy this rank's part of checkpoint tensor `name` into `t` (dim-0 rows of a DTensor shard)."""
+def _fill(t: Any, plan: Deferred, name: str, module: Any, attr: str, device: Any) -> None:
+    """Copy this rank's part of checkpoint tensor `name` into `t` (dim-0 rows of a DTensor shard).
+    A 4-bit layer's weight is read whole (its scales are per block of the whole weight), cast to the
+    run's dtype as from_pretrained does, quantized, and this rank keeps its rows of the packed bytes."""
+    source = plan.source
     local = _local(t)
+    spec = plan.quantized.get((id(module), attr))
+    if spec is not None:
+        packed = _quantize(module, spec, source.read(name).to(plan.dtype), device)
+        if hasattr(t, "device_mesh"):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            packed = packed[offset[0]:offset[0] + shape[0]]
+        local.copy_(packed)
+        return
     if local.numel() == 0:
         return
     if hasattr(t, "device_mesh"):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import json
+import math
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,6 +30,10 @@ from swiftlite.parallel.loss import token_loss_sum
 _ENGINE_OPTIONS = {"params", "foreach", "fused", "capturable", "differentiable"}
 #: The attribute `autocast_forward` sets on a module (read by `autocast_context` only).
 _AUTOCAST = "_swiftlite_autocast"
+
+
+#: `<leaf>._fsdp_wrapped_module.<param>`: a leaf module that is an FSDP1 unit of its own
+_UNIT_LEAF = re.compile(r"\._fsdp_wrapped_module\.(?=[^.]+$)")
 
 
 class TorchEngine:
@@ -228,9 +233,11 @@ class TorchEngine:
 
         def take(name: str, p: torch.Tensor) -> None:
             t = p.full_tensor() if hasattr(p, "full_tensor") else p  # a collective for DTensors
-            if main:  # names as peft_model.named_modules() spells them (nested wrappers included)
-                trainable[name.removeprefix("_fsdp_wrapped_module.") if peft_model is not root else name] = \
-                    t.detach().to("cpu", copy=True)
+            if main:  # names as peft_model.named_modules() spells them (nested wrappers included) ...
+                name = name.removeprefix("_fsdp_wrapped_module.") if peft_model is not root else name
+                # ... but an adapter matrix that is an FSDP1 unit of its own (parallel/fsdp1.py) keeps
+                # its parameter name after the wrapper, where peft looks for `<adapter>.weight`
+                trainable[_UNIT_LEAF.sub(".", name)] = t.detach().to("cpu", copy=True)
 
         def own_params(mod: torch.nn.Module, prefix: str):
             """(name, param) of `mod` and its submodules, stopping at nested FSDP units."""

@@ -82,6 +82,8 @@ CASES = [  # (id, backend, processes, train type, extra flags, model: "split"/"t
     ("fsdp1-tied-full", "fsdp1", 2, "full", (), "tied"),
     ("hsdp-full", "hsdp", 2, "full", ("--hsdp-shard-size", "2"), "split"),
     ("fsdp-preset-lora", "fsdp", 2, "lora", (), "tiny-llama"),
+    ("fsdp-qlora", "fsdp", 2, "qlora", (), "split"),      # 4-bit: quantized as each weight arrives
+    ("fsdp1-qlora", "fsdp1", 2, "qlora", (), "split"),
 ]
 
 
