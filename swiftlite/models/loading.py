@@ -151,7 +151,8 @@ def load_tokenizer(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
         tok.chat_template = Path(cfg.model.template).read_text(encoding="utf-8")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    if cfg.task == "sft" and not getattr(tok, "chat_template", None):
+    from swiftlite.config.tasks import task_spec
+    if task_spec(cfg.task).needs_chat_template and not getattr(tok, "chat_template", None):
         raise UserError(f"--model {cfg.model.model}: its tokenizer has no chat template; pass --template FILE")
     _TOKENIZERS[key] = tok
     return tok
@@ -175,15 +176,17 @@ def model_config(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
 
 def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
                init_context: Any = None, attn_impl: str | None = None,
-               sharded: bool = False) -> "torch.nn.Module":
+               skeleton: str | None = None) -> "torch.nn.Module":
     """Load weights (or build a built-in preset with weights seeded by --seed), quantized if asked,
     with `attn_impl` as transformers' `attn_implementation` (None: transformers' default; training
     passes --attn_impl, export and infer keep the default: the attention kernel changes no weight).
 
-    `sharded=True` (the backend record's `loading == "sharded"`: fsdp, hsdp, fsdp1 on 2+ processes)
-    returns a skeleton instead: parameters on the meta device, the weights filled per rank after the
-    backend has sharded it (models/sharded.py). Where that cannot work (see `sharded_weights`) the
-    model is loaded whole, and rank 0 says why in one line.
+    `skeleton` returns a skeleton instead: parameters on the meta device (models/sharded.py).
+    "shard" (the backend record's `loading == "sharded"`: fsdp, hsdp, fsdp1 on 2+ processes): the
+    backend shards it, then each rank fills its shards. "fill" (a 4-bit base on the other backends):
+    `prepare_model` fills it whole at its end, quantizing each weight as it arrives, so the 16-bit
+    model is never in memory at once (the 4-bit base is what those backends hold). Where that cannot
+    work (see `sharded_weights`) the model is loaded the usual way, and rank 0 says why in one line.
 
     Under ZeRO-3 a real checkpoint is loaded inside `deepspeed.zero.Init`, so no rank ever holds the
     whole model. Built-in presets are built normally (they are tiny, and their seeded weights must
@@ -206,7 +209,7 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
         from swiftlite.models.quant import bnb_config
         quant = bnb_config(cfg)
     attn = {"attn_implementation": attn_impl} if attn_impl else {}
-    if sharded:
+    if skeleton:
         from swiftlite.models import sharded as sharding
         weights, why_not = sharded_weights(cfg, src, dtype, attn, quantized=quant is not None)
         if weights is not None:
@@ -220,7 +223,8 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
                 disable_cpu_repack(model)
             return model
         if world is None or world.is_main:
-            print(f"sharded loading is off: {why_not}; every rank loads the whole model", flush=True)
+            what = "sharded loading" if skeleton == "shard" else "loading the 4-bit base layer by layer"
+            print(f"{what} is off: {why_not}; every rank loads the whole model", flush=True)
     if src.kind == "preset":
         conf = model_config(cfg, src)
         conf.use_cache = False
@@ -435,13 +439,14 @@ def decoder_layers(model: "torch.nn.Module") -> list["torch.nn.Module"]:
 
 
 def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
-                  init_context: Any = None, sharded: bool = False) -> "torch.nn.Module":
+                  init_context: Any = None, skeleton: str | None = None) -> "torch.nn.Module":
     """load -> quantize -> LoRA -> activation checkpointing -> compile. Wrap + optimizer come next.
-    `sharded`: load a skeleton that the backend shards and then fills (models/sharded.py)."""
+    `skeleton`: "shard" (the backend shards the skeleton, then fills it) or "fill" (filled here, at
+    the end, before wrapping), see `load_model`."""
     check_attn_impl(cfg)  # preflight checks it too; a rank started another way gets the same line
     # quantization happens inside loading (bnb needs it there)
     model = load_model(cfg, source, world, init_context=init_context, attn_impl=cfg.model.attn_impl,
-                       sharded=sharded)
+                       skeleton=skeleton)
     check_loaded_attention(cfg, model)
     if cfg.is_peft:
         from swiftlite.models.lora import apply_lora
@@ -458,5 +463,8 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
             raise UserError("--compile needs torch >= 2.0 with torch.compile")
         for layer in decoder_layers(model):
             layer.compile()
+    if skeleton == "fill":
+        from swiftlite.models.sharded import materialize
+        materialize(model, world.device if world is not None else "cpu")
     model.train()
     return model

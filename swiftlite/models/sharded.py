@@ -263,6 +263,18 @@ def _quantize(module: Any, spec: _Quantized, value: "torch.Tensor", device: Any)
     return packed
 
 
+def _as_params4bit(module: Any, spec: _Quantized, packed: "torch.Tensor") -> Any:
+    """A weight that stays whole (not an FSDP2 shard) becomes a Params4bit carrying its state, as
+    after transformers' loading (`to_empty` made it a plain Parameter): without it bitsandbytes
+    replaces the parameter at every forward, which ZeRO-3's parameter tracking cannot follow."""
+    import bitsandbytes as bnb
+    module.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=module.quant_state,
+                                      blocksize=spec.blocksize, compress_statistics=spec.compress_statistics,
+                                      quant_type=spec.quant_type, quant_storage=spec.quant_storage,
+                                      module=module, bnb_quantized=True)
+    return module.weight
+
+
 def missing_names(conf: Any, dtype: "torch.dtype", source: Any, attn: dict[str, Any]) -> list[str]:
     """The model's parameters the checkpoint has under none of their names (tied ones count once)."""
     model = _empty_model(conf, dtype, attn)
@@ -304,7 +316,7 @@ def materialize(model: Any, device: "torch.device | str") -> None:
                 if (mid, attr) in kept_keys:   # a buffer the skeleton computed, not a checkpoint tensor
                     continue
                 raise RuntimeError(f"sharded loading: no tensor {names[0]} in the checkpoint")
-            _fill(t, plan, name, module, attr, device)
+            seen.add(id(_fill(t, plan, name, module, attr, device)))
     plan.source.close()
     # Every tensor must have been filled or kept: one left as to_empty made it would train on
     # uninitialised memory without a word.
@@ -341,7 +353,7 @@ def unit_initializer(model: Any, device: "torch.device | str") -> Any:
                 name = next((n for n in plan.names.get(key, []) if n in names), None)
                 if name is None:
                     raise RuntimeError(f"sharded loading: no checkpoint tensor for {type(module).__name__}.{attr}")
-                _fill(_tensor_of(module, attr), plan, name, module, attr, device)
+                _fill(_tensor_of(module, attr), plan, name, module, attr, device)   # (4-bit: a new Params4bit)
                 for mid, other_attr in plan.ties.get(key, []):   # tied: every place gets this parameter
                     other = plan.modules.get(mid)
                     if other is not None and attr in module._parameters:
@@ -429,7 +441,7 @@ def _keep_real_tensors(model: Any) -> list[tuple[tuple[Any, str], "torch.Tensor"
     return kept
 
 
-def _fill(t: Any, plan: Deferred, name: str, module: Any, attr: str, device: Any) -> None:
+def _fill(t: Any, plan: Deferred, name: str, module: Any, attr: str, device: Any) -> Any:
     """Copy this rank's part of checkpoint tensor `name` into `t` (dim-0 rows of a DTensor shard).
     A 4-bit layer's weight is read whole (its scales are per block of the whole weight), cast to the
     run's dtype as from_pretrained does, quantized, and this rank keeps its rows of the packed bytes."""
@@ -438,14 +450,14 @@ def _fill(t: Any, plan: Deferred, name: str, module: Any, attr: str, device: Any
     spec = plan.quantized.get((id(module), attr))
     if spec is not None:
         packed = _quantize(module, spec, source.read(name).to(plan.dtype), device)
-        if hasattr(t, "device_mesh"):
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-            packed = packed[offset[0]:offset[0] + shape[0]]
-        local.copy_(packed)
-        return
+        if not hasattr(t, "device_mesh"):
+            return _as_params4bit(module, spec, packed)
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local.copy_(packed[offset[0]:offset[0] + shape[0]])
+        return t
     if local.numel() == 0:
-        return
+        return t
     if hasattr(t, "device_mesh"):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
@@ -458,3 +470,4 @@ def _fill(t: Any, plan: Deferred, name: str, module: Any, attr: str, device: Any
         raise RuntimeError(f"sharded loading: {name} has shape {tuple(value.shape)} in the checkpoint, "
                            f"{tuple(local.shape)} on this rank")
     local.copy_(value)
+    return t

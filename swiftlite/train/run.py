@@ -75,6 +75,18 @@ def resolve_backend(cfg: RunConfig, world: Any, facts: Any = None) -> Any:
     return choice
 
 
+def skeleton_mode(cfg: RunConfig, choice: Any) -> str | None:
+    """How the model reaches this rank without ever being whole in 16 bits (models/sharded.py):
+    "shard" where the record loads sharded (fsdp, hsdp, fsdp1; --sharded-loading false keeps the
+    whole-model path), "fill" for a 4-bit base elsewhere (quantized weight by weight, then wrapped),
+    None otherwise (from_pretrained, inside the record's init context: ZeRO-3's zero.Init)."""
+    if choice.record.loading == "sharded" and cfg.parallel.sharded_loading:
+        return "shard"
+    if cfg.quant_bits == 4 and choice.record.loading != "sharded":
+        return "fill"
+    return None
+
+
 def smallest_gpu_memory(world: Any) -> int | None:
     """Total memory of the smallest GPU in the job (every rank must pick the same backend), or None
     on CPU."""
@@ -173,8 +185,7 @@ def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> t
         probe = probe_factory(run_dir, world, start_guess, steps) if probe_factory else None
         if probe is not None:
             probe.start()
-        model = prepare_model(cfg, source, world, init_context=init_context,
-                              sharded=choice.record.loading == "sharded" and cfg.parallel.sharded_loading)
+        model = prepare_model(cfg, source, world, init_context=init_context, skeleton=skeleton_mode(cfg, choice))
         engine = build_engine(model, cfg, world, steps, choice)   # optimizer built here (trap 2)
 
         start_step = 0
