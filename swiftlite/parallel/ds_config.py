@@ -408,3 +408,19 @@ def resolve_ds_config(cfg: "RunConfig", world_size: int, hidden_size: int | None
     ds = fill_auto(load_ds_config(src), cfg, world_size, hidden_size)
     validate_ds_config(ds, world_size)
     return ds
+
+
+def ds_config_family(ds: dict[str, Any]) -> str:
+    """The memory family of a DeepSpeed config, from its stage and its offload blocks: parameter
+    offload (stage 3) -> zero3_offload; optimizer offload only -> zero2_offload /
+    zero3_offload_optimizer; stage 3 with hpZ (`zero_hpz_partition_size` "auto" or > 1) -> zero3pp."""
+    optimizer, param = offload_devices(ds)
+    if ds_stage(ds) == 3:
+        if param != "none":
+            return "zero3_offload"
+        if optimizer != "none":
+            return "zero3_offload_optimizer"
+        hpz = (ds.get("zero_optimization") or {}).get("zero_hpz_partition_size")
+        return "zero3pp" if hpz == "auto" or (isinstance(hpz, int) and not isinstance(hpz, bool) and hpz > 1) \
+            else "zero3"
+    return "zero2_offload" if optimizer != "none" else "zero2"

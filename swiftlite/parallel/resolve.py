@@ -64,17 +64,10 @@ def _lookup(name: str, cfg: "RunConfig") -> tuple[Backend, str | None]:
 def _memory_family(rec: Backend, ds_source: str | None) -> str | None:
     if rec.memory_family is not None or ds_source is None:
         return rec.memory_family
-    # A DeepSpeed JSON of the user's: its stage and offload decide which formulas apply.
-    from swiftlite.parallel.ds_config import ds_stage, load_ds_config, offload_devices
-    ds = load_ds_config(ds_source)
-    stage = ds_stage(ds)
-    if stage == 3:
-        if offload_devices(ds)[1] != "none":
-            return "zero3_offload"
-        # hpZ ("auto" = the processes per node, or a size > 1) keeps a secondary weight partition: ZeRO++
-        hpz = (ds.get("zero_optimization") or {}).get("zero_hpz_partition_size")
-        return "zero3pp" if hpz == "auto" or (isinstance(hpz, int) and hpz > 1) else "zero3"
-    return "zero2"
+    # A DeepSpeed JSON of the user's: its stage and offload blocks decide which formulas apply
+    # (optimizer-only offload included; hpZ makes ZeRO-3 ZeRO++).
+    from swiftlite.parallel.ds_config import ds_config_family, load_ds_config
+    return ds_config_family(load_ds_config(ds_source))
 
 
 def check_backend(rec: Backend, cfg: "RunConfig", world_size: int, ds_source: str | None = None) -> None:

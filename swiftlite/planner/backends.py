@@ -15,29 +15,13 @@ from typing import Any
 
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, all_backends, find_backend
+from swiftlite.parallel.ds_config import ds_config_family   # the format's own knowledge, next to it
 
 #: The formula families planner/memory.py implements. The optimizer-only offload families keep the
 #: 16-bit weights on the GPU (zero2_offload: whole; zero3_offload_optimizer: 1/N) and move the fp32
 #: gradient partitions and the optimizer state to host memory; zero3_offload moves the weights too.
 FAMILIES = ("single", "ddp", "fsdp", "hsdp", "fsdp1", "zero2", "zero2_offload", "zero3", "zero3pp",
             "zero3_offload_optimizer", "zero3_offload")
-
-
-def ds_config_family(ds: dict[str, Any]) -> str:
-    """The memory family of a DeepSpeed config, from its stage and its offload blocks: parameter
-    offload (stage 3) -> zero3_offload; optimizer offload only -> zero2_offload /
-    zero3_offload_optimizer; stage 3 with hpZ (`zero_hpz_partition_size` "auto" or > 1) -> zero3pp."""
-    from swiftlite.parallel.ds_config import ds_stage, offload_devices
-    optimizer, param = offload_devices(ds)
-    if ds_stage(ds) == 3:
-        if param != "none":
-            return "zero3_offload"
-        if optimizer != "none":
-            return "zero3_offload_optimizer"
-        hpz = (ds.get("zero_optimization") or {}).get("zero_hpz_partition_size")
-        return "zero3pp" if hpz == "auto" or (isinstance(hpz, int) and not isinstance(hpz, bool) and hpz > 1) \
-            else "zero3"
-    return "zero2_offload" if optimizer != "none" else "zero2"
 
 
 @lru_cache(maxsize=64)

@@ -194,14 +194,16 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
                          gpus_per_node: int | None = None) -> Workload:
     """The Workload a RunConfig describes on `world_size` ranks. rlhf: a micro-batch of n pairs is 2n
     sequences with full logits at the answer tokens, plus DPO's frozen reference copy where there is one."""
-    rlhf = cfg.task == "rlhf"
+    from swiftlite.config.tasks import task_spec
+    spec = task_spec(cfg.task)
+    rlhf = spec.own_options == "rlhf"   # preference training: pairs, a reference, plain logits
     r = cfg.rlhf
     copy = rlhf and r.rlhf_type == "dpo" and not r.precompute_ref_log_probs and (r.ref_model or not cfg.is_peft)
     return Workload(
         train_type=cfg.train.train_type, dtype=cfg.model.torch_dtype, lora_rank=cfg.lora.lora_rank,
         lora_targets=tuple(cfg.lora.target_modules) or ("all-linear",), lora_dropout=cfg.lora.lora_dropout,
         quant_bits=cfg.quant_bits, double_quant=cfg.quant.bnb_4bit_use_double_quant,
-        max_length=cfg.data.max_length, micro_batch=cfg.train.per_device_train_batch_size * (2 if rlhf else 1),
+        max_length=cfg.data.max_length, micro_batch=cfg.train.per_device_train_batch_size * spec.sequences_per_sample,
         reference="copy" if copy else "none",
         gradient_checkpointing=cfg.train.gradient_checkpointing, world_size=world_size,
         gpus_per_node=gpus_per_node or cfg.parallel.nproc_per_node or world_size,

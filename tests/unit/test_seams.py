@@ -95,7 +95,7 @@ def test_no_engine_internals_outside_parallel():
 #: when the switches went; each needs one import and one line (`task_spec(cfg.task)` from
 #: config/tasks.py: `.needs_chat_template` in load_tokenizer, which also makes rlhf refuse a tokenizer
 #: without a chat template; `.sequences_per_sample` in workload_from_config). Remove the entry then.
-KNOWN_SWITCHES = {"swiftlite/planner/recommend.py": 1}
+KNOWN_SWITCHES: dict[str, int] = {}
 
 
 def test_no_task_switch_outside_the_task_module():
