@@ -61,11 +61,11 @@ def largest_file(folder: Path) -> int:
 
 
 def run_case(model: Path, data: Path, backend: str, nproc: int, train_type: str, out: Path,
-             steps: int = 1, extra: tuple[str, ...] = ()) -> dict:
+             steps: int = 1, extra: tuple[str, ...] = (), dtype: str = "fp32") -> dict:
     """Train one case and return its per-rank figures (ratios to the model's bytes)."""
     args = [sys.executable, "-m", "swiftlite", "sft", "--model", str(model), "--dataset", str(data),
             "--train-type", train_type, "--parallelism", backend, "--nproc-per-node", str(nproc),
-            "--torch-dtype", "fp32", "--max-length", "64", "--per-device-train-batch-size", "1",
+            "--torch-dtype", dtype, "--max-length", "64", "--per-device-train-batch-size", "1",
             "--gradient-checkpointing", "true", "--max-steps", str(steps), "--save-strategy", "no",
             "--output-dir", str(out), *extra]
     if backend == "hsdp" and nproc > 1:   # shard groups of 2: 1 x 2 on two processes, 2 x 2 on four
@@ -96,6 +96,8 @@ def main() -> None:
                     help="comma-separated BACKEND:NPROC:TRAIN_TYPE[:whole] (whole: --sharded-loading false)")
     ap.add_argument("--model-dir", default=None, help="where the model folder is (built there if missing)")
     ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--torch-dtype", default="fp32", help="the run's dtype (bf16: the fp32 files are converted "
+                    "while loading, so the whole-model path holds real copies)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="swiftlite-loadmem-"))
@@ -110,7 +112,8 @@ def main() -> None:
     for case in a.cases.split(","):
         backend, nproc, train_type, *how = case.split(":")   # a 4th field "whole": --sharded-loading false
         extra = ("--sharded-loading", "false") if how == ["whole"] else ()
-        r = run_case(model, data, backend, int(nproc), train_type, work / case.replace(":", "-"), a.steps, extra)
+        r = run_case(model, data, backend, int(nproc), train_type, work / case.replace(":", "-"), a.steps, extra,
+                     a.torch_dtype)
         r["loading"] = "whole" if extra else "default"
         results.append(r)
         worst = max(r["ranks"], key=lambda x: x["peak"])
