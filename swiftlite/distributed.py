@@ -28,6 +28,11 @@ class World:
     def distributed(self) -> bool:
         return self.dist_backend is not None
 
+    @property
+    def device_type(self) -> str:
+        """"cuda" or "cpu": what device meshes and autocast take (the one place that derives it)."""
+        return "cuda" if self.device.startswith("cuda") else "cpu"
+
     @staticmethod
     def from_env() -> "World":
         """World as torchrun describes it in the environment (before init)."""

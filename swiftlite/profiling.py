@@ -43,9 +43,7 @@ from swiftlite.checkpoint import layout
 from swiftlite import env
 
 ENV_PROFILE = env.PROFILE
-ENV_DIR = env.PROFILE_DIR
 ENV_STATS = env.BENCH_STATS
-ENV_MEMORY = env.PROFILE_MEMORY
 
 
 def parse_window(text: str | None) -> tuple[int, int] | None:

@@ -1,6 +1,6 @@
 """Typed run configuration: `from swiftlite.config import X` for every public name.
 
-- `schema.py`: the dataclasses (`RunConfig` and its eight sections), the constants, `field_specs()`.
+- `schema.py`: the dataclasses (`RunConfig` and its sections (`SECTIONS`)), the constants, `field_specs()`.
 - `load.py`: files, flags and env vars into a `RunConfig` (`load_config`, `build_config`, `coerce`),
   `args.json` (`save_args`/`load_args`) and secret redaction.
 - `msswift.py`: ms-swift flags and values that mean nothing here, each with what to use instead.

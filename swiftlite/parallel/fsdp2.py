@@ -222,7 +222,7 @@ def fsdp2_engine(model: "torch.nn.Module", cfg: Any, world: "World", total_steps
     refuse_cpu_offload_without_gpu(cfg, world)
     if master_weights(cfg):
         upcast_trainable(model)  # fp32 shards of every trainable parameter (frozen ones keep their dtype)
-    device_type = "cuda" if world.device.startswith("cuda") else "cpu"
+    device_type = world.device_type
     skeleton = deferred(model) is not None   # sharded loading: the weights arrive after fully_shard
     if not cfg.parallel.cpu_offload and not skeleton:
         model = model.to(world.device)

@@ -289,7 +289,7 @@ def autocast_forward(module: torch.nn.Module, cfg: Any, world: World) -> bool:
     from swiftlite.optim import master_weights
     if not master_weights(cfg):
         return False
-    device_type = "cuda" if world.device.startswith("cuda") else "cpu"
+    device_type = world.device_type
     object.__setattr__(module, _AUTOCAST, (device_type, dtypes.torch_dtype(cfg.model.torch_dtype)))
     return True
 

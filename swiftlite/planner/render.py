@@ -6,7 +6,7 @@
 Reads the model's config only (a preset, or a local folder's config.json): no weights, no network,
 no GPU. One row per registered backend record with `estimate` set and a memory family
 (planner/backends.py), computed by planner/memory.py; the choice is planner/recommend.py's. The
-command's flags (cli.py `estimate_cmd`) map onto run_estimate's parameters; docs/estimate.md
+command's flags (cli/estimate.py `estimate_cmd`) map onto run_estimate's parameters; docs/estimate.md
 lists them with the formulas and their limits.
 """
 
