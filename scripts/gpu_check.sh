@@ -232,6 +232,15 @@ step bench "$DEADLINE" "$PY" -m swiftlite bench --model "$MODEL" --parallelism "
   --max-length "$SEQ" --per-device-train-batch-size "$BATCH" --packing --torch-dtype "$DTYPE" \
   --dataset "$DATA/train.jsonl" --output "$WORK/bench" --timeout "$RUN_LIMIT"
 
+# -- 3b. memory at load: a full fine-tune and QLoRA of the same model, one step each ------------------
+# (docs/backends.md "Loading at size": the allocator's peak when the model is built and after the
+# first step, logs/cuda_memory_rank0.json; on the CPU rehearsal the RSS record, logs/memory_rank0.json)
+for tt in full qlora; do
+  step "load-$tt" "$RUN_LIMIT" "$PY" -m swiftlite sft --model "$MODEL" --train-type "$tt" --max-steps 1 \
+    --torch-dtype "$DTYPE" --max-length "$SEQ" --per-device-train-batch-size 1 --save-strategy no \
+    --dataset "$DATA/train.jsonl" --output-dir "$WORK/load_$tt"
+done
+
 # -- 4. results to $OUT ------------------------------------------------------------------------------
 for f in bench.json bench.md bench.png; do
   [[ -f "$WORK/bench/$f" ]] && cp "$WORK/bench/$f" "$OUT/$f"
@@ -278,13 +287,29 @@ else:
     lines.append("no bench.json: the bench did not produce results (see gpu_check.log)")
 if failed:
     lines += ["", "Steps that failed: " + "; ".join(failed)]
+load_rows = []
+for tt in ("full", "qlora"):
+    logs = Path(sys.argv[5]) / f"load_{tt}" / "logs"
+    cuda, rss = logs / "cuda_memory_rank0.json", logs / "memory_rank0.json"
+    if cuda.is_file():
+        c = json.loads(cuda.read_text())
+        load_rows.append(f"| {tt} | {c['max_allocated_at_load'] / 2**30:.2f} | "
+                         f"{(c['max_allocated_after_first_step'] or 0) / 2**30:.2f} | CUDA max_memory_allocated |")
+    elif rss.is_file():
+        m = json.loads(rss.read_text())
+        load_rows.append(f"| {tt} | {m.get('load_peak', 0) / 2**30:.2f} | {m['training_peak'] / 2**30:.2f} | "
+                         "RSS above the start (CPU) |")
+    else:
+        load_rows.append(f"| {tt} | - | - | no record (see gpu_check.log) |")
+lines += ["", "Memory at load (GiB), one process:", "", "| train type | at load | after the first step | measured as |",
+          "|---|---|---|---|", *load_rows]
 est = out / "estimate.txt"
 if est.is_file():
     lines += ["", "`swiftlite estimate` for the same workload:", "", "```", est.read_text().rstrip(), "```"]
 (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
-step summary 60 "$PY" "$H/summarize.py" "$OUT" "$PRESET" "$DRYRUN" "$FAILED_FILE"
+step summary 60 "$PY" "$H/summarize.py" "$OUT" "$PRESET" "$DRYRUN" "$FAILED_FILE" "$WORK"
 cat "$OUT/gpu_check.md" 2>/dev/null || true
 rm -f "$OUT/estimate.txt"   # folded into gpu_check.md (at most 8 files come back)
 say "done in $(( $(date +%s) - T0 )) s; results in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"

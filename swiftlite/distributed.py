@@ -30,7 +30,7 @@ class World:
 
     @property
     def device_type(self) -> str:
-        """"cuda" or "cpu": what device meshes and autocast take (the one place that derives it)."""
+        """The device type, cuda or cpu: what device meshes and autocast take (derived here only)."""
         return "cuda" if self.device.startswith("cuda") else "cpu"
 
     @staticmethod

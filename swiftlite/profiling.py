@@ -277,6 +277,23 @@ def start_memory_window() -> dict[str, Any] | None:
             "_modules": frozenset(sys.modules)}
 
 
+def cuda_max_allocated() -> int | None:
+    """`torch.cuda.max_memory_allocated()` of this process's GPU (bytes), or None without CUDA."""
+    import torch
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return int(torch.cuda.max_memory_allocated())
+
+
+def record_cuda_memory(run_dir: str | Path, rank: int, at_load: int, after_first_step: int | None) -> None:
+    """logs/cuda_memory_rank<r>.json: the CUDA allocator's peak when the model was built (before the
+    first step) and after the first step: what a GPU holds at load, next to the training peak."""
+    logs = Path(run_dir) / layout.LOGS_DIR
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / f"cuda_memory_rank{rank}.json").write_text(
+        json.dumps({"max_allocated_at_load": at_load, "max_allocated_after_first_step": after_first_step}) + "\n")
+
+
 def window_peak(start: dict[str, Any]) -> int | None:
     """Peak RSS since `start_memory_window`, above the RSS it started from (bytes), or None."""
     st = rss_status()

@@ -153,6 +153,7 @@ class BenchProbe(Observer):
         self.run_dir, self.world, self.start_step, self.total = run_dir, world, start_step, total_steps
         self.window: Any = None
         self._before: dict | None = None
+        self._cuda: int | None = None   # CUDA allocator peak at load (GPU runs)
 
     def start(self) -> None:
         profiling.reset()
@@ -161,6 +162,8 @@ class BenchProbe(Observer):
     def before_step(self, step: int) -> None:
         if step == self.start_step and self.window is not None:
             self.window["load_peak"] = profiling.window_peak(self.window)   # the model is built, no step yet
+        if step == self.start_step:
+            self._cuda = profiling.cuda_max_allocated()   # on a GPU: the allocator's peak at load
         profiling.step_hook(step, self.run_dir, self.world.rank)
 
     def before_optimizer(self, step: int, engine: Any) -> None:
@@ -171,6 +174,8 @@ class BenchProbe(Observer):
         step = stats.step - 1
         if step == self.start_step and self._before is not None:
             record_state_bytes(self.run_dir, self.world.rank, self._before, engine.state_bytes())
+        if step == self.start_step and self._cuda is not None:
+            profiling.record_cuda_memory(self.run_dir, self.world.rank, self._cuda, profiling.cuda_max_allocated())
         if step == min(self.start_step + MEMORY_STEPS, self.total) - 1:
             profiling.end_memory_window(self.run_dir, self.world.rank, self.window, stats.step - self.start_step)
 
