@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -112,7 +113,7 @@ def main() -> None:
     for case in a.cases.split(","):
         backend, nproc, train_type, *how = case.split(":")   # a 4th field "whole": --sharded-loading false
         extra = ("--sharded-loading", "false") if how == ["whole"] else ()
-        r = run_case(model, data, backend, int(nproc), train_type, work / case.replace(":", "-"), a.steps, extra,
+        r = run_case(model, data, backend, int(nproc), train_type, work / re.sub(r"[^\w.-]", "_", case), a.steps, extra,
                      a.torch_dtype)
         r["loading"] = "whole" if extra else "default"
         results.append(r)

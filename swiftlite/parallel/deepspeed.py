@@ -165,6 +165,7 @@ class DeepSpeedEngine:
 
     def __init__(self, model: "torch.nn.Module", cfg: "RunConfig", world: World, total_steps: int,
                  choice: BackendChoice | None = None):
+        from swiftlite.models.sharded import deferred
         from swiftlite.optim import build_optimizer, build_scheduler
 
         deepspeed = _prepare_deepspeed(world, cfg.parallel.ddp_timeout)
@@ -173,6 +174,8 @@ class DeepSpeedEngine:
         self.stage = ds_stage(self.ds_config)
         if self.stage == 3:
             _set_hf_ds_config(self.ds_config)
+        if deferred(model) is not None:   # a 4-bit skeleton (models/sharded.py): filled here
+            fill_partitioned(model, self.ds_config if self.stage == 3 else None, world, deepspeed)
         optimizer = build_optimizer(model, cfg)          # right after wrapping, before any forward
         scheduler = build_scheduler(optimizer, cfg, total_steps)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -458,6 +461,30 @@ def frozen_copy(model: "torch.nn.Module", cfg: "RunConfig", world: World, engine
     return FrozenModel(ds, contextlib.nullcontext)
 
 
+def fill_partitioned(model: "torch.nn.Module", ds_config: dict[str, Any] | None, world: World,
+                     deepspeed: Any) -> None:
+    """Fill a 4-bit skeleton (models/sharded.py) one unit at a time, each decoder layer and then the
+    rest, and under ZeRO-3 (`ds_config` given) partition each unit as soon as it is filled
+    (`deepspeed.zero.Init(module=unit)`, as if it had been built inside zero.Init): a rank holds its
+    partitions plus one unit whole, never the whole 4-bit base. Without ZeRO-3 it is filled whole."""
+    from swiftlite.models.loading import decoder_layers
+    from swiftlite.models.sharded import finish, unit_initializer
+    device = "cpu" if world.device == "cpu" else world.device
+    init = unit_initializer(model, device)
+
+    def fill(unit: "torch.nn.Module") -> None:
+        for m in unit.modules():
+            if any(t is not None and t.device.type == "meta"
+                   for t in list(m._parameters.values()) + list(m._buffers.values())):
+                init(m)
+        if ds_config is not None:
+            deepspeed.zero.Init(module=unit, config_dict_or_path=ds_config)
+    for layer in decoder_layers(model):
+        fill(layer)
+    fill(model)
+    finish(model)
+
+
 def build_deepspeed_engine(model: "torch.nn.Module", cfg: "RunConfig", world: World, total_steps: int,
                            choice: BackendChoice | None = None) -> DeepSpeedEngine:
     return DeepSpeedEngine(model, cfg, world, total_steps, choice)
@@ -533,7 +560,11 @@ def _record(name: str, summary: str, family: str | None, shards: tuple[bool, boo
                    shards=shards, memory_family=family, estimate=estimate, loss_scaling=True, options=options,
                    checks=(_needs_source, check_config) if name == "deepspeed" else (check_config,),
                    init_context=model_init_context, checkpoint_format="ds", frozen_copy=frozen_copy,
-                   ds_preset=None if name == "deepspeed" else name, needs=("deepspeed",))
+                   ds_preset=None if name == "deepspeed" else name, needs=("deepspeed",),
+                   # ZeRO-3 presets: zero.Init for 16-bit models, and a 4-bit skeleton partitioned
+                   # layer by layer as it is filled (DeepSpeedEngine, fill_partitioned); a JSON of the
+                   # user's too (its stage decides there: stage 1-2 fill the skeleton whole)
+                   loading="partitioned" if name.startswith("zero3") or name == "deepspeed" else "whole")
 
 
 register_backend(_record("zero2", "DeepSpeed ZeRO-2: grads and optimizer state sharded", "zero2",

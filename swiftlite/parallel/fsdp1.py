@@ -71,9 +71,11 @@ def check_4bit_master(cfg: Any, world_size: int, choice: Any = None) -> str | No
 def apply_fsdp1(model: "torch.nn.Module", world: "World", *, mp: tuple | None, reshard_after_forward: bool,
                 cpu_offload: bool, buffer_dtype: "torch.dtype | None" = None,
                 param_init_fn: Any = None, adapter_units: bool = False, own_units: bool = True) -> "FSDP":
-    """Wrap `model` in FSDP1: one unit per decoder layer; with `own_units` the untied embeddings and
-    lm_head are units of their own (gathered only around their own forward, not for the whole
-    forward as parts of the root unit); with `adapter_units` (LoRA) every trainable leaf (the adapter
+    """Wrap `model` in FSDP1: one unit per decoder layer; with `own_units` the untied embeddings are a
+    unit of their own (gathered only around their own forward, not for the whole forward as part of
+    the root unit; lm_head stays in the root, where the loss finds it a plain Linear and fuses the
+    chunked cross-entropy into it: an FSDP1 wrapper around it would not be); with `adapter_units`
+    (LoRA) every trainable leaf (the adapter
     matrices) is a unit of its own, peft's recipe for FSDP1: a unit flattens its parameters into one
     FlatParameter whose gradient is as large as the whole flat parameter, so adapters flattened with
     the frozen base would give every rank a gradient buffer of 1/N of the *base* (measured: +0.25 of
@@ -102,7 +104,7 @@ def _unit_rule(model: "torch.nn.Module", adapter_units: bool, own_units: bool) -
     """The modules that get an FSDP1 unit besides the decoder layers (see apply_fsdp1)."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = emb is None or head is None or getattr(emb, "weight", None) is getattr(head, "weight", None)
-    own = {id(emb), id(head)} if own_units and not tied else set()
+    own = {id(emb)} if own_units and not tied else set()
 
     def rule(module: "torch.nn.Module") -> bool:
         if id(module) in own:

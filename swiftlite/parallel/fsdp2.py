@@ -1,4 +1,4 @@
-"""FSDP2: `fully_shard` per decoder layer, then the root (torchtitan's order).
+"""FSDP2: `fully_shard` on the embeddings, each decoder layer and lm_head, then the root (torchtitan's order).
 
 Parameters become DTensors sharded on dim 0, so each rank holds 1/N of parameters, gradients and
 AdamW state. With --torch-dtype bf16 the sharded parameters, their gradients and the AdamW state are

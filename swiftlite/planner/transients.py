@@ -91,7 +91,8 @@ def autocast_copy_bytes(shape: ModelShape, w: Any, family: str, grads: int) -> i
         copies = (shape.n_linear_params + shape.vocab * shape.hidden) * w.elem
     else:
         copies = shape.lora_params(w.lora_rank, w.lora_targets) * w.elem
-    return copies if family == "ddp" else max(0, copies - grads)
+    # one process has no DDP buckets: a ddp-family record on one GPU counts like single
+    return copies if family == "ddp" and w.world_size > 1 else max(0, copies - grads)
 
 
 __all__ = ["AUTOCAST_LAYER_EXTRA_H", "ZERO2_OFFLOAD_STEP_BYTES", "ZERO3_SUB_GROUP_SIZE", "autocast",

@@ -78,10 +78,13 @@ def resolve_backend(cfg: RunConfig, world: Any, facts: Any = None) -> Any:
 def skeleton_mode(cfg: RunConfig, choice: Any) -> str | None:
     """How the model reaches this rank without ever being whole in 16 bits (models/sharded.py):
     "shard" where the record loads sharded (fsdp, hsdp, fsdp1; --sharded-loading false keeps the
-    whole-model path), "fill" for a 4-bit base elsewhere (quantized weight by weight, then wrapped),
+    whole-model path) and for a 4-bit base under ZeRO-3 (filled and partitioned layer by layer by the
+    engine), "fill" for a 4-bit base elsewhere (quantized weight by weight, then wrapped),
     None otherwise (from_pretrained, inside the record's init context: ZeRO-3's zero.Init)."""
     if choice.record.loading == "sharded" and cfg.parallel.sharded_loading:
         return "shard"
+    if cfg.quant_bits == 4 and choice.record.loading == "partitioned":
+        return "shard"   # ZeRO-3 fills the 4-bit skeleton layer by layer, partitioning each (parallel/deepspeed.py)
     if cfg.quant_bits == 4 and choice.record.loading != "sharded":
         return "fill"
     return None

@@ -9,9 +9,10 @@
    most 1.35 for a full fine-tune (fp32 AdamW state alone is 1.0 of it at N = 4), and at load (before
    the first step) at most 1/N + the largest file + 10% of the model. hsdp 2 x 2 shards over groups of
    2, so every rank holds 1/2 of the model by design: its bounds are the same formula with N = 2 for
-   the sharded part (0.5 + 0.1 for LoRA, 2.0 + 0.35 for a full fine-tune).
-   Measured on the 2-core CPU machine (2026-12-01, max over ranks): fsdp x 4 LoRA load 0.46 / peak 0.51,
-   full 0.42 / 1.23; fsdp1 x 4 LoRA 0.38 / 0.51; hsdp 2 x 2 full 0.67 / 2.21 (docs/benchmarks.md).
+   the sharded part (0.5 + 0.35 for LoRA, 2.0 + 0.35 for a full fine-tune).
+   Measured on the 2-core CPU machine (2026-12-01, max over ranks, load / peak): fsdp x 4 LoRA
+   0.42 / 0.48, full 0.38 / 1.08; fsdp1 x 4 LoRA 0.38 / 0.48; hsdp 2 x 2 full 0.68 / 2.09
+   (docs/benchmarks.md).
    This is a memory measurement, not a timing one: RSS is counted by the kernel.
 """
 
