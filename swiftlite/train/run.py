@@ -13,26 +13,11 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from swiftlite.config import RunConfig
-
-
-@dataclass
-class Batches:
-    """The tokenized training rows and the step-indexed order that cuts them into batches."""
-    rows: list[dict]
-    plan: Any                      # data.loader.BatchPlan
-    pad_id: int
-    world: Any
-    targets: list[int] = field(default_factory=list)   # target tokens per row (Tokenized.targets)
-    form: Any = None               # data.collate.BatchForm (models.loading.batch_form); None = padded
-
-    def global_targets(self, step: int) -> int:
-        """Target tokens of the whole global batch of `step` (every rank computes it alike, no comms)."""
-        return sum(self.targets[i] for mb in self.plan.all_micro_batches(step) for i in mb)
 
 
 @dataclass
@@ -45,7 +30,7 @@ class Run:
     tokenizer: Any
     train_data: Any                # data.pipeline.Tokenized
     val_data: Any
-    batches: Batches
+    batches: Any                   # the task's batches (train/step.TokenBatches, rlhf/step.PairBatches)
     total_steps: int
     model: Any
     engine: Any
@@ -54,13 +39,6 @@ class Run:
     facts: dict                    # checkpoint/state.run_facts: what a resume must agree with
     lock: Any = None               # checkpoint/run_dir.RunLock held by rank 0
     task: Any = None               # train/tasks.Task: the command's data, step, validation, setup
-
-
-def token_batches(cfg: RunConfig, train: Any, plan: Any, tokenizer: Any, world: Any) -> Batches:
-    """sft/pt's batches (train/tasks.py "batches")."""
-    from swiftlite.models.loading import batch_form
-    return Batches(train.rows, plan, tokenizer.pad_token_id, world,
-                   [train.targets(i) for i in range(len(train.rows))], batch_form(cfg))
 
 
 def resolve_backend(cfg: RunConfig, world: Any, facts: Any = None) -> Any:

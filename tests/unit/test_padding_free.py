@@ -251,7 +251,7 @@ def test_train_step_and_evaluate_use_the_form_and_count_real_tokens(padding_free
     from swiftlite.data.pipeline import Tokenized, DataStats
     from swiftlite.distributed import World
     from swiftlite.train.evaluate import evaluate
-    from swiftlite.train.run import Batches
+    from swiftlite.train.step import TokenBatches as Batches
     from swiftlite.train.step import train_step
     rows = ROWS * 2
     targets = [sum(1 for x in r["labels"][1:] if x != IGNORE) for r in rows]
