@@ -1,6 +1,6 @@
 """swiftlite rlhf against TRL on the same job: per-step loss and rewards/margins side by side.
 
-    python scripts/compare_dpo_trl.py --out DIR [--method dpo|simpo|orpo] [--steps 10] \
+    python scripts/compare_dpo_trl.py --out DIR [--method dpo|simpo|cpo|orpo] [--steps 10] \
         [--trl-python /path/to/trl-venv/bin/python]
 
 The job: the tiny 2-layer Llama (seed 7, written once to DIR/model as an HF folder both read, its chat
@@ -14,6 +14,7 @@ pair to the same prompt and answer tokens as swiftlite.
 
 DPO runs TRL's DPOTrainer (sigmoid loss, beta 0.1, the reference a frozen copy of the start);
 SimPO runs trl.experimental.cpo's CPOTrainer with loss_type "simpo" (beta 2, gamma 0.5, cpo_alpha 0);
+CPO the same trainer with loss_type "sigmoid" (ms-swift's and TRL's defaults: beta 0.1, cpo_alpha 1.0);
 ORPO trl.experimental.orpo's ORPOTrainer (beta 0.1).
 Exit status 1 when a step differs by more than --tol (default 1e-3) in loss or rewards/margins.
 TRL runs in its own virtual environment (TRL_PYTHON, --trl-python); this file is its entry point too
@@ -31,8 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 4
-LR = {"dpo": 1e-3, "simpo": 1e-3, "orpo": 1e-3}
+LR = {"dpo": 1e-3, "simpo": 1e-3, "cpo": 1e-3, "orpo": 1e-3}
 SIMPO = {"beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.0}
+CPO = {"beta": 0.1, "cpo_alpha": 1.0}
 #: The tiny model's chat template with nothing after an assistant turn's end token: CPOTrainer appends an
 #: EOS to any answer that does not end in one (the shipped template ends turns with "<|im_end|>\n"),
 #: which would give TRL one more answer token than swiftlite.
@@ -81,6 +83,8 @@ def _swiftlite(out: Path, model_dir: Path, data: Path, method: str, steps: int) 
     if method == "simpo":
         args += ["--beta", str(SIMPO["beta"]), "--simpo-gamma", str(SIMPO["simpo_gamma"]),
                  "--cpo-alpha", str(SIMPO["cpo_alpha"])]
+    if method == "cpo":
+        args += ["--beta", str(CPO["beta"]), "--cpo-alpha", str(CPO["cpo_alpha"])]
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
     subprocess.run(args, check=True, env=env)
     recs = {}
@@ -129,6 +133,10 @@ def trl_side(a: argparse.Namespace) -> int:
     elif a.method == "orpo":
         from trl.experimental.orpo import ORPOConfig, ORPOTrainer
         conf, cls = ORPOConfig(beta=0.1, max_length=4096, **common), ORPOTrainer
+    elif a.method == "cpo":
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+        conf = CPOConfig(loss_type="sigmoid", beta=CPO["beta"], cpo_alpha=CPO["cpo_alpha"], max_length=4096, **common)
+        cls = CPOTrainer
     else:
         from trl.experimental.cpo import CPOConfig, CPOTrainer
         conf = CPOConfig(loss_type="simpo", beta=SIMPO["beta"], simpo_gamma=SIMPO["simpo_gamma"],
@@ -158,7 +166,7 @@ def trl_side(a: argparse.Namespace) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--method", choices=("dpo", "simpo", "orpo"), default="dpo")
+    ap.add_argument("--method", choices=("dpo", "simpo", "cpo", "orpo"), default="dpo")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tol", type=float, default=1e-3)
     ap.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/root/.cache/swiftlite/peers/trl/bin/python"))

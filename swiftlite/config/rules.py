@@ -265,7 +265,8 @@ RLHF_KEYS = ("rlhf_type", "beta", "loss_type", "rpo_alpha", "label_smoothing", "
 #: Which rlhf options each --rlhf_type uses (the others are refused when given, never ignored).
 RLHF_USES = {"dpo": {"beta", "loss_type", "rpo_alpha", "label_smoothing", "ref_model", "precompute_ref_log_probs"},
              "orpo": {"beta"},
-             "simpo": {"beta", "label_smoothing", "cpo_alpha", "simpo_gamma"}}
+             "simpo": {"beta", "label_smoothing", "cpo_alpha", "simpo_gamma"},
+             "cpo": {"beta", "label_smoothing", "cpo_alpha"}}
 
 
 @rule("preference options")
@@ -296,6 +297,19 @@ def _rlhf(c: RunConfig):
     if c.train.loss_impl != "chunked" and "loss_impl" in c.explicit:
         return (f"--loss-impl {c.train.loss_impl} does not apply to rlhf: its log-probs come from the model's "
                 "logits at the answer tokens")
+
+
+@rule("data loading")
+def _data_loading(c: RunConfig):
+    t = c.train
+    if t.dataloader_num_workers < 0:
+        return f"--dataloader-num-workers must be >= 0, got {t.dataloader_num_workers}"
+    if t.dataloader_prefetch_factor is not None:
+        if t.dataloader_num_workers == 0:
+            return ("--dataloader-prefetch-factor needs --dataloader-num-workers > 0 (with 0 workers the "
+                    "batches are built in the training process, nothing ahead)")
+        if t.dataloader_prefetch_factor < 1:
+            return f"--dataloader-prefetch-factor must be >= 1, got {t.dataloader_prefetch_factor}"
 
 
 #: How many times this process ran the rules (a test checks that one `swiftlite sft` runs them once).

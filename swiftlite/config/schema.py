@@ -68,7 +68,7 @@ SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constan
               "reduce_lr_on_plateau", "greedy")
 STRATEGIES = ("steps", "epoch", "no")
 TRUNCATION = ("delete", "left", "right")
-RLHF_TYPES = ("dpo", "orpo", "simpo")
+RLHF_TYPES = ("dpo", "orpo", "simpo", "cpo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
@@ -260,6 +260,14 @@ class TrainConfig:
                                  "logits per chunk, at least 128).")
     use_liger_kernel: bool = opt(False, "Liger's RMSNorm, RoPE and SwiGLU kernels (GPU, 'swiftlite[liger]'); "
                                  "the loss stays --loss-impl's.")
+    dataloader_num_workers: int = opt(1, "torch DataLoader worker processes that build (collate) each step's "
+                                      "micro-batches ahead of the step: the same batches in the same order as "
+                                      "0 (built in the training process). Default 1, ms-swift's (off Windows).")
+    dataloader_pin_memory: bool = opt(True, "Page-locked host memory for the built batches (faster copies to "
+                                      "the GPU; on a machine without CUDA there is nothing to pin and it does "
+                                      "nothing). Default true, as in ms-swift/HF.")
+    dataloader_prefetch_factor: int | None = opt(None, "Steps each DataLoader worker builds ahead. Default: 2 "
+                                                 "when --dataloader-num-workers > 0, as in ms-swift.")
 
 
 @dataclass(kw_only=True)
@@ -285,16 +293,16 @@ class CheckpointConfig:
 @dataclass(kw_only=True)
 class RlhfConfig:
     """`swiftlite rlhf` only (ms-swift's flag names); a sft/pt run that sets one is refused (rules.py)."""
-    rlhf_type: str = opt("dpo", "Preference method: dpo (with a reference model), orpo or simpo (none).",
+    rlhf_type: str = opt("dpo", "Preference method: dpo (with a reference model), orpo, simpo or cpo (none).",
                          choices=RLHF_TYPES)
-    beta: float | None = opt(None, "DPO's KL strength / ORPO's odds-ratio weight / SimPO's reward scale. Default: "
+    beta: float | None = opt(None, "DPO's KL strength / ORPO's odds-ratio weight / SimPO's and CPO's reward scale. Default: "
                              "2.0 for simpo, 0.1 otherwise (ms-swift's).")
     loss_type: str | None = opt(None, "DPO loss: sigmoid (default), ipo (on per-token mean log-ratios, as TRL) or "
                                 "hinge.", choices=DPO_LOSS_TYPES)
     rpo_alpha: float | None = opt(None, "DPO: add rpo_alpha x the chosen answers' token-mean NLL (RPO). Default: off.")
-    label_smoothing: float = opt(0.0, "DPO sigmoid / SimPO: probability that a pair's preference is flipped "
+    label_smoothing: float = opt(0.0, "DPO sigmoid / SimPO / CPO: probability that a pair's preference is flipped "
                                  "(conservative DPO), in [0, 0.5).")
-    cpo_alpha: float = opt(1.0, "SimPO: weight of the chosen answers' token-mean NLL added to the loss.")
+    cpo_alpha: float = opt(1.0, "SimPO / CPO: weight of the chosen answers' token-mean NLL added to the loss.")
     simpo_gamma: float = opt(1.0, "SimPO: target reward margin gamma.")
     ref_model: str | None = opt(None, "DPO reference model (preset, folder or hub id). Default: the starting weights "
                                 "(LoRA/QLoRA: the base with the adapter disabled, no second copy).")

@@ -1,8 +1,8 @@
-"""Preference training (`swiftlite rlhf --rlhf_type dpo|orpo|simpo`), docs/rlhf.md.
+"""Preference training (`swiftlite rlhf --rlhf_type dpo|orpo|simpo|cpo`), docs/rlhf.md.
 
     data.py       pair formats (ms-swift messages + rejected_response, TRL chosen/rejected), tokenization,
                   collation (a pair's two sides in one micro-batch)
-    loss.py       DPO (sigmoid, ipo, hinge; label smoothing, RPO), ORPO, SimPO from summed log-probs
+    loss.py       DPO (sigmoid, ipo, hinge; label smoothing, RPO), ORPO, SimPO, CPO from summed log-probs
     reference.py  per-sequence log-probs through the backend; the reference (adapter off, frozen copy,
                   precomputed table in checkpoints)
     frozen.py     the frozen reference copy, laid out like the policy without optimizer

@@ -14,6 +14,9 @@ For a pair with policy log-probs pc, pr (summed over the answer tokens), their t
 - SimPO (TRL CPOTrainer, loss_type simpo): z = ac - ar - gamma/beta;
   -(1 - ls) log sigmoid(beta z) - ls log sigmoid(-beta z), plus cpo_alpha x the chosen NLL;
   rewards = beta ac, beta ar.
+- CPO (TRL CPOTrainer, loss_type sigmoid; ms-swift `--rlhf_type cpo`): SimPO's sibling on the summed
+  log-probs, no reference: -(1 - ls) log sigmoid(beta (pc - pr)) - ls log sigmoid(-beta (pc - pr)),
+  plus cpo_alpha x the chosen NLL; rewards = beta pc, beta pr.
 
 Normalisation (docs/design.md, Numerics, applied by rlhf/step.py): the pair terms are a mean over the
 pairs of the global batch, the NLL term a mean over the chosen answers' target tokens of the global
@@ -37,11 +40,11 @@ PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
 @dataclass(frozen=True)
 class Method:
     """What --rlhf_type and its options resolve to (defaults as ms-swift's)."""
-    kind: str                 # dpo | orpo | simpo
+    kind: str                 # dpo | orpo | simpo | cpo
     beta: float
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
-    nll_weight: float = 0.0   # rpo_alpha (dpo), 1 (orpo), cpo_alpha (simpo)
+    nll_weight: float = 0.0   # rpo_alpha (dpo), 1 (orpo), cpo_alpha (simpo, cpo)
     simpo_gamma: float = 1.0
 
     @property
@@ -56,6 +59,9 @@ def method_of(cfg: Any) -> Method:
                       r.rpo_alpha or 0.0)
     if r.rlhf_type == "orpo":
         return Method("orpo", 0.1 if r.beta is None else r.beta, nll_weight=1.0)
+    if r.rlhf_type == "cpo":
+        return Method("cpo", 0.1 if r.beta is None else r.beta, label_smoothing=r.label_smoothing,
+                      nll_weight=r.cpo_alpha)
     return Method("simpo", 2.0 if r.beta is None else r.beta, label_smoothing=r.label_smoothing,
                   nll_weight=r.cpo_alpha, simpo_gamma=r.simpo_gamma)
 
@@ -88,6 +94,10 @@ def pair_terms(m: Method, pc: torch.Tensor, pr: torch.Tensor, nc: torch.Tensor, 
         else:
             raise ValueError(f"unknown DPO loss type {m.loss_type!r}")
         rew_c, rew_r = m.beta * cl, m.beta * rl
+        shown_c, shown_r = pc, pr
+    elif m.kind == "cpo":     # summed log-probs (TRL's CPOTrainer averages only for ipo/simpo)
+        loss = _smoothed_sigmoid(pc - pr, m.beta, m.label_smoothing)
+        rew_c, rew_r = m.beta * pc, m.beta * pr
         shown_c, shown_r = pc, pr
     else:
         ac, ar = pc / nc, pr / nr

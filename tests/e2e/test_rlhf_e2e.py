@@ -60,6 +60,20 @@ def test_orpo_logs_its_terms_and_a_pair_over_max_length_is_deleted_and_counted(p
     assert first["rewards/chosen"] == pytest.approx(0.1 * first["logps/chosen"], abs=1e-6)
 
 
+def test_cpo_full_run_logs_its_terms_and_writes_a_checkpoint(pairs, tmp_path):
+    train, _ = pairs
+    run = tmp_path / "cpo"
+    proc = run_cli(["rlhf", *COMMON, "--rlhf-type", "cpo", "--full", "--dataset", train, "--max-steps", "2",
+                    "--save-hf-model", "false", "--output-dir", run])
+    assert "cpo (beta 0.1), " in proc.stdout
+    recs = [r for r in _records(run) if "loss" in r]
+    assert [r["step"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+    for r in recs:   # summed log-probs, rewards beta x them, the loss = pair term (> 0) + cpo_alpha 1 x NLL
+        assert r["rewards/chosen"] == pytest.approx(0.1 * r["logps/chosen"], abs=1e-5)
+        assert r["loss"] > r["nll_loss"] > 0
+    assert (run / "checkpoint-2").is_dir()
+
+
 @pytest.mark.parametrize("row,words", [
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "no rejected answer"),
 ])

@@ -64,6 +64,20 @@ def test_orpo_and_simpo_on_mean_log_probs():
     assert torch.allclose(m["rewards/margins"], beta * (ac - ar), atol=1e-6)
 
 
+def test_cpo_sigmoid_on_summed_log_probs_with_label_smoothing():
+    """TRL CPOTrainer loss_type sigmoid: no reference, no length normalisation, rewards beta x summed logps."""
+    beta, ls = 0.1, 0.15
+    loss, m = pair_terms(Method("cpo", beta, label_smoothing=ls, nll_weight=1.0), PC, PR, NC, NR)
+    for i in range(3):
+        z = beta * (PC[i] - PR[i]).item()
+        want = -(1 - ls) * math.log(_sig(z)) - ls * math.log(_sig(-z))
+        assert loss[i].item() == pytest.approx(want, abs=1e-6)
+        assert m["rewards/chosen"][i].item() == pytest.approx(beta * PC[i].item(), abs=1e-6)
+        assert m["rewards/margins"][i].item() == pytest.approx(z, abs=1e-6)
+    assert m["rewards/accuracies"].tolist() == [1.0, 0.0, 0.0]
+    assert m["logps/chosen"].tolist() == PC.tolist()      # summed, as CPOTrainer logs them for sigmoid
+
+
 def test_orpo_log1mexp_is_finite_near_zero():
     pc = torch.tensor([-1e-7, -0.69, -0.7, -30.0])
     loss, _ = pair_terms(Method("orpo", 0.1), pc, pc - 1, torch.ones(4), torch.ones(4))
@@ -104,7 +118,7 @@ class _Engine:
         return abs(self.grad)
 
 
-@pytest.mark.parametrize("kind", ["dpo", "orpo", "simpo"])
+@pytest.mark.parametrize("kind", ["dpo", "orpo", "simpo", "cpo"])
 def test_step_objective_is_the_global_mean_whatever_the_micro_batching(monkeypatch, kind):
     """preference_step on one rank: 4 pairs as 1 micro-batch of 4, or 4 of 1, give the same loss,
     metrics and gradient (the pair mean and the chosen-token mean are over the global batch)."""
@@ -127,7 +141,8 @@ def test_step_objective_is_the_global_mean_whatever_the_micro_batching(monkeypat
 
     monkeypatch.setattr(step_mod, "pair_forward", fake_forward)
     method = {"dpo": Method("dpo", 0.5, nll_weight=0.3), "orpo": Method("orpo", 0.1, nll_weight=1.0),
-              "simpo": Method("simpo", 2.0, nll_weight=1.0, simpo_gamma=0.5)}[kind]
+              "simpo": Method("simpo", 2.0, nll_weight=1.0, simpo_gamma=0.5),
+              "cpo": Method("cpo", 0.1, label_smoothing=0.1, nll_weight=1.0)}[kind]
     world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device="cpu")
     out = []
     for micro in ([[0, 1, 2, 3]], [[0], [1], [2], [3]], [[2, 0], [3, 1]]):
