@@ -259,14 +259,21 @@ def _resume(c: RunConfig):
         return "--resume and --resume-from both given: use one of them"
 
 
+#: GRPO's own RlhfConfig keys (schema.py), besides beta and loss_type.
+GRPO_KEYS = ("reward_funcs", "reward_weights", "num_generations", "max_completion_length", "temperature", "top_p",
+             "top_k", "epsilon", "epsilon_high", "num_iterations", "scale_rewards", "log_completions",
+             "steps_per_generation", "use_vllm", "vllm_mode", "cosine_min_len_value_wrong",
+             "cosine_max_len_value_wrong", "cosine_min_len_value_correct", "cosine_max_len_value_correct",
+             "cosine_max_len", "repetition_n_grams", "repetition_max_penalty", "soft_max_length", "soft_cache_length")
 #: RlhfConfig keys (schema.py): `swiftlite rlhf` options, refused elsewhere when given.
 RLHF_KEYS = ("rlhf_type", "beta", "loss_type", "rpo_alpha", "label_smoothing", "cpo_alpha", "simpo_gamma",
-             "ref_model", "precompute_ref_log_probs")
+             "ref_model", "precompute_ref_log_probs", *GRPO_KEYS)
 #: Which rlhf options each --rlhf_type uses (the others are refused when given, never ignored).
 RLHF_USES = {"dpo": {"beta", "loss_type", "rpo_alpha", "label_smoothing", "ref_model", "precompute_ref_log_probs"},
              "orpo": {"beta"},
              "simpo": {"beta", "label_smoothing", "cpo_alpha", "simpo_gamma"},
-             "cpo": {"beta", "label_smoothing", "cpo_alpha"}}
+             "cpo": {"beta", "label_smoothing", "cpo_alpha"},
+             "grpo": {"beta", "loss_type", "ref_model", *GRPO_KEYS}}
 
 
 @rule("preference options")
@@ -280,8 +287,8 @@ def _rlhf(c: RunConfig):
     for k in given:
         if k != "rlhf_type" and k not in RLHF_USES[r.rlhf_type]:
             return f"{_flag(k)} does not apply to --rlhf-type {r.rlhf_type}"
-    if r.beta is not None and not r.beta > 0:
-        return f"--beta must be > 0, got {r.beta}"
+    if r.beta is not None and not (r.beta > 0 or (r.beta == 0 and r.rlhf_type == "grpo")):
+        return f"--beta must be > 0, got {r.beta}" + (" (0: no reference model)" if r.rlhf_type == "grpo" else "")
     if not 0.0 <= r.label_smoothing < 0.5:
         return f"--label-smoothing must be in [0, 0.5), got {r.label_smoothing}"
     if r.label_smoothing and (r.loss_type or "sigmoid") != "sigmoid":
@@ -297,6 +304,57 @@ def _rlhf(c: RunConfig):
     if c.train.loss_impl != "chunked" and "loss_impl" in c.explicit:
         return (f"--loss-impl {c.train.loss_impl} does not apply to rlhf: its log-probs come from the model's "
                 "logits at the answer tokens")
+
+
+@rule("grpo options")
+def _grpo(c: RunConfig):
+    """ms-swift's GRPO argument checks that need no data, world size or plugin (those are in
+    rlhf/grpo_data.py, before any rank starts)."""
+    from swiftlite.config.schema import DPO_LOSS_TYPES, GRPO_LOSS_TYPES
+    r = c.rlhf
+    if task_spec(c.task).own_options != "rlhf":
+        return None
+    if r.rlhf_type != "grpo":
+        if r.loss_type in GRPO_LOSS_TYPES:
+            return f"--loss-type {r.loss_type} is a GRPO loss; --rlhf-type {r.rlhf_type} takes {', '.join(DPO_LOSS_TYPES)}"
+        return None
+    if r.loss_type is not None and r.loss_type not in GRPO_LOSS_TYPES:
+        return f"--loss-type {r.loss_type} does not apply to GRPO: choose from {', '.join(GRPO_LOSS_TYPES)}"
+    if not r.reward_funcs:
+        return "--rlhf-type grpo needs --reward-funcs (built-in: accuracy, format, cosine, repetition, soft_overlong)"
+    if r.reward_weights is not None and len(r.reward_weights) != len(r.reward_funcs):
+        return (f"--reward-weights has {len(r.reward_weights)} values for {len(r.reward_funcs)} --reward-funcs "
+                "(one weight per function)")
+    if r.num_generations < 2:
+        return (f"--num-generations {r.num_generations}: GRPO needs at least 2 completions per prompt (the "
+                "advantages are relative to the group)")
+    checks = [("max_completion_length", r.max_completion_length >= 1), ("temperature", r.temperature > 0),
+              ("top_p", 0 < r.top_p <= 1), ("top_k", r.top_k == -1 or r.top_k >= 1), ("epsilon", r.epsilon >= 0),
+              ("epsilon_high", r.epsilon_high is None or r.epsilon_high >= 0), ("num_iterations", r.num_iterations >= 1),
+              ("steps_per_generation", r.steps_per_generation is None or r.steps_per_generation >= 1)]
+    for k, ok in checks:
+        if not ok:
+            return f"{_flag(k)} {getattr(r, k)}: out of range"
+    ga = c.train.gradient_accumulation_steps
+    if r.steps_per_generation is not None and r.steps_per_generation % ga:
+        return (f"--steps-per-generation {r.steps_per_generation} is not a multiple of --gradient-accumulation-steps "
+                f"{ga}: an optimizer step would straddle two generation rounds")
+    if r.vllm_mode is not None and not r.use_vllm:
+        return "--vllm-mode needs --use-vllm true (ms-swift's rule)"
+    if r.use_vllm:
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            return ("--use-vllm: vllm is not installed (pip install vllm; GPU machines only); without the flag GRPO "
+                    "generates with transformers' generate")
+        return "--use-vllm: vLLM generation is not available in swiftlite yet; drop the flag (transformers' generate)"
+    if c.data.truncation_strategy == "right":
+        return "--truncation-strategy right does not apply to GRPO prompts: use left (its default) or delete"
+    if "soft_overlong" in r.reward_funcs:
+        top = r.soft_max_length or r.max_completion_length
+        if r.soft_cache_length is None or not 0 < r.soft_cache_length < top:
+            return (f"the soft_overlong reward needs --soft-cache-length between 1 and --soft-max-length - 1 ({top - 1}), "
+                    f"got {r.soft_cache_length}")
+    return None
 
 
 @rule("data loading")

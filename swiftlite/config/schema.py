@@ -68,8 +68,9 @@ SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constan
               "reduce_lr_on_plateau", "greedy")
 STRATEGIES = ("steps", "epoch", "no")
 TRUNCATION = ("delete", "left", "right")
-RLHF_TYPES = ("dpo", "orpo", "simpo", "cpo")
+RLHF_TYPES = ("dpo", "orpo", "simpo", "cpo", "grpo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 @dataclass(kw_only=True)
@@ -293,12 +294,15 @@ class CheckpointConfig:
 @dataclass(kw_only=True)
 class RlhfConfig:
     """`swiftlite rlhf` only (ms-swift's flag names); a sft/pt run that sets one is refused (rules.py)."""
-    rlhf_type: str = opt("dpo", "Preference method: dpo (with a reference model), orpo, simpo or cpo (none).",
+    rlhf_type: str = opt("dpo", "Preference method: dpo (with a reference model), orpo, simpo or cpo (none); "
+                         "grpo (online: sampled completions scored by --reward-funcs).",
                          choices=RLHF_TYPES)
-    beta: float | None = opt(None, "DPO's KL strength / ORPO's odds-ratio weight / SimPO's and CPO's reward scale. Default: "
-                             "2.0 for simpo, 0.1 otherwise (ms-swift's).")
+    beta: float | None = opt(None, "DPO's KL strength / ORPO's odds-ratio weight / SimPO's and CPO's reward scale / "
+                             "GRPO's KL weight (0: no reference model). Default: 2.0 for simpo, 0.04 for grpo, "
+                             "0.1 otherwise (ms-swift's).")
     loss_type: str | None = opt(None, "DPO loss: sigmoid (default), ipo (on per-token mean log-ratios, as TRL) or "
-                                "hinge.", choices=DPO_LOSS_TYPES)
+                                "hinge. GRPO loss aggregation: grpo (default, ms-swift's), bnpo, dr_grpo or dapo "
+                                "(docs/rlhf.md).", choices=DPO_LOSS_TYPES + GRPO_LOSS_TYPES)
     rpo_alpha: float | None = opt(None, "DPO: add rpo_alpha x the chosen answers' token-mean NLL (RPO). Default: off.")
     label_smoothing: float = opt(0.0, "DPO sigmoid / SimPO / CPO: probability that a pair's preference is flipped "
                                  "(conservative DPO), in [0, 0.5).")
@@ -309,6 +313,42 @@ class RlhfConfig:
     precompute_ref_log_probs: bool = opt(False, "DPO: compute the reference log-probs of every pair in one pass "
                                          "before training (kept per row, saved in checkpoints) instead of a reference "
                                          "forward each step.")
+    # GRPO (--rlhf_type grpo): ms-swift's names and defaults (swift/rlhf_trainers/args_mixin.py, rlhf_args.py).
+    reward_funcs: list[str] = opt(help="GRPO: reward functions, built-in (accuracy, format, cosine, repetition, "
+                                  "soft_overlong) or registered in `orms` by an --external-plugins file.",
+                                  factory=list)
+    reward_weights: list[float] | None = opt(None, "GRPO: one weight per reward function (default: all 1).")
+    num_generations: int = opt(8, "GRPO: completions sampled per prompt (the group size G); at least 2.")
+    max_completion_length: int = opt(512, "GRPO: most tokens generated per completion.")
+    temperature: float = opt(0.9, "GRPO: sampling temperature (also divides the logits the loss scores).")
+    top_p: float = opt(1.0, "GRPO: nucleus sampling mass (1: off).")
+    top_k: int = opt(-1, "GRPO: sample among the k most likely tokens (-1: off).")
+    epsilon: float = opt(0.2, "GRPO: lower clipping range of the token ratio (1 - epsilon).")
+    epsilon_high: float | None = opt(None, "GRPO: upper clipping range (1 + epsilon_high; DAPO's clip-higher). "
+                                     "Default: --epsilon.")
+    num_iterations: int = opt(1, "GRPO: optimizer passes over each generation round (mu in the GRPO paper).")
+    scale_rewards: str | None = opt(None, "GRPO: divide the advantages by the reward std of the group (group, "
+                                    "the default), of the whole generation batch (batch), or not at all (none).",
+                                    choices=("group", "batch", "none"))
+    log_completions: bool = opt(False, "GRPO: write every sampled completion with its rewards to "
+                                "<output-dir>/completions.jsonl (and a table to wandb/swanlab where reported).")
+    steps_per_generation: int | None = opt(None, "GRPO: micro-batch steps served by one generation round (its "
+                                           "size is per-device x processes x this many completions). Default: "
+                                           "--gradient-accumulation-steps (one round per optimizer step).")
+    use_vllm: bool = opt(False, "GRPO: generate with vLLM (needs the vllm package and a GPU; otherwise "
+                         "transformers' generate is used).")
+    vllm_mode: str | None = opt(None, "GRPO with --use-vllm: colocate (vLLM in the training processes).",
+                                choices=("colocate", "server"))
+    cosine_min_len_value_wrong: float = opt(-0.5, "cosine reward: value of a wrong answer of length 0.")
+    cosine_max_len_value_wrong: float = opt(0.0, "cosine reward: value of a wrong answer of the longest length.")
+    cosine_min_len_value_correct: float = opt(1.0, "cosine reward: value of a correct answer of length 0.")
+    cosine_max_len_value_correct: float = opt(0.5, "cosine reward: value of a correct answer of the longest length.")
+    cosine_max_len: int | None = opt(None, "cosine reward: the longest length (default --max-completion-length).")
+    repetition_n_grams: int = opt(3, "repetition reward: n-gram size.")
+    repetition_max_penalty: float = opt(-1.0, "repetition reward: the penalty of a completion that is all repeats.")
+    soft_max_length: int | None = opt(None, "soft_overlong reward: L_max (default --max-completion-length).")
+    soft_cache_length: int | None = opt(None, "soft_overlong reward: L_cache, the penalised margin below "
+                                        "--soft-max-length (required by soft_overlong).")
 
 
 @dataclass(kw_only=True)
