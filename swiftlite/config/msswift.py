@@ -25,14 +25,9 @@ class NoMeaning:
     many: bool = False            # takes several values: --model_author A B
 
 
-_NO_LORA_VARIANT = ("not available: LoRA here has --lora-rank, --lora-alpha, --lora-dropout, --target-modules, "
-                    "--modules-to-save")
 _MULTIMODAL = "multimodal models are not supported (text causal LMs only)"
 
 NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
-    NoMeaning("dataloader_num_workers", "there are no DataLoader workers: every row is tokenized before training "
-              "starts (--dataset-num-proc sets the processes for that) and batches are cut from the tokenized rows "
-              "in the training process; drop the flag", fits=("0",)),
     NoMeaning("save_only_model", "checkpoints always keep the optimizer and RNG state (what --resume needs); the "
               "weights alone are written into every checkpoint as model/ or adapter/ (--save-hf-model, on by "
               "default), which is what this flag would give", fits=("false",), switch=True),
@@ -90,12 +85,7 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
     NoMeaning("strict", "a bad row stops the run by default (ms-swift's --strict true); --skip-bad-rows skips and "
               "counts such rows instead", fits=("true",), switch=True),
     NoMeaning("task_type", "swiftlite trains causal language models only", fits=("causal_lm",)),
-    NoMeaning("use_dora", f"DoRA is {_NO_LORA_VARIANT}", fits=("false",), switch=True),
-    NoMeaning("use_rslora", f"rsLoRA is {_NO_LORA_VARIANT}", fits=("false",), switch=True),
-    NoMeaning("lora_bias", f"trainable biases are {_NO_LORA_VARIANT}", fits=("none",)),
     NoMeaning("lora_dtype", "LoRA weights follow peft's default dtype for the base's --torch-dtype"),
-    NoMeaning("lorap_lr_ratio", f"LoRA+ is {_NO_LORA_VARIANT}"),
-    NoMeaning("init_weights", f"other LoRA initialisations are {_NO_LORA_VARIANT}", fits=("true",)),
     NoMeaning("target_regex", "give module names or all-linear to --target-modules"),
     NoMeaning("freeze_vit", _MULTIMODAL, switch=True),
     NoMeaning("freeze_llm", _MULTIMODAL, switch=True),
@@ -114,6 +104,11 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
     **{("train_type", t): _TUNERS for t in ("longlora", "adalora", "llamapro", "adapter", "vera", "boft",
                                             "fourierft", "reft", "bone", "lora_llm")},
     **{("quant_method", q): _QUANT for q in ("gptq", "awq", "hqq", "eetq", "quanto", "fp8", "aqlm")},
+    **{("rlhf_type", t): why for t, why in (
+        ("kto", "KTO (unpaired desirable/undesirable rows) is not available"),
+        ("rm", "reward-model training is not available"),
+        ("ppo", "PPO is not available"),
+        ("gkd", "GKD (on-policy distillation) is not available; distil by running sft on the teacher's outputs"))},
     ("truncation_strategy", "split"): "split (several samples per long row) is not available; use "
                                       "--truncation-strategy delete/left/right, or --packing for pt",
 }
@@ -152,5 +147,8 @@ def check_value(key: str, value: Any, source: str) -> None:
     """Refuse an ms-swift value that swiftlite does not implement (--train_type adalora)."""
     why = REFUSED_VALUES.get((key, str(value).strip().lower()))
     if why is not None:
+        if key == "rlhf_type":  # what it takes, as the schema says now
+            from swiftlite.config.schema import RLHF_TYPES
+            why += f"; --rlhf_type takes {', '.join(RLHF_TYPES)}"
         where = f"--{key} {value}" if source == "flags" else f"{source}: {key}: {value!r}"
         raise UserError(f"{where}: {why}")

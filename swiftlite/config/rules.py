@@ -48,7 +48,8 @@ def _flag(key: str) -> str:
 
 #: Options that only mean something for a LoRA adapter / a quantized base (refused on a full run when
 #: given explicitly, in a config file or as a flag: ms-swift's default train type is lora).
-LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save")
+LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "use_dora", "use_rslora",
+             "init_weights", "lorap_lr_ratio", "lora_bias")
 QUANT_ONLY = ("quant_bits", "quant_method", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
               "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")
 BNB_4BIT = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")
@@ -204,6 +205,29 @@ def _lora(c: RunConfig):
                     "layer; give either all-linear or a list of names")
 
 
+#: --init_weights values (peft's init_lora_weights); pissa_niter_N is PiSSA by N subspace iterations.
+INIT_WEIGHTS = ("true", "false", "gaussian", "pissa", "pissa_niter_N", "olora", "loftq")
+
+
+@rule("lora variants")
+def _lora_variants(c: RunConfig):
+    lc = c.lora
+    w = lc.init_weights
+    if w not in INIT_WEIGHTS and not re.fullmatch(r"pissa_niter_\d+", w):
+        return (f"--init_weights {w}: not one of {', '.join(INIT_WEIGHTS)} (peft's init_lora_weights; ms-swift's "
+                "lora-ga and corda are not available)")
+    if w == "loftq":
+        return ("--init_weights loftq is not available: peft's LoftQ rewrites the base into its quantized residual "
+                "(a second model to save and ship with the adapter); use --init_weights pissa or olora on a 16-bit "
+                "base, or true")
+    if (w.startswith("pissa") or w == "olora") and c.quant_bits is not None:
+        return (f"--init_weights {w} moves the principal part of each base weight into the adapter and keeps the "
+                "residual in the base, which a bitsandbytes-quantized base cannot hold; use --train-type lora "
+                "(16-bit base) or --init_weights true")
+    if lc.lorap_lr_ratio is not None and not lc.lorap_lr_ratio > 0:
+        return f"--lorap_lr_ratio must be > 0, got {lc.lorap_lr_ratio}"
+
+
 #: torch.utils.checkpoint.checkpoint's keyword arguments (what --gradient-checkpointing-kwargs may set).
 CHECKPOINT_KWARGS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop")
 #: ms-swift template names look like this; a --template that is not a file and looks like one is a name.
@@ -267,12 +291,13 @@ GRPO_KEYS = ("reward_funcs", "reward_weights", "num_generations", "max_completio
              "cosine_max_len", "repetition_n_grams", "repetition_max_penalty", "soft_max_length", "soft_cache_length")
 #: RlhfConfig keys (schema.py): `swiftlite rlhf` options, refused elsewhere when given.
 RLHF_KEYS = ("rlhf_type", "beta", "loss_type", "rpo_alpha", "label_smoothing", "cpo_alpha", "simpo_gamma",
-             "ref_model", "precompute_ref_log_probs", *GRPO_KEYS)
+             "ref_model", "precompute_ref_log_probs", "desirable_weight", "undesirable_weight", *GRPO_KEYS)
 #: Which rlhf options each --rlhf_type uses (the others are refused when given, never ignored).
 RLHF_USES = {"dpo": {"beta", "loss_type", "rpo_alpha", "label_smoothing", "ref_model", "precompute_ref_log_probs"},
              "orpo": {"beta"},
              "simpo": {"beta", "label_smoothing", "cpo_alpha", "simpo_gamma"},
              "cpo": {"beta", "label_smoothing", "cpo_alpha"},
+             "kto": {"beta", "desirable_weight", "undesirable_weight", "ref_model"},
              "grpo": {"beta", "loss_type", "ref_model", *GRPO_KEYS}}
 
 
@@ -297,6 +322,9 @@ def _rlhf(c: RunConfig):
         v = getattr(r, k)
         if v is not None and v < 0:
             return f"{_flag(k)} must be >= 0, got {v}"
+    for k in ("desirable_weight", "undesirable_weight"):
+        if not getattr(r, k) > 0:
+            return f"{_flag(k)} must be > 0, got {getattr(r, k)}"
     if c.data.packing:
         return "--packing does not apply to rlhf: the chosen and rejected answers of a pair are scored as separate rows"
     if c.data.padding_free and "padding_free" in c.explicit:

@@ -68,7 +68,7 @@ SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constan
               "reduce_lr_on_plateau", "greedy")
 STRATEGIES = ("steps", "epoch", "no")
 TRUNCATION = ("delete", "left", "right")
-RLHF_TYPES = ("dpo", "orpo", "simpo", "cpo", "grpo")
+RLHF_TYPES = ("dpo", "orpo", "simpo", "cpo", "kto", "grpo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -101,6 +101,21 @@ class LoraConfig:
                                     factory=lambda: ["all-linear"])
     modules_to_save: list[str] = opt(help="Extra modules trained in full and saved with the adapter.",
                                      factory=list)
+    use_dora: bool = opt(False, "DoRA (peft use_dora): a trained magnitude vector per adapted layer on top of "
+                         "LoRA; saved in the adapter, merged by export.")
+    use_rslora: bool = opt(False, "rsLoRA (peft use_rslora): scale the adapter by lora_alpha/sqrt(r) instead "
+                           "of lora_alpha/r.")
+    init_weights: str = opt("true", "LoRA initialisation (peft init_lora_weights): true (A random, B zero), "
+                            "false (both random: the adapter starts non-zero), gaussian, pissa or "
+                            "pissa_niter_N (principal singular vectors; the base keeps the residual), olora "
+                            "(QR; the base keeps the residual), loftq (QLoRA: A and B fitted to the 4-bit "
+                            "base's quantization error). Adapters saved from pissa/olora runs are converted "
+                            "to plain LoRA on the original base (peft's rank-2r conversion).",
+                            normalize=lambda v: str(v).strip().lower())
+    lorap_lr_ratio: float | None = opt(None, "LoRA+: the B matrices (and 1-D adapter tensors) train at "
+                                       "learning rate x this ratio (ms-swift: 16 is typical). Default: off.")
+    lora_bias: str = opt("none", "Biases trained with the adapter (peft bias): none, or all (every bias of "
+                         "the model, saved with the adapter).", choices=("none", "all"))
 
 
 @dataclass(kw_only=True)
@@ -294,7 +309,8 @@ class CheckpointConfig:
 @dataclass(kw_only=True)
 class RlhfConfig:
     """`swiftlite rlhf` only (ms-swift's flag names); a sft/pt run that sets one is refused (rules.py)."""
-    rlhf_type: str = opt("dpo", "Preference method: dpo (with a reference model), orpo, simpo or cpo (none); "
+    rlhf_type: str = opt("dpo", "Preference method: dpo or kto (unpaired rows with a label; both with a reference "
+                         "model), orpo, simpo or cpo (none); "
                          "grpo (online: sampled completions scored by --reward-funcs).",
                          choices=RLHF_TYPES)
     beta: float | None = opt(None, "DPO's KL strength / ORPO's odds-ratio weight / SimPO's and CPO's reward scale / "
@@ -308,7 +324,9 @@ class RlhfConfig:
                                  "(conservative DPO), in [0, 0.5).")
     cpo_alpha: float = opt(1.0, "SimPO / CPO: weight of the chosen answers' token-mean NLL added to the loss.")
     simpo_gamma: float = opt(1.0, "SimPO: target reward margin gamma.")
-    ref_model: str | None = opt(None, "DPO reference model (preset, folder or hub id). Default: the starting weights "
+    desirable_weight: float = opt(1.0, "KTO: weight of the desirable rows' losses (to balance the labels).")
+    undesirable_weight: float = opt(1.0, "KTO: weight of the undesirable rows' losses.")
+    ref_model: str | None = opt(None, "DPO/KTO reference model (preset, folder or hub id). Default: the starting weights "
                                 "(LoRA/QLoRA: the base with the adapter disabled, no second copy).")
     precompute_ref_log_probs: bool = opt(False, "DPO: compute the reference log-probs of every pair in one pass "
                                          "before training (kept per row, saved in checkpoints) instead of a reference "

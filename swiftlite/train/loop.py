@@ -138,6 +138,10 @@ def _loop(run: Any, probe: Any, preempt: Any) -> TrainResult:
             log.log({"step": step, **run.task.run_evaluate(run)})
 
     losses: list[float] = []
+    # --dataloader_num_workers: the steps this run will train, built ahead in DataLoader workers.
+    prefetch = getattr(run.batches, "prefetch", None)
+    if prefetch is not None:
+        prefetch(start - data_offset, total - data_offset)
     try:
         engine.train()
         for step in range(start, total):
@@ -170,4 +174,6 @@ def _loop(run: Any, probe: Any, preempt: Any) -> TrainResult:
         barrier()
         return TrainResult(run.run_dir, ckpt.last, losses, total)
     finally:
+        if hasattr(run.batches, "close"):
+            run.batches.close()
         log.close()

@@ -16,32 +16,70 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from swiftlite.data.collate import PADDED, collate, real_tokens
-from swiftlite.data.loader import select
+from swiftlite.data.collate import PADDED
 from swiftlite.distributed import all_reduce_sum
 from swiftlite.metrics import StepStats
 
 
 @dataclass
 class TokenBatches:
-    """The tokenized training rows and the step-indexed order that cuts them into batches (sft, pt)."""
-    rows: list[dict]
+    """The tokenized training rows and the step-indexed order that cuts them into batches (sft, pt).
+    `num_workers` > 0 (--dataloader_num_workers) builds the steps ahead in DataLoader workers
+    (data/prefetch.py): the same tensors in the same order as building them here."""
+    rows: Any                      # list of rows, or data.pipeline.LazyRows (--lazy_tokenize)
     plan: Any                      # data.loader.BatchPlan
     pad_id: int
     world: Any
-    targets: list[int] = field(default_factory=list)   # target tokens per row (Tokenized.targets)
+    targets: Any = field(default_factory=list)   # target tokens per row (Tokenized.targets), or a callable
     form: Any = None               # data.collate.BatchForm (models.loading.batch_form); None = padded
+    num_workers: int = 0
+    pin_memory: bool = True
+    prefetch_factor: int | None = None
+    _prefetch: Any = field(default=None, repr=False)
+
+    def _target_count(self, i: int) -> int:
+        return self.targets(i) if callable(self.targets) else self.targets[i]
+
+    def _row(self, i: int) -> dict:
+        return self.rows[i]
+
+    def step_batches(self) -> Any:
+        from swiftlite.data.prefetch import StepBatches
+        return StepBatches(self.plan, self.world.rank, self._row, self._target_count, self.pad_id,
+                           (self.form or PADDED).padding_free)
 
     def global_targets(self, step: int) -> int:
         """Target tokens of the whole global batch of `step` (every rank computes it alike, no comms)."""
-        return sum(self.targets[i] for mb in self.plan.all_micro_batches(step) for i in mb)
+        return sum(self._target_count(i) for mb in self.plan.all_micro_batches(step) for i in mb)
+
+    def prefetch(self, first: int, end: int) -> None:
+        """The step loop will ask for data steps first, first + 1, ..., end - 1: start the workers."""
+        from swiftlite.data.prefetch import Prefetcher
+        self.close()
+        if self.num_workers > 0:
+            self._prefetch = Prefetcher(self.step_batches(), first, end, num_workers=self.num_workers,
+                                        pin_memory=self.pin_memory, prefetch_factor=self.prefetch_factor)
+
+    def step_data(self, k: int) -> Any:
+        """data.prefetch.StepData of data step `k` for this rank: from the workers, or built here."""
+        if self._prefetch is not None:
+            return self._prefetch.get(k)
+        return self.step_batches()[k]
+
+    def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()
+            self._prefetch = None
 
 
 def token_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> TokenBatches:
     """sft/pt's batches (`TokenTask.make_batches`, train/tasks.py)."""
     from swiftlite.models.loading import batch_form
-    return TokenBatches(train.rows, plan, tokenizer.pad_token_id, world,
-                        [train.targets(i) for i in range(len(train.rows))], batch_form(cfg))
+    t = cfg.train
+    targets = getattr(train, "target_counts", None) or [train.targets(i) for i in range(len(train.rows))]
+    return TokenBatches(train.rows, plan, tokenizer.pad_token_id, world, targets, batch_form(cfg),
+                        num_workers=t.dataloader_num_workers, pin_memory=t.dataloader_pin_memory,
+                        prefetch_factor=t.dataloader_prefetch_factor)
 
 
 def train_step(engine: Any, batches: Any, step: int, *, data_step: int | None = None,
@@ -51,15 +89,13 @@ def train_step(engine: Any, batches: Any, step: int, *, data_step: int | None = 
     sees the engine between the last backward and the optimizer step (gradients exist only then)."""
     world = batches.world
     k = step if data_step is None else data_step
-    global_targets = batches.global_targets(k)
+    data = batches.step_data(k)
+    global_targets = data.global_targets
     scale = world.world_size / max(1, global_targets)
-    local_loss, local_tokens = 0.0, 0
-    micro = batches.plan.micro_batches(k, world.rank)
-    padding_free = (batches.form or PADDED).padding_free
-    for m, mb in enumerate(micro):
-        batch = collate(select(batches.rows, mb), batches.pad_id, padding_free=padding_free)
-        local_tokens += real_tokens(batch)
-        batch = {key: v.to(world.device) for key, v in batch.items()}
+    local_loss, local_tokens = 0.0, data.local_tokens
+    micro = data.micro
+    for m, batch in enumerate(micro):
+        batch = {key: v.to(world.device, non_blocking=True) for key, v in batch.items()}
         with engine.micro_batch(last=m == len(micro) - 1):
             loss_sum = engine.forward(batch)
             engine.backward(loss_sum * scale)

@@ -108,8 +108,10 @@ TABLE = [
     ("--use_hf", ACCEPTED),
     ("--use_hf false", "--use_hf false: swiftlite downloads from the Hugging Face hub only"),
     ("--model_type qwen2_5", "--model_type qwen2_5: swiftlite reads the architecture"),
-    ("--dataloader_num_workers 4", "--dataloader_num_workers 4: there are no DataLoader workers"),
-    ("--dataloader_num_workers 0", ACCEPTED),
+    ("--dataloader_num_workers 4", ("dataloader_num_workers", 4)),
+    ("--dataloader_num_workers 0", ("dataloader_num_workers", 0)),
+    ("--dataloader_pin_memory false", ("dataloader_pin_memory", False)),
+    ("--dataloader_num_workers 4 --dataloader_prefetch_factor 4", ("dataloader_prefetch_factor", 4)),
     ("--loss_scale last_round", "--loss_scale last_round: the loss is on every assistant turn"),
     ("--loss_scale default", ACCEPTED),
     # training arguments
@@ -286,8 +288,8 @@ def test_aliases_and_refusals_as_config_keys(tmp_path):
     p.write_text("dataset: [d.jsonl]\nlr: 1e-4\nlearning_rate: 2e-4\n")
     with pytest.raises(UserError, match=r"run.yaml: lr and learning_rate both given"):
         load_config(str(p), {}, validate_paths=False)
-    p.write_text("dataset: [d.jsonl]\ndataloader_num_workers: 4\n")
-    with pytest.raises(UserError, match=r"run.yaml: dataloader_num_workers: 4: there are no DataLoader workers"):
+    p.write_text("dataset: [d.jsonl]\nmodel_type: qwen2_5\n")
+    with pytest.raises(UserError, match=r"run.yaml: model_type: 'qwen2_5': swiftlite reads the architecture"):
         load_config(str(p), {}, validate_paths=False)
     p.write_text("dataset: [d.jsonl]\ntrain_type: full\ntarget_modules: [q_proj]\n")
     with pytest.raises(UserError, match=r"--target-modules needs --train-type lora/qlora"):
