@@ -1,0 +1,216 @@
+"""GRPO reward functions: ms-swift's plugin shape and its built-ins (`--reward_funcs`, docs/rlhf.md).
+
+A plugin file passed with `--external_plugins` registers its rewards in `orms`, as an ms-swift plugin
+does (an ms-swift plugin file ports by changing `from swift.rewards import ORM, orms` to the line below):
+
+    from swiftlite.plugin import ORM, orms
+
+    class ExactMatch(ORM):
+        def __call__(self, completions, solution, **kwargs) -> list[float]:
+            return [float(c.strip() == s.strip()) for c, s in zip(completions, solution)]
+
+    orms["exact"] = ExactMatch          # --reward_funcs exact
+    orms["short"] = lambda completions, **kw: [-len(c) / 100 for c in completions]   # a function works too
+
+Each call gets the completions of the rows this process generated (strings) and, as keyword lists
+aligned with them, every column of each completion's dataset row (`solution`, ...; ms-swift's
+`messages` is the prompt with the completion as the last assistant turn), plus `prompts` (the prompt
+messages), `completion_ids` / `response_token_ids` (token ids) and `trainer_state` (`.global_step`).
+A parameter of `__call__` without a default besides `completions` names a column every row must have
+(checked before training starts). A reward of None is "not applicable" (nan, left out of the means).
+
+The built-ins follow ms-swift's swift/rewards/orm.py: accuracy (math_verify, an extra install),
+format (`<think>...</think><answer>...</answer>`), cosine (length-shaped accuracy), repetition (n-gram
+penalty) and soft_overlong (DAPO's length penalty). Classes are built with `args=` the run's
+RlhfConfig (the cosine_*, repetition_*, soft_* options), as ms-swift builds them with its arguments.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from typing import Any, Callable
+
+from swiftlite.errors import UserError
+
+
+class ORM:
+    """Base class of an outcome reward: `__call__(completions, **kwargs) -> list[float]`."""
+
+    def __init__(self, args: Any = None, **kwargs: Any):
+        self.args = args
+
+    def __call__(self, completions: list[str], **kwargs: Any) -> list[float]:
+        raise NotImplementedError
+
+
+class MathAccuracy(ORM):
+    """1.0 when the answer (inside <answer>...</answer> if tagged) verifies against `solution` with
+    math_verify, else 0.0 (ms-swift's `accuracy`)."""
+
+    def __init__(self, args: Any = None, **kwargs: Any):
+        super().__init__(args, **kwargs)
+        import importlib.util
+        if importlib.util.find_spec("math_verify") is None:
+            raise UserError("--reward_funcs accuracy needs the math_verify package (pip install math-verify), "
+                            "as in ms-swift")
+
+    def __call__(self, completions: list[str], solution: list[str], **kwargs: Any) -> list[float]:
+        from latex2sympy2_extended import NormalizationConfig
+        from math_verify import LatexExtractionConfig, parse, verify
+        rewards = []
+        for content, sol in zip(completions, solution):
+            m = re.search(r"<answer>(.*?)</answer>", content, re.DOTALL)
+            to_parse = m.group(1).strip() if m else content
+            sm = re.search(r"<answer>(.*?)</answer>", sol, re.DOTALL)
+            gold = parse(sm.group(1).strip() if sm else sol, extraction_mode="first_match")
+            if not gold:
+                rewards.append(0.0)      # an unparseable solution scores 0 (ms-swift: skips the example)
+                continue
+            if m:
+                answer = parse(to_parse, extraction_mode="first_match")
+            else:
+                answer = parse(to_parse, extraction_config=[LatexExtractionConfig(
+                    normalization_config=NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
+                                                             boxed=True, units=True),
+                    boxed_match_priority=0, try_extract_without_anchor=False)], extraction_mode="first_match")
+            try:
+                rewards.append(float(verify(gold, answer)))
+            except Exception:
+                rewards.append(0.0)
+        return rewards
+
+
+class Format(ORM):
+    """1.0 for `<think>...</think> <answer>...</answer>` and nothing after, else 0.0."""
+
+    def __call__(self, completions: list[str], **kwargs: Any) -> list[float]:
+        pattern = r"^<think>.*?</think>\s*<answer>.*?</answer>(?![\s\S])"
+        return [1.0 if re.match(pattern, c, re.DOTALL | re.MULTILINE) else 0.0 for c in completions]
+
+
+class CosineReward(ORM):
+    """Accuracy shaped by length (arXiv 2502.03373): a cosine from the length-0 value to the
+    --cosine-max-len value, correct and wrong answers on their own curves."""
+
+    def __init__(self, args: Any = None, accuracy_orm: Any = None, **kwargs: Any):
+        super().__init__(args)
+        self.min_len_value_wrong = args.cosine_min_len_value_wrong
+        self.max_len_value_wrong = args.cosine_max_len_value_wrong
+        self.min_len_value_correct = args.cosine_min_len_value_correct
+        self.max_len_value_correct = args.cosine_max_len_value_correct
+        self.max_len = args.cosine_max_len or args.max_completion_length
+        self.accuracy_orm = accuracy_orm or MathAccuracy()
+
+    @staticmethod
+    def cosfn(t: float, T: float, min_value: float, max_value: float) -> float:
+        return max_value - (max_value - min_value) * (1 - math.cos(t * math.pi / T)) / 2
+
+    def __call__(self, completions: list[str], solution: list[str], **kwargs: Any) -> list[float]:
+        acc = self.accuracy_orm(completions, solution, **kwargs)
+        out = []
+        for ids, a in zip(kwargs["response_token_ids"], acc):
+            if a >= 1.0:
+                lo, hi = self.max_len_value_correct, self.min_len_value_correct
+            else:
+                lo, hi = self.max_len_value_wrong, self.min_len_value_wrong
+            out.append(self.cosfn(len(ids), self.max_len, lo, hi))
+        return out
+
+
+class RepetitionPenalty(ORM):
+    """(1 - distinct word n-grams / n-grams) x --repetition-max-penalty; 0 for completions shorter
+    than one n-gram."""
+
+    def __init__(self, args: Any = None, **kwargs: Any):
+        super().__init__(args)
+        self.ngram_size = args.repetition_n_grams
+        self.max_penalty = args.repetition_max_penalty
+
+    def __call__(self, completions: list[str], **kwargs: Any) -> list[float]:
+        out = []
+        for c in completions:
+            words = c.lower().split()
+            if not c or len(words) < self.ngram_size:
+                out.append(0.0)
+                continue
+            grams = list(zip(*[words[i:] for i in range(self.ngram_size)]))
+            out.append((1 - len(set(grams)) / len(grams)) * self.max_penalty)
+        return out
+
+
+class SoftOverlong(ORM):
+    """DAPO's soft overlong penalty: min(-(length - (L_max - L_cache)) / L_cache, 0)."""
+
+    def __init__(self, args: Any = None, **kwargs: Any):
+        super().__init__(args)
+        self.soft_max_length = args.soft_max_length or args.max_completion_length
+        self.soft_cache_length = args.soft_cache_length
+
+    def __call__(self, completions: list[str], **kwargs: Any) -> list[float]:
+        expected = self.soft_max_length - self.soft_cache_length
+        return [min(-(len(ids) - expected) / self.soft_cache_length, 0) for ids in kwargs["response_token_ids"]]
+
+
+#: name -> reward class or function. Plugin files add theirs (`orms["name"] = Class`).
+orms: dict[str, Any] = {
+    "accuracy": MathAccuracy,
+    "format": Format,
+    "cosine": CosineReward,
+    "repetition": RepetitionPenalty,
+    "soft_overlong": SoftOverlong,
+}
+
+#: Keyword arguments every call gets besides the dataset's columns (never "missing" from a row).
+PASSED = frozenset({"completions", "prompts", "messages", "completion_ids", "response_token_ids", "trainer_state"})
+
+
+class Reward:
+    """One --reward_funcs entry, built: its name for messages and metrics, the callable, and the
+    dataset columns it requires."""
+
+    def __init__(self, key: str, fn: Callable, name: str, needs: tuple[str, ...]):
+        self.key, self.fn, self.name, self.needs = key, fn, name, needs
+
+    def __call__(self, completions: list[str], **kwargs: Any) -> list[float]:
+        return self.fn(completions, **kwargs)
+
+
+def _required(fn: Callable) -> tuple[str, ...]:
+    """The parameters of `fn` (its `__call__` for an object) without a default, other than what every
+    call passes: the dataset columns it needs."""
+    target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", fn)
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in params
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+                 and p.name not in PASSED and p.name != "self")
+
+
+def build_rewards(names: list[str], args: Any) -> list[Reward]:
+    """--reward_funcs -> built rewards (classes instantiated with `args=` the RlhfConfig). An unknown
+    name is a UserError listing what is registered (built-ins and --external_plugins)."""
+    out = []
+    for key in names:
+        if key not in orms:
+            raise UserError(f"--reward_funcs {key}: unknown reward function (registered: {', '.join(sorted(orms))}; "
+                            "add your own with --external_plugins FILE, which sets orms['name'])")
+        obj = orms[key]
+        if inspect.isclass(obj):
+            fn = obj(args=args)
+            name = obj.__name__
+        elif callable(obj):
+            fn, name = obj, getattr(obj, "__name__", key)
+            if name == "<lambda>":
+                name = key
+        else:
+            raise UserError(f"--reward_funcs {key}: orms['{key}'] is neither a class nor a function")
+        out.append(Reward(key, fn, name, _required(fn)))
+    return out
+
+
+__all__ = ["CosineReward", "Format", "MathAccuracy", "ORM", "PASSED", "RepetitionPenalty", "Reward",
+           "SoftOverlong", "build_rewards", "orms"]

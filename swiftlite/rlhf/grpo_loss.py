@@ -1,0 +1,129 @@
+"""GRPO's advantages and loss, as TRL's GRPOTrainer computes them (trl/trainer/grpo_trainer.py,
+`_generate_and_score_completions` and `_compute_loss`). Torch only: scripts/compare_grpo_trl.py
+imports this module in TRL's own environment and checks it against TRL's code on the same inputs.
+
+Advantages (per completion; rewards r = sum_k w_k r_k over the reward functions, nan-aware):
+    A = r - mean(r over its group of G completions of one prompt), divided by (std + 1e-4) where
+    --scale_rewards is group (the group's std) or batch (the whole generation batch's std); none: not
+    divided. std is Bessel-corrected (TRL's nanstd). A completion all of whose rewards are None gets A = 0.
+
+Per token t of completion i (log-probs of the policy l, of the policy that generated l_old, of the
+reference l_ref; logits divided by --temperature before the log-softmax, as TRL):
+    ratio = exp(l - l_old);  clipped = clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    loss_it = -min(ratio A_i, clipped A_i) + beta (exp(l_ref - l) - (l_ref - l) - 1)    (k3 KL)
+l_old is l itself, detached, when each round is used by one optimizer step (ratio 1, TRL's shortcut).
+
+Aggregation over one micro-batch (mask m: completion tokens up to and including the first EOS), as TRL:
+    grpo     mean over completions of (sum_t m loss / sum_t m)
+    bnpo     sum m loss / sum m                       (the micro-batch's tokens)
+    dr_grpo  sum m loss / (completions x --max_completion_length)
+    dapo     sum m loss / (tokens of the generation round x GA / steps_per_generation / processes)
+and the optimizer step's loss is the mean of its micro-batches' (TRL divides by the accumulation
+steps and the backends average over ranks). rlhf/grpo.py turns that into each micro-batch's share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Bessel-corrected std ignoring nan (TRL's trainer.utils.nanstd); nan for fewer than 2 values."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(x), dim=dim, keepdim=True)
+    corr = torch.where(count > 1, count / (count - 1), torch.full_like(var, float("nan")))
+    std = torch.sqrt(var * corr)
+    return std.squeeze(dim) if dim is not None else std.reshape(())
+
+
+def advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int, scale: str
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(advantages [N], rewards [N] (nan where every function returned None), std-is-zero [N]) of a
+    generation batch of N = prompts x G completions, laid out prompt by prompt (TRL's
+    sum_then_normalize)."""
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = float("nan")
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    if scale in ("group", "none"):
+        std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
+    elif scale == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    else:
+        raise ValueError(f"scale_rewards {scale!r}")
+    adv = rewards - mean
+    if scale != "none":
+        adv = adv / (std + 1e-4)
+    std_zero = torch.isclose(std, torch.zeros_like(std))
+    return torch.nan_to_num(adv, nan=0.0), rewards, std_zero
+
+
+@dataclass(frozen=True)
+class GrpoLoss:
+    """The loss options (--loss_type, --beta, --epsilon, --epsilon_high, --max_completion_length)."""
+    loss_type: str = "grpo"
+    beta: float = 0.04
+    epsilon: float = 0.2
+    epsilon_high: float = 0.2
+    max_completion_length: int = 512
+
+
+@dataclass
+class TokenTerms:
+    per_token_loss: torch.Tensor     # [B, T] before masking
+    ratio: torch.Tensor              # [B, T] exp(l - l_old)
+    kl: torch.Tensor | None          # [B, T] k3 estimate, None when beta == 0
+
+
+def token_terms(o: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
+                adv: torch.Tensor) -> TokenTerms:
+    """Per-token clipped surrogate plus beta x k3 KL ([B, T] each; adv is [B])."""
+    old = logps.detach() if old_logps is None else old_logps
+    a = adv.unsqueeze(1)
+    ratio = torch.exp(logps - old)
+    clipped = torch.clamp(ratio, 1 - o.epsilon, 1 + o.epsilon_high)
+    loss = -torch.min(ratio * a, clipped * a)
+    kl = None
+    if o.beta != 0.0:
+        d = ref_logps - logps
+        kl = torch.exp(d) - d - 1
+        loss = loss + o.beta * kl
+    return TokenTerms(loss, ratio, kl)
+
+
+def aggregate(o: GrpoLoss, per_token_loss: torch.Tensor, mask: torch.Tensor, dapo_tokens: float | None = None
+              ) -> torch.Tensor:
+    """One micro-batch's loss per --loss_type (module docstring). `dapo_tokens`: dapo's normalizer,
+    the generation round's tokens x GA / steps_per_generation / processes (TRL's)."""
+    m = mask.to(per_token_loss.dtype)
+    s = per_token_loss * m
+    if o.loss_type == "grpo":
+        return (s.sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if o.loss_type == "bnpo":
+        return s.sum() / m.sum().clamp(min=1.0)
+    if o.loss_type == "dr_grpo":
+        return s.sum() / (per_token_loss.size(0) * o.max_completion_length)
+    if o.loss_type == "dapo":
+        return s.sum() / max(1.0, float(dapo_tokens if dapo_tokens is not None else m.sum()))
+    raise ValueError(f"loss_type {o.loss_type!r}")
+
+
+def clip_stats(o: GrpoLoss, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Masked sums of TRL's clip indicators ([B, T] -> per-completion sums of low/high/region), and the
+    per-completion token counts, so that means over any set of micro-batches can be formed."""
+    a = adv.unsqueeze(1)
+    m = mask.to(ratio.dtype)
+    low = ((ratio < 1 - o.epsilon) & (a < 0)).to(ratio.dtype)
+    high = ((ratio > 1 + o.epsilon_high) & (a > 0)).to(ratio.dtype)
+    region = ((low + high) > 0).to(ratio.dtype)
+    return {"low": (low * m).sum(-1), "high": (high * m).sum(-1), "region": (region * m).sum(-1),
+            "tokens": m.sum(-1)}
+
+
+__all__ = ["GrpoLoss", "LOSS_TYPES", "TokenTerms", "advantages", "aggregate", "clip_stats", "nanstd", "token_terms"]

@@ -1,0 +1,113 @@
+"""GRPO's advantages, loss per --loss_type and the built-in rewards against values written out here
+from TRL's GRPOTrainer and ms-swift's swift/rewards/orm.py (scripts/compare_grpo_trl.py runs TRL's own
+_compute_loss on a batch like this one)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from swiftlite.errors import UserError
+from swiftlite.rlhf.grpo_loss import GrpoLoss, advantages, aggregate, token_terms
+
+LENGTHS = [4, 2, 3, 1]          # 2 prompts x G = 2
+
+
+def _batch():
+    g = torch.Generator().manual_seed(5)
+    logps = -torch.rand(4, 4, generator=g) * 2
+    old = logps + (torch.rand(4, 4, generator=g) - 0.5) * 0.8
+    ref = logps + (torch.rand(4, 4, generator=g) - 0.5) * 0.4
+    mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(4)] for n in LENGTHS])
+    return logps, old, ref, mask
+
+
+def _reference_loss(loss_type, logps, old, ref, adv, mask, beta, lo, hi, max_len, dapo_tokens):
+    """TRL's formulas, element by element in plain Python floats."""
+    per = [[0.0] * 4 for _ in range(4)]
+    for i in range(4):
+        for t in range(4):
+            r = math.exp(logps[i][t] - old[i][t])
+            c = min(max(r, 1 - lo), 1 + hi)
+            v = -min(r * adv[i], c * adv[i])
+            if beta:
+                d = ref[i][t] - logps[i][t]
+                v += beta * (math.exp(d) - d - 1)
+            per[i][t] = v * mask[i][t]
+    if loss_type == "grpo":
+        return sum(sum(per[i]) / sum(mask[i]) for i in range(4)) / 4
+    if loss_type == "bnpo":
+        return sum(map(sum, per)) / sum(map(sum, mask))
+    if loss_type == "dr_grpo":
+        return sum(map(sum, per)) / (4 * max_len)
+    return sum(map(sum, per)) / dapo_tokens
+
+
+def test_group_advantages_scale_and_unscorable():
+    rpf = torch.tensor([[1.0, 0.0], [0.0, float("nan")], [0.5, 0.5], [0.5, 0.5], [float("nan"), float("nan")],
+                        [1.0, 1.0]])
+    adv, rewards, zero = advantages(rpf, torch.tensor([1.0, 2.0]), 2, "group")
+    # group 1: rewards 1, 0 -> mean 0.5, Bessel std 0.7071; group 2: 1.5, 1.5 -> std 0; group 3: nan, 3
+    s = math.sqrt(0.5)
+    assert adv[:2].tolist() == pytest.approx([0.5 / (s + 1e-4), -0.5 / (s + 1e-4)], abs=1e-6)
+    assert adv[2:4].tolist() == [0.0, 0.0] and zero[2:4].all() and not zero[0]
+    assert adv[4] == 0.0 and math.isnan(rewards[4])            # every reward None: no signal
+    assert adv[5] == 0.0                                        # alone in its group: std nan -> 0
+    none, _, _ = advantages(rpf[:4], torch.tensor([1.0, 2.0]), 2, "none")
+    assert none.tolist() == pytest.approx([0.5, -0.5, 0.0, 0.0])
+    batch, _, _ = advantages(rpf[:4], torch.tensor([1.0, 2.0]), 2, "batch")
+    std = torch.tensor([1.0, 0.0, 1.5, 1.5]).std().item()      # Bessel, over the whole batch
+    assert batch[0].item() == pytest.approx(0.5 / (std + 1e-4), abs=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("beta,with_old", [(0.04, True), (0.0, False), (0.1, False)])
+def test_loss_types_match_trl_formulas(loss_type, beta, with_old):
+    logps, old, ref, mask = _batch()
+    adv = torch.tensor([0.9, -0.9, 0.3, -0.3])
+    o = GrpoLoss(loss_type, beta, 0.2, 0.28, 6)
+    lp = logps.clone().requires_grad_(True)
+    terms = token_terms(o, lp, old if with_old else None, ref if beta else None, adv)
+    got = aggregate(o, terms.per_token_loss, mask, dapo_tokens=7.5)
+    want = _reference_loss(loss_type, logps.tolist(), (old if with_old else logps).tolist(), ref.tolist(),
+                           adv.tolist(), mask.tolist(), beta, 0.2, 0.28, 6, 7.5)
+    assert float(got.detach()) == pytest.approx(want, abs=1e-6)
+    got.backward()
+    assert torch.isfinite(lp.grad).all() and (lp.grad[mask == 0] == 0).all()
+    if not with_old and not beta:   # on-policy, no KL: the gradient is -A_i / norm on each kept token
+        norm = {"grpo": None, "bnpo": 10.0, "dr_grpo": 24.0, "dapo": 7.5}[loss_type]
+        for i, n in enumerate(LENGTHS):
+            d = 4 * n if norm is None else norm
+            assert lp.grad[i, :n].tolist() == pytest.approx([-adv[i].item() / d] * n, abs=1e-6)
+
+
+def test_builtin_rewards_as_ms_swift():
+    from swiftlite.plugin import build_rewards
+    args = SimpleNamespace(repetition_n_grams=2, repetition_max_penalty=-1.0, soft_max_length=10,
+                           soft_cache_length=4, max_completion_length=10)
+    fmt, rep, soft = build_rewards(["format", "repetition", "soft_overlong"], args)
+    assert fmt(["<think>a</think> <answer>1</answer>", "<answer>1</answer>", "<think>a</think><answer>1</answer>x"]) \
+        == [1.0, 0.0, 0.0]
+    # "a b a b": bigrams ab, ba, ab -> 2 distinct of 3
+    assert rep(["a b a b", "a", ""]) == pytest.approx([-(1 - 2 / 3), 0.0, 0.0])
+    # L_max 10, L_cache 4: no penalty up to 6 tokens, then -(len - 6)/4
+    assert soft(["x"] * 3, response_token_ids=[[0] * 5, [0] * 8, [0] * 10]) == [0, -0.5, -1.0]
+    assert fmt.name == "Format" and fmt.needs == ()
+
+
+def test_unknown_reward_and_required_columns():
+    from swiftlite.plugin import build_rewards, orms
+    with pytest.raises(UserError, match="--reward_funcs nope: unknown reward function"):
+        build_rewards(["nope"], None)
+
+    def exact(completions, solution, hint=None, **kwargs):
+        return [float(c == s) for c, s in zip(completions, solution)]
+    orms["exact_test"] = exact
+    try:
+        (r,) = build_rewards(["exact_test"], None)
+        assert r.needs == ("solution",) and r.name == "exact" and r(["a", "b"], solution=["a", "c"]) == [1.0, 0.0]
+    finally:
+        del orms["exact_test"]
