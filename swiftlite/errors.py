@@ -18,3 +18,20 @@ class UserError(Exception):
     def __init__(self, message: str):
         # One line, always: the CLI contract is a single readable line per error.
         super().__init__(" ".join(str(message).split("\n")).strip())
+
+
+class UserErrors(UserError):
+    """Several mistakes found in one pass (every refused or unknown flag of a command line): the CLI
+    prints one line per mistake, each its own `error: ...` line, and exits with code 2."""
+
+    def __init__(self, messages: list[str]):
+        self.lines = [" ".join(str(m).split("\n")).strip() for m in messages]
+        Exception.__init__(self, "\n".join(self.lines))
+
+
+def raise_all(messages: list[str]) -> None:
+    """Raise the mistakes found, if any: one as a UserError, several as a UserErrors."""
+    if len(messages) == 1:
+        raise UserError(messages[0])
+    if messages:
+        raise UserErrors(messages)

@@ -26,6 +26,7 @@ class _SwitchCommand(typer.core.TyperCommand):
     naming the flag)."""
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
+        refuse_msswift_options(args, {name for p in self.params for name in p.opts})
         names = {name for p in self.params if getattr(p, "metavar", None) == SWITCH_METAVAR for name in p.opts}
         out: list[str] = []
         for i, a in enumerate(args):
@@ -36,6 +37,42 @@ class _SwitchCommand(typer.core.TyperCommand):
 
 
 SWITCH_METAVAR = "[true|false]"
+
+_UPLOAD = "nothing is uploaded: upload the exported folder yourself (huggingface-cli upload REPO DIR)"
+_QUANTIZE = ("quantized export (GPTQ/AWQ/bnb/FP8) is not available: `swiftlite export` writes a 16-bit HF folder; "
+             "quantize it with the serving engine's own tools")
+#: ms-swift's `swift export` options (ExportArguments, commit 3602360a) that mean something here
+#: other than "a setting of the run": their own reason.
+EXPORT_REFUSALS = {**{k: _UPLOAD for k in ("push_to_hub", "hub_model_id", "hub_private_repo", "commit_message",
+                                           "hub_token", "use_hf")},
+                   **{k: _QUANTIZE for k in ("quant_method", "quant_bits", "quant_n_samples", "quant_batch_size",
+                                             "group_size", "hqq_axis", "bnb_4bit_quant_type",
+                                             "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
+                                             "bnb_4bit_quant_storage")}}
+
+
+def refuse_msswift_options(args: list[str], known: set[str]) -> None:
+    """Every ms-swift option of the command line that `swiftlite export` does not take, each with its
+    reason, at once (exit 2); anything else unknown is left to click ("No such option")."""
+    from swiftlite.config.load import alias_keys
+    from swiftlite.config.msswift import NO_MEANING
+    from swiftlite.config.msswift_unsupported import EXPORT_FROM_RUN, GROUPS, refusal
+    from swiftlite.config.schema import field_specs
+    from swiftlite.errors import raise_all
+    run_options = set(field_specs()) | set(alias_keys()) | set(NO_MEANING)
+    export_groups = {n for why, names in GROUPS if "swiftlite export" in why for n in names}
+    problems = []
+    for a in args:
+        name = a.partition("=")[0]
+        if not name.startswith("--") or name in known:
+            continue
+        key = name[2:].replace("-", "_")
+        why = EXPORT_REFUSALS.get(key) or (refusal(key) if key in export_groups else None)
+        if why is None and (key in run_options or refusal(key) is not None):
+            why = EXPORT_FROM_RUN
+        if why is not None:
+            problems.append(f"{name}: {why}")
+    raise_all(problems)
 
 
 def switch(*names: str, help: str) -> typer.models.OptionInfo:

@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             return command_function(argv[0])(argv[1:])
         rc = click_command().main(args=argv or ["--help"], prog_name="swiftlite", standalone_mode=False)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        for line in getattr(e, "lines", None) or [str(e)]:  # UserErrors: one line per mistake
+            print(f"error: {line}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

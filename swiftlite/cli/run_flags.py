@@ -35,12 +35,30 @@ def _no_meaning_table() -> dict[str, Any]:
     return {f: e for e in NO_MEANING.values() for f in (f"--{e.name}", f"--{e.name.replace('_', '-')}")}
 
 
+def _values(args: list[str], i: int, many: bool) -> tuple[list[str], int]:
+    """The values after a flag, from args[i]: one, or (many) every token up to the next flag."""
+    vals = []
+    while i < len(args) and not (args[i].startswith("--") and len(args[i]) > 2):
+        vals.append(args[i])
+        i += 1
+        if not many:
+            break
+    return vals, i
+
+
 def parse_run_args(args: list[str]) -> tuple[str | None, dict[str, Any]]:
-    """argv of `sft`/`pt` -> (config file, flat overrides). Unknown flags are errors naming them."""
+    """argv of `sft`/`pt`/`rlhf` -> (config file, flat overrides). Every refused or unknown flag of the
+    command line is reported at once (one line each): ms-swift's options that swiftlite does not
+    implement with their reason (config/msswift_unsupported.py), NO_MEANING values that do not fit,
+    refused values, and unknown flags (a suggestion only for a misspelling of a swiftlite flag)."""
     from swiftlite.config import FALSE_WORDS, TRUE_WORDS
+    from swiftlite.config.msswift import check_no_meaning, check_value
+    from swiftlite.config.msswift_unsupported import misspelling_of, refusal
+    from swiftlite.errors import raise_all
     table = _flag_table()
     no_meaning = _no_meaning_table()
     values: dict[str, Any] = {}
+    problems: list[str] = []
     config_file = None
     i = 0
     while i < len(args):
@@ -65,32 +83,38 @@ def parse_run_args(args: list[str]) -> tuple[str | None, dict[str, Any]]:
             key, val = SHORTHANDS[name]
             values[key] = val
             continue
-        if name in no_meaning:  # kept as given: build_config accepts it if it fits, else says why not
+        spec = table.get(name)
+        if spec is None and name in no_meaning:  # kept as given: accepted if it fits, else says why not
             entry = no_meaning[name]
             if eq:
-                values[entry.name] = inline
+                value: Any = inline
             elif entry.switch:
                 if i < len(args) and args[i].lower() in TRUE_WORDS | FALSE_WORDS:
-                    values[entry.name], i = args[i], i + 1
+                    value, i = args[i], i + 1
                 else:
-                    values[entry.name] = True
+                    value = True
             else:
-                vals = []
-                while i < len(args) and not (args[i].startswith("--") and len(args[i]) > 2):
-                    vals.append(args[i])
-                    i += 1
-                    if not entry.many:
-                        break
+                vals, i = _values(args, i, entry.many)
                 if not vals:
                     raise UserError(f"{name} needs a value")
-                values[entry.name] = vals if entry.many else vals[0]
+                value = vals if entry.many else vals[0]
+            try:
+                check_no_meaning(entry.name, value, "flags")
+            except UserError as e:
+                problems.append(str(e))
+            else:
+                values[entry.name] = value
             continue
-        spec = table.get(name)
         if spec is None:
-            import difflib
-            close = difflib.get_close_matches(name, list(table) + list(no_meaning) + ["--config", *SHORTHANDS],
-                                              n=1, cutoff=0.7)
-            raise UserError(f"unknown option {name}" + (f" (did you mean {close[0]}?)" if close else ""))
+            if not eq:  # skip its values, so that the flags after it are read (and reported) too
+                _, i = _values(args, i, True)
+            why = refusal(name)
+            if why is not None:
+                problems.append(f"{name}: {why}")
+                continue
+            close = misspelling_of(name, list(table) + list(no_meaning) + ["--config", *SHORTHANDS])
+            problems.append(f"unknown option {name}" + (f" (did you mean {close}?)" if close else ""))
+            continue
         if spec.is_switch:
             if eq:
                 values[spec.name] = inline
@@ -102,15 +126,17 @@ def parse_run_args(args: list[str]) -> tuple[str | None, dict[str, Any]]:
         if eq:
             vals = [inline]
         else:
-            vals = []
-            while i < len(args) and not (args[i].startswith("--") and len(args[i]) > 2):
-                vals.append(args[i])
-                i += 1
-                if not spec.is_list:
-                    break
+            vals, i = _values(args, i, spec.is_list)
         if not vals:
             raise UserError(f"{name} needs a value")
         values[spec.name] = vals if spec.is_list else vals[0]
+        if not spec.is_list and not (spec.choices and vals[0] in spec.choices):
+            try:
+                check_value(spec.name, vals[0], "flags")  # --train_type adalora, --rlhf_type kto
+            except UserError as e:
+                problems.append(str(e))
+                del values[spec.name]
+    raise_all(problems)
     return config_file, values
 
 

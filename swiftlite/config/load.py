@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from swiftlite.config.msswift import NO_MEANING, check_no_meaning, check_value
+from swiftlite.config.msswift_unsupported import misspelling_of, refusal
 from swiftlite.config.rules import validate
 from swiftlite.config.schema import (FALSE_WORDS, SECRET_KEY, SECTIONS, TRUE_WORDS, FieldSpec, RunConfig,
                                      field_specs, section_classes)
-from swiftlite.errors import UserError
+from swiftlite.errors import UserError, raise_all
 
 __all__ = ["FALSE_WORDS", "SECRET_KEY", "TRUE_WORDS", "alias_keys", "apply_env", "build_config", "canonical_key",
            "coerce", "context_length", "gpu_torch_build", "load_args", "load_config", "model_config_dict",
@@ -151,32 +152,47 @@ def build_config(values: dict[str, Any], *, source: str = "config", task: str = 
     specs = field_specs()
     aliases = alias_keys()
     sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    problems: list[str] = []  # every refused or unknown key, reported together
     for raw, value in values.items():
-        key = canonical_key(raw, aliases)
-        if key in NO_MEANING:
-            check_no_meaning(key, value, source)  # accepted only when it asks for what swiftlite does
-            continue
-        spec = specs.get(key)
-        if spec is None:
-            close = _closest(key, specs)
-            hint = f" (did you mean '{close}'?)" if close else ""
-            raise UserError(f"{source}: unknown option '{raw}'{hint}")
-        if key in sections[spec.section]:
-            raise UserError(f"{source}: {key} given twice (under another name too): keep one")
-        val = coerce(spec, value, f"{source}: {key}")
-        if spec.normalize is not None and val is not None:
-            val = spec.normalize(val)
-        check_value(key, val, source)
-        if spec.choices and val is not None and val not in spec.choices:
-            also = " (or bfloat16, float16, float32)" if spec.normalize is not None and "fp32" in spec.choices else ""
-            raise UserError(f"{source}: {key}={val!r} is not one of {', '.join(map(str, spec.choices))}{also}")
-        sections[spec.section][key] = val
+        try:
+            _put(sections, specs, canonical_key(raw, aliases), raw, value, source)
+        except UserError as e:
+            problems.append(str(e))
+    raise_all(problems)
     classes = section_classes()
     cfg = RunConfig(**{s: classes[s](**sections[s]) for s in SECTIONS}, task=task)
     # QLoRA means a 4-bit base unless --quant-bits 8 says otherwise (RunConfig.quant_bits).
     cfg.quant.quant_bits = cfg.quant_bits
     resolve_light_defaults(cfg)
     return cfg
+
+
+def _put(sections: dict[str, dict[str, Any]], specs: dict[str, FieldSpec], key: str, raw: str, value: Any,
+         source: str) -> None:
+    """Check one key and its value and store it in its section; a UserError says what is wrong. A
+    RunConfig field wins over the ms-swift tables (an option implemented later shadows its row)."""
+    spec = specs.get(key)
+    if spec is None:
+        if key in NO_MEANING:
+            check_no_meaning(key, value, source)  # accepted only when it asks for what swiftlite does
+            return
+        why = refusal(key)
+        if why is not None:
+            raise UserError(f"--{raw}: {why}" if source == "flags" else f"{source}: {raw}: {why}")
+        close = misspelling_of(key, list(specs) + list(NO_MEANING))
+        hint = f" (did you mean '{close}'?)" if close else ""
+        raise UserError(f"{source}: unknown option '{raw}'{hint}")
+    if key in sections[spec.section]:
+        raise UserError(f"{source}: {key} given twice (under another name too): keep one")
+    val = coerce(spec, value, f"{source}: {key}")
+    if spec.normalize is not None and val is not None:
+        val = spec.normalize(val)
+    if not (spec.choices and val in spec.choices):  # a value implemented since shadows its refusal
+        check_value(key, val, source)
+    if spec.choices and val is not None and val not in spec.choices:
+        also = " (or bfloat16, float16, float32)" if spec.normalize is not None and "fp32" in spec.choices else ""
+        raise UserError(f"{source}: {key}={val!r} is not one of {', '.join(map(str, spec.choices))}{also}")
+    sections[spec.section][key] = val
 
 
 # -- defaults that come from the model (ms-swift's): max_length and torch_dtype auto -------------------
@@ -252,12 +268,6 @@ def resolve_strategies(cfg: RunConfig, steps_per_epoch: int) -> None:
         c.save_steps = None
     if t.eval_strategy == "epoch":
         t.eval_steps = steps_per_epoch
-
-
-def _closest(key: str, specs: dict[str, FieldSpec]) -> str | None:
-    import difflib
-    m = difflib.get_close_matches(key, list(specs), n=1, cutoff=0.75)
-    return m[0] if m else None
 
 
 def apply_env(values: dict[str, Any]) -> dict[str, Any]:

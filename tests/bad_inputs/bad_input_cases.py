@@ -1,5 +1,6 @@
 """The bad-input catalogue: one row per mistake a user can make, with the one line swiftlite must
-answer. Every case must exit with code 2, print exactly one non-empty line on stderr containing
+answer. Every case must exit with code 2, print exactly one non-empty line on stderr (one per mistake for
+a case with `more`: all of them in one run) containing
 `expect`, print no traceback, and leave the case folder (its working directory) byte-for-byte as it
 was: no output folder created, an existing one unchanged.
 
@@ -31,6 +32,7 @@ class Case:
     holds: Callable[[Path], object] | None = None  # context manager held during the run (a bound port)
     xfail: str | None = None      # a known gap in a command owned elsewhere (reason); remove once fixed
     script: str | None = None     # run `bash <repo>/<script> argv...` instead (a recipe); env applies
+    more: tuple[str, ...] = ()    # several mistakes at once: what each line after the first must contain
 
 
 def write(rel: str, text: str) -> Callable[[Path], None]:
@@ -203,6 +205,17 @@ CASES: list[Case] = [
     Case("msswift-gc-kwargs-alone",
          ["sft", *GOOD, *DATA, "--gradient_checkpointing_kwargs", '{"use_reentrant": false}'],
          "--gradient-checkpointing-kwargs needs --gradient-checkpointing true"),
+    Case("msswift-all-refusals-at-once", ["sft", *GOOD, *DATA, "--use_galore", "true", "--enable_dft_loss",
+                                          "--optimizer", "galore", "--frobnicate", "3", "--use_hf", "false"],
+         "error: --use_galore: GaLore is not available",
+         more=("error: --enable_dft_loss: DFT and channel losses are not available",
+               "error: --optimizer: ms-swift's optimizer plugins are not loaded", "error: unknown option --frobnicate",
+               "error: --use_hf false: swiftlite downloads from the Hugging Face hub only")),
+    Case("msswift-rlhf-ppo", ["rlhf", *GOOD, *DATA, "--rlhf_type", "ppo", "--num_ppo_epochs", "2"],
+         "error: --rlhf_type ppo: PPO is not available",
+         more=("error: --num_ppo_epochs: PPO (--rlhf_type ppo) is not available",)),
+    Case("msswift-export-push-to-hub", ["export", "--ckpt", "runs/x", "--push_to_hub", "true"],
+         "error: --push_to_hub: nothing is uploaded: upload the exported folder yourself"),
     Case("msswift-truncation-split", ["sft", *GOOD, *DATA, "--truncation_strategy", "split"],
          "--truncation_strategy split: split (several samples per long row) is not available"),
     Case("msswift-all-rows-deleted", ["sft", *GOOD, *DATA, "--max_length", "16"],

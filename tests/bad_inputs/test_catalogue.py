@@ -1,4 +1,4 @@
-"""Every bad input gets one line, exit code 2, no traceback, and leaves nothing behind (bad_input_cases.py)."""
+"""Every bad input gets one line (one per mistake when several), exit code 2, no traceback, and leaves nothing behind (bad_input_cases.py)."""
 
 from __future__ import annotations
 
@@ -121,9 +121,12 @@ def test_bad_input(case: Case, workspace) -> None:
     shown = f"argv={argv}\nrc={rc}\nstderr:\n{stderr}\nstdout:\n{stdout[-2000:]}"
     assert "Traceback" not in stderr and "Traceback" not in stdout, shown
     lines = stderr.splitlines()
-    assert len(lines) == 1 and lines[0].strip(), f"stderr must be exactly one line\n{shown}"
+    assert len(lines) == 1 + len(case.more) and lines[0].strip(), \
+        f"stderr must be exactly {1 + len(case.more)} line(s), one per mistake\n{shown}"
     assert expect in lines[0], f"expected {expect!r} in the error\n{shown}"
-    assert lines[0].startswith("error: "), shown
+    for want, line in zip(case.more, lines[1:]):
+        assert want in line, f"expected {want!r} in {line!r}\n{shown}"
+    assert all(line.startswith("error: ") for line in lines), shown
     assert rc == 2, shown
     assert (d / "out").exists() == out_dir_existed, f"output folder created\n{shown}"
     assert before == after, f"files changed: {sorted(set(before) ^ set(after)) or 'modified'}\n{shown}"

@@ -1,0 +1,276 @@
+"""Every other option of ms-swift's argument dataclasses that swiftlite does not implement, with the
+line that says so and what to use instead.
+
+Written by hand from ms-swift's public source at commit 3602360a (2026-08-22): the fields of
+`SftArguments`, `PretrainArguments`, `RLHFArguments` and `ExportArguments` with all their bases
+(swift/arguments/**, swift/trainers/arguments.py, swift/ray_utils/arguments.py) and the fields of
+transformers' `Seq2SeqTrainingArguments` they inherit (transformers 5.24). GRPO's own options
+(`GRPOArgumentsMixin`, `RolloutTrainerArgumentsMixin`, `VllmArguments`, `GRPOArguments`) are not
+listed here: `--rlhf_type grpo` is its own piece of work.
+
+Lookup order (config/load.py, cli/run_flags.py): a RunConfig field first (so an option implemented
+later simply shadows its row here), then `config/msswift.NO_MEANING` (options accepted with some
+values), then this table, then "unknown option". `tests/unit/test_msswift_refusals.py` walks a copy
+of ms-swift's names and checks each gets a field, a NO_MEANING row or a row here. Import-light.
+"""
+
+from __future__ import annotations
+
+#: The ms-swift source this table was written from.
+MSSWIFT_COMMIT = "3602360a56 (2026-08-22)"
+
+_MM = "multimodal models are not supported (text causal LMs only): drop the flag"
+_TUNER = "is an option of an ms-swift tuner swiftlite does not have (it trains full, lora or qlora): drop the flag"
+_GKD = ("GKD / on-policy distillation (--rlhf_type gkd) is not available: the --rlhf_type choices are in `swiftlite rlhf --help`; "
+        "distil by running sft on the teacher's outputs")
+_PPO = "PPO (--rlhf_type ppo) is not available: the --rlhf_type choices are in `swiftlite rlhf --help`"
+_TEMPLATE = ("ms-swift's Python templates are not used: conversations are rendered with the tokenizer's own chat "
+             "template; to change the rendering pass a Jinja file (--template chat.jinja)")
+_GEN = "training never generates; generation options belong to `swiftlite infer` (greedy, --max-new-tokens)"
+_EVAL_GEN = ("validation is the loss on the validation rows (--val-dataset, --split-dataset-ratio); for generated "
+             "answers use `swiftlite infer --dataset FILE --metric exact_match`")
+_HUB = "nothing is uploaded: upload the run's folder yourself (huggingface-cli upload REPO DIR)"
+_LOG = "logging.jsonl gets a record every --logging-steps steps on rank 0 (the first step included): use --logging-steps"
+_DDP = ("DDP's settings are chosen by swiftlite (every parameter takes part, buffers are not broadcast); use "
+        "--parallelism to pick the backend")
+_GALORE = ("GaLore is not available; for less optimizer memory train a LoRA (--train-type lora/qlora) or shard the "
+           "optimizer state (--parallelism zero2/zero3/fsdp)")
+_LISA = "LISA layer sampling is not available; train a LoRA (--train-type lora) or full (--train-type full)"
+_RAY = "Ray is not used: processes are started by torchrun or forked (--nproc-per-node, --nnodes, --launcher)"
+_TP = "tensor parallelism is not available: shard the model with --parallelism fsdp or zero3"
+_FREEZE = ("freezing or training parameters by name is not available: --train-type full trains every parameter; "
+           "with LoRA, --target-modules picks the adapted layers and --modules-to-save trains modules in full")
+_DATA_MAP = ("columns are read by the row formats in docs/data.md (messages, conversations, query/response, "
+             "instruction/input/output, prompt/chosen/rejected, text): rename the columns in your files")
+_PREC = "the dtype is --torch-dtype (bfloat16, float16, float32) for training and validation alike"
+
+#: (reason, names): one reason for each group of ms-swift options.
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # swift/arguments/sft_args.py: SwanlabArguments
+    ("SwanLab is configured by its own environment variables (SWANLAB_PROJ_NAME, SWANLAB_WORKSPACE, SWANLAB_MODE, "
+     "SWANLAB_API_KEY): set those and pass --report-to swanlab",
+     ("swanlab_token", "swanlab_project", "swanlab_workspace", "swanlab_exp_name", "swanlab_notification_method",
+      "swanlab_webhook_url", "swanlab_secret", "swanlab_sender_email", "swanlab_receiver_email",
+      "swanlab_smtp_server", "swanlab_smtp_port", "swanlab_email_language", "swanlab_mode")),
+    # swift/arguments/tuner_args.py: TunerArguments
+    (_FREEZE, ("freeze_parameters", "freeze_parameters_regex", "freeze_parameters_ratio", "trainable_parameters",
+               "trainable_parameters_regex", "target_parameters")),
+    ("LoRA-GA initialisation is not available: LoRA starts from peft's initialisation (see --init-weights)",
+     ("lora_ga_batch_size", "lora_ga_iters", "lora_ga_max_length", "lora_ga_direction", "lora_ga_scale",
+      "lora_ga_stable_gamma")),
+    (_TUNER, ("fourier_n_frequency", "fourier_scaling", "boft_block_size", "boft_block_num", "boft_n_butterfly_factor",
+              "boft_dropout", "vera_rank", "vera_projection_prng_key", "vera_dropout", "vera_d_initial", "adapter_act",
+              "adapter_length", "adalora_target_r", "adalora_init_r", "adalora_tinit", "adalora_tfinal",
+              "adalora_deltaT", "adalora_beta1", "adalora_beta2", "adalora_orth_reg_weight",
+              "llamapro_num_new_blocks", "llamapro_num_groups", "reft_layer_key", "reft_layers", "reft_rank",
+              "reft_intervention_type", "reft_args")),
+    # swift/arguments/base_args/generation_args.py: GenerationArguments
+    (_GEN, ("repetition_penalty", "num_beams", "stream", "stop_words", "logprobs",
+            "top_logprobs", "structured_outputs_regex")),
+    # quant_args.py
+    ("HQQ is not available: quantizing at load time is bitsandbytes only (--quant-method bnb --quant-bits 4|8)",
+     ("hqq_axis",)),
+    # data_args.py: DataArguments
+    ("tokenized data is cached automatically, keyed by the files, tokenizer and options (SWIFTLITE_CACHE moves the "
+     "cache): pass the source files to --dataset / --val-dataset", ("cached_dataset", "cached_val_dataset")),
+    ("validation rows are read in file order (a loss over all of them does not depend on it): drop the flag",
+     ("val_dataset_shuffle",)),
+    ("several --dataset files are concatenated (each sampled by its own #N): interleaving is not available; "
+     "use #N per file to set the mix", ("interleave_prob", "stopping_strategy")),
+    ("shuffling with a buffer applies to streamed datasets; the training rows are shuffled as a whole here "
+     "(a permutation per epoch seeded by --seed)", ("shuffle_buffer_size",)),
+    ("nothing is downloaded for datasets: --dataset takes local files or saved HF dataset folders",
+     ("download_mode",)),
+    (_DATA_MAP, ("columns", "remove_unused_columns", "disable_auto_column_mapping")),
+    ("ms-swift's dataset registry is not used: pass the files to --dataset (docs/data.md)", ("custom_dataset_info",)),
+    # template_args.py: TemplateArguments
+    (_TEMPLATE, ("agent_template", "norm_bbox", "use_chat_template", "template_backend", "response_prefix",
+                 "enable_thinking", "preserve_thinking", "add_non_thinking_prefix", "disable_ignore_empty_think")),
+    ("the loss is on every assistant turn of sft rows and every token for pt; loss scales are not available: "
+     "drop the flag",
+     ("is_binary_loss_scale",)),
+    # model_args.py: ModelArguments
+    ("the model's own modules run (transformers' implementation for the architecture): drop the flag",
+     ("experts_impl", "init_strategy")),
+    ("new tokens are not added here: add them to the tokenizer in the model folder (and resize the embeddings) "
+     "before training", ("new_special_tokens",)),
+    ("swiftlite trains causal language models only (no classification heads): drop the flag", ("num_labels", "problem_type")),
+    ("one process per GPU (--nproc-per-node); to spread a model over GPUs use --parallelism fsdp or zero3",
+     ("max_memory",)),
+    ("--model takes a local folder, a preset or a hub id directly", ("local_repo_path",)),
+    # base_args.py: BaseArguments
+    ("to go on training a LoRA checkpoint use --resume-from CKPT (--resume-only-model for its weights alone); to "
+     "train on top of merged weights, `swiftlite export --merge-lora` and pass the folder to --model",
+     ("adapters", "use_swift_lora")),
+    ("ms-swift registration files are not run: swiftlite plugins are --external_plugins files using "
+     "swiftlite.parallel.base.register_backend", ("custom_register_path",)),
+    ("Ascend NPUs are not supported (CUDA/ROCm GPUs and CPU): drop the flag", ("enable_npu_model_patch",)),
+    ("a run's options come from flags and --config FILE (YAML/JSON); resume reads the run's args.json itself",
+     ("load_args", "load_data_args", "ignore_args_error")),
+    ("packing runs in --dataset-num-proc processes", ("packing_num_proc",)),
+    ("packs are filled in order to --max-length tokens; other packing strategies are not available",
+     ("packing_strategy",)),
+    ("hub credentials come from the environment (HF_TOKEN) or `huggingface-cli login`", ("hub_token",)),
+    # swift/trainers/arguments.py: TrainArgumentsMixin
+    (_MM, ("vit_gradient_checkpointing", "aligner_lr", "vit_lr")),
+    (_LOG, ("logging_first_step", "logging_strategy", "log_on_each_node", "logging_nan_inf_filter", "log_level",
+            "log_level_replica", "include_num_input_tokens_seen")),
+    ("the MoE router's auxiliary loss is not added here: the loss is the language-model loss only; drop "
+     "the flag",
+     ("router_aux_loss_coef",)),
+    ("DFT and channel losses are not available: the loss is the token cross-entropy (--loss-impl picks how it is "
+     "computed)", ("enable_dft_loss", "enable_channel_loss")),
+    ("weights are always written as safetensors: drop the flag", ("safe_serialization",)),
+    ("the shard size of an exported model is `swiftlite export --max-shard-size`", ("max_shard_size",)),
+    ("token accuracy is not computed: logging.jsonl records the loss, learning rate, gradient "
+     "norm and speed; drop the flag",
+     ("acc_strategy",)),
+    ("rows are not grouped by length; --padding-free (on by default where the model allows it) or --packing "
+     "removes the padding that grouping would save", ("group_by_length", "length_column_name",
+                                                     "train_sampling_strategy")),
+    ("use --num-train-epochs (or --max-steps)", ("max_epochs",)),
+    ("the loss already computes logits only at target tokens (--loss-impl chunked, the default): drop the flag",
+     ("use_logits_to_keep",)),
+    ("training never generates, so nothing is gathered for generation: drop the flag",
+     ("ds3_gather_for_generation",)),
+    ("ms-swift's optimizer plugins are not loaded: the optimizer is torch AdamW (--adam-beta1, --adam-beta2, "
+     "--adam-epsilon, --weight-decay; see --optim)", ("optimizer", "optim_args", "optim_target_modules")),
+    ("embedding training (Matryoshka dims) is not available: swiftlite trains causal LMs; drop the flag", ("mrl_dims",)),
+    (_EVAL_GEN, ("eval_metric", "eval_use_evalscope", "eval_dataset", "eval_dataset_args", "eval_limit",
+                 "eval_generation_config", "extra_eval_args", "predict_with_generate", "generation_max_length",
+                 "generation_num_beams", "generation_config", "sortish_sampler", "include_for_metrics",
+                 "batch_eval_metrics", "eval_do_concat_batches", "eval_use_gather_object", "prediction_loss_only",
+                 "do_predict")),
+    ("training callbacks are not loaded; a plugin (--external_plugins) can register a backend", ("callbacks",)),
+    (_GALORE, ("use_galore", "galore_target_modules", "galore_rank", "galore_update_proj_gap", "galore_scale",
+               "galore_proj_type", "galore_optim_per_parameter", "galore_with_embedding", "galore_quantization",
+               "galore_proj_quant", "galore_proj_bits", "galore_proj_group_size", "galore_cos_threshold",
+               "galore_gamma_proj", "galore_queue_size")),
+    (_LISA, ("lisa_activated_layers", "lisa_step_interval")),
+    ("checkpoints are written atomically to disk (a partial one is never taken for the latest); flash/async "
+     "checkpointing is not available: drop the flag", ("use_flash_ckpt", "enable_jit_checkpoint")),
+    # swift/arguments/sft_args.py: SftArguments
+    ("ZeRO++'s hpZ partition is set by the zero3pp preset (--parallelism zero3pp) or your DeepSpeed JSON "
+     "(zero_hpz_partition_size)", ("zero_hpz_partition_size",)),
+    (_TP, ("deepspeed_autotp_size",)),
+    # swift/arguments/rlhf_args.py: TeacherModelArguments, PPOArguments, RewardModelArguments, RLHFArguments
+    (_GKD, ("teacher_model", "teacher_adapters", "teacher_model_type", "teacher_model_revision", "teacher_deepspeed",
+            "teacher_model_server", "offload_teacher_model", "sft_alpha", "lmbda", "seq_kd", "gkd_logits_topk")),
+    (_PPO, ("num_ppo_epochs", "whiten_rewards", "kl_coef", "cliprange", "vf_coef", "cliprange_value", "gamma", "lam",
+            "num_mini_batches", "local_rollout_forward_batch_size", "num_sample_generations", "response_length",
+            "missing_eos_penalty")),
+    ("reward models are not used here (no reward-model training or PPO): drop the flag",
+     ("reward_adapters", "reward_model_type", "reward_model_revision", "reward_template")),
+    ("the reference model is --ref-model (a preset, folder or hub id) or, by default, the starting weights "
+     "(with LoRA: the base with the adapter disabled); merge an adapter into a folder with `swiftlite export "
+     "--merge-lora` to use it as the reference", ("ref_adapters", "ref_model_type", "ref_model_revision")),
+    ("DPO's loss variants here are --loss-type sigmoid, ipo or hinge (with --rpo-alpha, --label-smoothing); "
+     "LD-DPO, DiscoPOP and weighted loss mixes are not available", ("ld_alpha", "discopop_tau", "loss_weights")),
+    ("reward-model training (--rlhf_type rm) is not available: the --rlhf_type choices are in `swiftlite rlhf --help`",
+     ("center_rewards_coefficient",)),
+    # swift/arguments/merge_args.py, export_args.py: options of `swift export`
+    ("merging is `swiftlite export --ckpt CKPT --merge-lora` after training", ("merge_lora",)),
+    ("quantized export (GPTQ/AWQ/bnb/FP8) is not available: `swiftlite export` writes a 16-bit HF folder; quantize "
+     "it with the serving engine's own tools", ("quant_n_samples", "quant_batch_size", "group_size")),
+    ("ms-swift's export targets are not available: `swiftlite export` writes a 16-bit HF folder (safetensors, "
+     "peft adapters as peft writes them)",
+     ("to_cached_dataset", "template_mode", "to_ollama", "to_mcore", "to_hf", "mcore_model", "mcore_adapter",
+      "thread_count", "test_convert_precision", "test_convert_dtype", "save_missing_weights", "to_peft_format")),
+    (_HUB, ("hub_private_repo", "commit_message", "hub_strategy", "hub_always_push", "hub_revision")),
+    ("`swiftlite export` refuses an existing --output unless --overwrite is given", ("exist_ok",)),
+    # swift/ray_utils/arguments.py
+    (_RAY, ("use_ray", "ray_exp_name", "device_groups")),
+    # transformers' Seq2SeqTrainingArguments (inherited by ms-swift's sft/pt/rlhf arguments)
+    ("the loss has no label smoothing (DPO's --label-smoothing is a different thing): drop the flag",
+     ("label_smoothing_factor",)),
+    (_PREC, ("bf16_full_eval", "fp16_full_eval")),
+    ("TF32 matmuls follow torch's default (off for matmuls): set NVIDIA_TF32_OVERRIDE or torch's settings in a "
+     "plugin if you need them", ("tf32",)),
+    ("activation checkpointing is --gradient-checkpointing (with --gradient-checkpointing-kwargs)",
+     ("activation_checkpointing", "activation_checkpointing_kwargs")),
+    ("compilation is --compile (torch.compile of each decoder layer, default backend and mode)",
+     ("torch_compile", "torch_compile_backend", "torch_compile_mode")),
+    ("Liger's kernels are --use-liger-kernel (RMSNorm, RoPE, SwiGLU) and --loss-impl liger (its fused loss); "
+     "per-kernel settings are not available", ("liger_kernel_config",)),
+    ("the KV cache is never used in training: drop the flag", ("use_cache",)),
+    ("swiftlite does not empty the CUDA cache during training: drop the flag", ("torch_empty_cache_steps",)),
+    ("the batch size is --per-device-train-batch-size; `swiftlite estimate` says what fits", ("auto_find_batch_size",)),
+    ("the console shows one line per logged step; --report-to picks the loggers", ("disable_tqdm",)),
+    ("runs are named by their --output-dir (TensorBoard/W&B/SwanLab run name)", ("run_name", "project")),
+    ("Trackio is not a logger here: --report-to tensorboard, wandb or swanlab",
+     ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")),
+    ("validation starts at --eval-steps / the checkpoints (--eval-strategy); there is no delay or run at step 0",
+     ("eval_delay", "eval_on_start")),
+    ("validation runs one micro-batch of --per-device-eval-batch-size at a time; drop the flag",
+     ("eval_accumulation_steps",)),
+    ("checkpoints are written by rank 0 (and each rank's shards of a sharded backend); drop the flag",
+     ("save_on_each_node",)),
+    ("the final checkpoint is the last step's: pick another by its validation loss in logging.jsonl and pass "
+     "it to export --ckpt",
+     ("load_best_model_at_end", "restore_callback_states_from_checkpoint")),
+    ("--seed fixes data order, weights and dropout; deterministic kernels are torch's "
+     "(torch.use_deterministic_algorithms in a plugin)", ("full_determinism",)),
+    ("a run uses the GPUs when torch sees one, else the CPU: hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on CPU",
+     ("use_cpu",)),
+    ("accelerate is not used: ranks are torch.distributed processes (--parallelism picks the backend)",
+     ("accelerator_config", "parallelism_config")),
+    ("batches are built in the training process in dataset order of the shuffled permutation: drop the flag",
+     ("dataloader_multiprocessing_context", "dataloader_in_order")),
+    ("labels are built from the row format (assistant turns for sft, every token for pt): drop the flag",
+     ("label_names",)),
+    (_DDP, ("ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph")),
+    ("HF Trainer's debug modes are not available; --dry-run prints the plan, logs/ keeps each rank's log",
+     ("debug",)),
+    ("memory is recorded every run (logs/, the planner's estimate beside the measured peak): drop the flag",
+     ("skip_memory_metrics",)),
+    ("the command says what runs: sft/pt/rlhf train (validating when given validation data), export and infer "
+     "are their own commands: drop the flag", ("do_train", "do_eval")),
+    ("set by the launcher (LOCAL_RANK): drop the flag", ("local_rank",)),
+    ("early stopping is not available: training runs --max-steps / --num-train-epochs; the validation losses "
+     "in logging.jsonl show where to stop", ("early_stop_interval", "metric_for_best_model", "greater_is_better")),
+    ("every batch of an epoch is trained, the last one with the rows left: drop the flag",
+     ("dataloader_drop_last",)),
+    ("batches are built in the training process, so there are no workers to keep: drop the flag",
+     ("dataloader_persistent_workers",)),
+    ("the loss is always averaged over the target tokens of the global batch (every rank and micro-batch), "
+     "which is what this flag asks for: drop the flag", ("average_tokens_across_devices",)),
+)
+
+#: ms-swift option name -> the line that refuses it (built from GROUPS).
+UNSUPPORTED: dict[str, str] = {name: why for why, names in GROUPS for name in names}
+
+#: The options of ms-swift's `swift export` (ExportArguments and its bases, GRPO excluded) that
+#: `swiftlite export` refuses: a training option names the run's args.json; the rest use UNSUPPORTED.
+EXPORT_FROM_RUN = ("`swiftlite export` reads the run's settings (model, template, dtype, LoRA) from the "
+                   "checkpoint's args.json: drop the flag (--base-model overrides the model)")
+
+
+def refusal(name: str) -> str | None:
+    """The reason an ms-swift option is refused, or None when it is not one swiftlite knows of."""
+    return UNSUPPORTED.get(name.lstrip("-").replace("-", "_"))
+
+
+def _distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions)."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
+
+
+def misspelling_of(name: str, known: list[str]) -> str | None:
+    """The known name `name` is a misspelling of: at most two letters off (one for names under 8
+    letters), dashes and underscores folded. Only a typo is a suggestion: a different word that looks
+    alike (--use_galore, --use_rslora) is a different option, and ms-swift's own names have their rows."""
+    key = name.lstrip("-").replace("-", "_")
+    limit = 1 if len(key) < 8 else 2
+    best = None
+    for k in known:
+        d = _distance(key, k.lstrip("-").replace("-", "_"))
+        if 0 < d <= limit:
+            rank = (d, _distance(name, k))  # a tie goes to the user's own spelling (--lora_rank for --lora_rnak)
+            if best is None or rank < best[0]:
+                best = (rank, k)
+    return best[1] if best else None
