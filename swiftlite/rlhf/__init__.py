@@ -1,4 +1,4 @@
-"""Preference training (`swiftlite rlhf --rlhf_type dpo|orpo|simpo|cpo`), docs/rlhf.md.
+"""Preference training (`swiftlite rlhf --rlhf_type dpo|orpo|simpo|cpo|kto`), docs/rlhf.md.
 
     data.py       pair formats (ms-swift messages + rejected_response, TRL chosen/rejected), tokenization,
                   collation (a pair's two sides in one micro-batch)
@@ -6,6 +6,7 @@
     reference.py  per-sequence log-probs through the backend; the reference (adapter off, frozen copy,
                   precomputed table in checkpoints)
     frozen.py     the frozen reference copy, laid out like the policy without optimizer
+    kto.py        KTO: unpaired rows with a label, the KL estimate from mismatched rows, its step
     step.py       the preference step and validation (sft's StepStats plus TRL's metric names)
     demo.py       the built-in preference task (reverse strings: right vs wrong)
 

@@ -86,6 +86,7 @@ class LogObserver(Observer):
         self.tokens, self.t_window = 0, time.perf_counter()
         self.loss_sum, self.loss_steps = 0.0, 0
         self.metric_sums: dict[str, float] = {}   # StepStats.metrics of the window (rlhf's rewards/...)
+        self.metric_steps: dict[str, int] = {}    # steps that logged each (KTO: a batch without desirable rows has no rewards/chosen)
         self.step_lr: float | None = None
         self.t_step = self.t_first = self.t_first_done = None
 
@@ -121,6 +122,7 @@ class LogObserver(Observer):
         self.loss_steps += 1
         for k, v in getattr(stats, "metrics", {}).items():   # task metrics (StepStats.metrics)
             self.metric_sums[k] = self.metric_sums.get(k, 0.0) + v
+            self.metric_steps[k] = self.metric_steps.get(k, 0) + 1
         if self.is_main and done == self.start + 1:
             self.log.print(f"first step done {now - self.t0:.2f} s after start")
         if done % self.every == 0 or done == self.total or done == self.start + 1:
@@ -131,13 +133,13 @@ class LogObserver(Observer):
                    "tokens_per_s": round(self.tokens / dt, 1) if dt > 0 else 0.0, "real_tokens": self.tokens,
                    "epoch": round(done / self.steps_per_epoch, 4),
                    "elapsed_s": round(now - self.t0, 2)}
-            # Task metrics (rlhf: TRL's rewards/*, logps/*): window means, as the loss.
-            rec.update({k: v / self.loss_steps for k, v in self.metric_sums.items()})
+            # Task metrics (rlhf: TRL's rewards/*, logps/*): window means over the steps that logged each.
+            rec.update({k: v / self.metric_steps[k] for k, v in self.metric_sums.items()})
             rec.update(memory_record())
             self.log.log(rec, eta_s=self.eta(done, now))
             self.tokens, self.t_window = 0, time.perf_counter()
             self.loss_sum, self.loss_steps = 0.0, 0
-            self.metric_sums = {}
+            self.metric_sums, self.metric_steps = {}, {}
         step_s = now - self.t_step if self.t_step is not None else 0.0
         speed = f"  {stats.tokens / step_s:.0f} tok/s" if step_s > 0 else ""
         self.log.advance(done, f"loss {stats.loss:.4f}{speed}")

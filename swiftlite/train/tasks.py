@@ -142,6 +142,46 @@ class PreferenceTask(Task):
                 + "; batches count pairs"]   # the global batch counts pairs (2 sequences each)
 
 
+class UnpairedTask(PreferenceTask):
+    """rlhf --rlhf_type kto: unpaired rows with a desirable/undesirable label, with DPO's reference
+    (rlhf/kto.py); a sample is a row."""
+
+    @property
+    def unit(self) -> str:
+        return "row"
+
+    def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
+                     progress: Callable[[str, int], Any] | None = None) -> Any:
+        from swiftlite.rlhf.kto import prepare_unpaired
+        return prepare_unpaired(cfg, tokenizer, world_size, progress=progress)
+
+    def make_batches(self, cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> Any:
+        from swiftlite.rlhf.kto import unpaired_batches
+        return unpaired_batches(cfg, train, plan, tokenizer, world)
+
+    def step_fn(self) -> Callable[..., Any]:
+        from swiftlite.rlhf.kto import kto_step
+        return kto_step
+
+    def run_evaluate(self, run: Any) -> dict:
+        from swiftlite.rlhf.kto import evaluate_unpaired
+        return evaluate_unpaired(run)
+
+    def describe(self, run: Any) -> str:
+        m, ref = run.batches.method, run.batches.reference
+        return (f"kto (beta {m.beta:g}, desirable_weight {m.desirable_weight:g}, undesirable_weight "
+                f"{m.undesirable_weight:g}, reference: {ref.kind}), ")
+
+    def dry_run_lines(self, cfg: Any) -> list[str]:
+        from swiftlite.rlhf.kto import kto_method
+        m = kto_method(cfg)
+        return [f"preference:     kto, beta {m.beta:g}; batches count rows (each also scored against another "
+                "row's completion for the KL estimate)"]
+
+
+#: rlhf methods whose task is not PreferenceTask's pairs (by --rlhf_type).
+RLHF_TASKS: dict[str, Task] = {"kto": UnpairedTask(task_spec("rlhf"))}
+
 TASKS: dict[str, Task] = {
     "sft": TokenTask(task_spec("sft")),
     "pt": TokenTask(task_spec("pt")),
@@ -150,7 +190,9 @@ TASKS: dict[str, Task] = {
 
 
 def task_of(cfg: Any) -> Task:
+    if TASKS[cfg.task].spec.own_options == "rlhf" and cfg.rlhf.rlhf_type in RLHF_TASKS:
+        return RLHF_TASKS[cfg.rlhf.rlhf_type]
     return TASKS[cfg.task]
 
 
-__all__ = ["PreferenceTask", "TASKS", "Task", "TokenTask", "task_of"]
+__all__ = ["PreferenceTask", "RLHF_TASKS", "TASKS", "Task", "TokenTask", "UnpairedTask", "task_of"]

@@ -74,6 +74,46 @@ def test_cpo_full_run_logs_its_terms_and_writes_a_checkpoint(pairs, tmp_path):
     assert (run / "checkpoint-2").is_dir()
 
 
+def _kto_rows(pairs_file, path):
+    """The demo pairs unpaired: even rows their right answer (label true), odd rows the wrong one."""
+    rows = []
+    for i, line in enumerate(pairs_file.read_text().splitlines()):
+        r = json.loads(line)
+        ans = r["messages"][-1]["content"] if i % 2 == 0 else r["rejected_response"]
+        rows.append({"messages": [*r["messages"][:-1], {"role": "assistant", "content": ans}], "label": i % 2 == 0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_kto_runs_checkpoints_and_accumulation_gives_the_one_batch_losses(pairs, tmp_path):
+    """KTO, full: 2 steps of 4 rows as one micro-batch of 4 and as 2 x 2 accumulated: the same losses
+    and KL estimate (the KL mismatches and mean are over the global batch)."""
+    train, val = pairs
+    data = _kto_rows(train, tmp_path / "kto.jsonl")
+    vdata = _kto_rows(val, tmp_path / "kto_val.jsonl")
+    logs = {}
+    for name, bs, acc in (("one", "4", "1"), ("acc", "2", "2")):
+        run = tmp_path / name
+        base = COMMON[:COMMON.index("--per-device-train-batch-size")]
+        proc = run_cli(["rlhf", *base, "--logging-steps", "1", "--rlhf-type", "kto", "--full", "--dataset", data, "--val-dataset", vdata,
+                        "--per-device-train-batch-size", bs, "--gradient-accumulation-steps", acc,
+                        "--learning-rate", "1e-3", "--max-steps", "2", "--save-hf-model", "false",
+                        "--output-dir", run])
+        assert "kto (beta 0.1, desirable_weight 1, undesirable_weight 1, reference: a frozen copy)" in proc.stdout
+        assert "12 train rows" in proc.stdout and "global batch 4," in proc.stdout
+        logs[name] = [r for r in _records(run) if "loss" in r]
+        ev = [r for r in _records(run) if "eval_loss" in r]
+        assert ev and math.isfinite(ev[-1]["eval_loss"]) and "eval_kl" in ev[-1]
+        assert (run / "checkpoint-2").is_dir()
+    one, acc = logs["one"], logs["acc"]
+    assert [r["step"] for r in one] == [1, 2]
+    assert one[0]["loss"] == pytest.approx(0.5, abs=1e-6)     # policy = reference, KL 0: 1 - sigmoid(0)
+    for a, b in zip(one, acc):
+        assert math.isfinite(a["loss"]) and a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["kl"] == pytest.approx(b["kl"], abs=1e-6)
+    assert one[1]["loss"] != one[0]["loss"]
+
+
 @pytest.mark.parametrize("row,words", [
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "no rejected answer"),
 ])
@@ -83,7 +123,21 @@ def test_bad_rows_stop_before_anything_is_written(tmp_path, row, words):
     data.write_text(json.dumps({"prompt": "reverse: ab", "chosen": "ba", "rejected": "ab"}) + "\n" + json.dumps(row) + "\n")
     out = tmp_path / "out"
     proc = run_cli(["rlhf", *COMMON, "--dataset", data, "--max-steps", "1", "--output-dir", out], check=False)
+    _one_line_exit_2(proc, data, words, out)
+
+
+def _one_line_exit_2(proc, data, words, out):
     assert proc.returncode == 2, proc.stderr
     err = proc.stderr.strip()
     assert err.count("\n") == 0 and err.startswith(f"error: {data}:2:") and words in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_kto_row_without_label_stops_before_anything_is_written(tmp_path):
+    data = tmp_path / "bad_kto.jsonl"
+    msgs = [{"role": "user", "content": "reverse: ab"}, {"role": "assistant", "content": "ba"}]
+    data.write_text(json.dumps({"messages": msgs, "label": True}) + "\n" + json.dumps({"messages": msgs}) + "\n")
+    out = tmp_path / "out"
+    proc = run_cli(["rlhf", *COMMON, "--rlhf-type", "kto", "--dataset", data, "--max-steps", "1", "--output-dir", out],
+                   check=False)
+    _one_line_exit_2(proc, data, "no 'label'", out)
