@@ -195,12 +195,20 @@ def write_adapter_weights(tensors: dict[str, torch.Tensor], out: Path) -> Path:
 
 
 def write_adapter(peft_model: Any, sd: dict, out: Path) -> None:
-    """adapter_config.json + adapter_model.safetensors, loadable by PeftModel.from_pretrained."""
+    """adapter_config.json + adapter_model.safetensors, loadable by PeftModel.from_pretrained on the
+    model folder's base. A PiSSA/OLoRA adapter (trained against the residual base peft left) is
+    written converted to a plain LoRA of the original base (models/lora.as_plain_lora), as peft's
+    documented save does, so merging it into the model folder's weights gives the trained model."""
+    from swiftlite.models.lora import INITIAL_ADAPTER, as_plain_lora
     empty = [k for k, v in sd.items() if v.numel() == 0]
     if empty or not sd:
         raise RuntimeError(f"adapter gather produced empty tensors: {empty[:3] or 'no tensors'}")
     out.mkdir(parents=True, exist_ok=True)
     peft_model.peft_config["default"].save_pretrained(str(out))
+    initial = getattr(peft_model, INITIAL_ADAPTER, None)
+    if initial:
+        conf, sd = as_plain_lora(json.loads((out / ADAPTER_CONFIG).read_text()), sd, initial)
+        write_adapter_config(conf, out)
     write_adapter_weights(sd, out)
 
 

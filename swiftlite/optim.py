@@ -54,18 +54,29 @@ def upcast_trainable(model: "torch.nn.Module") -> list[str]:
     return cast
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: biases, norms and 1-D params get no weight decay (the usual LLM recipe)."""
-    decay, no_decay = [], []
-    for _name, p in model.named_parameters():
+def param_groups(model: torch.nn.Module, weight_decay: float, *, lr: float | None = None,
+                 lorap_lr_ratio: float | None = None) -> list[dict]:
+    """Decay matrices only: biases, norms and 1-D params get no weight decay (the usual LLM recipe).
+
+    LoRA+ (--lorap_lr_ratio, ms-swift's `lorap` optimizer groups, swift/tuners/lora.py): the lora_B
+    matrices and the 1-D trainable tensors (biases, DoRA magnitudes) train at lr x ratio, everything
+    else at lr. Those groups carry their own "lr", which the schedule scales like the first group's
+    (each group's initial lr times the same lambda). The first group is always at the base lr (what
+    the engines log as the run's lr). LoRA on embeddings, which ms-swift gives 1e-6, does not occur
+    here (--target-modules adapts linear layers only)."""
+    buckets: dict[tuple[bool, bool], list] = {}
+    for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim < 2 else decay).append(p)
+        fast = lorap_lr_ratio is not None and ("lora_B" in name or p.ndim < 2)
+        buckets.setdefault((p.ndim >= 2, fast), []).append(p)
     groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay})
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+    for decay, fast in ((True, False), (False, False), (True, True), (False, True)):
+        if buckets.get((decay, fast)):
+            g = {"params": buckets[(decay, fast)], "weight_decay": weight_decay if decay else 0.0}
+            if fast:
+                g["lr"] = lr * lorap_lr_ratio
+            groups.append(g)
     return groups
 
 
@@ -80,7 +91,8 @@ def build_optimizer(model: torch.nn.Module, cfg: "RunConfig") -> torch.optim.Opt
     lacks."""
     import torch
     o = cfg.optim
-    groups = param_groups(model, o.weight_decay)
+    ratio = cfg.lora.lorap_lr_ratio if cfg.is_peft else None
+    groups = param_groups(model, o.weight_decay, lr=cfg.learning_rate, lorap_lr_ratio=ratio)
     params = [p for g in groups for p in g["params"]]
     fused = _fused_supported(params)
     return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(o.adam_beta1, o.adam_beta2),

@@ -25,23 +25,28 @@ class Adapter:
     origin: str
 
     def lora_modules(self) -> dict[str, dict[str, torch.Tensor]]:
-        """module path (HF names) -> {"A": ..., "B": ..., optional "bias": ...}."""
+        """module path (HF names) -> {"A": ..., "B": ..., optional "B_bias", optional "m" (DoRA's
+        magnitude vector)}."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for k, v in self.tensors.items():
             m = re.match(r"^(?:base_model\.model\.)?(.+)\.lora_(A|B)\.(weight|bias)$", k)
             if m:
                 slot = m.group(2) if m.group(3) == "weight" else f"{m.group(2)}_bias"
                 out.setdefault(m.group(1), {})[slot] = v
+            m = re.match(r"^(?:base_model\.model\.)?(.+)\.lora_magnitude_vector(?:\.weight)?$", k)
+            if m:
+                out.setdefault(m.group(1), {})["m"] = v
         return out
 
     def replacements(self) -> dict[str, torch.Tensor]:
-        """modules_to_save tensors: HF name -> full replacement tensor."""
+        """modules_to_save tensors and --lora_bias all's biases: HF name -> full replacement tensor
+        (an adapted layer's bias is peft's `<layer>.base_layer.bias`)."""
         out = {}
         for k, v in self.tensors.items():
             if ".lora_" in k:
                 continue
             name = k[len("base_model.model."):] if k.startswith("base_model.model.") else k
-            out[name] = v
+            out[name.replace(".base_layer.", ".")] = v
         return out
 
     def scale(self, module: str, r: int) -> float:
@@ -59,6 +64,8 @@ def peft_name(trainable_name: str) -> str | None:
     k = trainable_name
     if ".original_module." in k or ".base_layer." in k:
         return None
+    if ".lora_magnitude_vector." in k:
+        return re.sub(r"\.lora_magnitude_vector\.[^.]+\.weight$", ".lora_magnitude_vector", k)
     if ".lora_" in k:
         return re.sub(r"\.lora_(A|B)\.[^.]+\.(weight|bias)$", r".lora_\1.\2", k)
     if ".modules_to_save." in k:
@@ -81,6 +88,11 @@ def load_adapter(src: Source, log: Callable[[str], None]) -> Adapter:
             raise UserError(f"{d}: {ADAPTER_CONFIG} without {ADAPTER_WEIGHTS}")
         origin = str(d)
     else:
+        lc = src.cfg.lora
+        if lc.init_weights.startswith("pissa") or lc.init_weights == "olora":
+            raise UserError(f"--ckpt {src.arg}: a --init_weights {lc.init_weights} run's checkpoint without adapter/: "
+                            "its tensors are relative to the base PiSSA/OLoRA rewrote; export a checkpoint written "
+                            "with --save-hf-model true (its adapter/ is converted to a plain LoRA of the base)")
         if src.weights == "dcp":
             reader: TensorReader = DCPReader(src.dcp_dir)
         elif src.weights == "deepspeed":
@@ -88,24 +100,25 @@ def load_adapter(src: Source, log: Callable[[str], None]) -> Adapter:
         else:
             raise UserError(f"--ckpt {src.arg}: no adapter in {src.path}")
         names = {n: peft_name(n) for n in reader.names()}
+        if lc.lora_bias == "all":   # every bias trained: peft's adapter file names them as the model does
+            names.update({n: n.replace(".base_layer.", ".") for n in reader.names()
+                          if n.endswith(".bias") and ".lora_" not in n})
         names = {n: p for n, p in names.items() if p is not None}
         got = reader.read(list(names))
         tensors = {names[n]: t for n, t in got.items()}
-        lc = src.cfg.lora
         targets = sorted({re.sub(r"\.lora_(A|B)\.(weight|bias)$", "", k).rsplit(".", 1)[-1]
-                          for k in tensors if ".lora_" in k})
+                          for k in tensors if ".lora_A." in k or ".lora_B." in k})
         conf = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lc.lora_rank, "lora_alpha": lc.lora_alpha,
-                "lora_dropout": lc.lora_dropout, "target_modules": targets, "bias": "none",
-                "modules_to_save": lc.modules_to_save or None, "fan_in_fan_out": False, "use_rslora": False}
+                "lora_dropout": lc.lora_dropout, "target_modules": targets, "bias": lc.lora_bias,
+                "modules_to_save": lc.modules_to_save or None, "fan_in_fan_out": False,
+                "use_rslora": lc.use_rslora, "use_dora": lc.use_dora}
         origin = f"{src.path.name}/{layout.DCP_DIR if src.weights == 'dcp' else layout.DS_TAG} (trainable tensors)"
     if conf.get("peft_type", "LORA") != "LORA":
         raise UserError(f"{origin}: a {conf.get('peft_type')} adapter; only LoRA adapters can be exported")
-    if conf.get("use_dora"):
-        raise UserError(f"{origin}: DoRA adapters are not supported by export")
     empty = [k for k, v in tensors.items() if v.numel() == 0]
     if not tensors or empty:
         raise UserError(f"{origin}: the adapter holds {'no tensors' if not tensors else 'empty tensors: ' + empty[0]}")
-    unknown = [k for k in tensors if ".lora_" not in k and any(m in k for m in ("lora_embedding", "lora_magnitude"))]
+    unknown = [k for k in tensors if "lora_embedding" in k]
     if unknown:
         raise UserError(f"{origin}: unsupported adapter tensor {unknown[0]}")
     return Adapter(conf, tensors, origin)
@@ -139,8 +152,14 @@ def check_adapter_fits(adapter: Adapter, expected: dict[str, torch.Size], base_d
 
 
 def merge_lora(w: torch.Tensor, parts: dict[str, torch.Tensor], scale: float, fan_in_fan_out: bool) -> torch.Tensor:
-    """W + scale * B @ A, computed in fp32."""
+    """W + scale * B @ A, computed in fp32. DoRA (a magnitude vector "m"): m / ||W + dW|| x (W + dW),
+    the norm over each output row, as peft's DoRA merge (tuners/lora/dora.py, `dora_factor`)."""
     delta = (parts["B"].float() @ parts["A"].float()) * scale
     if fan_in_fan_out:
         delta = delta.T
-    return w.float() + delta
+    merged = w.float() + delta
+    if "m" in parts:
+        rows = merged.T if fan_in_fan_out else merged          # [out, in]
+        rows = rows * (parts["m"].float() / torch.linalg.norm(rows, dim=1)).view(-1, 1)
+        merged = rows.T if fan_in_fan_out else rows
+    return merged

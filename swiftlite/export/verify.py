@@ -250,7 +250,12 @@ def reference_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(mod, LoraLayer):
             base = mod.get_base_layer()
             w = tensor_value(base, "weight", base.weight).float()
-            out[f"{mname}.weight"] = w + mod.get_delta_weight(name).float().reshape(w.shape)
+            merged = w + mod.get_delta_weight(name).float().reshape(w.shape)
+            if mod.use_dora.get(name):   # peft's DoRA merge: magnitude / row norm of the merged weight
+                dora = mod.lora_magnitude_vector[name]
+                norm = dora.get_weight_norm(w, merged - w, scaling=1).detach()
+                merged = (dora.weight.detach().float() / norm).view(-1, 1) * merged
+            out[f"{mname}.weight"] = merged
             if getattr(base, "bias", None) is not None:
                 out[f"{mname}.bias"] = base.bias.detach().float()
             done.append(mname + ".")

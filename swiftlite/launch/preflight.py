@@ -69,6 +69,8 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "JobFact
     # and the backend, once (swiftlite/job.py)
     facts = resolve_for_launch(cfg, world_size)
     check_attn_impl(cfg)
+    from swiftlite.train.run import skeleton_mode
+    skeleton_mode(cfg, facts.choice)   # refuses an adapter peft computes from weights a skeleton lacks
     from swiftlite.metrics import check_report_to
     from swiftlite.optim import check_scheduler
     check_report_to(cfg)

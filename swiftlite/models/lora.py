@@ -85,7 +85,8 @@ def _wrap(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
                         "4-bit (bitsandbytes replaced no linear layer); use --lora")
     conf = LoraConfig(r=lc.lora_rank, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout,
                       target_modules=targets, modules_to_save=lc.modules_to_save or None,
-                      task_type="CAUSAL_LM", bias="none")
+                      task_type="CAUSAL_LM", bias=lc.lora_bias, use_dora=lc.use_dora, use_rslora=lc.use_rslora,
+                      init_lora_weights=init_lora_weights(cfg))
     # The LoRA A matrices are random: draw them from --seed alone, so every rank builds the same
     # adapter (the trainer seeds each rank differently for dropout; sharded backends keep each rank's
     # own slice, so per-rank inits would mix) and a 2-process run starts where a 1-process run does.
@@ -96,6 +97,88 @@ def _wrap(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
         from swiftlite.models.sharded import adapters_stay_real, deferred
         try:
             with adapters_stay_real() if deferred(model) is not None else contextlib.nullcontext():
-                return get_peft_model(model, conf)
+                peft_model = get_peft_model(model, conf)
         except ValueError as e:
             raise UserError(f"--target-modules: {str(e).splitlines()[0]}") from None
+    if mutates_base(cfg):
+        keep_initial_adapter(peft_model)
+    return peft_model
+
+
+# -- LoRA variants (--use_dora, --use_rslora, --init_weights, --lora_bias) ----------------------------
+
+def init_lora_weights(cfg: "RunConfig") -> bool | str:
+    """--init_weights as peft's init_lora_weights: true/false are booleans, the rest peft's names."""
+    w = cfg.lora.init_weights
+    return {"true": True, "false": False}.get(w, w)
+
+
+def mutates_base(cfg: "RunConfig") -> bool:
+    """PiSSA and OLoRA move the principal part of each adapted base weight into A0, B0 and leave the
+    residual W - s * B0 @ A0 in the base (peft), so the base in the model folder is no longer the
+    one the adapter is trained against."""
+    w = cfg.lora.init_weights
+    return cfg.is_peft and (w.startswith("pissa") or w == "olora")
+
+
+def reads_base(cfg: "RunConfig") -> str | None:
+    """The flag whose adapter peft computes from the base weights when it builds it (DoRA's magnitude
+    is the norm of each weight row; PiSSA/OLoRA decompose the weight), or None."""
+    if not cfg.is_peft:
+        return None
+    if cfg.lora.use_dora:
+        return "--use_dora"
+    if mutates_base(cfg):
+        return f"--init_weights {cfg.lora.init_weights}"
+    return None
+
+
+def check_skeleton(cfg: "RunConfig", skeleton: str | None) -> None:
+    """A skeleton (models/sharded.py) has meta weights when peft builds the adapter: an adapter peft
+    computes from the base would be computed from nothing. Refused before launch with the way out."""
+    flag = reads_base(cfg)
+    if skeleton is None or flag is None:
+        return
+    if skeleton == "shard" and cfg.quant_bits is None:
+        way = "add --sharded_loading false (each rank loads the whole model, then shards it)"
+    else:
+        way = "train it on --parallelism single/ddp with --train-type lora (a 16-bit base), or drop the flag"
+    raise UserError(f"{flag}: peft computes this adapter from the base weights, which "
+                    f"{'sharded loading' if skeleton == 'shard' else 'layer-by-layer 4-bit loading'} has not "
+                    f"loaded yet when the adapter is built; {way}")
+
+
+#: peft's saved names of an adapter's initial A0/B0, kept on the peft model by `apply_lora`.
+INITIAL_ADAPTER = "swiftlite_initial_adapter"
+
+
+def keep_initial_adapter(peft_model: "torch.nn.Module") -> None:
+    """Keep a CPU copy of PiSSA's/OLoRA's initial A0, B0 (peft's saved names) on the model: every
+    adapter written later is converted with it into a plain LoRA on the original base (`as_plain_lora`)."""
+    from peft import get_peft_model_state_dict
+    sd = get_peft_model_state_dict(peft_model)
+    setattr(peft_model, INITIAL_ADAPTER,
+            {k: v.detach().float().cpu().clone() for k, v in sd.items() if ".lora_A." in k or ".lora_B." in k})
+
+
+def as_plain_lora(config: dict, sd: dict, initial: dict) -> tuple[dict, dict]:
+    """A PiSSA/OLoRA adapter (trained A, B against the residual base) as a plain LoRA adapter of the
+    original base, as peft's `save_pretrained(path_initial_model_for_weight_conversion=...)` writes it
+    (peft LoraModel.subtract_mutated_init): delta W = s (B A - B0 A0) = s [B | -B0] [A ; A0], so rank 2r,
+    and lora_alpha doubled (x sqrt 2 under rsLoRA) to keep the scale; init_lora_weights becomes true.
+    Returns (config, tensors)."""
+    import torch
+    out = dict(sd)
+    for k, a0 in initial.items():
+        if k not in sd:
+            raise RuntimeError(f"adapter tensor {k} missing from the saved adapter")
+        t = sd[k]
+        if ".lora_A." in k:
+            out[k] = torch.cat([t.float(), a0], dim=0).to(t.dtype)
+        else:
+            out[k] = torch.cat([t.float(), -a0], dim=1).to(t.dtype)
+    conf = dict(config)
+    conf["r"] = conf["r"] * 2
+    conf["lora_alpha"] = conf["lora_alpha"] * (2 ** 0.5 if conf.get("use_rslora") else 2)
+    conf["init_lora_weights"] = True
+    return conf, out

@@ -58,14 +58,19 @@ def skeleton_mode(cfg: RunConfig, choice: Any) -> str | None:
     "shard" where the record loads sharded (fsdp, hsdp, fsdp1; --sharded-loading false keeps the
     whole-model path) and for a 4-bit base under ZeRO-3 (filled and partitioned layer by layer by the
     engine), "fill" for a 4-bit base elsewhere (quantized weight by weight, then wrapped),
-    None otherwise (from_pretrained, inside the record's init context: ZeRO-3's zero.Init)."""
+    None otherwise (from_pretrained, inside the record's init context: ZeRO-3's zero.Init).
+    An adapter peft computes from the base weights (DoRA, PiSSA, OLoRA) cannot be built on a
+    skeleton: refused with the way out (models/lora.check_skeleton; preflight asks this too)."""
+    from swiftlite.models.lora import check_skeleton
+    mode = None
     if choice.record.loading == "sharded" and cfg.parallel.sharded_loading:
-        return "shard"
-    if cfg.quant_bits == 4 and choice.record.loading == "partitioned":
-        return "shard"   # ZeRO-3 fills the 4-bit skeleton layer by layer, partitioning each (parallel/deepspeed.py)
-    if cfg.quant_bits == 4 and choice.record.loading != "sharded":
-        return "fill"
-    return None
+        mode = "shard"
+    elif cfg.quant_bits == 4 and choice.record.loading == "partitioned":
+        mode = "shard"   # ZeRO-3 fills the 4-bit skeleton layer by layer, partitioning each (parallel/deepspeed.py)
+    elif cfg.quant_bits == 4 and choice.record.loading != "sharded":
+        mode = "fill"
+    check_skeleton(cfg, mode)
+    return mode
 
 
 def smallest_gpu_memory(world: Any) -> int | None:

@@ -60,7 +60,12 @@ TABLE = [
     ("--train_type full --lora_dropout 0.05", "--lora-dropout needs --train-type lora/qlora"),
     ("--train_type full --target_modules all-linear", "--target-modules needs --train-type lora/qlora"),
     ("--train_type full --modules_to_save lm_head", "--modules-to-save needs --train-type lora/qlora"),
-    ("--use_dora true", "--use_dora true: DoRA is not available"),
+    ("--use_dora true", ("use_dora", True)),
+    ("--use_rslora true", ("use_rslora", True)),
+    ("--init_weights pissa", ("init_weights", "pissa")),
+    ("--init_weights True", ("init_weights", "true")),
+    ("--lorap_lr_ratio 16", ("lorap_lr_ratio", 16.0)),
+    ("--lora_bias all", ("lora_bias", "all")),
     ("--lora_bias none", ACCEPTED),
     # quantization
     ("--quant_bits 4", ("quant_bits", 4)),
