@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,9 @@ def coerce(spec: FieldSpec, value: Any, where: str) -> Any:
                 value = [v for v in value.replace(",", " ").split() if v]
             if not isinstance(value, (list, tuple)):
                 value = [value]
-            return [str(v) for v in value]
+            # list[float] (--reward-weights) and list[int] elements are numbers; every other list holds words
+            item = (typing.get_args(t) or (str,))[0]
+            return [item(v) if item in (int, float) and not isinstance(v, bool) else str(v) for v in value]
         if t is str and spec.is_switch and str(value).strip().lower() in TRUE_WORDS | FALSE_WORDS:
             return "true" if str(value).strip().lower() in TRUE_WORDS else "false"
         if t is bool:

@@ -182,6 +182,46 @@ class UnpairedTask(PreferenceTask):
 #: rlhf methods whose task is not PreferenceTask's pairs (by --rlhf_type).
 RLHF_TASKS: dict[str, Task] = {"kto": UnpairedTask(task_spec("rlhf"))}
 
+class GrpoTask(Task):
+    """rlhf --rlhf_type grpo: online RL on prompts (rlhf/grpo.py): each step's completions are sampled
+    from the policy and scored by --reward_funcs; a sample is a completion (the global batch counts them)."""
+
+    def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
+                     progress: Callable[[str, int], Any] | None = None) -> Any:
+        from swiftlite.rlhf.grpo_data import prepare_prompts
+        return prepare_prompts(cfg, tokenizer, world_size, progress=progress)
+
+    def make_batches(self, cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> Any:
+        from swiftlite.rlhf.grpo import grpo_batches
+        return grpo_batches(cfg, train, plan, tokenizer, world)
+
+    def step_fn(self) -> Callable[..., Any]:
+        from swiftlite.rlhf.grpo import grpo_step
+        return grpo_step
+
+    def run_evaluate(self, run: Any) -> dict:
+        return {}       # no validation data: prepare_prompts refuses it
+
+    def setup_engine(self, run: Any) -> Any:
+        from swiftlite.rlhf.grpo import setup
+        return setup(run)
+
+    def describe(self, run: Any) -> str:
+        b = run.batches
+        o, p = b.loss, b.plan
+        ref = f", reference: {b.reference_kind}" if b.reference is not None else ""
+        return (f"grpo ({o.loss_type} loss, beta {o.beta:g}{ref}; {p.num_generations} completions per prompt, "
+                f"{p.round_prompts} prompts per generation round, rewards {', '.join(r.key for r in b.rewards)}), ")
+
+    def dry_run_lines(self, cfg: Any) -> list[str]:
+        r = cfg.rlhf
+        return [f"grpo:           {r.loss_type or 'grpo'} loss, beta {0.04 if r.beta is None else r.beta:g}, "
+                f"{r.num_generations} completions per prompt, rewards {', '.join(r.reward_funcs)}; batches count "
+                "completions"]
+
+
+GRPO_TASK = GrpoTask(TaskSpec("rlhf", unit="prompt", sequences_per_sample=1, chat=True, own_options="rlhf"))
+
 TASKS: dict[str, Task] = {
     "sft": TokenTask(task_spec("sft")),
     "pt": TokenTask(task_spec("pt")),
@@ -190,6 +230,8 @@ TASKS: dict[str, Task] = {
 
 
 def task_of(cfg: Any) -> Task:
+    if cfg.task == "rlhf" and cfg.rlhf.rlhf_type == "grpo":
+        return GRPO_TASK
     if TASKS[cfg.task].spec.own_options == "rlhf" and cfg.rlhf.rlhf_type in RLHF_TASKS:
         return RLHF_TASKS[cfg.rlhf.rlhf_type]
     return TASKS[cfg.task]

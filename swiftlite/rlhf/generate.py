@@ -1,0 +1,143 @@
+"""GRPO's sampling: transformers' `generate` on the policy, with each completion's randomness its own.
+
+Sampling is Gumbel-max: temperature, top-k and top-p are transformers' own logits warpers, then
+each row adds Gumbel noise drawn from a torch.Generator of its own and `generate` takes the argmax
+(greedy search). argmax(logits + Gumbel) is an exact draw from softmax(logits), so this is sampling
+with --temperature/--top-p/--top-k; what it adds is that the draw of completion c of round k depends
+only on (--seed, k, c): the same completions for any number of processes, any micro-batch layout and
+after a resume, with no RNG state to save (the generators are rebuilt from the round's index, which
+the checkpointed step gives) and none of the global torch RNG consumed (dropout's stays as it was).
+
+Sharded engines gather the weights once per generation round, not per token (`gathered`):
+FSDP2 (fsdp, hsdp) unshards every FSDPModule and keeps them unsharded until the round ends (their
+reshard-after-forward is switched off for the round, then restored and resharded); ZeRO-3 gathers
+every parameter with deepspeed.zero.GatheredParameters. Other engines hold whole weights already.
+LoRA policies generate with the adapter on (peft's generate on the PeftModel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+
+class GumbelSampler:
+    """A logits processor adding per-row Gumbel noise (-log(-log U)), U from the row's generator."""
+
+    def __init__(self, generators: list[torch.Generator]):
+        self.generators = generators
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        noise = torch.empty_like(scores, dtype=torch.float32)
+        for b, g in enumerate(self.generators):
+            u = torch.rand(scores.shape[-1], generator=g, device=g.device, dtype=torch.float32)
+            noise[b] = -torch.log(-torch.log(u.clamp(min=1e-20, max=1 - 1e-7)))
+        return scores.float() + noise
+
+
+def completion_seed(seed: int, rnd: int, c: int) -> int:
+    """The generator seed of completion `c` of round `rnd` (a fixed mixing of the three numbers)."""
+    return (seed * 1_000_003 + rnd * 10_007 + c) % (2 ** 63 - 1)
+
+
+@contextlib.contextmanager
+def gathered(model: Any):
+    """The generation round's gather (module docstring): a no-op for unsharded engines."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if units:
+        saved = []
+        for m in units:
+            group = m._get_fsdp_state()._fsdp_param_group
+            # reshard-after-forward per unit as FSDP2 keeps it (None: kept unsharded after forward)
+            saved.append(None if group is None else group.post_forward_mesh_info)
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m, info in zip(units, saved):
+                group = m._get_fsdp_state()._fsdp_param_group
+                if group is not None:
+                    group.post_forward_mesh_info = info
+                m.reshard()
+        return
+    params = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if params:
+        import deepspeed
+        with deepspeed.zero.GatheredParameters(params):
+            yield
+        return
+    yield
+
+
+def sample(model: Any, prompts: list[list[int]], seeds: list[int], *, pad_id: int, eos_id: int | list[int],
+           max_new_tokens: int, temperature: float, top_p: float, top_k: int, device: Any, autocast: Any = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample one completion per prompt: (prompt_ids [B, P] left-padded, prompt_mask, completion_ids [B, C]
+    (pad after the first EOS), completion_mask [B, C] (1 up to and including the first EOS))."""
+    from transformers import GenerationConfig, LogitsProcessorList
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+    procs = [TemperatureLogitsWarper(temperature)]
+    if top_k > 0:
+        procs.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p))
+    procs.append(GumbelSampler(gens))
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad_id,
+                          eos_token_id=eos_id, temperature=None, top_p=None, top_k=None, use_cache=True)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), (autocast if autocast is not None else contextlib.nullcontext()):
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
+                                 logits_processor=LogitsProcessorList(procs))
+    finally:
+        model.train(was_training)
+    completion = out[:, width:]
+    eos = torch.tensor(eos_id if isinstance(eos_id, list) else [eos_id], device=completion.device)
+    is_eos = torch.isin(completion, eos)
+    n = completion.shape[1]
+    first = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), torch.full((len(prompts),), n,
+                                                                                  device=completion.device))
+    cmask = (torch.arange(n, device=completion.device).unsqueeze(0) <= first.unsqueeze(1)).long()
+    completion = torch.where(cmask.bool(), completion, torch.full_like(completion, pad_id))
+    return ids, mask, completion, cmask
+
+
+def token_logps(module: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                completion_mask: torch.Tensor, temperature: float, ctx: Any = None, entropy: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs [B, C] of the completion tokens (logits / temperature, fp32, as TRL), and
+    the per-token entropy when asked. Positions follow the attention mask (as `generate` placed them)."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attn = torch.cat([prompt_mask, completion_mask], dim=1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    C = completion_ids.shape[1]
+    with ctx if ctx is not None else contextlib.nullcontext():
+        out = module(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                     logits_to_keep=C + 1)
+    logits = (out.logits if hasattr(out, "logits") else out[0])[:, -(C + 1):-1].float() / temperature
+    rows, ents = [], []
+    for b in range(logits.shape[0]):     # one row at a time: one [C, V] fp32 log-softmax alive
+        lse = torch.logsumexp(logits[b], dim=-1)
+        rows.append(logits[b].gather(-1, completion_ids[b].unsqueeze(-1)).squeeze(-1) - lse)
+        if entropy:
+            with torch.no_grad():
+                p = torch.softmax(logits[b], dim=-1)
+                ents.append(lse - (p * logits[b]).sum(-1))
+    return torch.stack(rows), (torch.stack(ents) if entropy else None)
+
+
+__all__ = ["GumbelSampler", "completion_seed", "gathered", "sample", "token_logps"]

@@ -1,0 +1,308 @@
+"""The GRPO step (`swiftlite rlhf --rlhf_type grpo`): generation round -> rewards -> advantages -> the
+clipped-ratio loss on the policy, with sft's contract (one `StepStats` per optimizer step, the same on
+every rank; docs/rlhf.md "GRPO").
+
+A round (rlhf/grpo_data.py's plan) runs when a step needs one that is not in memory: each rank samples
+the completions of its own micro-batches (rlhf/generate.py, one `generate` call per micro-batch, the
+weights gathered once for the round), scores them with every reward function, and the
+[completions x functions] table is summed over ranks so that every rank forms the same group
+advantages (rlhf/grpo_loss.py). The round also keeps, per micro-batch, the reference's per-token
+log-probs (--beta > 0: the adapter disabled for LoRA, else the frozen copy of rlhf/frozen.py) and the
+generating policy's (only when a round serves more than one optimizer step: --num-iterations > 1 or
+--steps-per-generation > GA; otherwise the ratio is 1 and TRL uses the live log-probs, detached).
+
+Normalisation: each micro-batch's loss is TRL's for its --loss-type; grpo, bnpo and dr_grpo
+backpropagate loss / GA (TRL's accumulation scaling), dapo its token sum over the round's tokens x GA /
+S / processes; the backends average over ranks, so the step's gradient is TRL's. The logged `loss` is
+the mean over the step's micro-batches of all ranks (TRL's logged loss).
+
+A reward function that raises stops the run with a UserError naming the function and the row (its
+file and line), before the step's optimizer update: the checkpoints already written are untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from swiftlite.distributed import all_reduce_sum
+from swiftlite.errors import UserError
+from swiftlite.metrics import StepStats
+from swiftlite.rlhf.generate import completion_seed, gathered, sample, token_logps
+from swiftlite.rlhf.grpo_loss import GrpoLoss, advantages, aggregate, clip_stats, token_terms
+
+#: The completions table of --log_completions, in the run folder.
+COMPLETIONS_FILE = "completions.jsonl"
+
+
+@dataclass
+class Round:
+    """One generation round in memory: per micro-batch (as `plan.rank_micro_batches` lists them) its
+    tensors, and the round's statistics (the same on every rank)."""
+    index: int
+    micro: dict[tuple[int, ...], dict[str, torch.Tensor]]
+    metrics: dict[str, float]
+    tokens: float                      # completion tokens of the whole round (dapo's normalizer)
+
+
+@dataclass
+class GrpoBatches:
+    rows: list[dict]
+    plan: Any                          # rlhf/grpo_data.GrpoPlan
+    pad_id: int
+    world: Any
+    rewards: list = field(default_factory=list)
+    loss: GrpoLoss = field(default_factory=GrpoLoss)
+    form: Any = None                   # always padded
+    # set by `setup` (train/tasks.GrpoTask.setup_engine)
+    model: Any = None                  # what generate runs on (the policy, with its adapter)
+    tokenizer: Any = None
+    reference: Any = None              # callable(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    reference_kind: str = ""
+    options: Any = None                # cfg.rlhf
+    log_path: Any = None               # completions.jsonl (main rank, --log_completions)
+    current: Round | None = None
+
+    @property
+    def needs_old(self) -> bool:
+        return self.plan.steps_per_round > 1
+
+
+def grpo_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> GrpoBatches:
+    from swiftlite.plugin import build_rewards
+    r = cfg.rlhf
+    beta = 0.04 if r.beta is None else r.beta
+    loss = GrpoLoss(r.loss_type or "grpo", beta, r.epsilon, r.epsilon if r.epsilon_high is None else r.epsilon_high,
+                    r.max_completion_length)
+    return GrpoBatches(train.rows, plan, tokenizer.pad_token_id, world, build_rewards(r.reward_funcs, r), loss,
+                       options=r, tokenizer=tokenizer)
+
+
+def setup(run: Any) -> Any:
+    """Attach the policy, the reference (beta > 0) and the completions log to run.batches."""
+    from swiftlite.rlhf.reference import adapters_disabled, peft_model, root_module
+    b, cfg, engine = run.batches, run.cfg, run.engine
+    b.model = run.model
+    if b.loss.beta != 0.0:
+        temp = cfg.rlhf.temperature
+        if cfg.rlhf.ref_model or not cfg.is_peft:
+            from swiftlite.rlhf.frozen import build_frozen
+            frozen = build_frozen(run)
+            b.reference = lambda *t: token_logps(frozen.module, *t, temp, frozen.autocast())[0]
+            b.reference_kind = "a frozen copy"
+        else:
+            peft = peft_model(engine.module)
+
+            def ref(*t):
+                module, ctx = root_module(engine)
+                with adapters_disabled(peft):
+                    return token_logps(module, *t, temp, ctx)[0]
+            b.reference = ref
+            b.reference_kind = "the base model with the adapter disabled"
+    if cfg.rlhf.log_completions and run.world.is_main:
+        b.log_path = run.run_dir / COMPLETIONS_FILE
+    return engine
+
+
+def _call_reward(r: Any, completions: list[str], kwargs: dict, wheres: list[str]) -> list[float]:
+    """One reward function on this rank's completions; an exception or a wrong answer becomes a
+    UserError naming the function and the first row it fails on."""
+    def one(i: int) -> Any:
+        return r(completions[i:i + 1], **{k: v[i:i + 1] for k, v in kwargs.items() if isinstance(v, list)},
+                 trainer_state=kwargs["trainer_state"])
+    try:
+        out = r(completions, **kwargs)
+    except Exception as e:
+        for i in range(len(completions)):
+            try:
+                one(i)
+            except Exception as e1:
+                raise UserError(f"reward function {r.key} ({r.name}) raised {type(e1).__name__}: "
+                                f"{str(e1).splitlines()[0] if str(e1) else ''} on {wheres[i]}") from None
+        raise UserError(f"reward function {r.key} ({r.name}) raised {type(e).__name__}: {e} on a batch of "
+                        f"{len(completions)} completions (rows {wheres[0]} ...)") from None
+    out = list(out) if out is not None else []
+    if len(out) != len(completions):
+        raise UserError(f"reward function {r.key} ({r.name}) returned {len(out)} values for {len(completions)} "
+                        f"completions (rows {wheres[0]} ...)")
+    try:
+        return [float("nan") if v is None else float(v) for v in out]
+    except (TypeError, ValueError):
+        bad = next(i for i, v in enumerate(out) if v is not None and not isinstance(v, (int, float)))
+        raise UserError(f"reward function {r.key} ({r.name}) returned {out[bad]!r}, not a number, on {wheres[bad]}") \
+            from None
+
+
+def _gather_objects(obj: Any, world: Any) -> list[Any]:
+    import torch.distributed as dist
+    if world.world_size == 1 or not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * world.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
+    """Sample, score and (where needed) take the old and reference log-probs of round `rnd`."""
+    plan, world, o = b.plan, b.world, b.options
+    prompts = plan.prompts(rnd)
+    G = plan.num_generations
+    tok = b.tokenizer
+    eos = tok.eos_token_id
+    micro: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+    texts: dict[int, str] = {}
+    lengths: dict[int, int] = {}
+    mine = plan.rank_micro_batches(world.rank)
+    with gathered(b.model):
+        for mb in mine:
+            rows = [b.rows[prompts[c // G]] for c in mb]
+            p_ids, p_mask, c_ids, c_mask = sample(
+                b.model, [r["input_ids"] for r in rows], [completion_seed(plan.seed, rnd, c) for c in mb],
+                pad_id=b.pad_id, eos_id=eos, max_new_tokens=o.max_completion_length, temperature=o.temperature,
+                top_p=o.top_p, top_k=o.top_k, device=world.device, autocast=engine.autocast())
+            micro[tuple(mb)] = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids,
+                                "completion_mask": c_mask}
+            for j, c in enumerate(mb):
+                n = int(c_mask[j].sum())
+                lengths[c] = n
+                texts[c] = tok.decode(c_ids[j, :n].tolist(), skip_special_tokens=True)
+    # rewards of this rank's completions, then the whole round's table on every rank
+    N, F = plan.round_completions, len(b.rewards)
+    mine_c = [c for mb in mine for c in mb]
+    rows = [b.rows[prompts[c // G]] for c in mine_c]
+    comps = [texts[c] for c in mine_c]
+    ids = [micro_ids for micro_ids in (_completion_ids(micro, c) for c in mine_c)]
+    kwargs: dict[str, Any] = {}
+    for key in sorted({k for r in rows for k in r["columns"]}):
+        kwargs[key] = [r["columns"].get(key) for r in rows]
+    kwargs.update(prompts=[r["prompt"] for r in rows], completion_ids=ids, response_token_ids=ids,
+                  messages=[r["prompt"] + [{"role": "assistant", "content": t}] for r, t in zip(rows, comps)],
+                  trainer_state=type("TrainerState", (), {"global_step": step})())
+    wheres = [r["where"] for r in rows]
+    table = [0.0] * (N * F + N)                         # + completion lengths
+    for f, r in enumerate(b.rewards):
+        for c, v in zip(mine_c, _call_reward(r, comps, kwargs, wheres)):
+            table[c * F + f] = v
+    for c in mine_c:
+        table[N * F + c] = float(lengths[c])
+    table = all_reduce_sum(table) if world.world_size > 1 else table
+    rpf = torch.tensor(table[:N * F], dtype=torch.float32).view(N, F)
+    lens = torch.tensor(table[N * F:], dtype=torch.float32)
+    weights = torch.tensor(o.reward_weights or [1.0] * F, dtype=torch.float32)
+    adv, rewards, std_zero = advantages(rpf, weights, G, o.scale_rewards or "group")
+    for key, t in micro.items():
+        idx = torch.tensor(key)
+        t["advantages"] = adv[idx].to(world.device)
+        args = (t["prompt_ids"], t["prompt_mask"], t["completion_ids"], t["completion_mask"])
+        if b.loss.beta != 0.0:
+            with torch.no_grad():
+                t["ref_logps"] = b.reference(*args)
+        if b.needs_old:
+            from swiftlite.rlhf.reference import root_module
+            module, ctx = root_module(engine)
+            with torch.no_grad():
+                t["old_logps"] = token_logps(module, *args, o.temperature, ctx)[0]
+    from swiftlite.rlhf.grpo_loss import nanstd
+    metrics = {"reward": float(torch.nanmean(rewards)), "reward_std": float(nanstd(rewards)),
+               "frac_reward_zero_std": float(std_zero.float().mean()),
+               "completions/mean_length": float(lens.mean()), "completions/min_length": float(lens.min()),
+               "completions/max_length": float(lens.max()),
+               "completions/clipped_ratio": float((lens >= o.max_completion_length).float().mean())}
+    for f, r in enumerate(b.rewards):
+        metrics[f"rewards/{r.name}/mean"] = float(torch.nanmean(rpf[:, f]))
+        metrics[f"rewards/{r.name}/std"] = float(nanstd(rpf[:, f]))
+    if o.log_completions:
+        _log_completions(b, step, prompts, mine_c, comps, rpf, adv, world)
+    return Round(rnd, micro, metrics, float(lens.sum()))
+
+
+def _completion_ids(micro: dict, c: int) -> list[int]:
+    for key, t in micro.items():
+        if c in key:
+            j = key.index(c)
+            return t["completion_ids"][j, :int(t["completion_mask"][j].sum())].tolist()
+    raise KeyError(c)
+
+
+def _log_completions(b: GrpoBatches, step: int, prompts: list[int], mine_c: list[int], comps: list[str],
+                     rpf: torch.Tensor, adv: torch.Tensor, world: Any) -> None:
+    G = b.plan.num_generations
+    parts = _gather_objects(list(zip(mine_c, comps)), world)
+    if b.log_path is None:
+        return
+    names = [r.name for r in b.rewards]
+    with open(b.log_path, "a") as f:
+        for c, text in sorted(x for part in parts for x in part):
+            row = b.rows[prompts[c // G]]
+            rew = {n: (None if math.isnan(v) else v) for n, v in zip(names, rpf[c].tolist())}
+            f.write(json.dumps({"step": step + 1, "prompt": b.tokenizer.decode(row["input_ids"]), "completion": text,
+                                "rewards": rew, "advantage": float(adv[c])}) + "\n")
+
+
+def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | None = None,
+              before_optimizer: Callable[[Any], None] | None = None) -> StepStats:
+    """Optimizer step `step` (0-based) on slice `data_step` (default `step`) of its generation round."""
+    b, world, o = batches, batches.world, batches.loss
+    k = step if data_step is None else data_step
+    rnd, j = b.plan.round_of(k)
+    if b.current is None or b.current.index != rnd:
+        b.current = None                                     # the previous round's tensors go first
+        b.current = generate_round(engine, b, rnd, step)
+    cur = b.current
+    ga, S = b.plan.accumulation, b.plan.steps_per_generation
+    temp = b.options.temperature
+    micro = b.plan.micro_batches(j, world.rank)
+    loss_sum, tokens, comp_tokens = 0.0, 0, 0
+    sums = {"kl": 0.0, "entropy": 0.0, "low": 0.0, "high": 0.0, "region": 0.0}
+    from swiftlite.rlhf.reference import root_module
+    for i, mb in enumerate(micro):
+        t = cur.micro[tuple(mb)]
+        mask = t["completion_mask"]
+        with engine.micro_batch(last=i == len(micro) - 1):
+            module, ctx = root_module(engine)
+            logps, ent = token_logps(module, t["prompt_ids"], t["prompt_mask"], t["completion_ids"], mask, temp, ctx,
+                                     entropy=True)
+            terms = token_terms(o, logps, t.get("old_logps"), t.get("ref_logps"), t["advantages"])
+            if o.loss_type == "dapo":
+                mb_loss = aggregate(o, terms.per_token_loss, mask, dapo_tokens=cur.tokens * ga / S / world.world_size)
+                objective = mb_loss
+            else:
+                mb_loss = aggregate(o, terms.per_token_loss, mask)
+                objective = mb_loss / ga
+            engine.backward(objective)
+        loss_sum += float(objective.detach())
+        m = mask.float()
+        tokens += int(t["prompt_mask"].sum() + mask.sum())
+        comp_tokens += int(mask.sum())
+        if terms.kl is not None:
+            sums["kl"] += float((terms.kl.detach() * m).sum())
+        sums["entropy"] += float((ent * m).sum())
+        cs = clip_stats(o, terms.ratio.detach(), t["advantages"], mask)
+        for name in ("low", "high", "region"):
+            sums[name] += float(cs[name].sum())
+    if before_optimizer is not None:
+        before_optimizer(engine)
+    grad_norm = engine.step()
+    names = sorted(sums)
+    totals = all_reduce_sum([loss_sum, float(tokens), float(comp_tokens), *[sums[n] for n in names]])
+    loss_total, tok_total, comp_total = totals[:3]
+    agg = dict(zip(names, totals[3:]))
+    denom = max(1.0, comp_total)
+    out = dict(cur.metrics)
+    if o.beta != 0.0:
+        out["kl"] = agg["kl"] / denom
+    out["entropy"] = agg["entropy"] / denom
+    out["clip_ratio/low_mean"] = agg["low"] / denom
+    out["clip_ratio/high_mean"] = agg["high"] / denom
+    out["clip_ratio/region_mean"] = agg["region"] / denom
+    # loss: the sum over ranks of what each backpropagated, over the ranks (the backends' average): the
+    # mean micro-batch loss (grpo, bnpo, dr_grpo), dapo's token sum over its normalizer
+    return StepStats(step=step + 1, loss=loss_total / world.world_size, grad_norm=float(grad_norm), tokens=int(tok_total),
+                     target_tokens=int(comp_total), metrics=out)
+
+
+__all__ = ["COMPLETIONS_FILE", "GrpoBatches", "Round", "generate_round", "grpo_batches", "grpo_step", "setup"]

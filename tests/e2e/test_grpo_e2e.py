@@ -1,0 +1,119 @@
+"""`swiftlite rlhf --rlhf_type grpo` through the CLI: a LoRA run with a built-in and a plugin reward
+(the plugin sees the completions and the dataset's columns), its metrics and completions table, the
+same losses on a second run with the same seed, and the bad inputs that stop before anything is
+written (one line, exit 2), including a reward that raises mid-run (no checkpoint written)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.conftest import run_cli
+
+COMMON = ["--rlhf-type", "grpo", "--model", "tiny-llama-2l", "--torch-dtype", "fp32", "--parallelism", "single",
+          "--seed", "3", "--per-device-train-batch-size", "4", "--gradient-accumulation-steps", "2",
+          "--num-generations", "4", "--max-completion-length", "6", "--logging-steps", "1", "--save-hf-model", "false"]
+PLUGIN = '''import json, os
+from swiftlite.plugin import ORM, orms
+
+class ExactMatch(ORM):
+    def __call__(self, completions, solution, **kwargs):
+        with open(os.environ["GRPO_CALLS"], "a") as f:
+            f.write(json.dumps({"n": len(completions), "solution": solution, "keys": sorted(kwargs),
+                                "step": kwargs["trainer_state"].global_step}) + "\\n")
+        return [float(c.strip() == s) for c, s in zip(completions, solution)]
+
+def boom(completions, **kwargs):
+    if any(q.endswith("dcba") for q in (m[-1]["content"] for m in kwargs["prompts"])):
+        raise ValueError("no dcba here")
+    return [0.0] * len(completions)
+
+orms["exact"] = ExactMatch
+orms["boom"] = boom
+orms["length"] = lambda completions, **kwargs: [len(c) / 10 for c in completions]
+'''
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("grpo")
+    words = ["abcd", "bcda", "cdab", "dabc", "abdc", "badc", "cadb", "dcba"]
+    (d / "data.jsonl").write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"reverse: {w}"}], "solution": w[::-1]}) + "\n"
+        for w in words))
+    (d / "plugin.py").write_text(PLUGIN)
+    return d
+
+
+def _env(files):
+    from tests.conftest import cli_env
+    env = cli_env()
+    env["GRPO_CALLS"] = str(files / "calls.jsonl")
+    return env
+
+
+def _steps(run):
+    return [json.loads(x) for x in (run / "logging.jsonl").read_text().splitlines() if '"loss"' in x]
+
+
+def test_grpo_lora_run_logs_trl_metrics_and_completions_and_repeats(files, tmp_path):
+    args = ["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--external-plugins", files / "plugin.py",
+            "--reward-funcs", "exact", "repetition", "length", "--reward-weights", "1", "0.5", "1",
+            "--log-completions", "true", "--learning-rate", "1e-3",
+            "--max-steps", "2"]
+    proc = run_cli([*args, "--output-dir", tmp_path / "a"], env=_env(files))
+    assert "grpo (grpo loss, beta 0.04, reference: the base model with the adapter disabled" in proc.stdout
+    steps = _steps(tmp_path / "a")
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        for k in ("loss", "reward", "reward_std", "rewards/ExactMatch/mean", "rewards/RepetitionPenalty/mean",
+                  "rewards/length/mean", "completions/mean_length", "kl", "entropy", "clip_ratio/region_mean"):
+            assert math.isfinite(s[k]), k
+        assert 1 <= s["completions/mean_length"] <= 6 and s["clip_ratio/region_mean"] == 0.0   # one step per round
+    assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 0.0           # the policy moved away from the reference
+    rows = [json.loads(x) for x in (tmp_path / "a" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and {r["step"] for r in rows} == {1, 2}   # 2 steps x 2 prompts x 4 completions
+    assert set(rows[0]["rewards"]) == {"ExactMatch", "RepetitionPenalty", "length"} and "reverse:" in rows[0]["prompt"]
+    calls = [json.loads(x) for x in (files / "calls.jsonl").read_text().splitlines()]
+    assert [c["n"] for c in calls] == [8, 8] and [c["step"] for c in calls] == [0, 1]
+    assert {"prompts", "messages", "completion_ids", "trainer_state"} <= set(calls[0]["keys"])
+    assert len(set(calls[0]["solution"][:4])) == 1                  # a prompt's 4 completions share its row
+    # the same seed gives the same completions and losses, bit for bit
+    run_cli([*args, "--output-dir", tmp_path / "b"], env=_env(files))
+    assert [s["loss"] for s in _steps(tmp_path / "b")] == [s["loss"] for s in steps]
+    assert (tmp_path / "b" / "completions.jsonl").read_text() == (tmp_path / "a" / "completions.jsonl").read_text()
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--reward-funcs", "nope"], "--reward_funcs nope: unknown reward function"),
+    (["--reward-funcs", "exact", "--num-generations", "1"], "--num-generations 1: GRPO needs at least 2"),
+    (["--reward-funcs", "exact", "--num-generations", "3"], "does not divide into groups of 3"),
+    (["--reward-funcs", "exact", "--dataset", "NOSOL"], "no 'solution' column, which reward function exact"),
+])
+def test_bad_inputs_stop_before_anything_is_written(files, tmp_path, extra, words):
+    if "NOSOL" in extra:
+        bad = tmp_path / "nosol.jsonl"
+        bad.write_text(json.dumps({"prompt": "reverse: ab", "solution": "ba"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+        extra = [bad if e == "NOSOL" else e for e in extra]
+    out = tmp_path / "out"
+    proc = run_cli(["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--external-plugins", files / "plugin.py",
+                    *extra, "--max-steps", "1", "--output-dir", out], check=False, env=_env(files))
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert err.count("\n") == 0 and words in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_a_reward_that_raises_names_the_function_and_row_and_saves_nothing(files, tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli(["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--external-plugins", files / "plugin.py",
+                    "--reward-funcs", "boom", "--max-steps", "4", "--save-steps", "1", "--output-dir", out],
+                   check=False, env=_env(files))
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "reward function boom (boom) raised ValueError: no dcba here on " in err[0]
+    assert err[0].endswith(f"{files / 'data.jsonl'}:8")              # the row: file and line (dcba is line 8)
+    done = sorted(p.name for p in out.glob("checkpoint-*"))
+    assert all((out / d / "trainer_state.json").exists() for d in done)   # only whole checkpoints
