@@ -200,9 +200,6 @@ def _lora(c: RunConfig):
             return f"--lora-dropout must be in [0, 1), got {lc.lora_dropout}"
         if not lc.target_modules:
             return "--target-modules is empty: give all-linear or module names (q_proj v_proj ...)"
-        if "all-linear" in lc.target_modules and len(lc.target_modules) > 1:
-            return (f"--target-modules {' '.join(lc.target_modules)}: all-linear already selects every linear "
-                    "layer; give either all-linear or a list of names")
 
 
 #: --init_weights values (peft's init_lora_weights); pissa_niter_N is PiSSA by N subspace iterations.

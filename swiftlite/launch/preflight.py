@@ -4,7 +4,7 @@ created: a run that fails validation leaves nothing behind and starts no rank.""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swiftlite.checkpoint.run_dir import check_output_dir
 from swiftlite.config import RunConfig
@@ -31,9 +31,31 @@ def check_model_folder(cfg: RunConfig, folder: Path) -> None:
             extra = " and ships its own Python code (auto_map)" if conf.get("auto_map") else ""
             raise UserError(f"--model {arg}: model_type {mtype!r} is not built into transformers{extra}; "
                             "swiftlite runs no code from a model folder unless you pass --trust-remote-code")
+    quant = conf.get("quantization_config")
+    method = str(quant.get("quant_method", "")).lower() if isinstance(quant, dict) else ""
+    if method and method != "bitsandbytes":
+        # transformers would need that method's kernels, and the weights are not the 16-bit ones
+        # swiftlite trains or quantizes itself: say so here, not as an ImportError in every rank
+        raise UserError(f"--model {arg}: a pre-quantized {method.upper()} model (config.json quantization_config); "
+                        "swiftlite trains 16/32-bit weights (full, lora) or quantizes them itself at load time "
+                        "with bitsandbytes (--train-type qlora, or lora with --quant-bits 4|8): pass the "
+                        "original 16-bit model")
     weights = [p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")]
     if not weights:
         raise UserError(f"--model {arg}: folder has config.json but no weights (*.safetensors, pytorch_model.bin)")
+
+
+def check_lora_targets(cfg: RunConfig, source: Any) -> None:
+    """--target-modules names (not all-linear alone) checked against the model built on the meta device
+    (no weights read): a name that is not in the model or not adaptable fails here, not in the rank."""
+    if not cfg.is_peft or cfg.lora.target_modules == ["all-linear"] or source.kind == "hub":
+        return  # all-linear is checked with the loaded model; a hub model's config may not be here yet
+    import torch
+
+    from swiftlite.models.loading import model_config
+    from swiftlite.models.lora import check_targets
+    from swiftlite.models.sharded import _empty_model
+    check_targets(_empty_model(model_config(cfg, source), torch.float32, {}), cfg)
 
 
 def resolve_for_launch(cfg: RunConfig, world_size: int) -> "JobFacts":
@@ -65,6 +87,7 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "JobFact
     source = resolve_model(cfg.model.model)
     if source.kind == "folder":
         check_model_folder(cfg, Path(source.ref))
+    check_lora_targets(cfg, source)
     # --torch-dtype auto, the model's context length (where they need the model's config or the GPU)
     # and the backend, once (swiftlite/job.py)
     facts = resolve_for_launch(cfg, world_size)

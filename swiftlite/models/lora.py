@@ -40,8 +40,17 @@ def _matches(target: str, path: str) -> bool:
     return path == target or path.endswith("." + target)
 
 
+#: Layer types peft's LoRA adapts besides the linear ones, by class name (peft/tuners/lora/layer.py:
+#: an Embedding gets lora_embedding_A/B; convolutions their own LoRA layers).
+OTHER_ADAPTABLE = ("Embedding", "Conv1d", "Conv2d", "Conv3d", "MultiheadAttention")
+
+
 def check_targets(model: "torch.nn.Module", cfg: "RunConfig") -> str | list[str]:
-    """The target_modules value for peft, after checking it against the model."""
+    """The target_modules value for peft, after checking it against the model. `all-linear` is peft's
+    (every linear layer but the output head); names next to it (`all-linear embed_tokens lm_head`, as
+    in ms-swift) add those modules: peft adapts an Embedding (embed_tokens) with an embedding LoRA
+    and lm_head as a Linear. A name that is not in the model, or names a layer peft cannot adapt, is
+    a one-line error saying which and what the model has."""
     lc = cfg.lora
     paths = linear_module_paths(model)
     body = [p for p in paths if p.rsplit(".", 1)[-1] not in HEAD_NAMES]
@@ -50,19 +59,35 @@ def check_targets(model: "torch.nn.Module", cfg: "RunConfig") -> str | list[str]
                         "adapt (LoRA targets torch Linear / bitsandbytes / Conv1D layers; found none besides "
                         "the output head)")
     names = sorted({p.rsplit(".", 1)[-1] for p in body})
-    all_linear = lc.target_modules == ["all-linear"]
-    missing = [] if all_linear else [t for t in lc.target_modules if not any(_matches(t, p) for p in paths)]
-    if missing:
-        raise UserError(f"--target-modules {' '.join(missing)}: no such linear module in {cfg.model.model} "
-                        f"(its linear modules: {', '.join(names)}; or all-linear)")
+    named = [t for t in lc.target_modules if t != "all-linear"]
+    all_linear = "all-linear" in lc.target_modules
+    modules = {n: m for n, m in model.named_modules() if n}
+    problems = []
+    for t in named:
+        hits = [m for p, m in modules.items() if _matches(t, p)]
+        if not hits:
+            problems.append(f"{t} is not a module of {cfg.model.model}")
+            continue
+        kinds = sorted({type(m).__name__ for m in hits if not (_is_linear(m) or type(m).__name__ in OTHER_ADAPTABLE)})
+        if kinds:
+            problems.append(f"{t} is a {'/'.join(kinds)}, which LoRA cannot adapt (peft adapts Linear, Embedding "
+                            f"and Conv layers; train it in full with --modules-to-save {t})")
+    if problems:
+        adaptable = sorted({p.rsplit(".", 1)[-1] for p, m in modules.items()
+                            if _is_linear(m) or type(m).__name__ in OTHER_ADAPTABLE})
+        raise UserError(f"--target-modules {' '.join(lc.target_modules)}: {'; '.join(problems)} (its adaptable "
+                        f"modules: {', '.join(adaptable)}; or all-linear)")
     if lc.modules_to_save:
-        all_paths = [n for n, _ in model.named_modules() if n]
+        all_paths = list(modules)
         absent = [t for t in lc.modules_to_save if not any(_matches(t, p) for p in all_paths)]
         if absent:
             tops = sorted({p.rsplit(".", 1)[-1] for p in all_paths if not p.rsplit(".", 1)[-1].isdigit()})
             raise UserError(f"--modules-to-save {' '.join(absent)}: no such module in {cfg.model.model} "
                             f"(its modules: {', '.join(tops)})")
-    return "all-linear" if all_linear else list(lc.target_modules)
+    if not named:
+        return "all-linear"
+    # peft takes "all-linear" only as the whole value: with extra names, all-linear's layer names are listed
+    return sorted(set(names) | set(named)) if all_linear else list(named)
 
 
 def apply_lora(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":

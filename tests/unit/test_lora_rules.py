@@ -45,6 +45,7 @@ ACCEPTED = [
     ["--lora", "--quant-bits", "8", "--parallelism", "ddp"],      # checkpoints hold the adapters only
     ["--lora", "--quant-bits", "8"],
     ["--lora", "--target-modules", "q_proj", "v_proj"],
+    ["--lora", "--target-modules", "all-linear", "embed_tokens", "lm_head"],   # ms-swift's spelling: adds those two
 ]
 
 
@@ -73,7 +74,6 @@ REJECTED = [
     (["--lora", "--lora-rank", "0"], "--lora-rank must be > 0"),
     (["--lora", "--lora-alpha", "0"], "--lora-alpha must be > 0"),
     (["--lora", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
-    (["--lora", "--target-modules", "all-linear", "q_proj"], "give either all-linear or a list"),
 ]
 
 
@@ -123,8 +123,10 @@ def test_cli_target_modules_that_match_nothing_is_one_line_exit_2(tmp_path, demo
                           timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
-        "error: --target-modules query_key_value: no such linear module in tiny-llama-2l (its linear modules: "
-        "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj; or all-linear)"], proc.stderr
+        "error: --target-modules query_key_value: query_key_value is not a module of tiny-llama-2l (its adaptable "
+        "modules: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj; or "
+        "all-linear)"], proc.stderr
+    assert not (tmp_path / "o").exists()   # refused in preflight, before the run folder or any rank
 
 
 # -- target checks (models/lora.py) --------------------------------------------------------------------
@@ -157,7 +159,7 @@ def test_target_modules_that_match_nothing_list_what_exists():
     with pytest.raises(UserError) as e:
         apply_lora(model, cfg)
     msg = str(e.value)
-    assert msg.startswith("--target-modules query_key_value: no such linear module")
+    assert msg.startswith("--target-modules q_proj query_key_value: query_key_value is not a module of")
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
         assert name in msg
     assert "\n" not in msg

@@ -1,0 +1,92 @@
+"""Refused before launch, never in a rank: plugin files whose imports fail (ms-swift's `swift` named
+with what to change), pre-quantized AWQ/GPTQ/HQQ folders, LoRA targets the model lacks or peft cannot
+adapt; and ms-swift's `all-linear embed_tokens lm_head` adapts those two as peft does."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from swiftlite.cli import parse_run_args
+from swiftlite.config import load_config
+from swiftlite.errors import UserError
+from swiftlite.parallel.base import load_plugins
+from tests.conftest import run_cli
+
+
+def _cfg(argv):
+    config_file, values = parse_run_args(["--dataset", "d.jsonl", "--model", "tiny-llama-2l", *argv])
+    return load_config(config_file, values, validate_paths=False)
+
+
+def test_msswift_plugin_names_the_import_and_the_port(tmp_path):
+    p = tmp_path / "plugin.py"
+    p.write_text("import re\n\nfrom swift.rewards import ORM, orms\n")
+    with pytest.raises(UserError) as e:
+        load_plugins([str(p)])
+    assert str(e.value) == (
+        f"--external_plugins {p}:3: `from swift.rewards import ORM, orms` failed (No module named 'swift'): this "
+        "is an ms-swift plugin file; reward functions: `from swift.rewards import ORM, orms` becomes `from "
+        "swiftlite.plugin import ORM, orms` (docs/rlhf.md)")
+
+
+def test_plugin_with_a_missing_package_names_it(tmp_path):
+    p = tmp_path / "p.py"
+    p.write_text("def f():\n    pass\nimport not_installed_pkg.sub\n")
+    with pytest.raises(UserError, match=r"p\.py:3: `import not_installed_pkg.sub` failed \(No module named "
+                                        r"'not_installed_pkg'\): install not_installed_pkg in this environment"):
+        load_plugins([str(p)])
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "hqq"])
+def test_prequantized_folder_is_refused_with_what_is_supported(tmp_path, method):
+    from swiftlite.launch.preflight import check_model_folder
+    from swiftlite.models.presets import get_preset
+    conf = {**get_preset("tiny-llama-2l").config, "quantization_config": {"quant_method": method, "bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UserError) as e:
+        check_model_folder(_cfg([]), tmp_path)
+    assert f"a pre-quantized {method.upper()} model" in str(e.value)
+    assert "bitsandbytes (--train-type qlora, or lora with --quant-bits 4|8)" in str(e.value)
+
+
+@pytest.mark.parametrize("targets,msg", [
+    (["q_proj", "nope"], "nope is not a module of tiny-llama-2l"),
+    (["norm"], "norm is a LlamaRMSNorm, which LoRA cannot adapt (peft adapts Linear, Embedding and Conv layers; "
+               "train it in full with --modules-to-save norm)"),
+])
+def test_targets_checked_on_the_meta_model_before_launch(targets, msg):
+    from swiftlite.launch.preflight import check_lora_targets
+    from swiftlite.models.loading import resolve_model
+    cfg = _cfg(["--target-modules", *targets])
+    with pytest.raises(UserError) as e:
+        check_lora_targets(cfg, resolve_model(cfg.model.model))
+    assert msg in str(e.value) and "embed_tokens" in str(e.value) and "lm_head" in str(e.value)
+
+
+def test_all_linear_plus_names_lists_them_for_peft():
+    from swiftlite.models.loading import load_model
+    from swiftlite.models.lora import check_targets
+    cfg = _cfg(["--target-modules", "all-linear", "embed_tokens", "lm_head"])
+    targets = check_targets(load_model(cfg), cfg)
+    assert targets == ["down_proj", "embed_tokens", "gate_proj", "k_proj", "lm_head", "o_proj", "q_proj", "up_proj",
+                       "v_proj"]
+
+
+def test_embed_tokens_and_lm_head_trained_as_peft_adapts_them(tmp_path, demo_data):
+    """Two steps; the adapter holds an embedding LoRA for embed_tokens and a linear one for lm_head, and
+    both moved from their initialisation (B starts at zero)."""
+    train, _ = demo_data
+    out = tmp_path / "o"
+    run_cli(["sft", "--model", "tiny-llama-2l", "--dataset", f"{train}#16", "--target_modules", "all-linear",
+             "embed_tokens", "lm_head", "--max_steps", "2", "--torch_dtype", "fp32", "--learning_rate", "1e-2",
+             "--gradient_accumulation_steps", "1", "--output_dir", str(out)], timeout=300)
+    ckpt = sorted(out.glob("checkpoint-*"))[-1]
+    sd = load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
+    emb_b = [k for k in sd if "embed_tokens.lora_embedding_B" in k]
+    head_b = [k for k in sd if "lm_head.lora_B" in k]
+    assert emb_b and head_b and any("q_proj.lora_A" in k for k in sd), sorted(sd)[:20]
+    assert sd[emb_b[0]].abs().max() > 0 and sd[head_b[0]].abs().max() > 0
