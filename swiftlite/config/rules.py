@@ -225,29 +225,6 @@ def _lora_variants(c: RunConfig):
         return f"--lorap_lr_ratio must be > 0, got {lc.lorap_lr_ratio}"
 
 
-#: --init_weights values (peft's init_lora_weights); pissa_niter_N is PiSSA by N subspace iterations.
-INIT_WEIGHTS = ("true", "false", "gaussian", "pissa", "pissa_niter_N", "olora", "loftq")
-
-
-@rule("lora variants")
-def _lora_variants(c: RunConfig):
-    lc = c.lora
-    w = lc.init_weights
-    if w not in INIT_WEIGHTS and not re.fullmatch(r"pissa_niter_\d+", w):
-        return (f"--init_weights {w}: not one of {', '.join(INIT_WEIGHTS)} (peft's init_lora_weights; ms-swift's "
-                "lora-ga and corda are not available)")
-    if w == "loftq":
-        return ("--init_weights loftq is not available: peft's LoftQ rewrites the base into its quantized residual "
-                "(a second model to save and ship with the adapter); use --init_weights pissa or olora on a 16-bit "
-                "base, or true")
-    if (w.startswith("pissa") or w == "olora") and c.quant_bits is not None:
-        return (f"--init_weights {w} moves the principal part of each base weight into the adapter and keeps the "
-                "residual in the base, which a bitsandbytes-quantized base cannot hold; use --train-type lora "
-                "(16-bit base) or --init_weights true")
-    if lc.lorap_lr_ratio is not None and not lc.lorap_lr_ratio > 0:
-        return f"--lorap_lr_ratio must be > 0, got {lc.lorap_lr_ratio}"
-
-
 #: torch.utils.checkpoint.checkpoint's keyword arguments (what --gradient-checkpointing-kwargs may set).
 CHECKPOINT_KWARGS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop")
 #: ms-swift template names look like this; a --template that is not a file and looks like one is a name.

@@ -117,21 +117,6 @@ class LoraConfig:
     lora_bias: str = opt("none", "Biases trained with the adapter (peft bias): none, or all (every bias of "
                          "the model, saved with the adapter).", choices=("none", "all"))
 
-    use_dora: bool = opt(False, "DoRA (peft use_dora): a trained magnitude vector per adapted layer on top of "
-                         "LoRA; saved in the adapter, merged by export.")
-    use_rslora: bool = opt(False, "rsLoRA (peft use_rslora): scale the adapter by lora_alpha/sqrt(r) instead "
-                           "of lora_alpha/r.")
-    init_weights: str = opt("true", "LoRA initialisation (peft init_lora_weights): true (A random, B zero), "
-                            "false (both random: the adapter starts non-zero), gaussian, pissa or "
-                            "pissa_niter_N (principal singular vectors; the base keeps the residual), olora "
-                            "(QR; the base keeps the residual), loftq (QLoRA: A and B fitted to the 4-bit "
-                            "base's quantization error). Adapters saved from pissa/olora runs are converted "
-                            "to plain LoRA on the original base (peft's rank-2r conversion).",
-                            normalize=lambda v: str(v).strip().lower())
-    lorap_lr_ratio: float | None = opt(None, "LoRA+: the B matrices (and 1-D adapter tensors) train at "
-                                       "learning rate x this ratio (ms-swift: 16 is typical). Default: off.")
-    lora_bias: str = opt("none", "Biases trained with the adapter (peft bias): none, or all (every bias of "
-                         "the model, saved with the adapter).", choices=("none", "all"))
 
 
 @dataclass(kw_only=True)
