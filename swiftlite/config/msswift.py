@@ -43,7 +43,6 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
               "the names into your data rows", many=True),
     NoMeaning("model_name", "fills the {{NAME}} placeholder of ms-swift's self-cognition dataset only; write the "
               "names into your data rows", many=True),
-    NoMeaning("neftune_noise_alpha", "NEFTune embedding noise is not implemented; drop the flag", fits=("0", "0.0")),
     NoMeaning("loss_scale", "the loss is on every assistant turn of sft rows (ms-swift's 'default') and on every "
               "token for pt; other loss scales are not available", fits=("default",)),
     NoMeaning("optim", "swiftlite always trains with torch AdamW (tune it with --adam-beta1, --adam-beta2, "

@@ -225,6 +225,13 @@ def _lora_variants(c: RunConfig):
         return f"--lorap_lr_ratio must be > 0, got {lc.lorap_lr_ratio}"
 
 
+@rule("neftune")
+def _neftune(c: RunConfig):
+    a = c.train.neftune_noise_alpha
+    if a is not None and not a >= 0:
+        return f"--neftune_noise_alpha must be >= 0, got {a}"
+
+
 #: torch.utils.checkpoint.checkpoint's keyword arguments (what --gradient-checkpointing-kwargs may set).
 CHECKPOINT_KWARGS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop")
 #: ms-swift template names look like this; a --template that is not a file and looks like one is a name.

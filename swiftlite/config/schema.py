@@ -267,6 +267,11 @@ class TrainConfig:
     ignore_data_skip: bool = opt(False, "On resume, restart the data order at its first batch instead of skipping "
                                  "the batches already trained on; also lets a run resume on changed data.")
     overwrite_output_dir: bool = opt(False, "Allow a non-empty --output-dir without --resume.")
+    neftune_noise_alpha: float | None = opt(None, "NEFTune (transformers' hook on the input embeddings): in "
+                                            "training-mode forwards add uniform noise of magnitude alpha/sqrt(L*d) "
+                                            "(L the micro-batch's sequence length: padding-free, all its rows "
+                                            "together; d the hidden size); validation and export see none. "
+                                            "Default: off, as ms-swift/HF (5-15 typical).")
     loss_impl: str = opt("chunked", "How the loss is computed. chunked (default, exact, any device): logits "
                          "only for target tokens, lm_head + cross-entropy chunk by chunk, never the full "
                          "tokens x vocab logits; liger: Liger's fused linear cross-entropy (GPU, pip install "

@@ -438,6 +438,17 @@ def decoder_layers(model: "torch.nn.Module") -> list["torch.nn.Module"]:
     return found
 
 
+def add_neftune(model: "torch.nn.Module", alpha: float) -> None:
+    """NEFTune as transformers' Trainer installs it (integrations/neftune.py): a forward hook on the
+    input embeddings that adds noise while the module is in training mode. Every backend's eval()
+    (validation) and the exported model see none; the hook stays on the module through wrapping."""
+    from transformers.integrations.neftune import neftune_post_forward_hook
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model   # peft: the CausalLM
+    emb = base.get_input_embeddings()
+    emb.neftune_noise_alpha = alpha
+    emb.register_forward_hook(neftune_post_forward_hook)
+
+
 def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
                   init_context: Any = None, skeleton: str | None = None) -> "torch.nn.Module":
     """load -> quantize -> LoRA -> activation checkpointing -> compile. Wrap + optimizer come next.
@@ -451,6 +462,8 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
     if cfg.is_peft:
         from swiftlite.models.lora import apply_lora
         model = apply_lora(model, cfg)
+    if cfg.train.neftune_noise_alpha:
+        add_neftune(model, cfg.train.neftune_noise_alpha)
     if cfg.train.gradient_checkpointing:
         kwargs = cfg.train.gradient_checkpointing_kwargs
         model.gradient_checkpointing_enable(

@@ -179,7 +179,7 @@ CASES: list[Case] = [
     Case("msswift-lazy-tokenize", ["sft", *GOOD, *DATA, "--lazy_tokenize", "true"], "--lazy_tokenize true: rows are"),
     Case("msswift-model-author", ["sft", *GOOD, *DATA, "--model_author", "swift", "ms swift"],
          "--model_author swift ms swift: fills the {{AUTHOR}} placeholder"),
-    Case("msswift-neftune", ["sft", *GOOD, *DATA, "--neftune_noise_alpha", "5"], "--neftune_noise_alpha 5: NEFTune"),
+    Case("msswift-neftune", ["sft", *GOOD, *DATA, "--neftune_noise_alpha", "-1"], "--neftune_noise_alpha must be >= 0"),
     Case("msswift-loss-scale", ["sft", *GOOD, *DATA, "--loss_scale", "last_round"], "--loss_scale last_round:"),
     Case("msswift-optim", ["sft", *GOOD, *DATA, "--optim", "adamw_8bit"], "--optim adamw_8bit: swiftlite always"),
     Case("msswift-bf16", ["sft", *GOOD, *DATA, "--bf16", "true"], "--bf16 true: use --torch_dtype bfloat16"),
