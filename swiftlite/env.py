@@ -42,6 +42,9 @@ DS_SHM_COMM = "SWIFTLITE_DS_SHM_COMM"
 EXPORT_THROTTLE_S = "SWIFTLITE_EXPORT_THROTTLE_S"
 EXPORT_MEMLOG = "SWIFTLITE_EXPORT_MEMLOG"
 GPU_CHECK_DRYRUN = "SWIFTLITE_GPU_CHECK_DRYRUN"
+#: One id per launched job (set by the first process that tokenizes, inherited by its ranks): the
+#: tokenization cache entries this job wrote, which --load_from_cache_file false still reads.
+DATA_SESSION = "SWIFTLITE_DATA_SESSION"
 
 
 def _flag(value: str | None) -> bool:
@@ -95,6 +98,14 @@ def settings(environ: Mapping[str, str] | None = None) -> Settings:
         cache=Path(e[CACHE]) if e.get(CACHE) else Settings.cache,
         ds_shm_comm=e.get(DS_SHM_COMM) == "1", export_throttle_s=throttle_s,
         export_memlog=e.get(EXPORT_MEMLOG) or None, gpu_check_dryrun=_flag(e.get(GPU_CHECK_DRYRUN)))
+
+
+def data_session() -> str:
+    """This job's data session (DATA_SESSION), made here the first time a process of the job asks."""
+    if not os.environ.get(DATA_SESSION):
+        import uuid
+        os.environ[DATA_SESSION] = uuid.uuid4().hex
+    return os.environ[DATA_SESSION]
 
 
 # -- generic access (third-party and launcher variables) -------------------------------------------

@@ -35,10 +35,6 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
               "(modelscope download --model ID --local_dir DIR) and pass --model DIR", fits=("true",), switch=True),
     NoMeaning("model_type", "swiftlite reads the architecture from the model's config.json (--model); there are no "
               "ms-swift model types: drop the flag"),
-    NoMeaning("streaming", "every row is read and tokenized before training (and cached); drop the flag",
-              fits=("false",), switch=True),
-    NoMeaning("lazy_tokenize", "rows are tokenized before training, once, and cached; drop the flag",
-              fits=("false",), switch=True),
     NoMeaning("model_author", "fills the {{AUTHOR}} placeholder of ms-swift's self-cognition dataset only; write "
               "the names into your data rows", many=True),
     NoMeaning("model_name", "fills the {{NAME}} placeholder of ms-swift's self-cognition dataset only; write the "
@@ -61,8 +57,6 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
               fits=("true",), switch=True),
     NoMeaning("train_dataloader_shuffle", "the training rows are always shuffled (a permutation per epoch seeded "
               "by --seed)", fits=("true",), switch=True),
-    NoMeaning("load_from_cache_file", "tokenized data is always cached, keyed by the files, tokenizer and options "
-              "(SWIFTLITE_CACHE moves the cache; delete it to start over)", fits=("true",), switch=True),
     NoMeaning("check_model", "swiftlite does not compare model files with the hub", fits=("false",), switch=True),
     NoMeaning("create_checkpoint_symlink", "the newest good checkpoint is named in <output-dir>/latest",
               fits=("false",), switch=True),

@@ -389,6 +389,13 @@ def _grpo(c: RunConfig):
     return None
 
 
+def _sampled(spec: str) -> bool:
+    """`path#N` (not a file whose own name has a '#'; data/sources.parse_source's rule, without
+    importing data/ from config/)."""
+    head, sep, n = spec.rpartition("#")
+    return bool(sep and head and n.strip().isdigit() and not Path(spec).expanduser().is_file())
+
+
 @rule("data loading")
 def _data_loading(c: RunConfig):
     t = c.train
@@ -400,6 +407,31 @@ def _data_loading(c: RunConfig):
                     "batches are built in the training process, nothing ahead)")
         if t.dataloader_prefetch_factor < 1:
             return f"--dataloader-prefetch-factor must be >= 1, got {t.dataloader_prefetch_factor}"
+    d = c.data
+    if task_spec(c.task).own_options is not None:   # rlhf (ms-swift's rlhf has no streaming either)
+        for flag, on in (("--streaming", d.streaming), ("--lazy-tokenize", d.lazy_tokenize)):
+            if on:
+                return (f"{flag} applies to sft and pt: `swiftlite {c.task}` tokenizes its samples before "
+                        "training (--load-from-cache-file true reuses them); drop the flag")
+    if d.lazy_tokenize and d.packing:   # ms-swift: "Packing and lazy_tokenize are incompatible."
+        return "--lazy-tokenize with --packing: packs are cut from tokenized rows; drop one of them"
+    if d.lazy_tokenize and d.streaming:  # ms-swift: "Streaming and lazy_tokenize are incompatible."
+        return "--lazy-tokenize with --streaming: a stream is already tokenized as it is read; drop --lazy-tokenize"
+    if d.streaming:   # ms-swift's rules for an iterable dataset (data/stream.py)
+        if t.max_steps <= 0:
+            return "--streaming needs --max-steps: a stream has no length to count epochs in"
+        sampled = [s for s in d.dataset if _sampled(s)]
+        if sampled:
+            return (f"--streaming with --dataset {sampled[0]}: `#N` sampling needs the whole file; drop `#N` "
+                    "or --streaming")
+        if d.split_dataset_ratio > 0:
+            return ("--streaming with --split-dataset-ratio: a stream cannot hold rows out; give --val-dataset "
+                    "instead")
+        if d.packing:
+            return "--streaming with --packing: packs are cut from the whole tokenized set; drop one of them"
+        for flag, v in (("--save-strategy", c.checkpoint.save_strategy), ("--eval-strategy", t.eval_strategy)):
+            if v == "epoch":
+                return f"{flag} epoch with --streaming: a stream has no epochs; use steps"
 
 
 #: How many times this process ran the rules (a test checks that one `swiftlite sft` runs them once).

@@ -148,6 +148,19 @@ class DataConfig:
     packing: bool = opt(False, "Pack several rows into each sequence of --max-length tokens.")
     skip_bad_rows: bool = opt(False, "Skip (and count) rows that are not valid instead of stopping.")
     dataset_num_proc: int = opt(1, "Processes for dataset preprocessing.")
+    load_from_cache_file: bool = opt(False, "true: reuse tokenized data cached by an earlier run with the same "
+                                     "files, tokenizer and options (SWIFTLITE_CACHE). false (ms-swift's default): "
+                                     "tokenize again (the processes of this job then share that one result).")
+    lazy_tokenize: bool = opt(False, "Tokenize each training row when a batch first needs it (in the DataLoader "
+                              "workers with --dataloader-num-workers), not all before training; the same batches "
+                              "as eager where every row is usable (a row without an answer or over --max-length "
+                              "under delete keeps its place with no targets). Rows are still read and their format "
+                              "checked up front. Not with --packing or --streaming (ms-swift's rules).")
+    streaming: bool = opt(False, "Read and tokenize the training rows as training consumes them (local JSONL/"
+                          "JSON/CSV/Parquet/text files, in file order, restarted at the end), never all in memory. "
+                          "ms-swift's rules: --max-steps is required, no `#N` sampling, no "
+                          "--split-dataset-ratio (give --val-dataset); resume re-reads the stream to the "
+                          "resumed position.")
     padding_free: bool | None = opt(None, "Concatenate each micro-batch's rows into one sequence (position ids "
                                     "restart per row, no attention mask, no pad tokens; same samples and loss "
                                     "as padded batches). Default: on where the model's attention isolates rows "

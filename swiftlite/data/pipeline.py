@@ -12,13 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from swiftlite.data.collate import pack_rows
+from swiftlite.data.rows import DataStats, Tokenized  # noqa: F401  (re-exported: rlhf, tests)
 from swiftlite.data.formats import to_messages, to_text
 from swiftlite.data.sources import load_rows, parse_spec
 from swiftlite.config.tasks import task_spec
@@ -26,38 +26,7 @@ from swiftlite.data.tokenize import IGNORE, encode_messages, encode_text
 from swiftlite import env
 from swiftlite.errors import UserError
 
-CACHE_VERSION = 3
-
-
-@dataclass
-class DataStats:
-    rows: int = 0              # rows read and tokenized
-    truncated: int = 0         # cut to --max-length (--truncation-strategy left/right), kept
-    skipped: list[str] = field(default_factory=list)
-    no_target: int = 0         # dropped: no target token left
-    deleted: int = 0           # dropped: longer than --max-length (--truncation-strategy delete)
-
-    def add(self, other: "DataStats") -> None:
-        self.rows += other.rows
-        self.truncated += other.truncated
-        self.skipped += other.skipped
-        self.no_target += other.no_target
-        self.deleted += other.deleted
-
-    def unusable(self) -> str:
-        """Why rows were not used, for "no usable rows" errors."""
-        return (f"read {self.rows}, skipped {len(self.skipped)}, {self.no_target} without an answer"
-                + (f", {self.deleted} longer than --max-length deleted" if self.deleted else ""))
-
-
-@dataclass
-class Tokenized:
-    rows: list[dict[str, Any]]  # {"input_ids": [...], "labels": [...], (position_ids)}
-    stats: DataStats
-
-    def targets(self, i: int) -> int:
-        lab = self.rows[i]["labels"]
-        return sum(1 for x in lab[1:] if x != IGNORE)
+CACHE_VERSION = 4
 
 
 def cache_dir() -> Path:
@@ -86,39 +55,72 @@ def _fingerprint(specs: list[str], tokenizer: Any, extra: dict) -> str:
 
 
 def _save_cache(path: Path, tok: Tokenized) -> None:
-    lengths = np.array([len(r["input_ids"]) for r in tok.rows], dtype=np.int64)
-    ids = np.concatenate([np.asarray(r["input_ids"], dtype=np.int64) for r in tok.rows]) if tok.rows else np.zeros(0, np.int64)
-    labels = np.concatenate([np.asarray(r["labels"], dtype=np.int64) for r in tok.rows]) if tok.rows else np.zeros(0, np.int64)
-    arrays = {"lengths": lengths, "ids": ids, "labels": labels}
-    if tok.rows and "position_ids" in tok.rows[0]:
-        arrays["pos"] = np.concatenate([np.asarray(r["position_ids"], dtype=np.int64) for r in tok.rows])
+    """Every row field (lists of ints: input_ids, labels, position_ids; rlhf's chosen_/rejected_ ones)
+    as one concatenated array plus the rows' lengths, the stats as JSON, and the data session that
+    wrote it (`--load-from-cache-file false` reads only entries of its own session). No pickle."""
+    keys = list(tok.rows[0]) if tok.rows else ["input_ids", "labels"]
+    arrays: dict[str, Any] = {"keys": np.frombuffer(json.dumps(keys).encode(), dtype=np.uint8)}
+    for k in keys:
+        if tok.rows and not isinstance(tok.rows[0][k], list):   # a scalar per row (rlhf's margin): JSON
+            arrays[f"json_{k}"] = np.frombuffer(json.dumps([r[k] for r in tok.rows]).encode(), dtype=np.uint8)
+            continue
+        arrays[f"len_{k}"] = np.array([len(r[k]) for r in tok.rows], dtype=np.int64)
+        arrays[f"val_{k}"] = (np.concatenate([np.asarray(r[k], dtype=np.int64) for r in tok.rows])
+                              if tok.rows else np.zeros(0, np.int64))
     stats = json.dumps({"rows": tok.stats.rows, "truncated": tok.stats.truncated,
                         "skipped": tok.stats.skipped, "no_target": tok.stats.no_target,
                         "deleted": tok.stats.deleted})
     arrays["stats"] = np.frombuffer(stats.encode(), dtype=np.uint8)
+    arrays["session"] = np.frombuffer(env.data_session().encode(), dtype=np.uint8)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp.npz")
     np.savez(tmp, **arrays)
     os.replace(tmp, path)
 
 
-def _load_cache(path: Path) -> Tokenized | None:
+def _load_cache(path: Path, kind: type = Tokenized, session: str | None = None) -> Tokenized | None:
+    """A cache entry as `kind` (Tokenized, rlhf's PairData); None when it is unreadable or, with
+    `session`, written by another data session."""
     try:
         z = np.load(path, allow_pickle=False)
-        lengths, ids, labels = z["lengths"], z["ids"], z["labels"]
-        pos = z["pos"] if "pos" in z.files else None
+        if session is not None and bytes(z["session"]).decode() != session:
+            return None
+        keys = json.loads(bytes(z["keys"]).decode())
+        scalars = {k: json.loads(bytes(z[f"json_{k}"]).decode()) for k in keys if f"json_{k}" in z.files}
+        cols = {k: (z[f"len_{k}"].tolist(), z[f"val_{k}"]) for k in keys if k not in scalars}
         st = json.loads(bytes(z["stats"]).decode())
     except (OSError, ValueError, KeyError):
         return None
-    rows = []
-    off = 0
-    for n in lengths.tolist():
-        r = {"input_ids": ids[off:off + n].tolist(), "labels": labels[off:off + n].tolist()}
-        if pos is not None:
-            r["position_ids"] = pos[off:off + n].tolist()
-        rows.append(r)
-        off += n
-    return Tokenized(rows, DataStats(**st))
+    n = len(next(iter(scalars.values()))) if scalars else (len(next(iter(cols.values()))[0]) if cols else 0)
+    rows: list[dict] = [{} for _ in range(n)]
+    for k in keys:
+        if k in scalars:
+            for r, v in zip(rows, scalars[k]):
+                r[k] = v
+            continue
+        lengths, vals = cols[k]
+        off = 0
+        for r, m in zip(rows, lengths):
+            r[k] = vals[off:off + m].tolist()
+            off += m
+    return kind(rows, DataStats(**st))
+
+
+def cached(key: str, build: Callable[[], Tokenized], *, kind: type = Tokenized, use_cache: bool = True,
+           load_from_cache_file: bool = True) -> Tokenized:
+    """`build()`'s result through the cache entry `key`. --load-from-cache-file true (ms-swift's
+    meaning) reads any entry for the same inputs; false (ms-swift's default) tokenizes again and
+    replaces the entry, which the other processes of the same job (preflight, then every rank, which
+    inherit its data session: env.data_session) then read instead of tokenizing once more."""
+    cpath = cache_dir() / f"{key}.npz"
+    if use_cache and cpath.is_file():
+        hit = _load_cache(cpath, kind, None if load_from_cache_file else env.data_session())
+        if hit is not None:
+            return hit
+    tok = build()
+    if use_cache:
+        _save_cache(cpath, tok)
+    return tok
 
 
 def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_length: int,
@@ -204,42 +206,43 @@ PARALLEL_MIN_ROWS = 2000
 def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: int, packing: bool,
                    skip_bad_rows: bool, use_cache: bool = True, num_proc: int = 1,
                    progress: Callable[[str, int], Any] | None = None, truncation_strategy: str = "right",
-                   system: str | None = None, seed: int = 42) -> Tokenized:
+                   system: str | None = None, seed: int = 42, load_from_cache_file: bool = True,
+                   transform: Callable[[Any], Any] | None = None, key_extra: dict | None = None) -> Tokenized:
     """Load, convert and tokenize every spec; rows with no target token are dropped and counted, and
     rows over max_length are cut or (truncation_strategy "delete") dropped and counted. `system` is the
     system turn of sft rows that have none. `num_proc` > 1 (--dataset-num-proc) tokenizes in that many
     forked processes (files of at least PARALLEL_MIN_ROWS rows); the result is identical to one process.
     `path#N` specs draw their rows with `seed` (one RandomState over the specs in order, as ms-swift),
-    then the specs are concatenated."""
+    then the specs are concatenated. `transform` rewrites each source's rows before tokenization
+    (--model-name/--model-author: data/self_cognition.py; its inputs go into `key_extra`, the cache
+    key); `load_from_cache_file`: see `cached`."""
     key = _fingerprint(specs, tokenizer, {"task": task, "max_length": max_length, "packing": packing,
                                           "skip": skip_bad_rows, "truncation": truncation_strategy,
-                                          "system": system, "seed": seed})
-    cpath = cache_dir() / f"{key}.npz"
-    if use_cache and cpath.is_file():
-        cached = _load_cache(cpath)
-        if cached is not None:
-            return cached
-    stats = DataStats()
-    rows: list[dict] = []
-    rng = np.random.RandomState(seed)
-    for spec in specs:
-        src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng)
-        stats.skipped += src.skipped
-        items = list(zip(src.rows, src.where))
-        if num_proc > 1 and len(items) >= PARALLEL_MIN_ROWS:
-            part, st = _encode_parallel(items, tokenizer, task, max_length, skip_bad_rows, num_proc,
-                                        truncation_strategy, system)
-        else:
-            it = progress(f"tokenizing {spec}", len(items))(items) if progress is not None else items
-            part, st = _encode_rows(it, tokenizer, task, max_length, skip_bad_rows, truncation_strategy, system)
-        rows += part
-        stats.add(st)
-    if packing:
-        rows = pack_rows(rows, max_length)
-    tok = Tokenized(rows, stats)
-    if use_cache:
-        _save_cache(cpath, tok)
-    return tok
+                                          "system": system, "seed": seed, **(key_extra or {})})
+
+    def build() -> Tokenized:
+        stats = DataStats()
+        rows: list[dict] = []
+        rng = np.random.RandomState(seed)
+        for spec in specs:
+            src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng)
+            if transform is not None:
+                src = transform(src)
+            stats.skipped += src.skipped
+            items = list(zip(src.rows, src.where))
+            if num_proc > 1 and len(items) >= PARALLEL_MIN_ROWS:
+                part, st = _encode_parallel(items, tokenizer, task, max_length, skip_bad_rows, num_proc,
+                                            truncation_strategy, system)
+            else:
+                it = progress(f"tokenizing {spec}", len(items))(items) if progress is not None else items
+                part, st = _encode_rows(it, tokenizer, task, max_length, skip_bad_rows, truncation_strategy,
+                                        system)
+            rows += part
+            stats.add(st)
+        if packing:
+            rows = pack_rows(rows, max_length)
+        return Tokenized(rows, stats)
+    return cached(key, build, use_cache=use_cache, load_from_cache_file=load_from_cache_file)
 
 
 def split_validation(tok: Tokenized, ratio: float, seed: int) -> tuple[Tokenized, Tokenized]:
@@ -249,6 +252,8 @@ def split_validation(tok: Tokenized, ratio: float, seed: int) -> tuple[Tokenized
     random.Random(seed).shuffle(idx)
     n_val = max(1, int(round(len(idx) * ratio)))
     val_set = set(idx[:n_val])
+    if hasattr(tok, "split"):   # --lazy-tokenize (data/lazy.py): the training rows stay untokenized
+        return tok.split(val_set)
     train = [r for i, r in enumerate(tok.rows) if i not in val_set]
     val = [r for i, r in enumerate(tok.rows) if i in val_set]
     kind = type(tok)  # Tokenized, or rlhf's PairData
@@ -292,8 +297,29 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
     def tok(specs: list[str]) -> Tokenized:
         return tokenize_specs(specs, tokenizer, task=cfg.task, max_length=d.max_length, packing=d.packing,
                               skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress,
-                              truncation_strategy=d.truncation_strategy, system=system, seed=t.seed)
-    train, val = train_and_validation(d, tok, t.seed)
+                              truncation_strategy=d.truncation_strategy, system=system, seed=t.seed,
+                              load_from_cache_file=d.load_from_cache_file)
+
+    def encode(items: list[tuple[dict, str]]) -> tuple[list[dict], DataStats]:
+        """(row, where) items -> their usable tokenized rows and stats (lazy and streamed rows)."""
+        return _encode_rows(items, tokenizer, cfg.task, d.max_length, d.skip_bad_rows, d.truncation_strategy,
+                            system)
+
+    def tok_train(specs: list[str]) -> Tokenized:
+        if d.lazy_tokenize and specs is d.dataset:   # validation rows stay eager
+            from swiftlite.data.lazy import lazy_tokenized
+            return lazy_tokenized(specs, encode, tokenizer, task=cfg.task, skip_bad_rows=d.skip_bad_rows,
+                                  seed=t.seed)
+        return tok(specs)
+    if d.streaming:   # data/stream.py: nothing read up front but the first usable row
+        from swiftlite.data.stream import StreamPlan, stream_tokenized
+        train = stream_tokenized(d.dataset, encode, skip_bad_rows=d.skip_bad_rows)
+        val = tok(d.val_dataset) if d.val_dataset else None
+        if val is not None and not val.rows:
+            raise UserError(f"--val-dataset {' '.join(d.val_dataset)}: no usable rows ({val.stats.unusable()})")
+        return train, val, StreamPlan(t.per_device_train_batch_size, world_size, t.gradient_accumulation_steps,
+                                      t.max_steps)
+    train, val = train_and_validation(d, tok_train, t.seed)
     plan = BatchPlan(len(train.rows), t.per_device_train_batch_size, world_size,
                      t.gradient_accumulation_steps, t.seed)
     if plan.steps_per_epoch == 0:

@@ -185,8 +185,15 @@ def prepare_pairs(cfg: Any, tokenizer: Any, world_size: int, *,
     system = system_prompt(d.system)
 
     def tok(specs: list[str]) -> PairData:
-        return tokenize_pairs(specs, tokenizer, max_length=d.max_length, truncation=d.truncation_strategy,
-                              skip_bad_rows=d.skip_bad_rows, system=system, seed=t.seed, progress=progress)
+        # through the tokenization cache, as sft/pt rows (--load-from-cache-file: data/pipeline.cached)
+        from swiftlite.data.pipeline import _fingerprint, cached
+        key = _fingerprint(specs, tokenizer, {"task": "rlhf-pairs", "max_length": d.max_length, "system": system,
+                                              "truncation": d.truncation_strategy, "skip": d.skip_bad_rows,
+                                              "seed": t.seed})
+        return cached(key, lambda: tokenize_pairs(specs, tokenizer, max_length=d.max_length,
+                                                  truncation=d.truncation_strategy, skip_bad_rows=d.skip_bad_rows,
+                                                  system=system, seed=t.seed, progress=progress),
+                      kind=PairData, load_from_cache_file=d.load_from_cache_file)
     train, val = train_and_validation(d, tok, t.seed, unit="pair")
     plan = BatchPlan(len(train.rows), t.per_device_train_batch_size, world_size,
                      t.gradient_accumulation_steps, t.seed)

@@ -36,7 +36,9 @@ def _first_line(run) -> str:
     unit = f"{task.unit}s"
     return (f"swiftlite: {run.choice.name} x {run.world.world_size} process(es) on {run.world.device}, "
             + task.describe(run)
-            + f"{len(run.train_data.rows)} train {unit} ({st.truncated} truncated to {cfg.data.max_length}, "
+            + (f"streamed train {unit} (so far: " if getattr(run.train_data, "stream", None) is not None
+               else f"{len(run.train_data.rows)} train {unit} (")
+            + f"{st.truncated} truncated to {cfg.data.max_length}, "
             f"{len(st.skipped)} skipped, {st.deleted} longer than {cfg.data.max_length} deleted, "
             f"{st.no_target} without target), "
             f"{len(run.val_data.rows) if run.val_data else 0} validation {unit}, global batch "

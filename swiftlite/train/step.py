@@ -76,6 +76,10 @@ def token_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -
     """sft/pt's batches (`TokenTask.make_batches`, train/tasks.py)."""
     from swiftlite.models.loading import batch_form
     t = cfg.train
+    if cfg.data.streaming:   # data/stream.py: the rows are read as the steps consume them
+        from swiftlite.data.stream import StreamBatches
+        return StreamBatches(train, plan, tokenizer.pad_token_id, world, batch_form(cfg), t.dataloader_num_workers,
+                             t.dataloader_pin_memory, t.dataloader_prefetch_factor)
     targets = getattr(train, "target_counts", None) or [train.targets(i) for i in range(len(train.rows))]
     return TokenBatches(train.rows, plan, tokenizer.pad_token_id, world, targets, batch_form(cfg),
                         num_workers=t.dataloader_num_workers, pin_memory=t.dataloader_pin_memory,

@@ -87,3 +87,154 @@ def test_msswift_default_and_bad_values():
                     task="sft", validate_paths=False)
     with pytest.raises(UserError, match=r"--dataloader-num-workers must be >= 0, got -1"):
         load_config(None, {"dataset": ["d.jsonl"], "dataloader_num_workers": -1}, task="sft", validate_paths=False)
+
+
+# -- --load_from_cache_file, --lazy_tokenize -----------------------------------------------------------
+
+def _count_encodes(monkeypatch) -> list[int]:
+    from swiftlite.data import pipeline
+    calls: list[int] = []
+    real = pipeline._encode_rows
+
+    def counted(items, *a, **kw):
+        items = list(items)
+        calls.append(len(items))
+        return real(items, *a, **kw)
+    monkeypatch.setattr(pipeline, "_encode_rows", counted)
+    return calls
+
+
+def test_load_from_cache_file_false_tokenizes_again_true_reads_the_cache(tmp_path, demo_data, monkeypatch):
+    from swiftlite import env
+    from swiftlite.data.pipeline import tokenize_specs
+    from swiftlite.models.loading import load_tokenizer, resolve_model
+    monkeypatch.setenv("SWIFTLITE_CACHE", str(tmp_path / "cache"))
+    cfg = _cfg(tmp_path, demo_data[0], "c")
+    tok = load_tokenizer(cfg, resolve_model(cfg.model.model))
+    calls = _count_encodes(monkeypatch)
+
+    def run(load: bool):
+        return tokenize_specs([f"{demo_data[0]}#40"], tok, task="sft", max_length=256, packing=False,
+                              skip_bad_rows=False, load_from_cache_file=load)
+    monkeypatch.setenv(env.DATA_SESSION, "job-1")
+    first = run(False)
+    assert sum(calls) == 40
+    assert run(False).rows == first.rows and sum(calls) == 40     # same job (its ranks): the job's own entry
+    monkeypatch.setenv(env.DATA_SESSION, "job-2")                  # a new run: ms-swift's default re-tokenizes
+    assert run(False).rows == first.rows and sum(calls) == 80
+    monkeypatch.setenv(env.DATA_SESSION, "job-3")
+    assert run(True).rows == first.rows and sum(calls) == 80      # true: any earlier entry is read
+
+
+def test_lazy_tokenize_tokenizes_at_batch_time_and_gives_the_eager_batches(tmp_path, demo_data, monkeypatch):
+    from swiftlite.data.lazy import LazyRows
+    from swiftlite.data.pipeline import prepare_datasets
+    from swiftlite.models.loading import load_tokenizer, resolve_model
+    from swiftlite.train.loop import train
+    data = demo_data[0]
+    cfg = _cfg(tmp_path, data, "lz", lazy_tokenize=True, split_dataset_ratio=0.1)
+    tok = load_tokenizer(cfg, resolve_model(cfg.model.model))
+    lazy, val, _ = prepare_datasets(cfg, tok, 1)
+    assert isinstance(lazy.rows, LazyRows) and not lazy.rows.memo      # nothing tokenized before training
+    eager, eval_eager, _ = prepare_datasets(_cfg(tmp_path, data, "eg", split_dataset_ratio=0.1), tok, 1)
+    assert len(lazy.rows) == len(eager.rows) and val.rows == eval_eager.rows
+    assert [lazy.rows[i] for i in range(len(eager.rows))] == eager.rows   # row for row the eager rows
+    losses = train(_cfg(tmp_path, data, "e2", dataloader_num_workers=0)).losses
+    assert train(_cfg(tmp_path, data, "l0", lazy_tokenize=True, dataloader_num_workers=0)).losses == losses
+    assert train(_cfg(tmp_path, data, "l2", lazy_tokenize=True, dataloader_num_workers=2)).losses == losses
+
+
+def test_lazy_tokenize_refusals():
+    for extra, msg in (({"packing": True}, "--lazy-tokenize with --packing"),
+                       ({"streaming": True, "max_steps": 2}, "--lazy-tokenize with --streaming")):
+        with pytest.raises(UserError, match=msg):
+            load_config(None, {"dataset": ["d.jsonl"], "lazy_tokenize": True, **extra}, task="sft",
+                        validate_paths=False)
+
+
+# -- --streaming -----------------------------------------------------------------------------------
+
+def _stream_cfg(tmp_path, data, name, **extra):
+    return _cfg(tmp_path, data, name, dataset=[str(data)], streaming=True, **extra)
+
+
+def test_streaming_trains_in_file_order_and_resumes_exactly(tmp_path, demo_data, monkeypatch):
+    import json
+    import shutil
+
+    from swiftlite.checkpoint import layout
+    from swiftlite.data.pipeline import prepare_datasets, tokenize_specs
+    from swiftlite.data.stream import StreamBatches, StreamData
+    from swiftlite.distributed import World
+    from swiftlite.models.loading import load_tokenizer, resolve_model
+    from swiftlite.train.loop import train
+    data = tmp_path / "six.jsonl"    # a 6-row file: the stream wraps around within 4 steps of 4 rows
+    data.write_text("".join(demo_data[0].read_text().splitlines(True)[:6]))
+    cfg = _stream_cfg(tmp_path, data, "s0", dataloader_num_workers=0)
+    tok = load_tokenizer(cfg, resolve_model(cfg.model.model))
+    calls = _count_encodes(monkeypatch)
+    train_data, _, plan = prepare_datasets(cfg, tok, 1)
+    assert isinstance(train_data, StreamData) and sum(calls) == 1    # one row read before launch
+    # step k is rows 4k..4k+3 of the file in order (global batch 2 x 1 x 2), wrapping around at the end
+    eager = tokenize_specs([str(data)], tok, task="sft", max_length=cfg.data.max_length, packing=False,
+                           skip_bad_rows=False).rows
+    b = StreamBatches(train_data, plan, tok.pad_token_id, World(), None, 0, True, None)
+    from swiftlite.data.collate import collate
+    for k in range(4):
+        rows = [eager[(4 * k + j) % 6] for j in range(4)]
+        got = b.step_data(k).micro
+        want = [collate(rows[2 * m:2 * m + 2], tok.pad_token_id) for m in range(2)]  # 2 micro-batches
+        assert all(torch.equal(g[key], w[key]) for g, w in zip(got, want) for key in w)
+    b.close()
+    whole = train(cfg).losses
+    assert train(_stream_cfg(tmp_path, data, "s2", dataloader_num_workers=2)).losses == whole
+    run = tmp_path / "s0"
+    shutil.rmtree(run / layout.checkpoint_name(4))
+    (run / "latest").write_text(layout.checkpoint_name(2))
+    assert train(_stream_cfg(tmp_path, data, "s0", dataloader_num_workers=0, resume="true")).losses == whole[2:]
+    args = json.loads((run / layout.ARGS).read_text())
+    assert args["data"]["streaming"] is True
+
+
+@pytest.mark.parametrize("extra,msg", [
+    ({"max_steps": -1}, "--streaming needs --max-steps"),
+    ({"dataset": ["d.jsonl#50"]}, "--streaming with --dataset d.jsonl#50: `#N` sampling needs the whole file"),
+    ({"split_dataset_ratio": 0.1}, "--streaming with --split-dataset-ratio: a stream cannot hold rows out"),
+    ({"packing": True}, "--streaming with --packing"),
+    ({"save_strategy": "epoch"}, "--save-strategy epoch with --streaming"),
+])
+def test_streaming_refusals(extra, msg):
+    values = {"dataset": ["d.jsonl"], "streaming": True, "max_steps": 10, **extra}
+    with pytest.raises(UserError, match=msg.replace("(", r"\(")):
+        load_config(None, values, task="sft", validate_paths=False)
+
+
+def test_rlhf_refuses_streaming_and_lazy_tokenize():
+    for flag in ("streaming", "lazy_tokenize"):
+        with pytest.raises(UserError, match=f"--{flag.replace('_', '-')} applies to sft and pt"):
+            load_config(None, {"dataset": ["d.jsonl"], flag: True, "max_steps": 2}, task="rlhf", validate_paths=False)
+
+
+def test_the_cache_keeps_any_row_fields_and_the_container_kind(tmp_path, monkeypatch):
+    """rlhf's pairs go through the same cache (rlhf/data.prepare_pairs -> pipeline.cached)."""
+    from swiftlite import env
+    from swiftlite.data.pipeline import DataStats, cached
+    from swiftlite.rlhf.data import PairData
+    monkeypatch.setenv("SWIFTLITE_CACHE", str(tmp_path))
+    monkeypatch.setenv(env.DATA_SESSION, "a")
+    pairs = [{"chosen_ids": [1, 2, 3], "chosen_labels": [IGNORE, 2, 3], "rejected_ids": [1, 4],
+              "rejected_labels": [IGNORE, 4], "margin": 0.5},
+             {"chosen_ids": [5], "chosen_labels": [5], "rejected_ids": [6, 7, 8], "rejected_labels": [6, 7, 8],
+              "margin": None}]   # a scalar column (reward margins) is kept as it is
+    built = []
+
+    def build():
+        built.append(1)
+        return PairData([dict(p) for p in pairs], DataStats(rows=2, truncated=1))
+    first = cached("k", build, kind=PairData, load_from_cache_file=True)
+    again = cached("k", build, kind=PairData, load_from_cache_file=True)
+    assert len(built) == 1 and isinstance(again, PairData) and again.rows == pairs == first.rows
+    assert again.stats.truncated == 1 and again.targets(0) == 2
+    monkeypatch.setenv(env.DATA_SESSION, "b")
+    cached("k", build, kind=PairData, load_from_cache_file=False)
+    assert len(built) == 2      # another job, ms-swift's default: built again

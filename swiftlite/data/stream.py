@@ -1,0 +1,191 @@
+"""--streaming: training rows read and tokenized as training consumes them (ms-swift's rules).
+
+The stream is the `--dataset` specs in the order given, each file in file order (JSONL and .txt line
+by line, never whole in memory; other formats are loaded by `datasets` and then streamed), restarted
+from the first spec when it ends. Rows that eager tokenization would drop (no answer left, over
+--max-length under delete, bad rows with --skip-bad-rows) are dropped from the stream, counted.
+Step k takes the stream's next global batch (per-device x world x accumulation usable rows), cut
+into micro-batches exactly as data/loader.BatchPlan cuts a global batch, so every rank, reading the
+stream itself, takes its own micro-batches and knows the global target count without a collective.
+
+ms-swift's rules, checked before launch (config/rules.py): --max-steps is required (a stream has no
+length), no `path#N` (sampling needs the whole file), no --split-dataset-ratio (give --val-dataset,
+which is tokenized up front), no epoch save/eval strategy. There is no shuffle: the order is the
+files' (ms-swift shuffles a 1000-row buffer; swiftlite keeps the order so that resume is exact).
+Resume reads the stream again from its start up to the resumed step's rows (tokenizing them: the
+time of that many rows, said in the log) and continues exactly where the checkpoint left off.
+With --dataloader-num-workers > 0 one DataLoader worker reads the stream ahead (it is sequential;
+more workers would read the same rows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from swiftlite.data.rows import DataStats, Tokenized
+from swiftlite.errors import UserError
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """A BatchPlan without a dataset length: the global batch shape only."""
+    per_device: int
+    world_size: int
+    accumulation: int
+    max_steps: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.per_device * self.world_size * self.accumulation
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Unknown for a stream: the run's steps (the logged "epoch" is the share of --max-steps done)."""
+        return self.max_steps
+
+    def cut(self, rows: list[dict], rank: int) -> list[list[dict]]:
+        chunks = [rows[i * self.per_device:(i + 1) * self.per_device] for i in range(self.world_size * self.accumulation)]
+        return [chunks[m * self.world_size + rank] for m in range(self.accumulation)]
+
+
+def _raw_rows(spec: str, skip_bad_rows: bool, skipped: list[str]) -> Iterator[tuple[dict, str]]:
+    from swiftlite.data.sources import _iter_jsonl, load_rows, parse_source
+    s = parse_source(spec)
+    path = Path(s.path).expanduser()
+    if s.hub is None and path.is_file() and path.suffix.lower() == ".jsonl":
+        yield from _iter_jsonl(path, skip_bad_rows, skipped)
+        return
+    if s.hub is None and path.is_file() and path.suffix.lower() == ".txt":
+        with path.open(encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if line.strip():
+                    yield {"text": line.rstrip("\n")}, f"{path}:{n}"
+        return
+    src = load_rows(spec, skip_bad_rows=skip_bad_rows)
+    skipped += src.skipped
+    yield from zip(src.rows, src.where)
+
+
+class TokenStream:
+    """The usable tokenized rows of the specs, forever (the specs restart when they end)."""
+
+    def __init__(self, specs: list[str], encode: Callable[[list[tuple[dict, str]]], tuple[list[dict], DataStats]],
+                 skip_bad_rows: bool, transform: Callable[[Any], Any] | None = None):
+        self.specs, self.encode, self.skip_bad_rows, self.transform = specs, encode, skip_bad_rows, transform
+        self.stats = DataStats()
+
+    def rows(self) -> Iterator[dict]:
+        for _ in itertools.count():
+            found = False
+            for spec in self.specs:
+                for row, where in _raw_rows(spec, self.skip_bad_rows, self.stats.skipped):
+                    if self.transform is not None:
+                        row = self.transform.row(row)
+                    part, st = self.encode([(row, where)])
+                    self.stats.add(st)
+                    if part:
+                        found = True
+                        yield part[0]
+            if not found:
+                raise UserError(f"--dataset {' '.join(self.specs)}: no usable rows in the stream "
+                                f"({self.stats.unusable()})")
+
+
+class StreamData(Tokenized):
+    """What prepare_datasets returns for a stream: no rows in memory; the first usable row (checked
+    before launch) and the facts a checkpoint compares (the files' names, sizes and times)."""
+
+    def __init__(self, stream: TokenStream, first: dict):
+        super().__init__([], stream.stats)
+        self.stream, self.first = stream, first
+
+    def for_facts(self) -> Tokenized:
+        h = hashlib.sha256()
+        for spec in self.stream.specs:
+            p = Path(spec).expanduser()
+            h.update(spec.encode())
+            if p.is_file():
+                st = p.stat()
+                h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+        x = int.from_bytes(h.digest()[:7], "big")
+        return Tokenized([{"input_ids": [x], "labels": [x]}], self.stats)
+
+
+def stream_tokenized(specs: list[str], encode: Callable[[list[tuple[dict, str]]], Any], *, skip_bad_rows: bool,
+                     transform: Any = None) -> StreamData:
+    """The stream of `specs`; `encode` is the eager pipeline's row encoder (pipeline.prepare_datasets)."""
+    probe = TokenStream(specs, encode, skip_bad_rows, transform)
+    first = next(probe.rows())      # a stream with no usable row fails here, before launch
+    return StreamData(TokenStream(specs, encode, skip_bad_rows, transform), first)
+
+
+class _StepStream:
+    """StepData for data steps first, first + 1, ... from a fresh read of the stream."""
+
+    def __init__(self, batches: "StreamBatches", first: int, end: int):
+        self.batches, self.first, self.end = batches, first, end
+
+    def __iter__(self) -> Iterator[Any]:
+        b = self.batches
+        rows = b.data.stream.rows()
+        for _ in range(self.first * b.plan.global_batch):   # resume: to the resumed step's rows
+            next(rows)
+        for _k in range(self.first, self.end):
+            yield b.build([next(rows) for _ in range(b.plan.global_batch)])
+
+
+class StreamBatches:
+    """train/step.TokenBatches' interface over a stream: `step_data(k)` for k = first, first + 1, ..."""
+
+    def __init__(self, data: StreamData, plan: StreamPlan, pad_id: int, world: Any, form: Any,
+                 num_workers: int, pin_memory: bool, prefetch_factor: int | None):
+        self.data, self.plan, self.pad_id, self.world, self.form = data, plan, pad_id, world, form
+        self.num_workers, self.pin_memory, self.prefetch_factor = num_workers, pin_memory, prefetch_factor
+        self._it: Iterator[Any] | None = None
+        self._loader_it: Any = None
+        self.next = 0
+        self.end = plan.max_steps
+
+    def build(self, rows: list[dict]) -> Any:
+        from swiftlite.data.collate import collate, count_targets, real_tokens
+        from swiftlite.data.prefetch import StepData
+        padding_free = bool(self.form and self.form.padding_free)
+        micro = [collate(mb, self.pad_id, padding_free=padding_free) for mb in self.plan.cut(rows, self.world.rank)]
+        targets = sum(count_targets(collate([r], self.pad_id)) for r in rows)
+        return StepData(micro, targets, sum(real_tokens(b) for b in micro))
+
+    def prefetch(self, first: int, end: int) -> None:
+        self.close()
+        self.next, self.end = first, end
+        if first > 0 and self.world.is_main:
+            print(f"streaming: re-reading the stream to step {first} ({first * self.plan.global_batch} rows) "
+                  "to resume exactly", flush=True)
+        source = _StepStream(self, first, end)
+        if self.num_workers > 0:
+            import torch
+            from torch.utils.data import DataLoader, IterableDataset
+
+            class _It(IterableDataset):
+                def __iter__(self_inner):
+                    return iter(source)
+            self._loader_it = iter(DataLoader(_It(), batch_size=None, num_workers=1, collate_fn=lambda x: x,
+                                              pin_memory=bool(self.pin_memory and torch.cuda.is_available()),
+                                              prefetch_factor=self.prefetch_factor))
+            self._it = self._loader_it
+        else:
+            self._it = iter(source)
+
+    def step_data(self, k: int) -> Any:
+        if self._it is None or k != self.next:
+            self.prefetch(k, max(self.end, k + 1))
+        self.next += 1
+        return next(self._it)
+
+    def close(self) -> None:
+        it, self._loader_it, self._it = self._loader_it, None, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
