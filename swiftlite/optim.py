@@ -80,23 +80,80 @@ def param_groups(model: torch.nn.Module, weight_decay: float, *, lr: float | Non
     return groups
 
 
-def build_optimizer(model: torch.nn.Module, cfg: "RunConfig") -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters, with torch's fused kernel wherever it runs.
+#: --optim values (config/schema.OPTIMIZERS): transformers' OptimizerNames spellings (what ms-swift
+#: passes on to HF Trainer) of the optimizers torch and transformers ship, plus torch's Muon.
+#: Elementwise ones give the same update on a whole tensor, an FSDP shard or a ZeRO flat partition,
+#: so they run on every backend; the others need each matrix whole (WHOLE_MATRIX).
+WHOLE_MATRIX = {
+    "adafactor": "it factors each matrix's second moment into row and column means",
+    "muon": "it orthogonalises each matrix's update (Newton-Schulz iterations)",
+}
 
-    The fused kernel updates each tensor in one vectorised pass; the default on CPU is the
-    per-tensor Python loop (about ten elementwise passes per parameter: 20 ms of a 100 ms full
-    fine-tuning step of the demo model, measured with torch.profiler). Every backend uses the same
-    choice, so their numerics still agree with each other; plain tensors, DTensors (FSDP2) and
-    ZeRO's flat partitions all take it. Falls back to the loop for devices or dtypes the kernel
-    lacks."""
+
+def optim_problem(cfg: "RunConfig", choice: "object | None" = None) -> str | None:
+    """Why --optim cannot run on this run's backend (`choice`: a parallel.base.BackendChoice), or
+    None. Preflight asks before launch; `build_optimizer` asks again in the rank."""
+    name = cfg.optim.optim
+    if name in WHOLE_MATRIX and choice is not None and any(choice.record.shards):
+        return (f"--optim {name}: {WHOLE_MATRIX[name]}, and --parallelism {choice.name} gives each rank a slice "
+                "(an FSDP shard or a ZeRO flat partition); use --parallelism ddp/single, or an elementwise "
+                "optimizer (adamw_torch_fused, adamw_torch, sgd, adagrad, rmsprop), which runs on every backend")
+    if name == "muon":
+        import torch
+        if not hasattr(torch.optim, "Muon"):
+            return f"--optim muon needs torch.optim.Muon (torch >= 2.9; this is torch {torch.__version__})"
+        l = cfg.lora
+        if not cfg.is_peft or l.use_dora or l.lora_bias != "none" or l.modules_to_save:
+            return ("--optim muon: torch.optim.Muon updates 2-D matrices only, and this run also trains "
+                    f"{'norms, biases and embeddings (a full fine-tune)' if not cfg.is_peft else '1-D tensors or whole modules (DoRA magnitudes, --lora_bias all, --modules-to-save)'}; "
+                    "use it for a plain LoRA (every trainable tensor a matrix), or --optim adamw_torch_fused")
+    return None
+
+
+def build_optimizer(model: torch.nn.Module, cfg: "RunConfig") -> torch.optim.Optimizer:
+    """--optim over the trainable parameters (param_groups: weight decay, LoRA+), with HF Trainer's
+    arguments for each (`Trainer.get_optimizer_cls_and_kwargs`): AdamW with --adam-beta1/2 and
+    --adam-epsilon; sgd, adagrad, rmsprop with the lr alone; adafactor as transformers' Adafactor
+    with scale_parameter=False, relative_step=False (the schedule drives its lr); muon as
+    torch.optim.Muon (lr, weight decay; its other settings torch's defaults).
+
+    adamw_torch_fused (the default, as HF's and ms-swift's) uses torch's fused kernel wherever it
+    runs: it updates each tensor in one vectorised pass; the default on CPU is the per-tensor Python
+    loop (about ten elementwise passes per parameter: 20 ms of a 100 ms full fine-tuning step of the
+    demo model, measured with torch.profiler). Every backend uses the same choice, so their numerics
+    still agree with each other; plain tensors, DTensors (FSDP2) and ZeRO's flat partitions all take
+    it. It falls back to the loop for devices or dtypes the kernel lacks (HF would fail there).
+    adamw_torch is torch's AdamW with its own default implementation (foreach)."""
     import torch
+
+    from swiftlite.errors import UserError
     o = cfg.optim
+    why = optim_problem(cfg)
+    if why:
+        raise UserError(why)
     ratio = cfg.lora.lorap_lr_ratio if cfg.is_peft else None
-    groups = param_groups(model, o.weight_decay, lr=cfg.learning_rate, lorap_lr_ratio=ratio)
-    params = [p for g in groups for p in g["params"]]
-    fused = _fused_supported(params)
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(o.adam_beta1, o.adam_beta2),
-                             eps=o.adam_epsilon, foreach=False if not fused else None, fused=fused or None)
+    lr = cfg.learning_rate
+    groups = param_groups(model, o.weight_decay, lr=lr, lorap_lr_ratio=ratio)
+    name = o.optim
+    if name == "adamw_torch_fused":
+        fused = _fused_supported([p for g in groups for p in g["params"]])
+        return torch.optim.AdamW(groups, lr=lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon,
+                                 foreach=False if not fused else None, fused=fused or None)
+    if name == "adamw_torch":
+        return torch.optim.AdamW(groups, lr=lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr)
+    if name == "adagrad":
+        return torch.optim.Adagrad(groups, lr=lr)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(groups, lr=lr)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+        return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False)
+    if name == "muon":
+        return torch.optim.Muon(groups, lr=lr)
+    from swiftlite.config.schema import OPTIMIZERS
+    raise UserError(f"--optim {name}: not one of {', '.join(OPTIMIZERS)}")
 
 
 def _fused_supported(params: "list[torch.nn.Parameter]") -> bool:

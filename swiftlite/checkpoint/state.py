@@ -65,6 +65,12 @@ def run_facts(cfg: "RunConfig", train_data: Any, global_batch: int) -> dict[str,
     if cfg.is_peft:
         shape.update(lora_rank=cfg.lora.lora_rank, lora_alpha=cfg.lora.lora_alpha,
                      target_modules=list(cfg.lora.target_modules), quant_bits=cfg.quant_bits)
+    # Recorded only when not the default, so checkpoints written before these options resume as before.
+    for key, default in (("optim", "adamw_torch_fused"), ("use_dora", False), ("lora_bias", "none"),
+                         ("init_weights", "true")):
+        value = cfg.flat()[key]
+        if value != default and (key == "optim" or cfg.is_peft):
+            shape[key] = value
     return {"data": {"rows": len(train_data.rows), "tokens": tokens, "sha256": h.hexdigest()[:32]},
             "shape": shape}
 
@@ -245,8 +251,12 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
             f"{state.get('global_step')}); optimizer, LR schedule and data order start fresh at step 0, and the "
             "data/run-shape check was skipped")
         return {**state, "global_step": 0, "resumed_from_step": state.get("global_step")}
-    via_universal = _load_engine(engine, path, world, state, cross, model_only=False, log=log, choice=choice)
     same_world = state.get("world_size") == world.world_size
+    if (cross or (saved == "ds" and not same_world)) and not cfg.optim.optim.startswith("adamw"):
+        raise UserError(f"--resume: {path.name} resumes here through DeepSpeed's universal checkpoint, which "
+                        f"carries AdamW's state only, and this run trains with --optim {cfg.optim.optim}; resume "
+                        "it on the backend and world size that wrote it, or with --resume_only_model")
+    via_universal = _load_engine(engine, path, world, state, cross, model_only=False, log=log, choice=choice)
     if same_world:
         load_rng(path / layout.RNG_DIR, world.rank)
     if cross or not same_world or via_universal:

@@ -41,8 +41,6 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
               "names into your data rows", many=True),
     NoMeaning("loss_scale", "the loss is on every assistant turn of sft rows (ms-swift's 'default') and on every "
               "token for pt; other loss scales are not available", fits=("default",)),
-    NoMeaning("optim", "swiftlite always trains with torch AdamW (tune it with --adam-beta1, --adam-beta2, "
-              "--adam-epsilon, --weight-decay)", fits=("adamw_torch",)),
     NoMeaning("bf16", "use --torch_dtype bfloat16 (the model trains in that dtype; FSDP can still reduce in fp32 "
               "with --mixed-precision bf16)", switch=True),
     NoMeaning("fp16", "use --torch_dtype float16 (loss scaling needs a DeepSpeed backend: --deepspeed zero2/zero3)",
@@ -93,6 +91,10 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
 _TUNERS = "swiftlite trains full, lora or qlora (LoRA on a bitsandbytes 4-bit base)"
 _QUANT = ("quantizing at load time is bitsandbytes only here (--quant_method bnb --quant_bits 4|8); for an "
           "already GPTQ/AWQ-quantized model, train a LoRA on a 16-bit copy instead")
+_OPTIM = ("not available: --optim takes the optimizers torch and transformers ship (adamw_torch_fused, adamw_torch, "
+          "sgd, adagrad, rmsprop, adafactor, muon); the 8-bit/paged (bitsandbytes), GaLore, LOMO, schedule-free, "
+          "XLA/NPU and other extra-package optimizers are not; for less optimizer memory use LoRA or --parallelism "
+          "zero2/zero3/fsdp")
 REFUSED_VALUES: dict[tuple[str, str], str] = {
     **{("train_type", t): _TUNERS for t in ("longlora", "adalora", "llamapro", "adapter", "vera", "boft",
                                             "fourierft", "reft", "bone", "lora_llm")},
@@ -103,6 +105,14 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
         ("gkd", "GKD (on-policy distillation) is not available; distil by running sft on the teacher's outputs"))},
     ("truncation_strategy", "split"): "split (several samples per long row) is not available; use "
                                       "--truncation-strategy delete/left/right, or --packing for pt",
+    **{("optim", o): _OPTIM for o in (
+        "adamw_torch_xla", "adamw_torch_npu_fused", "adamw_anyprecision", "adamw_torch_4bit", "adamw_torch_8bit",
+        "ademamix", "adamw_bnb_8bit", "adamw_8bit", "ademamix_8bit", "lion_8bit", "lion_32bit", "paged_adamw_32bit",
+        "paged_adamw_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit", "paged_lion_32bit", "paged_lion_8bit",
+        "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit", "galore_adamw", "galore_adamw_8bit",
+        "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise",
+        "lomo", "adalomo", "grokadamw", "schedule_free_radam", "schedule_free_adamw", "schedule_free_sgd",
+        "apollo_adamw", "apollo_adamw_layerwise", "stable_adamw")},
 }
 
 

@@ -70,6 +70,8 @@ STRATEGIES = ("steps", "epoch", "no")
 TRUNCATION = ("delete", "left", "right")
 RLHF_TYPES = ("dpo", "orpo", "simpo", "cpo", "kto", "grpo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+#: --optim values (optim.build_optimizer builds each; transformers' OptimizerNames spellings, plus muon).
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd", "adagrad", "rmsprop", "adafactor", "muon")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
@@ -237,6 +239,10 @@ class OptimConfig:
     adam_beta2: float = opt(0.95, "AdamW beta2.")
     adam_epsilon: float = opt(1e-8, "AdamW epsilon.")
     max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this (0 disables).")
+    optim: str = opt("adamw_torch_fused", "Optimizer (HF's names, default as HF's and ms-swift's): adamw_torch_fused "
+                     "(torch AdamW, fused kernel where it runs), adamw_torch, sgd, adagrad, rmsprop (elementwise: "
+                     "every backend), adafactor (transformers' Adafactor, the schedule's lr), muon (torch.optim.Muon, "
+                     "plain LoRA only); adafactor and muon need whole matrices: single/ddp.", choices=OPTIMIZERS)
     lr_scheduler: str = opt("cosine", "Learning-rate schedule: transformers' get_scheduler, the lr of each step "
                             "as HF Trainer's (constant has no warm-up; reduce_lr_on_plateau and greedy are "
                             "refused: they step on a metric).", aliases=("--lr_scheduler_type",

@@ -94,6 +94,10 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "JobFact
     check_attn_impl(cfg)
     from swiftlite.train.run import skeleton_mode
     skeleton_mode(cfg, facts.choice)   # refuses an adapter peft computes from weights a skeleton lacks
+    from swiftlite.optim import optim_problem
+    why = optim_problem(cfg, facts.choice)
+    if why:
+        raise UserError(why)
     from swiftlite.metrics import check_report_to
     from swiftlite.optim import check_scheduler
     check_report_to(cfg)
