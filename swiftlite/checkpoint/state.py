@@ -166,8 +166,12 @@ def _save(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    engine.save(str(tmp))
-    save_rng(tmp / layout.RNG_DIR, world.rank)
+    weights_only = bool(cfg.checkpoint.save_only_model)
+    if weights_only:  # --save_only_model: the weights' shards only; no optimizer, schedule or RNG states
+        engine.save(str(tmp), model_only=True)
+    else:
+        engine.save(str(tmp))
+        save_rng(tmp / layout.RNG_DIR, world.rank)
     if cfg.checkpoint.save_hf_model:
         export_weights(engine, model, tokenizer, cfg, world, tmp)
     faults.maybe_inject(step, "checkpoint")
@@ -175,7 +179,8 @@ def _save(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any,
     if world.is_main:
         state = {"global_step": step, "backend": backend, "format": fmt, "world_size": world.world_size,
                  "train_type": cfg.train.train_type, "model": cfg.model.model,
-                 "torch_dtype": cfg.model.torch_dtype, **(facts or {})}
+                 "torch_dtype": cfg.model.torch_dtype, **(facts or {}),
+                 **({"save_only_model": True} if weights_only else {})}
         (tmp / layout.TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
         store.write_manifest(tmp)
         store.publish(tmp, final, run_dir)  # swap by rename, then move `latest`
@@ -245,6 +250,20 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
     if cross and getattr(engine, "load_universal", None) is None:  # an engine of the older Protocol
         raise UserError(f"--resume: {path} holds a {state.get('backend')} checkpoint; resume it with a "
                         f"{'DeepSpeed' if saved == 'ds' else 'torch'} backend")
+    if state.get("save_only_model") and not model_only:
+        # --save_only_model checkpoint: the weights and the position (step, data order) are there; the
+        # optimizer, schedule and RNG states are not (ms-swift/HF resume such a checkpoint likewise)
+        if cross:
+            raise UserError(f"--resume: {path.name} holds only the weights (--save_only_model), in a "
+                            f"{'DeepSpeed' if saved == 'ds' else 'torch backend'}'s format, which this backend "
+                            "reads only through a conversion that needs the optimizer state; resume it with the "
+                            f"backend that wrote it ({state.get('backend')}), or start a new run from its "
+                            f"{layout.ADAPTER_DIR if cfg.is_peft else layout.MODEL_DIR}/ folder")
+        _load_engine(engine, path, world, state, cross, model_only=True, log=log, choice=choice)
+        log(f"notice: {path.name} was saved with --save_only_model: restored the weights and the data position "
+            f"(step {state.get('global_step')}); not restored: the optimizer state (AdamW moments start at zero), "
+            "the LR schedule (starts again from its first step, warm-up included) and the RNG states (from --seed)")
+        return state
     if model_only:
         _load_engine(engine, path, world, state, cross, model_only=True, log=log, choice=choice)
         log(f"notice: --resume_only_model: loaded the model weights of {path.name} (step "

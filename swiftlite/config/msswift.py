@@ -4,8 +4,8 @@ each entry with the line that tells the user what to use instead.
 Every other ms-swift flag is a RunConfig field (config/schema.py) under its ms-swift name or an alias,
 and means what it means there (docs/usage.md, "ms-swift flags", lists them all; a test checks each
 row). A key of `NO_MEANING` is refused the same way as a flag (`--use_hf false`) and as a config-file
-key (`use_hf: false`). A value in `fits` asks for exactly what swiftlite always does (`--use_hf true`,
-`--save_only_model false`): it is accepted and sets nothing. Import-light (no torch).
+key (`use_hf: false`). A value in `fits` asks for exactly what swiftlite always does (`--use_hf true`):
+it is accepted and sets nothing. Import-light (no torch).
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ class NoMeaning:
 _MULTIMODAL = "multimodal models are not supported (text causal LMs only)"
 
 NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
-    NoMeaning("save_only_model", "checkpoints always keep the optimizer and RNG state (what --resume needs); the "
-              "weights alone are written into every checkpoint as model/ or adapter/ (--save-hf-model, on by "
-              "default), which is what this flag would give", fits=("false",), switch=True),
     NoMeaning("use_hf", "swiftlite downloads from the Hugging Face hub only; for a ModelScope model, download it "
               "(modelscope download --model ID --local_dir DIR) and pass --model DIR", fits=("true",), switch=True),
     NoMeaning("model_type", "swiftlite reads the architecture from the model's config.json (--model); there are no "

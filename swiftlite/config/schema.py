@@ -318,6 +318,11 @@ class CheckpointConfig:
     save_steps: int | None = opt(None, "Save a checkpoint every N steps (always at the end).")
     save_total_limit: int | None = opt(None, "Keep at most N checkpoints (the newest; never the last good).")
     save_hf_model: bool = opt(True, "Also write an HF model folder (full) or peft adapter in each checkpoint.")
+    save_only_model: bool = opt(False, "Checkpoints without the optimizer, LR-schedule and RNG states (the weights' "
+                                "shards, the data position, and model/ or adapter/): smaller, but --resume of one "
+                                "continues at its step with fresh AdamW moments and the LR schedule from its "
+                                "start (as ms-swift). Torch backends only: a DeepSpeed checkpoint holds the "
+                                "weights inside its optimizer partitions.")
     resume: str = opt("false", "Resume from the newest good checkpoint in --output-dir: true (one must exist, "
                       "as in HF), auto (resume when one exists, start fresh when none does: requeued jobs), "
                       "or false.", choices=("false", "true", "auto"))

@@ -500,6 +500,10 @@ def check_config(cfg: "RunConfig", world_size: int, choice: BackendChoice) -> st
     problem = precision_problem(cfg)
     if problem:
         return problem
+    if cfg.checkpoint.save_only_model:
+        return ("--save_only_model: a DeepSpeed checkpoint keeps the weights inside its ZeRO optimizer partitions "
+                "and cannot be written without them; every checkpoint already holds the weights alone as "
+                "model/ or adapter/ (--save-hf-model), or use a torch backend (--parallelism fsdp/ddp/single)")
     src = ds_source(cfg, choice)
     param_dev = offload_devices(load_ds_config(src))[1]
     if cfg.quant_bits is not None and param_dev != "none":

@@ -129,15 +129,19 @@ class TorchEngine:
     def _has_int8(self) -> bool:
         return any(type(m).__name__ == "Linear8bitLt" for m in self.inner.modules())
 
-    def save(self, path: str) -> None:
-        """Sharded save with DCP: each rank writes its own shards; names are the model's own."""
+    def save(self, path: str, *, model_only: bool = False) -> None:
+        """Sharded save with DCP: each rank writes its own shards; names are the model's own.
+        model_only (--save_only_model): the model entries alone, no optimizer or scheduler state
+        (what `load(path, model_only=True)` reads)."""
         import torch.distributed.checkpoint as dcp
         model_state = self._trainable_state()
         if model_state is None:
             model_state = get_model_state_dict(self.inner, options=self._opts(ignore_frozen_params=self._frozen_ok))
-        state = {"model": model_state, "optim": get_optimizer_state_dict(self.inner, self.optimizer)}
+        state = {"model": model_state}
+        if not model_only:
+            state["optim"] = get_optimizer_state_dict(self.inner, self.optimizer)
         dcp.save(state, checkpoint_id=str(Path(path) / DCP_DIR))
-        if self.world.is_main:
+        if self.world.is_main and not model_only:
             (Path(path) / SCHEDULER).write_text(json.dumps(self.scheduler.state_dict()))
 
     def load(self, path: str, *, model_only: bool = False) -> bool:

@@ -168,8 +168,9 @@ CASES: list[Case] = [
     # -- ms-swift flags, values and defaults (docs/usage.md, "ms-swift flags") ----------------------
     Case("msswift-dataloader-workers", ["sft", *GOOD, *DATA, "--dataloader_num_workers", "-1"],
          "--dataloader-num-workers must be >= 0, got -1"),
-    Case("msswift-save-only-model", ["sft", *GOOD, *DATA, "--save_only_model", "true"],
-         "--save_only_model true: checkpoints always keep the optimizer and RNG state"),
+    Case("msswift-save-only-model-deepspeed", ["sft", *GOOD, *DATA, "--save_only_model", "true", "--deepspeed",
+                                               "zero2"],
+         "--save_only_model: a DeepSpeed checkpoint keeps the weights inside its ZeRO optimizer partitions"),
     Case("msswift-use-hf-false", ["sft", *GOOD, *DATA, "--use_hf", "false"],
          "--use_hf false: swiftlite downloads from the Hugging Face hub only"),
     Case("msswift-template-name", ["sft", *GOOD, *DATA, "--template", "qwen2_5"],

@@ -1,0 +1,76 @@
+"""--save_only_model: checkpoints without optimizer/schedule/RNG state; --resume of one restores the
+weights and the data position and says what it does not restore, or refuses with the reason."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from swiftlite.checkpoint import layout
+from swiftlite.config import load_config
+from swiftlite.errors import UserError
+
+
+def _cfg(tmp_path, data, name, **extra):
+    values = {"model": "tiny-llama-2l", "train_type": "full", "dataset": [f"{data}#48"], "max_steps": 4,
+              "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "logging_steps": 1,
+              "output_dir": str(tmp_path / name), "save_steps": 2, "seed": 5, "dataloader_num_workers": 0,
+              "warmup_steps": 2}
+    values.update(extra)
+    return load_config(None, values, task="sft")
+
+
+def _dcp_keys(ckpt) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+    return set(FileSystemReader(str(ckpt / "dcp")).read_metadata().state_dict_metadata)
+
+
+def test_weights_only_checkpoint_and_its_resume(tmp_path, demo_data, capsys):
+    from swiftlite.train.loop import train
+    data = demo_data[0]
+    whole = train(_cfg(tmp_path, data, "full_state")).losses
+    assert any(k.startswith("optim") for k in _dcp_keys(tmp_path / "full_state" / "checkpoint-2"))
+    run = tmp_path / "w"
+    assert train(_cfg(tmp_path, data, "w", save_only_model=True)).losses == whole   # training is unchanged
+    ck = run / "checkpoint-2"
+    keys = _dcp_keys(ck)
+    assert keys and all(k.startswith("model") for k in keys)                     # no optimizer entries
+    assert not (ck / layout.RNG_DIR).exists() and (ck / layout.MODEL_DIR).is_dir()
+    assert json.loads((ck / layout.TRAINER_STATE).read_text())["save_only_model"] is True
+    shutil.rmtree(run / layout.checkpoint_name(4))
+    (run / "latest").write_text(layout.checkpoint_name(2))
+    capsys.readouterr()
+    resumed = train(_cfg(tmp_path, data, "w", save_only_model=True, resume="true")).losses
+    out = capsys.readouterr().out
+    assert "checkpoint-2 was saved with --save_only_model: restored the weights and the data position (step 2)" in out
+    assert "not restored: the optimizer state" in out
+    assert len(resumed) == 2
+    assert resumed[0] == pytest.approx(whole[2], abs=1e-6)    # step 3's loss: the weights after step 2
+    assert resumed[1] != pytest.approx(whole[3], abs=1e-6)    # step 4: fresh AdamW moments and schedule
+
+
+def test_resume_refused_where_the_weights_need_the_optimizer_state(tmp_path):
+    from swiftlite.checkpoint.state import load_training_state
+    c = tmp_path / "checkpoint-3"
+    c.mkdir()
+    (c / layout.TRAINER_STATE).write_text(json.dumps({"global_step": 3, "backend": "single", "format": "dcp",
+                                                      "world_size": 1, "train_type": "lora",
+                                                      "save_only_model": True}))
+    cfg = load_config(None, {"dataset": ["d.jsonl"], "resume": "true"}, task="sft", validate_paths=False)
+    engine = SimpleNamespace(load=lambda *a, **k: pytest.fail("nothing may be loaded"),
+                             load_universal=lambda *a, **k: pytest.fail("nothing may be loaded"))
+    zero2 = SimpleNamespace(key="deepspeed", name="zero2", is_deepspeed=True)
+    with pytest.raises(UserError, match=r"checkpoint-3 holds only the weights \(--save_only_model\), in a torch "
+                                        r"backend's format.*resume it with the backend that wrote it \(single\)"):
+        load_training_state(engine, c, SimpleNamespace(world_size=1, rank=0), cfg, zero2, None)
+
+
+def test_deepspeed_refuses_save_only_model_before_launch():
+    from swiftlite.parallel.deepspeed import check_config
+    cfg = load_config(None, {"dataset": ["d.jsonl"], "save_only_model": True, "torch_dtype": "fp32"}, task="sft",
+                      validate_paths=False)
+    msg = check_config(cfg, 1, SimpleNamespace(key="deepspeed", name="zero2"))
+    assert msg.startswith("--save_only_model: a DeepSpeed checkpoint keeps the weights inside its ZeRO optimizer")
