@@ -48,6 +48,9 @@ def gathered(model: Any):
     from torch.distributed.fsdp import FSDPModule
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if units:
+        # The outermost unit is the root: FSDP2 initialises every unit's state from the root's first
+        # forward, and a unit unsharded before that would initialise on its own (an error later).
+        units[0]._get_fsdp_state()._lazy_init()
         saved = []
         for m in units:
             group = m._get_fsdp_state()._fsdp_param_group

@@ -37,6 +37,8 @@ from swiftlite.rlhf.grpo_loss import GrpoLoss, advantages, aggregate, clip_stats
 
 #: The completions table of --log_completions, in the run folder.
 COMPLETIONS_FILE = "completions.jsonl"
+#: Each rank's generation round in a checkpoint (a resume inside a round continues with it).
+ROUND_FILE = "grpo_round_rank{rank}.pt"
 
 
 @dataclass
@@ -105,7 +107,47 @@ def setup(run: Any) -> Any:
             b.reference_kind = "the base model with the adapter disabled"
     if cfg.rlhf.log_completions and run.world.is_main:
         b.log_path = run.run_dir / COMPLETIONS_FILE
-    return engine
+    if run.resume_path is not None and not cfg.checkpoint.resume_only_model \
+            and run.start_step % b.plan.steps_per_round:
+        b.current = _load_round(run.resume_path, run.world, b.plan.round_of(run.start_step)[0])
+    return GrpoEngine(engine, b, run.world)
+
+
+class GrpoEngine:
+    """The backend's engine, plus this rank's generation round written into every checkpoint (before
+    its manifest is taken): a run resumed inside a round (--num-iterations > 1 or --steps-per-generation
+    > GA) continues on the same completions, advantages and old log-probs. A resume at a round's start
+    samples the round again: the same completions, as they depend on the weights and (seed, round)."""
+
+    def __init__(self, engine: Any, batches: GrpoBatches, world: Any):
+        self._engine, self._batches, self._world = engine, batches, world
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def save(self, path: str) -> None:
+        from pathlib import Path
+        self._engine.save(path)
+        cur = self._batches.current
+        if cur is not None:
+            torch.save({"index": cur.index, "micro": [(list(k), {n: t.cpu() for n, t in v.items()})
+                                                      for k, v in cur.micro.items()],
+                        "metrics": cur.metrics, "tokens": cur.tokens},
+                       Path(path) / ROUND_FILE.format(rank=self._world.rank))
+
+
+def _load_round(ckpt: Any, world: Any, rnd: int) -> Round:
+    f = ckpt / ROUND_FILE.format(rank=world.rank)
+    if not f.is_file():
+        raise UserError(f"{ckpt.name}: resuming inside GRPO generation round {rnd} needs {f.name}, which this "
+                        "checkpoint lacks (saved with another number of processes?); resume with the world size "
+                        "it was saved with")
+    d = torch.load(f, map_location="cpu", weights_only=True)
+    if d["index"] != rnd:
+        raise UserError(f"{ckpt.name}/{f.name} holds generation round {d['index']}, not {rnd}: the checkpoint does "
+                        "not match this run's --steps-per-generation/--num-iterations")
+    micro = {tuple(k): {n: t.to(world.device) for n, t in v.items()} for k, v in d["micro"]}
+    return Round(rnd, micro, d["metrics"], d["tokens"])
 
 
 def _call_reward(r: Any, completions: list[str], kwargs: dict, wheres: list[str]) -> list[float]:
@@ -305,4 +347,4 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
                      target_tokens=int(comp_total), metrics=out)
 
 
-__all__ = ["COMPLETIONS_FILE", "GrpoBatches", "Round", "generate_round", "grpo_batches", "grpo_step", "setup"]
+__all__ = ["COMPLETIONS_FILE", "GrpoBatches", "GrpoEngine", "ROUND_FILE", "Round", "generate_round", "grpo_batches", "grpo_step", "setup"]
