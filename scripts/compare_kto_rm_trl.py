@@ -12,11 +12,10 @@ the built-in preference task:
   rejected one with label false when odd), TRL's prompt/completion/label form; beta 0.1, desirable
   weight 1.0, undesirable weight 1.5. TRL rotates the completions within each per-device batch for
   its KL estimate, swiftlite within the global batch: the same rows here (one process, batch 4).
-- rm: the pairs (chosen/rejected) with a `margin` column (0.5 on every other pair); TRL's
-  RewardTrainer on AutoModelForSequenceClassification(num_labels=1) built from the same folder, its
-  score head initialised from the same seed as swiftlite's (both load the folder, whose weights carry
-  no score head, and draw it from torch's generator after `torch.manual_seed(7)`; the script checks
-  that both start from the same step-1 loss).
+- rm: the pairs (chosen/rejected) with a `margin` column (0.5 on every other pair); both train
+  AutoModelForSequenceClassification(num_labels=1) from one folder (DIR/rm_model: the tiny model with a
+  score head drawn once, seed 7, and the tokenizer's pad id in its config), TRL with RewardTrainer
+  (center_rewards_coefficient off). Compared: loss and TRL's `margin` (mean r_chosen - r_rejected).
 
 The rows are handed to TRL in the order swiftlite's data plan takes them, TRL reads them in that
 order (a sequential sampler). Exit status 1 when a step's loss (kto: also kl and rewards/margins) differs by more
@@ -45,6 +44,8 @@ def _rows(out: Path, steps: int, method: str) -> tuple[Path, Path, Path]:
     """The model folder, our rows and TRL's rows (the same rows, TRL's in plan order)."""
     from swiftlite.data.loader import BatchPlan
     model_dir, pairs, _ = _prepare(out, steps)
+    if method == "rm":
+        model_dir = _reward_model(model_dir, out / "rm_model")
     rows = [json.loads(line) for line in pairs.read_text().splitlines()]
     order = BatchPlan(len(rows), BATCH, 1, 1, seed=7).order(0)
     ours, theirs = out / f"{method}_rows.jsonl", out / f"{method}_rows_trl_order.jsonl"
@@ -65,6 +66,20 @@ def _rows(out: Path, steps: int, method: str) -> tuple[Path, Path, Path]:
     ours.write_text("".join(json.dumps(r) + "\n" for r in mine))
     theirs.write_text("".join(json.dumps(trl[i]) + "\n" for i in order))
     return model_dir, ours, theirs
+
+
+def _reward_model(lm: Path, dest: Path) -> Path:
+    """The causal LM's folder with a score head drawn once (seed 7), saved: both trainers start from it."""
+    if not (dest / "config.json").is_file():
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(lm))
+        torch.manual_seed(7)
+        model = AutoModelForSequenceClassification.from_pretrained(str(lm), num_labels=1, dtype=torch.float32)
+        model.config.pad_token_id = tok.pad_token_id
+        model.save_pretrained(dest, safe_serialization=True)
+        tok.save_pretrained(dest)
+    return dest
 
 
 def _swiftlite(out: Path, model_dir: Path, data: Path, method: str, steps: int) -> dict[int, dict]:
@@ -123,10 +138,7 @@ def trl_side(a: argparse.Namespace) -> int:
         conf, cls = KTOConfig(max_length=4096, **KTO, **common), KTOTrainer
     else:
         from trl import RewardConfig, RewardTrainer
-        torch.manual_seed(7)
         model = AutoModelForSequenceClassification.from_pretrained(a.model, num_labels=1, dtype=torch.float32)
-        if model.config.pad_token_id is None:
-            model.config.pad_token_id = tok.pad_token_id
         conf, cls = RewardConfig(max_length=4096, center_rewards_coefficient=None, **common), RewardTrainer
 
     class InOrder(cls):  # the rows in the order they were written (swiftlite's plan order)
@@ -142,7 +154,7 @@ def trl_side(a: argparse.Namespace) -> int:
         if a.method == "kto":
             toks.append((r["prompt_ids"], r["completion_ids"]))
         else:
-            toks.append((r["chosen_input_ids"], r["rejected_input_ids"]))
+            toks.append((r["chosen_ids"], r["rejected_ids"]))
     Path(a.out, "trl_tokens.json").write_text(json.dumps(toks))
     return 0
 
@@ -176,8 +188,8 @@ def main() -> int:
     print(f"tokenization: {same}/{len(our_toks)} rows identical")
     ours_log = _swiftlite(out, model_dir, ours, a.method, a.steps)
     trl_log = {i + 1: h for i, h in enumerate(json.loads((trl_out / "trl_log.json").read_text()))}
-    second = "rewards/margins" if a.method == "kto" else "accuracy"
-    trl_second = "rewards/margins" if a.method == "kto" else "accuracy"
+    second = "rewards/margins" if a.method == "kto" else "margin"
+    trl_second = second
     worst = 0.0
     print(f"{'step':>4} {'swiftlite loss':>15} {'TRL loss':>12} {'swiftlite ' + second:>26} {'TRL ' + second:>20}")
     for s in range(1, a.steps + 1):
@@ -185,8 +197,8 @@ def main() -> int:
         d = abs(o["loss"] - t["loss"])
         if a.method == "kto":
             d = max(d, abs(o["kl"] - t["kl"]))
-            if second in o and trl_second in t:
-                d = max(d, abs(o[second] - t[trl_second]))
+        if second in o and trl_second in t:
+            d = max(d, abs(o[second] - t[trl_second]))
         worst = max(worst, d)
         print(f"{s:>4} {o['loss']:>15.6f} {t['loss']:>12.6f} {o.get(second, float('nan')):>26.6f} "
               f"{t.get(trl_second, float('nan')):>20.6f}")

@@ -9,6 +9,11 @@
 The prompt is rendered with the tokenizer's chat template exactly as training rendered the prompt
 part of a conversation (`data.tokenize.prompt_ids`), so a model is scored on what it was taught.
 Exact match compares the stripped greedy answer with the last assistant turn of each row.
+
+A reward model (`rlhf --rlhf_type rm`, its checkpoint or export: one-output sequence classification)
+is not generated from: infer prints the reward of each input instead, a --dataset of pairs as
+`chosen rejected` per row plus the preference accuracy, other rows (or --prompt / stdin lines, each a
+user turn) one reward each.
 """
 
 from __future__ import annotations
@@ -84,7 +89,8 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
         desc = (f"{arg} (built-in, random init with seed {opts.seed})" if preset.builtin else f"{arg} ({ms.ref})")
     elif p.is_dir() and (p / "config.json").is_file():
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype)
+            from swiftlite.export.base_model import folder_class   # a reward model's folder: its score head
+            model = folder_class(p).from_pretrained(str(p), dtype=dtype)
         except (OSError, ValueError) as e:
             raise UserError(f"--model {arg}: cannot load ({str(e).splitlines()[0]})") from None
         tokenizer = AutoTokenizer.from_pretrained(str(p))
@@ -227,6 +233,73 @@ def evaluate(loaded: Loaded, spec: str, *, max_new_tokens: int, batch_size: int,
     return EvalResult(correct, len(items), examples)
 
 
+def is_reward_model(model: Any) -> bool:
+    """A sequence-classification model with one output (`rlhf --rlhf_type rm` and its export)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return type(base).__name__.endswith("ForSequenceClassification") and base.config.num_labels == 1
+
+
+def rewards(loaded: Loaded, conversations: list[list[dict]], batch_size: int) -> list[float]:
+    """The reward model's score of each whole conversation, tokenized as training tokenized it
+    (rlhf/data.encode_side: the chat template, the answer included), right-padded; the model reads
+    the score at the last token that is not the pad token."""
+    import torch
+
+    from swiftlite.rlhf.data import encode_side
+    tok, model = loaded.tokenizer, loaded.model
+    model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None \
+        else tok.pad_token_id
+    device = next(model.parameters()).device
+    out: list[float] = []
+    for b in range(0, len(conversations), batch_size):
+        enc = []
+        for msgs in conversations[b:b + batch_size]:
+            last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=len(msgs))
+            enc.append(encode_side(tok, msgs[:last], msgs[last:])[0] if last < len(msgs) else
+                       prompt_ids(tok, msgs))
+        width = max(len(e) for e in enc)
+        ids = torch.full((len(enc), width), model.config.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(enc), width), dtype=torch.long)
+        for i, e in enumerate(enc):
+            ids[i, :len(e)], mask[i, :len(e)] = torch.tensor(e, dtype=torch.long), 1
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        out += [float(x) for x in logits.float().reshape(len(enc), -1)[:, 0].cpu()]
+    return out
+
+
+def reward_dataset(loaded: Loaded, spec: str, *, batch_size: int, limit: int | None = None) -> int:
+    """Print the reward of each row: pairs (rlhf/data.py's formats) as `chosen rejected`, then the
+    share of pairs whose chosen answer scores higher; other rows (any sft chat format) as one reward."""
+    from swiftlite.data.formats import to_messages
+    from swiftlite.data.sources import load_rows
+    from swiftlite.rlhf.data import to_pair
+    rows = load_rows(spec)
+    items = list(zip(rows.rows, rows.where))[:limit]
+    if not items:
+        raise UserError(f"--dataset {spec}: no rows")
+    paired = any(k in items[0][0] for k in ("chosen", "rejected", "rejected_response"))
+    convs = []
+    for row, where in items:
+        if paired:
+            p = to_pair(row, where)
+            convs += [p.prompt + p.chosen, p.prompt + p.rejected]
+        else:
+            convs.append(to_messages(row, where))
+    scores = rewards(loaded, convs, batch_size)
+    if not paired:
+        for s in scores:
+            print(f"{s:.6f}")
+        return 0
+    right = 0
+    for c, r in zip(scores[0::2], scores[1::2]):
+        right += c > r
+        print(f"{c:.6f} {r:.6f}")
+    n = len(items)
+    print(f"preference accuracy: {right / n:.4f} ({right}/{n}) {loaded.desc} on {spec}")
+    return 0
+
+
 def chat_loop(loaded: Loaded, opts: InferOptions, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> None:
     """Interactive chat: history kept across turns; /clear resets, /exit (or Ctrl-D) quits."""
     history: list[dict] = [{"role": "system", "content": opts.system}] if opts.system else []
@@ -269,6 +342,17 @@ def run(opts: InferOptions) -> int:
         raise UserError(f"--batch-size must be > 0, got {opts.batch_size}")
     torch.manual_seed(opts.seed)
     loaded = load(opts)
+    if is_reward_model(loaded.model):   # a reward model prints rewards, it does not generate
+        if opts.dataset is not None:
+            return reward_dataset(loaded, opts.dataset, batch_size=opts.batch_size, limit=opts.limit)
+        lines = [opts.prompt] if opts.prompt is not None else \
+            [ln.strip() for ln in sys.stdin.read().splitlines() if ln.strip()]
+        if not lines:
+            raise UserError("a reward model scores --dataset rows, --prompt or stdin lines (a user turn each)")
+        sysmsg = [{"role": "system", "content": opts.system}] if opts.system else []
+        for s in rewards(loaded, [sysmsg + [{"role": "user", "content": ln}] for ln in lines], opts.batch_size):
+            print(f"{s:.6f}")
+        return 0
     if opts.dataset is not None:
         res = evaluate(loaded, opts.dataset, max_new_tokens=opts.max_new_tokens, batch_size=opts.batch_size,
                        system=opts.system, limit=opts.limit)

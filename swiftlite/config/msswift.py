@@ -97,7 +97,6 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
                                             "fourierft", "reft", "bone", "lora_llm")},
     **{("quant_method", q): _QUANT for q in ("gptq", "awq", "hqq", "eetq", "quanto", "fp8", "aqlm")},
     **{("rlhf_type", t): why for t, why in (
-        ("rm", "reward-model training is not available"),
         ("ppo", "PPO is not available"),
         ("gkd", "GKD (on-policy distillation) is not available; distil by running sft on the teacher's outputs"))},
     ("truncation_strategy", "split"): "split (several samples per long row) is not available; use "

@@ -166,8 +166,6 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      "--merge-lora` to use it as the reference", ("ref_adapters", "ref_model_type", "ref_model_revision")),
     ("DPO's loss variants here are --loss-type sigmoid, ipo or hinge (with --rpo-alpha, --label-smoothing); "
      "LD-DPO, DiscoPOP and weighted loss mixes are not available", ("ld_alpha", "discopop_tau", "loss_weights")),
-    ("reward-model training (--rlhf_type rm) is not available: the --rlhf_type choices are in `swiftlite rlhf --help`",
-     ("center_rewards_coefficient",)),
     # swift/arguments/merge_args.py, export_args.py: options of `swift export`
     ("merging is `swiftlite export --ckpt CKPT --merge-lora` after training", ("merge_lora",)),
     ("quantized export (GPTQ/AWQ/bnb/FP8) is not available: `swiftlite export` writes a 16-bit HF folder; quantize "

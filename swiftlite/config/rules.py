@@ -295,13 +295,15 @@ GRPO_KEYS = ("reward_funcs", "reward_weights", "num_generations", "max_completio
              "cosine_max_len", "repetition_n_grams", "repetition_max_penalty", "soft_max_length", "soft_cache_length")
 #: RlhfConfig keys (schema.py): `swiftlite rlhf` options, refused elsewhere when given.
 RLHF_KEYS = ("rlhf_type", "beta", "loss_type", "rpo_alpha", "label_smoothing", "cpo_alpha", "simpo_gamma",
-             "ref_model", "precompute_ref_log_probs", "desirable_weight", "undesirable_weight", *GRPO_KEYS)
+             "ref_model", "precompute_ref_log_probs", "desirable_weight", "undesirable_weight",
+             "center_rewards_coefficient", *GRPO_KEYS)
 #: Which rlhf options each --rlhf_type uses (the others are refused when given, never ignored).
 RLHF_USES = {"dpo": {"beta", "loss_type", "rpo_alpha", "label_smoothing", "ref_model", "precompute_ref_log_probs"},
              "orpo": {"beta"},
              "simpo": {"beta", "label_smoothing", "cpo_alpha", "simpo_gamma"},
              "cpo": {"beta", "label_smoothing", "cpo_alpha"},
              "kto": {"beta", "desirable_weight", "undesirable_weight", "ref_model"},
+             "rm": {"center_rewards_coefficient"},
              "grpo": {"beta", "loss_type", "ref_model", *GRPO_KEYS}}
 
 

@@ -68,7 +68,7 @@ SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constan
               "reduce_lr_on_plateau", "greedy")
 STRATEGIES = ("steps", "epoch", "no")
 TRUNCATION = ("delete", "left", "right")
-RLHF_TYPES = ("dpo", "orpo", "simpo", "cpo", "kto", "grpo")
+RLHF_TYPES = ("dpo", "orpo", "simpo", "cpo", "kto", "rm", "grpo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 #: --optim values (optim.build_optimizer builds each; transformers' OptimizerNames spellings, plus muon).
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd", "adagrad", "rmsprop", "adafactor", "muon")
@@ -340,7 +340,7 @@ class CheckpointConfig:
 class RlhfConfig:
     """`swiftlite rlhf` only (ms-swift's flag names); a sft/pt run that sets one is refused (rules.py)."""
     rlhf_type: str = opt("dpo", "Preference method: dpo or kto (unpaired rows with a label; both with a reference "
-                         "model), orpo, simpo or cpo (none); "
+                         "model), orpo, simpo or cpo (none); rm (a reward model: a score head on the pairs); "
                          "grpo (online: sampled completions scored by --reward-funcs).",
                          choices=RLHF_TYPES)
     beta: float | None = opt(None, "DPO's KL strength / ORPO's odds-ratio weight / SimPO's and CPO's reward scale / "
@@ -356,6 +356,8 @@ class RlhfConfig:
     simpo_gamma: float = opt(1.0, "SimPO: target reward margin gamma.")
     desirable_weight: float = opt(1.0, "KTO: weight of the desirable rows' losses (to balance the labels).")
     undesirable_weight: float = opt(1.0, "KTO: weight of the undesirable rows' losses.")
+    center_rewards_coefficient: float | None = opt(None, "RM: add this x mean((r_chosen + r_rejected)^2) to the loss "
+                                                   "(rewards centred on 0; ms-swift suggests 0.01). Default: off.")
     ref_model: str | None = opt(None, "DPO/KTO reference model (preset, folder or hub id). Default: the starting weights "
                                 "(LoRA/QLoRA: the base with the adapter disabled, no second copy).")
     precompute_ref_log_probs: bool = opt(False, "DPO: compute the reference log-probs of every pair in one pass "

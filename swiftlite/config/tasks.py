@@ -50,4 +50,11 @@ def task_spec(name: str) -> TaskSpec:
     return SPECS[name]
 
 
-__all__ = ["SPECS", "TaskSpec", "task_spec"]
+def reward_model(cfg: "Any") -> bool:  # noqa: F821 (a RunConfig; nothing imported here)
+    """The run trains a reward model (`rlhf --rlhf_type rm`): the causal LM's config with a sequence-
+    classification head of one output (transformers' AutoModelForSequenceClassification, num_labels 1)
+    instead of lm_head. Loading, LoRA and export read it; pure data like the specs."""
+    return SPECS[cfg.task].own_options == "rlhf" and getattr(cfg.rlhf, "rlhf_type", None) == "rm"
+
+
+__all__ = ["SPECS", "TaskSpec", "reward_model", "task_spec"]

@@ -13,11 +13,25 @@ from swiftlite.errors import UserError
 from swiftlite.export.source import Source
 
 
+def auto_class(conf: Any) -> Any:
+    """transformers' Auto class of a config: AutoModelForSequenceClassification for a reward model
+    (architectures ...ForSequenceClassification: `rlhf --rlhf_type rm`), else AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    archs = getattr(conf, "architectures", None) or []
+    return AutoModelForSequenceClassification if any(a.endswith("ForSequenceClassification") for a in archs) \
+        else AutoModelForCausalLM
+
+
+def folder_class(folder: Any) -> Any:
+    """auto_class of an HF folder's config.json."""
+    from transformers import AutoConfig
+    return auto_class(AutoConfig.from_pretrained(str(folder)))
+
+
 def meta_model(conf: Any, trust_remote_code: bool = False) -> torch.nn.Module:
     """The model of `conf` on the meta device (no memory): the reference for names and shapes."""
-    from transformers import AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(conf, trust_remote_code=trust_remote_code)
+        return auto_class(conf).from_config(conf, trust_remote_code=trust_remote_code)
 
 
 def expected_tensors(model: torch.nn.Module) -> dict[str, torch.Size]:

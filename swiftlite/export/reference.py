@@ -26,17 +26,17 @@ def reference_model(src: Source) -> tuple[torch.nn.Module, str]:
     """The training-side model, rebuilt from the checkpoint (not from the export): the checkpoint's
     own HF folder (full), else its fp32 weights; LoRA: the base exactly as trained (quantized for
     QLoRA) + the checkpoint's adapter, through peft."""
-    from transformers import AutoModelForCausalLM
+    from swiftlite.export.base_model import auto_class, folder_class
     if not src.is_peft:
         if src.hf_dir is not None:
-            m = AutoModelForCausalLM.from_pretrained(str(src.hf_dir), dtype=torch.float32)
+            m = folder_class(src.hf_dir).from_pretrained(str(src.hf_dir), dtype=torch.float32)
             return m.eval(), f"{src.hf_dir} (the checkpoint's own HF folder), fp32"
         ms = resolve_base(src) if src.form != "hf" else None
         conf = model_config_for(src, ms) if ms is not None else None
         if conf is None:
             from transformers import AutoConfig
             conf = AutoConfig.from_pretrained(str(src.path))
-        m = AutoModelForCausalLM.from_config(conf, dtype=torch.float32)
+        m = auto_class(conf).from_config(conf, dtype=torch.float32)
         reader = (DCPReader(src.dcp_dir) if src.weights == "dcp" else
                   ZeroReader(src.path, exclude_frozen=False) if src.weights == "deepspeed" else
                   SafetensorsReader(src.path))

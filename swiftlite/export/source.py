@@ -211,5 +211,14 @@ def _download_hub(ms: Any, src: Source) -> Any:
 
 def model_config_for(src: Source, ms: Any) -> Any:
     """The base model's transformers config, as the run built it (model_config of its RunConfig)."""
-    from swiftlite.models.loading import model_config
-    return model_config(src.cfg, ms)
+    from swiftlite.config.tasks import reward_model
+    from swiftlite.models.loading import load_tokenizer, model_config
+    conf = model_config(src.cfg, ms)
+    if reward_model(src.cfg):   # the run built the base's config with a one-output score head
+        from transformers import AutoModelForSequenceClassification
+        import torch
+        conf.num_labels = 1
+        conf.pad_token_id = load_tokenizer(src.cfg, ms).pad_token_id
+        with torch.device("meta"):
+            conf.architectures = [type(AutoModelForSequenceClassification.from_config(conf)).__name__]
+    return conf

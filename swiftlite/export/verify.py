@@ -104,7 +104,9 @@ def check_files(folder: Path, kind: str, dtype: torch.dtype) -> list[str]:
 def verify_export(folder: Path, src: Source, opts: ExportOptions, result: ExportResult) -> dict[str, Any]:
     """Load the written folder with transformers, check every key, compare logits with the training-side
     model. Raises VerifyError listing every problem; returns a summary for the log and README."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from swiftlite.export.base_model import folder_class
     log = opts.log
     dtype = dtypes.torch_dtype(opts.dtype)
     problems = check_files(folder, result.kind, dtype)
@@ -118,7 +120,7 @@ def verify_export(folder: Path, src: Source, opts: ExportOptions, result: Export
         if tokenizer is not None and not getattr(tokenizer, "chat_template", None) and src.cfg is not None \
                 and task_spec(src.cfg.task).needs_chat_template:
             problems.append("tokenizer has no chat template")
-        exported, loading = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, output_loading_info=True)
+        exported, loading = folder_class(folder).from_pretrained(str(folder), dtype=dtype, output_loading_info=True)
         for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
             got = loading.get(what) or []
             if got:

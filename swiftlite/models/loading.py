@@ -194,8 +194,12 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
     partitioned at construction).
     """
     import torch
-    from transformers import AutoModelForCausalLM
     src = source or resolve_model(cfg.model.model)
+    auto, head = _model_class(cfg)
+    if head and skeleton:
+        skeleton = None   # models/sharded.py builds causal LMs: a reward model loads whole on each rank
+        if world is None or world.is_main:
+            print("sharded loading is off: a reward model (score head) loads whole on every rank", flush=True)
     # Always --torch-dtype, for training too: with bf16 the backend then upcasts the trainable
     # parameters to fp32 master weights (optim.upcast_trainable), so every backend's masters start
     # from the same bf16 weights DeepSpeed's do (it builds its fp32 master from the bf16 module).
@@ -231,11 +235,13 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
         # Same seed -> same initial weights on every rank and in every run (parity, resume tests).
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.train.seed)
-            model = AutoModelForCausalLM.from_config(conf, dtype=dtype, **attn)
+            if head:
+                conf.num_labels = 1
+            model = auto.from_config(conf, dtype=dtype, **attn)
         if quant is not None:
             from swiftlite.models.quant import quantize_in_place
             model = quantize_in_place(model, cfg)
-        return model
+        return _with_pad_id(cfg, src, model) if head else model
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.model.trust_remote_code, **attn}
     if quant is not None:
         kwargs["quantization_config"] = quant
@@ -249,13 +255,34 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
         hf_logging.disable_progress_bar()  # one "Loading weights" bar (rank 0's) is enough
     try:
         with ctx:
-            model = AutoModelForCausalLM.from_pretrained(src.ref, **kwargs)
+            model = auto.from_pretrained(src.ref, **kwargs, **head)
     except OSError as e:
         raise UserError(f"--model {cfg.model.model}: cannot load ({str(e).splitlines()[0]})") from None
     model.config.use_cache = False
     if quant is not None:
         from swiftlite.models.quant import disable_cpu_repack
         disable_cpu_repack(model)  # trap 1, for every quantized load (train, infer, export)
+    return _with_pad_id(cfg, src, model) if head else model
+
+
+def _model_class(cfg: "RunConfig") -> tuple[Any, dict[str, Any]]:
+    """(transformers Auto class, its extra from_pretrained kwargs): a causal LM, or for a reward model
+    (config/tasks.reward_model) the same config with a one-output sequence-classification head (its
+    `score` drawn by transformers' init where the folder has none, as TRL's RewardTrainer gets it)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from swiftlite.config.tasks import reward_model
+    if reward_model(cfg):
+        return AutoModelForSequenceClassification, {"num_labels": 1}
+    return AutoModelForCausalLM, {}
+
+
+def _with_pad_id(cfg: "RunConfig", src: ModelSource, model: Any) -> Any:
+    """A sequence-classification model scores the last token that is not the pad token: its config
+    needs the tokenizer's pad id (TRL's RewardTrainer sets it the same way)."""
+    model.config.pad_token_id = load_tokenizer(cfg, src).pad_token_id
+    # from_config keeps a preset's (or base folder's) ...ForCausalLM; a saved folder must name this class
+    model.config.architectures = [type(model).__name__]
     return model
 
 

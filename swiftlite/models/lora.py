@@ -97,6 +97,13 @@ def apply_lora(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
         return _wrap(model, cfg)
 
 
+def _task_type(cfg: "RunConfig") -> str:
+    """peft's task type: SEQ_CLS for a reward model (peft then trains its `score` head in full, as a
+    module to save, beside the adapter), CAUSAL_LM otherwise."""
+    from swiftlite.config.tasks import reward_model
+    return "SEQ_CLS" if reward_model(cfg) else "CAUSAL_LM"
+
+
 def _wrap(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
     import torch
     from peft import LoraConfig, get_peft_model
@@ -110,7 +117,7 @@ def _wrap(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
                         "4-bit (bitsandbytes replaced no linear layer); use --lora")
     conf = LoraConfig(r=lc.lora_rank, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout,
                       target_modules=targets, modules_to_save=lc.modules_to_save or None,
-                      task_type="CAUSAL_LM", bias=lc.lora_bias, use_dora=lc.use_dora, use_rslora=lc.use_rslora,
+                      task_type=_task_type(cfg), bias=lc.lora_bias, use_dora=lc.use_dora, use_rslora=lc.use_rslora,
                       init_lora_weights=init_lora_weights(cfg))
     # The LoRA A matrices are random: draw them from --seed alone, so every rank builds the same
     # adapter (the trainer seeds each rank differently for dropout; sharded backends keep each rank's

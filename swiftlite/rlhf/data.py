@@ -108,6 +108,16 @@ def encode_side(tokenizer: Any, prompt: list[Message], answer: list[Message], wh
     return label_spans(tokenizer, full, spans)
 
 
+def _margin(row: dict, where: str) -> float | None:
+    """The optional `margin` column (reward modelling: the reward gap the chosen answer should clear)."""
+    v = row.get("margin")
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        raise UserError(f"{where}: 'margin' must be a number, got {v!r}")
+    return float(v)
+
+
 def _cut(ids: list[int], labels: list[int], n: int, truncation: str) -> tuple[list[int], list[int]]:
     if truncation == "left":
         return ids[-n:], labels[-n:]
@@ -122,6 +132,7 @@ def encode_pairs(items: list[tuple[dict, str]], tokenizer: Any, max_length: int,
     for row, where in items:
         try:
             pair = to_pair(row, where)
+            margin = _margin(row, where)
             sides = [encode_side(tokenizer, pair.prompt, ans, where, system) for ans in (pair.chosen, pair.rejected)]
         except UserError as e:
             if skip_bad_rows:
@@ -139,7 +150,9 @@ def encode_pairs(items: list[tuple[dict, str]], tokenizer: Any, max_length: int,
             stats.no_target += 1
             continue
         (ci, cl), (ri, rl) = sides
-        rows.append({"chosen_ids": ci, "chosen_labels": cl, "rejected_ids": ri, "rejected_labels": rl})
+        # every row has a margin (0: none given), so that a cache entry keeps the column (its keys are a row's)
+        rows.append({"chosen_ids": ci, "chosen_labels": cl, "rejected_ids": ri, "rejected_labels": rl,
+                     "margin": 0.0 if margin is None else margin})
     return rows, stats
 
 

@@ -179,8 +179,35 @@ class UnpairedTask(PreferenceTask):
                 "row's completion for the KL estimate)"]
 
 
+class RewardTask(PreferenceTask):
+    """rlhf --rlhf_type rm: a reward model (score head) trained on the pairs (rlhf/rm.py); no reference."""
+
+    def make_batches(self, cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> Any:
+        from swiftlite.rlhf.rm import reward_batches
+        return reward_batches(cfg, train, plan, tokenizer, world)
+
+    def step_fn(self) -> Callable[..., Any]:
+        from swiftlite.rlhf.rm import rm_step
+        return rm_step
+
+    def run_evaluate(self, run: Any) -> dict:
+        from swiftlite.rlhf.rm import evaluate_rewards
+        return evaluate_rewards(run)
+
+    def setup_engine(self, run: Any) -> Any:
+        return run.engine
+
+    def describe(self, run: Any) -> str:
+        c = run.batches.method.center_rewards_coefficient
+        return "rm (reward model: score head, pairwise loss" + (f", center_rewards_coefficient {c:g}" if c else "") + "), "
+
+    def dry_run_lines(self, cfg: Any) -> list[str]:
+        return ["preference:     rm (a reward model: the causal LM's config with a 1-output score head); batches "
+                "count pairs"]
+
+
 #: rlhf methods whose task is not PreferenceTask's pairs (by --rlhf_type).
-RLHF_TASKS: dict[str, Task] = {"kto": UnpairedTask(task_spec("rlhf"))}
+RLHF_TASKS: dict[str, Task] = {"kto": UnpairedTask(task_spec("rlhf")), "rm": RewardTask(task_spec("rlhf"))}
 
 class GrpoTask(Task):
     """rlhf --rlhf_type grpo: online RL on prompts (rlhf/grpo.py): each step's completions are sampled
@@ -237,4 +264,4 @@ def task_of(cfg: Any) -> Task:
     return TASKS[cfg.task]
 
 
-__all__ = ["PreferenceTask", "RLHF_TASKS", "TASKS", "Task", "TokenTask", "UnpairedTask", "task_of"]
+__all__ = ["PreferenceTask", "RLHF_TASKS", "TASKS", "Task", "RewardTask", "TokenTask", "UnpairedTask", "task_of"]

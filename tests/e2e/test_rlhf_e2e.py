@@ -11,7 +11,8 @@ import pytest
 from tests.conftest import run_cli
 
 COMMON = ["--model", "tiny-llama-2l", "--torch-dtype", "fp32", "--parallelism", "single", "--seed", "3",
-          "--per-device-train-batch-size", "2", "--logging-steps", "1", "--save-hf-model", "true"]
+          "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "1", "--logging-steps", "1",
+          "--save-hf-model", "true"]
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +115,43 @@ def test_kto_runs_checkpoints_and_accumulation_gives_the_one_batch_losses(pairs,
     assert one[1]["loss"] != one[0]["loss"]
 
 
+def test_reward_model_trains_exports_and_infer_prints_rewards(pairs, tmp_path):
+    """rm, full, 2 steps on TRL rows with a margin column: the loss is -log sigmoid(r_c - r_r - margin)
+    (step 1: the margin shifts it above ln 2), a checkpoint, an export AutoModelForSequenceClassification
+    loads with one output, and `swiftlite infer` on it prints a reward per side and the accuracy."""
+    train, _ = pairs
+    data = tmp_path / "rm.jsonl"
+    rows = []
+    for line in train.read_text().splitlines():
+        r = json.loads(line)
+        rows.append({"prompt": r["messages"][:-1], "chosen": [r["messages"][-1]],
+                     "rejected": [{"role": "assistant", "content": r["rejected_response"]}], "margin": 1.0})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "rm"
+    proc = run_cli(["rlhf", *COMMON, "--rlhf-type", "rm", "--full", "--dataset", data, "--max-steps", "2",
+                    "--output-dir", run])
+    assert "rm (reward model: score head, pairwise loss), 12 train pairs" in proc.stdout
+    recs = [r for r in _records(run) if "loss" in r]
+    assert [r["step"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+    # a fresh score head gives r_c ~ r_r: the loss is ~ -log sigmoid(-1) = 1.3133, not ln 2
+    assert recs[0]["loss"] == pytest.approx(-math.log(1 / (1 + math.e)), abs=0.05)
+    assert 0.0 <= recs[0]["accuracy"] <= 1.0 and "margin" in recs[0] and "mean_reward" in recs[0]
+    out = tmp_path / "rm_export"
+    run_cli(["export", "--ckpt", run / "checkpoint-2", "--output", out], timeout=300)
+    import torch
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(str(out))
+    assert model.config.num_labels == 1 and type(model).__name__ == "LlamaForSequenceClassification"
+    assert model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits.shape == (1, 1)
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    inf = run_cli(["infer", "--model", out, "--dataset", few], timeout=300)
+    lines = inf.stdout.strip().splitlines()
+    assert len(lines) == 4 and all(len(ln.split()) == 2 for ln in lines[:3])
+    assert [math.isfinite(float(x)) for ln in lines[:3] for x in ln.split()] == [True] * 6
+    assert lines[3].startswith("preference accuracy: ")
+
+
 @pytest.mark.parametrize("row,words", [
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}, "no rejected answer"),
 ])
@@ -131,6 +169,16 @@ def _one_line_exit_2(proc, data, words, out):
     err = proc.stderr.strip()
     assert err.count("\n") == 0 and err.startswith(f"error: {data}:2:") and words in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_reward_model_row_without_chosen_and_rejected_stops_before_anything_is_written(tmp_path):
+    data = tmp_path / "bad_rm.jsonl"
+    data.write_text(json.dumps({"prompt": "reverse: ab", "chosen": "ba", "rejected": "ab"}) + "\n"
+                    + json.dumps({"prompt": "reverse: ab", "completion": "ba"}) + "\n")
+    out = tmp_path / "out"
+    proc = run_cli(["rlhf", *COMMON, "--rlhf-type", "rm", "--dataset", data, "--max-steps", "1", "--output-dir", out],
+                   check=False)
+    _one_line_exit_2(proc, data, "no rejected answer", out)
 
 
 def test_a_kto_row_without_label_stops_before_anything_is_written(tmp_path):
