@@ -16,7 +16,8 @@ IGNORED_FLAGS = {"--local_rank", "--local-rank"}  # appended by the DeepSpeed la
 SHORTHANDS = {"--lora": ("train_type", "lora"), "--qlora": ("train_type", "qlora"),
               "--full": ("train_type", "full")}
 TASK_HELP = {"sft": "Supervised fine-tuning on chat data.", "pt": "Continued pre-training on text.",
-             "rlhf": "Preference training (DPO, ORPO, SimPO) on chosen/rejected pairs (docs/rlhf.md)."}
+             "rlhf": "Preference training (--rlhf-type: DPO and its siblings on chosen/rejected pairs), or GRPO "
+                     "(--rlhf-type grpo) on prompts with reward functions (docs/rlhf.md)."}
 FLAG_WIDTH = 36
 
 

@@ -82,7 +82,8 @@ def pt(args: list[str]) -> int:
 
 
 def rlhf(args: list[str]) -> int:
-    """Preference training: DPO, ORPO or SimPO on chosen/rejected pairs (see `swiftlite rlhf --help`)."""
+    """Preference training (--rlhf_type: DPO and its siblings on chosen/rejected pairs), or GRPO on prompts with
+    reward functions (see `swiftlite rlhf --help`)."""
     return run_command("rlhf", args)
 
 
