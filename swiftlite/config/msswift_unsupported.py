@@ -224,10 +224,6 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the command says what runs: sft/pt/rlhf train (validating when given validation data), export and infer "
      "are their own commands: drop the flag", ("do_train", "do_eval")),
     ("set by the launcher (LOCAL_RANK): drop the flag", ("local_rank",)),
-    ("early stopping is not available: training runs --max-steps / --num-train-epochs; the validation losses "
-     "in logging.jsonl show where to stop", ("early_stop_interval", "metric_for_best_model", "greater_is_better")),
-    ("every batch of an epoch is trained, the last one with the rows left: drop the flag",
-     ("dataloader_drop_last",)),
     ("batches are built in the training process, so there are no workers to keep: drop the flag",
      ("dataloader_persistent_workers",)),
     ("the loss is always averaged over the target tokens of the global batch (every rank and micro-batch), "

@@ -225,6 +225,21 @@ def _lora_variants(c: RunConfig):
         return f"--lorap_lr_ratio must be > 0, got {lc.lorap_lr_ratio}"
 
 
+@rule("early stopping")
+def _early_stop(c: RunConfig):
+    n = c.train.early_stop_interval
+    if n is None:
+        return None
+    if n <= 0:
+        return f"--early_stop_interval must be > 0, got {n}"
+    if not (c.data.val_dataset or c.data.split_dataset_ratio > 0) or c.train.eval_strategy == "no":
+        return (f"--early_stop_interval {n} stops when the validation metric stops improving: give validation data "
+                "(--val_dataset or --split_dataset_ratio) and leave evaluation on")
+    if c.checkpoint.save_strategy == "no":
+        return (f"--early_stop_interval {n} counts checkpoints without improvement (ms-swift's rule): it needs "
+                "--save_strategy steps")
+
+
 @rule("neftune")
 def _neftune(c: RunConfig):
     a = c.train.neftune_noise_alpha

@@ -291,6 +291,18 @@ class TrainConfig:
                                             "(L the micro-batch's sequence length: padding-free, all its rows "
                                             "together; d the hidden size); validation and export see none. "
                                             "Default: off, as ms-swift/HF (5-15 typical).")
+    early_stop_interval: int | None = opt(None, "Early stopping, ms-swift's rule: after each checkpoint, if the "
+                                          "best --metric-for-best-model seen so far has not improved since the "
+                                          "previous checkpoint, count one; stop (the checkpoint just saved is "
+                                          "the last) when the count reaches this. Validation runs at "
+                                          "--eval-steps, so set it equal to --save-steps. Default: off.")
+    metric_for_best_model: str | None = opt(None, "Validation metric that is tracked as best_metric / "
+                                            "best_model_checkpoint in trainer_state.json and drives "
+                                            "--early-stop-interval: loss (eval_loss) or another eval_ key the "
+                                            "command logs (rlhf: rewards/accuracies, ...). Default: loss, as "
+                                            "ms-swift.")
+    greater_is_better: bool | None = opt(None, "Whether a larger --metric-for-best-model is better. Default, as "
+                                         "ms-swift: false when the metric's name contains 'loss', else true.")
     loss_impl: str = opt("chunked", "How the loss is computed. chunked (default, exact, any device): logits "
                          "only for target tokens, lm_head + cross-entropy chunk by chunk, never the full "
                          "tokens x vocab logits; liger: Liger's fused linear cross-entropy (GPU, pip install "
@@ -309,6 +321,12 @@ class TrainConfig:
                                       "nothing). Default true, as in ms-swift/HF.")
     dataloader_prefetch_factor: int | None = opt(None, "Steps each DataLoader worker builds ahead. Default: 2 "
                                                  "when --dataloader-num-workers > 0, as in ms-swift.")
+    dataloader_drop_last: bool = opt(True, "true: an epoch is floor(rows / global batch) steps, the rows left "
+                                     "over are not trained that epoch. false: one step more, its global batch "
+                                     "filled up with the epoch's first rows (as accelerate fills the last batch "
+                                     "across processes), so every step has a full global batch. Default true, "
+                                     "unlike ms-swift/HF's false: the order of runs and checkpoints made before "
+                                     "this flag stays the same.")
 
 
 @dataclass(kw_only=True)

@@ -321,7 +321,7 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
                                       t.max_steps)
     train, val = train_and_validation(d, tok_train, t.seed)
     plan = BatchPlan(len(train.rows), t.per_device_train_batch_size, world_size,
-                     t.gradient_accumulation_steps, t.seed)
+                     t.gradient_accumulation_steps, t.seed, drop_last=t.dataloader_drop_last)
     if plan.steps_per_epoch == 0:
         held = (f" after --split-dataset-ratio {d.split_dataset_ratio} held out {len(val.rows)} for validation"
                 if d.split_dataset_ratio > 0 and val is not None else "")

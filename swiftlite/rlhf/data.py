@@ -209,7 +209,7 @@ def prepare_pairs(cfg: Any, tokenizer: Any, world_size: int, *,
                       kind=PairData, load_from_cache_file=d.load_from_cache_file)
     train, val = train_and_validation(d, tok, t.seed, unit="pair")
     plan = BatchPlan(len(train.rows), t.per_device_train_batch_size, world_size,
-                     t.gradient_accumulation_steps, t.seed)
+                     t.gradient_accumulation_steps, t.seed, drop_last=t.dataloader_drop_last)
     if plan.steps_per_epoch == 0:
         raise UserError(f"--dataset has {len(train.rows)} usable pairs, fewer than one global batch of "
                         f"{plan.global_batch} (per-device {plan.per_device} x {plan.world_size} processes x "

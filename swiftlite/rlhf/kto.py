@@ -160,7 +160,7 @@ def prepare_unpaired(cfg: Any, tokenizer: Any, world_size: int, *,
         return UnpairedData(rows, stats)
     train, val = train_and_validation(d, tok, t.seed, unit="row")
     plan = BatchPlan(len(train.rows), t.per_device_train_batch_size, world_size,
-                     t.gradient_accumulation_steps, t.seed)
+                     t.gradient_accumulation_steps, t.seed, drop_last=t.dataloader_drop_last)
     if plan.global_batch < 2:
         raise UserError("--rlhf-type kto needs a global batch of at least 2 rows (per-device x processes x "
                         "accumulation): its KL estimate pairs each prompt with another row's completion")
@@ -222,9 +222,7 @@ class UnpairedBatches:
     def global_order(self, step: int) -> list[int]:
         """The global batch of `step` in the plan's order, whatever the world size (data/loader.BatchPlan:
         the epoch order's slice that micro_batches() deals out to ranks)."""
-        p = self.plan
-        epoch, pos = divmod(step, p.steps_per_epoch)
-        return p.order(epoch)[pos * p.global_batch:(pos + 1) * p.global_batch]
+        return self.plan.global_order(step)
 
 
 def unpaired_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> UnpairedBatches:

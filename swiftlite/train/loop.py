@@ -75,8 +75,8 @@ class Checkpointer:
     """Saves the run's checkpoints and remembers the newest good one. While a save is being written,
     a second preemption signal abandons it (train/preempt.py)."""
 
-    def __init__(self, run: Any, preempt: Any):
-        self.run, self.preempt = run, preempt
+    def __init__(self, run: Any, preempt: Any, best: Any = None):
+        self.run, self.preempt, self.best = run, preempt, best
         self.last: Path | None = run.resume_path
 
     def save(self, step: int) -> Path:
@@ -84,16 +84,20 @@ class Checkpointer:
         r = self.run
         self.preempt.saving = True
         try:
+            facts = {**(r.facts or {}), **(self.best.state() if self.best is not None else {})}
             self.last = save_training_state(r.engine, r.model, r.tokenizer, r.cfg, r.world, r.run_dir, step,
-                                            r.choice.key, r.facts, fmt=r.choice.record.checkpoint_format)
+                                            r.choice.key, facts, fmt=r.choice.record.checkpoint_format)
         finally:
             self.preempt.saving = False
         return self.last
 
-    def maybe_save(self, done: int) -> None:
+    def maybe_save(self, done: int) -> bool:
+        """Save when --save-steps says so; True when it did."""
         every = self.run.cfg.checkpoint.save_steps
         if every and done % every == 0:
             self.save(done)
+            return True
+        return False
 
     def saved_at(self, step: int) -> bool:
         return self.last is not None and self.last.name == layout.checkpoint_name(step)
@@ -128,7 +132,9 @@ def _loop(run: Any, probe: Any, preempt: Any) -> TrainResult:
     observers = Observers(probe, LogObserver(log, logging_steps=cfg.train.logging_steps, total_steps=total,
                                              start_step=start, steps_per_epoch=run.batches.plan.steps_per_epoch,
                                              t0=run.t0, is_main=world.is_main), FaultInjector())
-    ckpt = Checkpointer(run, preempt)
+    from swiftlite.train.best import BestMetric
+    best = BestMetric(cfg, run.resume_path)   # best_metric, and --early_stop_interval (train/best.py)
+    ckpt = Checkpointer(run, preempt, best)
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.max_skipped_steps, engine, log)
     eval_every = cfg.train.eval_steps or cfg.checkpoint.save_steps
     # --ignore-data-skip (HF's meaning): a resumed run restarts the data order at its first batch
@@ -137,7 +143,9 @@ def _loop(run: Any, probe: Any, preempt: Any) -> TrainResult:
 
     def validate(step: int) -> None:
         if run.val_data is not None:
-            log.log({"step": step, **run.task.run_evaluate(run)})
+            record = run.task.run_evaluate(run)
+            best.evaluated(record, step)
+            log.log({"step": step, **record})
 
     losses: list[float] = []
     # --dataloader_num_workers: the steps this run will train, built ahead in DataLoader workers.
@@ -158,7 +166,12 @@ def _loop(run: Any, probe: Any, preempt: Any) -> TrainResult:
                 break
             if eval_every and done % eval_every == 0:
                 validate(done)
-            ckpt.maybe_save(done)
+            if ckpt.maybe_save(done) and best.saved():   # the same on every rank: all-reduced metric
+                if world.is_main:
+                    log.print(best.stop_line(done, ckpt.last))
+                    plot_run(run.run_dir)
+                barrier()
+                return TrainResult(run.run_dir, ckpt.last, losses, done)
             if preempt.agreed():  # a signal: this step is done on every rank; save it and end
                 if not ckpt.saved_at(done):
                     ckpt.save(done)
