@@ -54,8 +54,9 @@ def estimate_cmd(
         None, "--hsdp-shard-size", "--hsdp_shard_size",
         help="GPUs per hsdp shard group (default: the GPUs per node); it must divide the GPUs."),
     rlhf_type: Optional[str] = typer.Option(None, "--rlhf-type", "--rlhf_type",
-                                            help="Preference training (dpo, orpo, simpo): 2 sequences per pair, "
-                                                 "and DPO's frozen reference copy on a full fine-tune."),
+                                            help="Preference training (dpo, orpo, simpo, cpo, kto, rm): 2 sequences "
+                                                 "per sample, and DPO's and KTO's frozen reference copy on a full "
+                                                 "fine-tune."),
     precompute_ref_log_probs: bool = typer.Option(False, "--precompute-ref-log-probs", "--precompute_ref_log_probs",
                                                   help="DPO with precomputed reference log-probs: no copy."),
     sharded_loading: bool = typer.Option(True, "--sharded-loading/--no-sharded-loading",

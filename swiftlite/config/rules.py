@@ -426,7 +426,8 @@ def _data_loading(c: RunConfig):
             return f"--dataloader-prefetch-factor must be >= 1, got {t.dataloader_prefetch_factor}"
     d = c.data
     if task_spec(c.task).own_options is not None:   # rlhf (ms-swift's rlhf has no streaming either)
-        for flag, on in (("--streaming", d.streaming), ("--lazy-tokenize", d.lazy_tokenize)):
+        for flag, on in (("--streaming", d.streaming), ("--lazy-tokenize", d.lazy_tokenize),
+                         ("--model-name", bool(d.model_name)), ("--model-author", bool(d.model_author))):
             if on:
                 return (f"{flag} applies to sft and pt: `swiftlite {c.task}` tokenizes its samples before "
                         "training (--load-from-cache-file true reuses them); drop the flag")

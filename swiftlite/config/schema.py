@@ -150,6 +150,12 @@ class DataConfig:
     packing: bool = opt(False, "Pack several rows into each sequence of --max-length tokens.")
     skip_bad_rows: bool = opt(False, "Skip (and count) rows that are not valid instead of stopping.")
     dataset_num_proc: int = opt(1, "Processes for dataset preprocessing.")
+    model_name: list[str] | None = opt(None, "Self-cognition data (ms-swift's): fills {{NAME}} in the query and "
+                                       "response of every row of a source in that format (query, response and tag "
+                                       "columns): the first name in rows tagged zh, the second in the others; one "
+                                       "name serves both. Refused when no source is in that format.")
+    model_author: list[str] | None = opt(None, "Self-cognition data: fills {{AUTHOR}} the same way as --model-name "
+                                         "fills {{NAME}} (e.g. --model-author 魔搭 ModelScope).")
     load_from_cache_file: bool = opt(False, "true: reuse tokenized data cached by an earlier run with the same "
                                      "files, tokenizer and options (SWIFTLITE_CACHE). false (ms-swift's default): "
                                      "tokenize again (the processes of this job then share that one result).")
@@ -158,8 +164,9 @@ class DataConfig:
                               "as eager where every row is usable (a row without an answer or over --max-length "
                               "under delete keeps its place with no targets). Rows are still read and their format "
                               "checked up front. Not with --packing or --streaming (ms-swift's rules).")
-    streaming: bool = opt(False, "Read and tokenize the training rows as training consumes them (local JSONL/"
-                          "JSON/CSV/Parquet/text files, in file order, restarted at the end), never all in memory. "
+    streaming: bool = opt(False, "Read and tokenize the training rows as training consumes them, in file order, "
+                          "restarted at the end (JSONL and .txt files line by line, never whole in memory; other "
+                          "formats are loaded, then streamed). "
                           "ms-swift's rules: --max-steps is required, no `#N` sampling, no "
                           "--split-dataset-ratio (give --val-dataset); resume re-reads the stream to the "
                           "resumed position.")

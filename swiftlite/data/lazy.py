@@ -97,7 +97,9 @@ def lazy_tokenized(specs: list[str], encode: Callable[[list[tuple[dict, str]]], 
     for spec in specs:
         src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng)
         if transform is not None:
+            before = transform.matched
             src = transform(src)
+            stats.self_cognition += transform.matched - before
         stats.skipped += src.skipped
         for row, where in zip(src.rows, src.where):
             try:

@@ -69,7 +69,7 @@ def _save_cache(path: Path, tok: Tokenized) -> None:
                               if tok.rows else np.zeros(0, np.int64))
     stats = json.dumps({"rows": tok.stats.rows, "truncated": tok.stats.truncated,
                         "skipped": tok.stats.skipped, "no_target": tok.stats.no_target,
-                        "deleted": tok.stats.deleted})
+                        "deleted": tok.stats.deleted, "self_cognition": tok.stats.self_cognition})
     arrays["stats"] = np.frombuffer(stats.encode(), dtype=np.uint8)
     arrays["session"] = np.frombuffer(env.data_session().encode(), dtype=np.uint8)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -227,7 +227,9 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
         for spec in specs:
             src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng)
             if transform is not None:
+                before = transform.matched
                 src = transform(src)
+                stats.self_cognition += transform.matched - before
             stats.skipped += src.skipped
             items = list(zip(src.rows, src.where))
             if num_proc > 1 and len(items) >= PARALLEL_MIN_ROWS:
@@ -293,12 +295,15 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
     # --max-length from a hub model's config (config.load reads local configs only) is settled by the
     # caller, TokenTask.prepare_data (train/tasks.py): the model loader is not data's to call.
     system = system_prompt(d.system) if task_spec(cfg.task).chat else None
+    from swiftlite.data.self_cognition import from_config
+    sc = from_config(d)   # --model_name / --model_author (data/self_cognition.py)
 
     def tok(specs: list[str]) -> Tokenized:
         return tokenize_specs(specs, tokenizer, task=cfg.task, max_length=d.max_length, packing=d.packing,
                               skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress,
                               truncation_strategy=d.truncation_strategy, system=system, seed=t.seed,
-                              load_from_cache_file=d.load_from_cache_file)
+                              load_from_cache_file=d.load_from_cache_file, transform=sc,
+                              key_extra={"self_cognition": sc.key()} if sc else None)
 
     def encode(items: list[tuple[dict, str]]) -> tuple[list[dict], DataStats]:
         """(row, where) items -> their usable tokenized rows and stats (lazy and streamed rows)."""
@@ -309,17 +314,23 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
         if d.lazy_tokenize and specs is d.dataset:   # validation rows stay eager
             from swiftlite.data.lazy import lazy_tokenized
             return lazy_tokenized(specs, encode, tokenizer, task=cfg.task, skip_bad_rows=d.skip_bad_rows,
-                                  seed=t.seed)
+                                  seed=t.seed, transform=sc)
         return tok(specs)
     if d.streaming:   # data/stream.py: nothing read up front but the first usable row
         from swiftlite.data.stream import StreamPlan, stream_tokenized
-        train = stream_tokenized(d.dataset, encode, skip_bad_rows=d.skip_bad_rows)
+        train = stream_tokenized(d.dataset, encode, skip_bad_rows=d.skip_bad_rows, transform=sc)
         val = tok(d.val_dataset) if d.val_dataset else None
+        if sc is not None:
+            sc.check_used([*d.dataset, *d.val_dataset], train.stats.self_cognition
+                          + (val.stats.self_cognition if val is not None else 0))
         if val is not None and not val.rows:
             raise UserError(f"--val-dataset {' '.join(d.val_dataset)}: no usable rows ({val.stats.unusable()})")
         return train, val, StreamPlan(t.per_device_train_batch_size, world_size, t.gradient_accumulation_steps,
                                       t.max_steps)
     train, val = train_and_validation(d, tok_train, t.seed)
+    if sc is not None:   # counted in the stats, so that a cache entry answers too
+        sc.check_used([*d.dataset, *d.val_dataset], train.stats.self_cognition
+                      + (val.stats.self_cognition if val is not None else 0))
     plan = BatchPlan(len(train.rows), t.per_device_train_batch_size, world_size,
                      t.gradient_accumulation_steps, t.seed, drop_last=t.dataloader_drop_last)
     if plan.steps_per_epoch == 0:

@@ -17,6 +17,7 @@ class DataStats:
     skipped: list[str] = field(default_factory=list)
     no_target: int = 0         # dropped: no target token left
     deleted: int = 0           # dropped: longer than --max-length (--truncation-strategy delete)
+    self_cognition: int = 0    # sources in ms-swift's self-cognition format (--model_name/--model_author)
 
     def add(self, other: "DataStats") -> None:
         self.rows += other.rows
@@ -24,6 +25,7 @@ class DataStats:
         self.skipped += other.skipped
         self.no_target += other.no_target
         self.deleted += other.deleted
+        self.self_cognition += other.self_cognition
 
     def unusable(self) -> str:
         """Why rows were not used, for "no usable rows" errors."""

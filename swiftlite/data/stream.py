@@ -84,7 +84,7 @@ class TokenStream:
             for spec in self.specs:
                 for row, where in _raw_rows(spec, self.skip_bad_rows, self.stats.skipped):
                     if self.transform is not None:
-                        row = self.transform.row(row)
+                        row = self.transform.stream_row(row)
                     part, st = self.encode([(row, where)])
                     self.stats.add(st)
                     if part:
@@ -120,7 +120,13 @@ def stream_tokenized(specs: list[str], encode: Callable[[list[tuple[dict, str]]]
     """The stream of `specs`; `encode` is the eager pipeline's row encoder (pipeline.prepare_datasets)."""
     probe = TokenStream(specs, encode, skip_bad_rows, transform)
     first = next(probe.rows())      # a stream with no usable row fails here, before launch
-    return StreamData(TokenStream(specs, encode, skip_bad_rows, transform), first)
+    data = StreamData(TokenStream(specs, encode, skip_bad_rows, transform), first)
+    if transform is not None:       # --model_name/--model_author: a source whose first row has the columns
+        from swiftlite.data.self_cognition import COLUMNS
+        for spec in specs:
+            row = next((r for r, _ in _raw_rows(spec, True, [])), None)
+            data.stats.self_cognition += int(isinstance(row, dict) and all(c in row for c in COLUMNS))
+    return data
 
 
 class _StepStream:

@@ -193,12 +193,14 @@ def _nothing_fits(table: dict[str, MemoryEstimate], w: Workload) -> str:
 def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None,
                          gpus_per_node: int | None = None) -> Workload:
     """The Workload a RunConfig describes on `world_size` ranks. rlhf: a micro-batch of n pairs is 2n
-    sequences with full logits at the answer tokens, plus DPO's frozen reference copy where there is one."""
+    sequences with full logits at the answer tokens, plus DPO's (and KTO's) frozen reference copy where there
+    is one. A reward model (rm) is counted as its causal LM: its one-output score head is smaller than lm_head
+    and its logits, so the estimate is an upper bound there."""
     from swiftlite.config.tasks import task_spec
     spec = task_spec(cfg.task)
     rlhf = spec.own_options == "rlhf"   # preference training: pairs, a reference, plain logits
     r = cfg.rlhf
-    copy = rlhf and r.rlhf_type == "dpo" and not r.precompute_ref_log_probs and (r.ref_model or not cfg.is_peft)
+    copy = rlhf and r.rlhf_type in ("dpo", "kto") and not r.precompute_ref_log_probs and (r.ref_model or not cfg.is_peft)
     return Workload(
         train_type=cfg.train.train_type, dtype=cfg.model.torch_dtype, lora_rank=cfg.lora.lora_rank,
         lora_targets=tuple(cfg.lora.target_modules) or ("all-linear",), lora_dropout=cfg.lora.lora_dropout,

@@ -44,11 +44,11 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     for flag, v in (("--gpus", gpus), ("--nnodes", nodes)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise UserError(f"{flag} must be a positive integer, got {v!r}")
-    if rlhf_type not in (None, "dpo", "orpo", "simpo"):
-        raise UserError(f"--rlhf-type {rlhf_type!r}: choose from dpo, orpo, simpo")
+    if rlhf_type not in (None, "dpo", "orpo", "simpo", "cpo", "kto", "rm"):
+        raise UserError(f"--rlhf-type {rlhf_type!r}: choose from dpo, orpo, simpo, cpo, kto, rm")
     if precompute_ref_log_probs and rlhf_type != "dpo":
         raise UserError("--precompute-ref-log-probs needs --rlhf-type dpo")
-    copy = rlhf_type == "dpo" and train_type == "full" and not precompute_ref_log_probs
+    copy = rlhf_type in ("dpo", "kto") and train_type == "full" and not precompute_ref_log_probs
     if rlhf_type:  # a pair is 2 sequences; the log-probs take the logits at the answer tokens
         micro_batch, loss_impl = micro_batch * 2, "plain"
     shape = shape_from_model_arg(model)
@@ -133,7 +133,7 @@ def render(decision: Decision, console=None) -> None:
     console.print(table)
     _render_phases(decision, console)
     if w is not None and w.reference == "copy" and decision.backend in decision.table:
-        console.print(f"[dim]totals include DPO's frozen reference copy: "
+        console.print(f"[dim]totals include the frozen reference copy (DPO, KTO): "
                       f"{_gib(decision.table[decision.backend].reference)} GiB per GPU on {decision.backend}[/dim]")
     if multi:
         console.print("[dim]intra/inter: comm GiB per GPU per step, collectives inside one node / across "

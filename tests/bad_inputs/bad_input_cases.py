@@ -181,7 +181,8 @@ CASES: list[Case] = [
     Case("msswift-lazy-tokenize-packing", ["sft", *GOOD, *DATA, "--lazy_tokenize", "true", "--packing"],
          "--lazy-tokenize with --packing"),
     Case("msswift-model-author", ["sft", *GOOD, *DATA, "--model_author", "swift", "ms swift"],
-         "--model_author swift ms swift: fills the {{AUTHOR}} placeholder"),
+         "--model_author: no --dataset/--val-dataset source (data/train.jsonl) is in ms-swift's self-cognition "
+         "format"),
     Case("msswift-neftune", ["sft", *GOOD, *DATA, "--neftune_noise_alpha", "-1"], "--neftune_noise_alpha must be >= 0"),
     Case("msswift-loss-scale", ["sft", *GOOD, *DATA, "--loss_scale", "last_round"], "--loss_scale last_round:"),
     Case("msswift-optim", ["sft", *GOOD, *DATA, "--optim", "adamw_8bit"], "--optim adamw_8bit: not available"),

@@ -34,5 +34,12 @@ def test_workload_from_an_rlhf_config():
     pre = build_config({**base, "train_type": "full", "precompute_ref_log_probs": True}, task="rlhf")
     assert workload_from_config(pre, 2, None).reference == "none"
     assert workload_from_config(build_config({**base, "train_type": "lora"}, task="rlhf"), 2, None).reference == "none"
+    kto = build_config({**base, "train_type": "full", "rlhf_type": "kto"}, task="rlhf")
+    assert workload_from_config(kto, 2, None).reference == "copy"     # KTO holds DPO's reference
+    kto_lora = build_config({**base, "train_type": "lora", "rlhf_type": "kto"}, task="rlhf")
+    assert workload_from_config(kto_lora, 2, None).reference == "none"  # the adapter disabled
+    for no_ref in ("cpo", "rm"):
+        c = build_config({**base, "train_type": "full", "rlhf_type": no_ref}, task="rlhf")
+        assert workload_from_config(c, 2, None).reference == "none"
     sft = workload_from_config(build_config({**base, "train_type": "full"}, task="sft"), 2, None)
     assert sft.reference == "none" and sft.micro_batch == 3
