@@ -16,6 +16,8 @@ of ms-swift's names and checks each gets a field, a NO_MEANING row or a row here
 
 from __future__ import annotations
 
+from swiftlite.config.grpo_unsupported import GRPO_GROUPS
+
 #: The ms-swift source this table was written from.
 MSSWIFT_COMMIT = "3602360a56 (2026-08-22)"
 
@@ -232,6 +234,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 #: ms-swift option name -> the line that refuses it (built from GROUPS).
 UNSUPPORTED: dict[str, str] = {name: why for why, names in GROUPS for name in names}
+# ms-swift's GRPO options that swiftlite's GRPO does not have (config/grpo_unsupported.py)
+UNSUPPORTED.update({name: why for why, names in GRPO_GROUPS for name in names})
 
 #: The options of ms-swift's `swift export` (ExportArguments and its bases, GRPO excluded) that
 #: `swiftlite export` refuses: a training option names the run's args.json; the rest use UNSUPPORTED.

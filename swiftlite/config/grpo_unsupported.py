@@ -1,0 +1,50 @@
+"""ms-swift's GRPO options (GRPOArgumentsMixin, RolloutTrainerArgumentsMixin, VllmArguments,
+GRPOArguments at ms-swift 3602360a) that swiftlite's GRPO does not have, each with the line that says
+so and what to use instead; config/msswift_unsupported.py merges them into its table (the options
+swiftlite has are RlhfConfig fields, schema.py, and shadow these rows). Import-light, no imports.
+"""
+
+from __future__ import annotations
+
+_VLLM = ("vLLM is not used: GRPO generates with transformers' generate in the training processes, the weights "
+         "gathered once per round (docs/rlhf.md): drop the flag")
+_VARIANT = ("is an option of a GRPO variant swiftlite does not have (its GRPO: --loss-type grpo, bnpo, dr_grpo or "
+            "dapo, token-level ratios, group advantages; docs/rlhf.md): drop the flag")
+_ROLLOUT = "multi-turn, tool and gym rollouts are not available: one completion per prompt and sample, scored by --reward-funcs"
+
+#: (reason, names), as config/msswift_unsupported.GROUPS.
+GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (_VLLM, ("vllm_data_parallel_size", "vllm_disable_cascade_attn", "vllm_disable_custom_all_reduce",
+             "vllm_enable_expert_parallel", "vllm_enable_lora", "vllm_enable_prefix_caching", "vllm_enforce_eager",
+             "vllm_engine_kwargs", "vllm_gpu_memory_utilization", "vllm_limit_mm_per_prompt", "vllm_max_lora_rank",
+             "vllm_max_model_len", "vllm_max_num_seqs", "vllm_mm_processor_cache_gb", "vllm_pipeline_parallel_size",
+             "vllm_quantization", "vllm_reasoning_parser", "vllm_server_base_url", "vllm_server_group_port",
+             "vllm_server_host", "vllm_server_pass_dataset", "vllm_server_port", "vllm_server_timeout",
+             "vllm_speculative_config", "vllm_tensor_parallel_size", "vllm_use_async_engine", "async_generate",
+             "sleep_level", "offload_model", "offload_optimizer", "move_model_batches",
+             "enable_flattened_weight_sync")),
+    ("the generation round is per-device x processes x --steps-per-generation completions: set "
+     "--steps-per-generation instead", ("generation_batch_size",)),
+    (f"--importance-sampling-level {_VARIANT}", ("importance_sampling_level",)),
+    (f"this {_VARIANT}",
+     ("delta", "off_policy_sequence_mask_delta", "rollout_importance_sampling_mode",
+      "rollout_importance_sampling_threshold", "log_rollout_offpolicy_metrics", "top_entropy_quantile",
+      "advantage_estimator", "kl_in_reward", "advantage_reweight", "overlong_filter", "dynamic_sample",
+      "max_resample_times", "completion_length_limit_scope", "tau_pos", "tau_neg", "real_tau", "fipo_clip_high_only",
+      "fipo_clip_range", "fipo_decay_rate", "fipo_safety_threshold", "sdar_gate_beta", "sdar_loss_coef",
+      "rlsd_lambda", "rlsd_lambda_decay_steps", "rlsd_lambda_warmup_steps", "rlsd_negative_only",
+      "rlsd_reweight_clip_range", "chord_enable_phi_function", "chord_mu_decay_steps", "chord_mu_peak",
+      "chord_mu_valley", "chord_mu_warmup_steps", "chord_sft_dataset", "chord_sft_per_device_train_batch_size",
+      "teacher_kl_coef", "teacher_tag_key", "ref_model_sync_steps", "ref_model_mixup_alpha", "sync_ref_model")),
+    ("reward models are not available as GRPO rewards: write a reward function (--external-plugins, swiftlite.plugin)",
+     ("reward_model", "reward_model_plugin")),
+    (_ROLLOUT, ("gym_env", "use_gym_env", "max_turns", "multi_turn_scheduler")),
+    ("sampling takes --temperature, --top-p and --top-k only: drop the flag", ("min_p",)),
+    ("GRPO has no validation yet (the training metrics log every round's rewards): drop the flag",
+     ("num_generations_eval",)),
+    ("the entropy is always logged (`entropy`, every step): drop the flag", ("log_entropy",)),
+    ("completions go to <output-dir>/completions.jsonl (--log-completions), one line each: drop the flag",
+     ("wandb_log_unique_prompts",)),
+)
+
+__all__ = ["GRPO_GROUPS"]

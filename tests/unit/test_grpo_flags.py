@@ -1,0 +1,73 @@
+"""GRPO's flags: ms-swift's defaults, every ms-swift GRPO option a flag or refused with its reason, and
+the one-line refusals that need no data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from swiftlite.cli import parse_run_args
+from swiftlite.config import field_specs, load_config
+from swiftlite.errors import UserError
+
+NAMES = json.loads((Path(__file__).parent / "data" / "msswift_args_3602360a.json").read_text())
+BASE = ["--model", "tiny-llama-2l", "--dataset", "d.jsonl", "--rlhf_type", "grpo", "--reward_funcs", "format"]
+
+
+def _cfg(argv):
+    config_file, values = parse_run_args([*BASE, *argv])
+    return load_config(config_file, values, task="rlhf", validate_paths=False)
+
+
+def test_defaults_are_msswifts():
+    from swiftlite.rlhf.grpo import grpo_batches
+    r = _cfg([]).rlhf
+    assert (r.num_generations, r.max_completion_length, r.temperature, r.top_p, r.top_k, r.epsilon, r.num_iterations,
+            r.log_completions, r.use_vllm) == (8, 512, 0.9, 1.0, -1, 0.2, 1, False, False)
+    cfg = _cfg([])
+
+    class Tok:
+        pad_token_id = 0
+    b = grpo_batches(cfg, type("T", (), {"rows": []})(), None, Tok(), None)
+    assert (b.loss.loss_type, b.loss.beta, b.loss.epsilon_high) == ("grpo", 0.04, 0.2)   # beta 0.04: arXiv 2402.03300
+    assert _cfg(["--beta", "0"]).rlhf.beta == 0.0 and _cfg(["--reward_weights", "1", "0.5", "--reward_funcs", "format",
+                                                             "repetition"]).rlhf.reward_weights == [1.0, 0.5]
+
+
+def test_every_msswift_grpo_option_is_a_flag_or_refused_with_its_reason():
+    specs = field_specs()
+    for name in NAMES["grpo_only"]:
+        try:
+            parse_run_args([f"--{name}", "1"])
+        except UserError as e:
+            assert "unknown option" not in str(e) and str(e).startswith(f"--{name}"), (name, str(e))
+        else:
+            assert name in specs, name
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--num_generations", "1"], "--num-generations 1: GRPO needs at least 2"),
+    (["--reward_weights", "1", "2"], "--reward-weights has 2 values for 1 --reward-funcs"),
+    (["--use_vllm", "true"], "--use-vllm: vllm is not installed"),
+    (["--vllm_mode", "colocate"], "--vllm-mode needs --use-vllm true"),
+    (["--loss_type", "sigmoid"], "--loss-type sigmoid does not apply to GRPO"),
+    (["--steps_per_generation", "3", "--gradient_accumulation_steps", "2"], "is not a multiple of"),
+    (["--reward_funcs", "soft_overlong"], "the soft_overlong reward needs --soft-cache-length"),
+    (["--truncation_strategy", "right"], "--truncation-strategy right does not apply to GRPO"),
+    (["--top_p", "0"], "--top-p 0.0: out of range"),
+])
+def test_refused_in_one_line(argv, words):
+    with pytest.raises(UserError) as e:
+        _cfg(argv)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_grpo_options_are_refused_on_dpo_and_grpo_losses_too():
+    config_file, values = parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl", "--num_generations", "4"])
+    with pytest.raises(UserError, match="--num-generations does not apply to --rlhf-type dpo"):
+        load_config(config_file, values, task="rlhf", validate_paths=False)
+    config_file, values = parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl", "--loss_type", "dapo"])
+    with pytest.raises(UserError, match="--loss-type dapo is a GRPO loss"):
+        load_config(config_file, values, task="rlhf", validate_paths=False)
