@@ -5,8 +5,8 @@ Written by hand from ms-swift's public source at commit 3602360a (2026-08-22): t
 `SftArguments`, `PretrainArguments`, `RLHFArguments` and `ExportArguments` with all their bases
 (swift/arguments/**, swift/trainers/arguments.py, swift/ray_utils/arguments.py) and the fields of
 transformers' `Seq2SeqTrainingArguments` they inherit (transformers 5.24). GRPO's own options
-(`GRPOArgumentsMixin`, `RolloutTrainerArgumentsMixin`, `VllmArguments`, `GRPOArguments`) are not
-listed here: `--rlhf_type grpo` is its own piece of work.
+(`GRPOArgumentsMixin`, `RolloutTrainerArgumentsMixin`, `VllmArguments`, `GRPOArguments`) that
+swiftlite's GRPO lacks are listed in config/grpo_unsupported.py and merged into this table.
 
 Lookup order (config/load.py, cli/run_flags.py): a RunConfig field first (so an option implemented
 later simply shadows its row here), then `config/msswift.NO_MEANING` (options accepted with some

@@ -406,7 +406,7 @@ class RlhfConfig:
                                     "the default), of the whole generation batch (batch), or not at all (none).",
                                     choices=("group", "batch", "none"))
     log_completions: bool = opt(False, "GRPO: write every sampled completion with its rewards to "
-                                "<output-dir>/completions.jsonl (and a table to wandb/swanlab where reported).")
+                                "<output-dir>/completions.jsonl (step, prompt, completion, rewards, advantage).")
     steps_per_generation: int | None = opt(None, "GRPO: micro-batch steps served by one generation round (its "
                                            "size is per-device x processes x this many completions). Default: "
                                            "--gradient-accumulation-steps (one round per optimizer step).")
