@@ -198,6 +198,8 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     micro: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
     texts: dict[int, str] = {}
     lengths: dict[int, int] = {}
+    truncated: dict[int, float] = {}
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
     mine = plan.rank_micro_batches(world.rank)
     with gathered(b.model):
         for mb in mine:
@@ -211,6 +213,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
             for j, c in enumerate(mb):
                 n = int(c_mask[j].sum())
                 lengths[c] = n
+                truncated[c] = float(n == 0 or int(c_ids[j, n - 1]) not in eos_ids)   # no EOS: cut at the limit
                 texts[c] = tok.decode(c_ids[j, :n].tolist(), skip_special_tokens=True)
     # rewards of this rank's completions, then the whole round's table on every rank
     N, F = plan.round_completions, len(b.rewards)
@@ -225,15 +228,17 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
                   messages=[r["prompt"] + [{"role": "assistant", "content": t}] for r, t in zip(rows, comps)],
                   trainer_state=type("TrainerState", (), {"global_step": step})())
     wheres = [r["where"] for r in rows]
-    table = [0.0] * (N * F + N)                         # + completion lengths
+    table = [0.0] * (N * F + 2 * N)                     # + completion lengths, + truncated flags
     for f, r in enumerate(b.rewards):
         for c, v in zip(mine_c, _call_reward(r, comps, kwargs, wheres)):
             table[c * F + f] = v
     for c in mine_c:
         table[N * F + c] = float(lengths[c])
+        table[N * F + N + c] = truncated[c]
     table = all_reduce_sum(table) if world.world_size > 1 else table
     rpf = torch.tensor(table[:N * F], dtype=torch.float32).view(N, F)
-    lens = torch.tensor(table[N * F:], dtype=torch.float32)
+    lens = torch.tensor(table[N * F:N * F + N], dtype=torch.float32)
+    cut = torch.tensor(table[N * F + N:], dtype=torch.float32)
     weights = torch.tensor(o.reward_weights or [1.0] * F, dtype=torch.float32)
     adv, rewards, std_zero = advantages(rpf, weights, G, o.scale_rewards or "group")
     for key, t in micro.items():
@@ -253,7 +258,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
                "frac_reward_zero_std": float(std_zero.float().mean()),
                "completions/mean_length": float(lens.mean()), "completions/min_length": float(lens.min()),
                "completions/max_length": float(lens.max()),
-               "completions/clipped_ratio": float((lens >= o.max_completion_length).float().mean())}
+               "completions/clipped_ratio": float(cut.mean())}
     for f, r in enumerate(b.rewards):
         metrics[f"rewards/{r.name}/mean"] = float(torch.nanmean(rpf[:, f]))
         metrics[f"rewards/{r.name}/std"] = float(nanstd(rpf[:, f]))
