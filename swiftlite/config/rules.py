@@ -223,6 +223,10 @@ def _lora_variants(c: RunConfig):
                 "(16-bit base) or --init_weights true")
     if lc.lorap_lr_ratio is not None and not lc.lorap_lr_ratio > 0:
         return f"--lorap_lr_ratio must be > 0, got {lc.lorap_lr_ratio}"
+    if ((w.startswith("pissa") or w == "olora") and task_spec(c.task).own_options == "rlhf"
+            and c.rlhf.rlhf_type in ("dpo", "kto", "grpo") and c.rlhf.ref_model is None):
+        return (f"--init_weights {w}: the {c.rlhf.rlhf_type} reference is the base with the adapter off, which "
+                f"{w} has turned into the residual; give --ref_model (the model itself) or --init_weights true")
 
 
 @rule("early stopping")

@@ -117,6 +117,11 @@ def test_init_weights_refusals():
     with pytest.raises(UserError, match="--init_weights loftq is not available"):
         cfg_of("--init_weights", "loftq", "--train_type", "qlora")
     assert cfg_of("--init_weights", "pissa_niter_4").lora.init_weights == "pissa_niter_4"
+    config_file, values = parse_run_args(["--dataset", "t.jsonl", "--init_weights", "olora"])
+    with pytest.raises(UserError, match="the dpo reference is the base with the adapter off"):
+        load_config(config_file, values, task="rlhf", validate_paths=False)
+    values["ref_model"] = "tiny-llama-2l"
+    assert load_config(config_file, values, task="rlhf", validate_paths=False).lora.init_weights == "olora"
     with pytest.raises(UserError, match="--use-dora needs --train-type lora/qlora"):
         cfg_of("--use_dora", "true", "--train_type", "full")
 
@@ -195,7 +200,7 @@ def test_dora_run_saves_magnitudes_and_exports(demo_data, tmp_path):
     from safetensors.torch import load_file
     train, _ = demo_data
     run = tmp_path / "run"
-    run_cli(["sft", "--model", "tiny-llama-2l", "--dataset", f"{train}#16", "--max_steps", "2", "--use_dora", "true",
+    run_cli(["sft", "--model", "tiny-llama-2l", "--dataset", f"{train}#16", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max_steps", "2", "--use_dora", "true",
              "--output_dir", run])
     adapter = run / "checkpoint-2" / "adapter"
     sd = load_file(str(adapter / "adapter_model.safetensors"))
