@@ -45,6 +45,9 @@ GPU_CHECK_DRYRUN = "SWIFTLITE_GPU_CHECK_DRYRUN"
 #: One id per launched job (set by the first process that tokenizes, inherited by its ranks): the
 #: tokenization cache entries this job wrote, which --load_from_cache_file false still reads.
 DATA_SESSION = "SWIFTLITE_DATA_SESSION"
+#: --add_version: "<output-dir>\t<vN-timestamp>", the run folder the launching process chose (its ranks,
+#: which parse the same command again, use the same one).
+RUN_VERSION = "SWIFTLITE_RUN_VERSION"
 
 
 def _flag(value: str | None) -> bool:

@@ -21,6 +21,8 @@ def run_command(task: str, args: list[str]) -> int:
     from swiftlite.config import load_config
     config_file, values = parse_run_args(args)
     cfg = load_config(config_file, values, task=task)
+    from swiftlite.checkpoint.run_dir import apply_add_version
+    apply_add_version(cfg)   # --add_version: this run's <output-dir>/vN-<time> folder, the same in every rank
     from swiftlite.parallel.base import load_plugins
     load_plugins(cfg.parallel.external_plugins)
     from swiftlite.launch import plan_launch, preflight, resolve_for_launch, run_forked, run_launched, run_rank

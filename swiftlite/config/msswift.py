@@ -38,8 +38,6 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
               "with --mixed-precision bf16)", switch=True),
     NoMeaning("fp16", "use --torch_dtype float16 (loss scaling needs a DeepSpeed backend: --deepspeed zero2/zero3)",
               switch=True),
-    NoMeaning("add_version", "--output-dir is used as given (no <version>-<timestamp> subfolder); give each run "
-              "its own folder", fits=("false",), switch=True),
     NoMeaning("logging_dir", "TensorBoard events are written to <output-dir>/runs (--report-to tensorboard)"),
     NoMeaning("max_new_tokens", "training never generates; generation length is `swiftlite infer --max-new-tokens`"),
     NoMeaning("tuner_backend", "peft is the only tuner backend", fits=("peft",)),

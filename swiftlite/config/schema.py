@@ -277,6 +277,12 @@ class TrainConfig:
         "'{\"use_reentrant\": false}'. Default: {\"use_reentrant\": false}.")
     seed: int = opt(42, "Seed for weights of built-in models, data order, dropout.")
     output_dir: str = opt("output", "Run folder (args.json, logs, checkpoints).")
+    add_version: bool = opt(False, "Train in a new <output-dir>/v<N>-<YYYYMMDD-HHMMSS> folder (ms-swift's run "
+                            "folders; N one more than the highest there). With --resume true/auto the newest "
+                            "vN folder is resumed, so a requeued command continues its run. Default false, "
+                            "unlike ms-swift's true: here --output-dir is the run folder that --resume auto, "
+                            "the preemption marker (exit 75, then the same command again), export and bench "
+                            "name, so a command must mean the same folder every time it runs.")
     logging_steps: int = opt(5, "Log every N optimizer steps.")
     eval_strategy: str | None = opt(None, "When to validate (needs validation data): steps (every --eval-steps), "
                                     "epoch, or no (then give no validation data). Unset: every --eval-steps, else "

@@ -152,7 +152,7 @@ TABLE = [
      "--gradient-checkpointing-kwargs: unknown key 'reentrant'"),
     ("--output_dir output/qwen", ("output_dir", "output/qwen")),
     ("--add_version false", ACCEPTED),
-    ("--add_version true", "--add_version true: --output-dir is used as given"),
+    ("--add_version true", ("add_version", True)),
     ("--logging_steps 5", ("logging_steps", 5)),
     ("--logging_dir runs", "--logging_dir runs: TensorBoard events are written to <output-dir>/runs"),
     ("--report_to tensorboard", ("report_to", ["tensorboard"])),
