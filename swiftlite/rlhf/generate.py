@@ -10,8 +10,10 @@ the checkpointed step gives) and none of the global torch RNG consumed (dropout'
 
 Sharded engines gather the weights once per generation round, not per token (`gathered`):
 FSDP2 (fsdp, hsdp) unshards every FSDPModule and keeps them unsharded until the round ends (their
-reshard-after-forward is switched off for the round, then restored and resharded); ZeRO-3 gathers
-every parameter with deepspeed.zero.GatheredParameters. Other engines hold whole weights already.
+reshard-after-forward is switched off for the round, then restored and resharded); FSDP1 runs the
+round inside summon_full_params (no writeback); ZeRO-3 gathers every parameter with
+deepspeed.zero.GatheredParameters. Other engines hold whole weights already. `gathered` takes the
+engine's root (the FSDP1 root unit and the DeepSpeed engine are wrappers around the model).
 LoRA policies generate with the adapter on (peft's generate on the PeftModel).
 """
 
@@ -66,6 +68,11 @@ def gathered(model: Any):
                 if group is not None:
                     group.post_forward_mesh_info = info
                 m.reshard()
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    if isinstance(model, FSDP1):
+        with FSDP1.summon_full_params(model, writeback=False, recurse=True):
+            yield
         return
     params = [p for p in model.parameters() if hasattr(p, "ds_id")]
     if params:

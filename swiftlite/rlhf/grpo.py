@@ -201,7 +201,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     truncated: dict[int, float] = {}
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     mine = plan.rank_micro_batches(world.rank)
-    with gathered(b.model):
+    with gathered(engine.root()):            # the wrapper (FSDP1's root, the DeepSpeed engine) or the model
         for mb in mine:
             rows = [b.rows[prompts[c // G]] for c in mb]
             p_ids, p_mask, c_ids, c_mask = sample(
