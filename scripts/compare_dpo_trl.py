@@ -76,7 +76,8 @@ def _swiftlite(out: Path, model_dir: Path, data: Path, method: str, steps: int) 
     run = out / f"swiftlite_{method}"
     args = [sys.executable, "-m", "swiftlite", "rlhf", "--rlhf-type", method, "--model", str(model_dir),
             "--dataset", str(data), "--full", "--torch-dtype", "fp32", "--parallelism", "single", "--seed", "7",
-            "--per-device-train-batch-size", str(BATCH), "--max-steps", str(steps), "--logging-steps", "1",
+            "--per-device-train-batch-size", str(BATCH), "--gradient-accumulation-steps", "1",
+            "--gradient-checkpointing", "false", "--max-steps", str(steps), "--logging-steps", "1",
             "--learning-rate", str(LR[method]), "--lr-scheduler-type", "constant", "--warmup-ratio", "0",
             "--weight-decay", "0", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--max-grad-norm", "1.0",
             "--save-hf-model", "false", "--output-dir", str(run)]

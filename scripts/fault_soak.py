@@ -47,7 +47,7 @@ from swiftlite import checkpoint as ckpt  # noqa: E402
 def train_cmd(data: Path, out: Path, steps: int) -> list[str]:
     return [sys.executable, "-m", "swiftlite", "sft", "--model", "tiny-llama-2l", "--train-type", "full",
             "--dataset", str(data),
-            "--max-steps", str(steps), "--save-steps", "1", "--save-total-limit", "2", "--logging-steps", "1",
+            "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", str(steps), "--save-steps", "1", "--save-total-limit", "2", "--logging-steps", "1",
             "--torch-dtype", "fp32", "--seed", "7", "--output-dir", str(out), "--resume", "auto"]
 
 

@@ -236,7 +236,7 @@ step bench "$DEADLINE" "$PY" -m swiftlite bench --model "$MODEL" --parallelism "
 # (docs/backends.md "Loading at size": the allocator's peak when the model is built and after the
 # first step, logs/cuda_memory_rank0.json; on the CPU rehearsal the RSS record, logs/memory_rank0.json)
 for tt in full qlora; do
-  step "load-$tt" "$RUN_LIMIT" "$PY" -m swiftlite sft --model "$MODEL" --train-type "$tt" --max-steps 1 \
+  step "load-$tt" "$RUN_LIMIT" "$PY" -m swiftlite sft --model "$MODEL" --train-type "$tt" --max-steps 1 --gradient-accumulation-steps 1 \
     --torch-dtype "$DTYPE" --max-length "$SEQ" --per-device-train-batch-size 1 --save-strategy no \
     --dataset "$DATA/train.jsonl" --output-dir "$WORK/load_$tt"
 done

@@ -67,7 +67,8 @@ def run_case(model: Path, data: Path, backend: str, nproc: int, train_type: str,
     args = [sys.executable, "-m", "swiftlite", "sft", "--model", str(model), "--dataset", str(data),
             "--train-type", train_type, "--parallelism", backend, "--nproc-per-node", str(nproc),
             "--torch-dtype", dtype, "--max-length", "64", "--per-device-train-batch-size", "1",
-            "--gradient-checkpointing", "true", "--max-steps", str(steps), "--save-strategy", "no",
+            "--gradient-checkpointing", "true", "--gradient-accumulation-steps", "1", "--max-steps", str(steps),
+            "--save-strategy", "no",
             "--output-dir", str(out), *extra]
     if backend == "hsdp" and nproc > 1:   # shard groups of 2: 1 x 2 on two processes, 2 x 2 on four
         args += ["--hsdp-shard-size", "2"]

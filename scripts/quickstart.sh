@@ -22,7 +22,7 @@ swiftlite sft --model tiny-llama --dataset demo_data/train.jsonl --val-dataset d
   --train-type full --parallelism fsdp --nproc-per-node "$NPROC" --torch-dtype fp32 \
   --per-device-train-batch-size 16 --learning-rate 2e-3 --lr-scheduler cosine --warmup-ratio 0.05 \
   --weight-decay 0.0 --max-steps "$STEPS" --logging-steps 25 --eval-steps 125 --save-steps 125 \
-  --seed 42 --output-dir "$OUT" --overwrite-output-dir
+  --gradient-checkpointing false --seed 42 --output-dir "$OUT" --overwrite-output-dir
 
 echo "== accuracy after training =="
 swiftlite infer --model "$OUT" --dataset demo_data/val.jsonl --metric exact_match --limit 100

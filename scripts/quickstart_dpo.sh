@@ -33,7 +33,7 @@ if [ -z "$SFT_CKPT" ]; then
   swiftlite sft --model tiny-llama --dataset demo_data/train.jsonl --train-type full --parallelism fsdp \
     --nproc-per-node "$NPROC" --torch-dtype fp32 --per-device-train-batch-size 16 --learning-rate 2e-3 \
     --lr-scheduler constant_with_warmup --warmup-ratio 0.05 --weight-decay 0.0 --max-steps "$SFT_STEPS" --logging-steps 35 \
-    --save-strategy no --seed 42 --output-dir "${OUT}_sft" --overwrite-output-dir
+    --save-strategy no --gradient-checkpointing false --seed 42 --output-dir "${OUT}_sft" --overwrite-output-dir
   SFT_CKPT="${OUT}_sft/checkpoint-${SFT_STEPS}/model"
 fi
 

@@ -107,11 +107,11 @@ def sft_command(cfg: BenchConfig, spec: BackendSpec, dataset: str, run_dir: Path
            "--per-device-train-batch-size", str(cfg.per_device_train_batch_size),
            "--max-length", str(cfg.max_length), "--torch-dtype", dtype, "--train-type", cfg.train_type,
            "--output-dir", str(run_dir), "--overwrite-output-dir", "--save-hf-model", "false",
-           "--report-to", "none"]
+           "--report-to", "none", "--gradient-accumulation-steps", "1"]   # one micro-batch per step measured
     if nproc > 1:
         cmd += ["--nproc-per-node", str(nproc)]
-    if cfg.gradient_checkpointing and "--gradient-checkpointing" not in spec.extra_args:
-        cmd += ["--gradient-checkpointing"]
+    if "--gradient-checkpointing" not in spec.extra_args:   # said either way: the run's default is on
+        cmd += ["--gradient-checkpointing", "true" if cfg.gradient_checkpointing else "false"]
     if cfg.packing:
         cmd += ["--packing"]
     if cfg.external_plugins:  # a backend a plugin registers must be known to the run too

@@ -29,7 +29,8 @@ from swiftlite.errors import UserError, raise_all
 
 __all__ = ["FALSE_WORDS", "SECRET_KEY", "TRUE_WORDS", "alias_keys", "apply_env", "build_config", "canonical_key",
            "coerce", "context_length", "gpu_torch_build", "load_args", "load_config", "model_config_dict",
-           "read_config_file", "redact_secrets", "resolve_light_defaults", "resolve_strategies", "save_args"]
+           "read_config_file", "redact_secrets", "resolve_accumulation", "resolve_light_defaults", "resolve_strategies",
+           "save_args"]
 
 
 def coerce(spec: FieldSpec, value: Any, where: str) -> Any:
@@ -167,7 +168,35 @@ def build_config(values: dict[str, Any], *, source: str = "config", task: str = 
     # QLoRA means a 4-bit base unless --quant-bits 8 says otherwise (RunConfig.quant_bits).
     cfg.quant.quant_bits = cfg.quant_bits
     resolve_light_defaults(cfg)
+    resolve_accumulation(cfg)
     return cfg
+
+
+def config_world_size(cfg: RunConfig) -> int:
+    """The job's process count as the config says it (--nproc-per-node x --nnodes, which the launcher
+    variables fill); inside a rank started by a launcher, its WORLD_SIZE."""
+    from swiftlite import env
+    if env.inside_torchrun() and (env.get("WORLD_SIZE") or "").isdigit():
+        return int(env.get("WORLD_SIZE"))
+    return (cfg.parallel.nproc_per_node or 1) * (cfg.parallel.nnodes or 1)
+
+
+def resolve_accumulation(cfg: RunConfig) -> None:
+    """--gradient-accumulation-steps unset: ms-swift's rule (swift/trainers/arguments.py at 3602360a),
+    max(1, ceil(16 / per_device_train_batch_size / world_size)), and 1 for GRPO (its rlhf_args.py),
+    so a script that relies on it gets ms-swift's global batch of ~16."""
+    t = cfg.train
+    if t.gradient_accumulation_steps is not None:
+        return
+    from swiftlite.config.tasks import task_spec
+    if task_spec(cfg.task).own_options == "rlhf" and cfg.rlhf.rlhf_type == "grpo":
+        t.gradient_accumulation_steps = 1
+        return
+    import math
+    if t.per_device_train_batch_size <= 0:  # the batch-size rule names the flag
+        t.gradient_accumulation_steps = 1
+        return
+    t.gradient_accumulation_steps = max(1, math.ceil(16 / t.per_device_train_batch_size / config_world_size(cfg)))
 
 
 def _put(sections: dict[str, dict[str, Any]], specs: dict[str, FieldSpec], key: str, raw: str, value: Any,

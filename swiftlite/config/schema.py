@@ -267,11 +267,14 @@ class TrainConfig:
                           "ms-swift.",
                           aliases=("--tuner_type", "--tuner-type"), choices=TRAIN_TYPES)
     per_device_train_batch_size: int = opt(1, "Micro-batch size per process.", aliases=("--batch-size",))
-    per_device_eval_batch_size: int = opt(8, "Batch size per process for validation.")
-    gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step.")
-    num_train_epochs: float = opt(1.0, "Epochs to train (ignored when --max-steps > 0).")
+    per_device_eval_batch_size: int = opt(1, "Batch size per process for validation (ms-swift's 1).")
+    gradient_accumulation_steps: int | None = opt(None, "Micro-batches per optimizer step. Default: ms-swift's rule, "
+                                                  "ceil(16 / (per-device batch x world size)) and at least 1 (a "
+                                                  "global batch of about 16); 1 for --rlhf_type grpo.")
+    num_train_epochs: float = opt(3.0, "Epochs to train (ignored when --max-steps > 0); 3 as in ms-swift and HF.")
     max_steps: int = opt(-1, "Optimizer steps to train; -1 means from --num-train-epochs.")
-    gradient_checkpointing: bool = opt(False, "Activation checkpointing per decoder layer.")
+    gradient_checkpointing: bool = opt(True, "Activation checkpointing per decoder layer (on by default, as in "
+                                       "ms-swift: --gradient-checkpointing false keeps the activations).")
     gradient_checkpointing_kwargs: dict[str, Any] | None = opt(
         None, "JSON object passed to gradient_checkpointing_enable (torch.utils.checkpoint), e.g. "
         "'{\"use_reentrant\": false}'. Default: {\"use_reentrant\": false}.")
@@ -346,7 +349,7 @@ class TrainConfig:
 class CheckpointConfig:
     save_strategy: str = opt("steps", "When to save: steps (every --save-steps), epoch, or no (the final "
                              "checkpoint only). The last step is always saved.", choices=STRATEGIES)
-    save_steps: int | None = opt(None, "Save a checkpoint every N steps (always at the end).")
+    save_steps: int | None = opt(500, "Save a checkpoint every N steps (always at the end); 500 as in ms-swift.")
     save_total_limit: int | None = opt(None, "Keep at most N checkpoints (the newest; never the last good).")
     save_hf_model: bool = opt(True, "Also write an HF model folder (full) or peft adapter in each checkpoint.")
     save_only_model: bool = opt(False, "Checkpoints without the optimizer, LR-schedule and RNG states (the weights' "

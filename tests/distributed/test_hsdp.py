@@ -23,7 +23,7 @@ REL = 1e-4
 
 def _base(train, out, *, train_type="full", hf_model=False):
     return ["sft", "--model", "tiny-llama-2l", "--train-type", train_type, "--dataset", train,
-            "--torch-dtype", "fp32", "--learning-rate", "1e-3", "--max-steps", STEPS, "--logging-steps", 1,
+            "--torch-dtype", "fp32", "--learning-rate", "1e-3", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", STEPS, "--logging-steps", 1,
             "--save-steps", 3, "--output-dir", out, "--seed", 7, "--save-hf-model", str(hf_model).lower()] + (
             ["--lora-dropout", 0] if train_type != "full" else [])  # dropout masks depend on the rank count
 

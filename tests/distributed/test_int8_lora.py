@@ -15,7 +15,7 @@ from tests.conftest import read_losses, run_cli
 
 def _train(out, data, *extra):
     run_cli(["sft", "--model", "tiny-llama-2l", "--dataset", data, "--lora", "--quant-bits", "8",
-             "--max-steps", 4, "--save-steps", 2, "--logging-steps", 1, "--torch-dtype", "fp32", "--seed", 3,
+             "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", 4, "--save-steps", 2, "--logging-steps", 1, "--torch-dtype", "fp32", "--seed", 3,
              "--output-dir", out, *extra])
 
 

@@ -50,7 +50,7 @@ def _args(train: Path, val: Path, out: Path, train_type: str, backend: str, *, p
           evaluate: bool = False) -> list:
     a = ["sft", "--model", "tiny-llama-2l", "--dataset", f"{train}#{ROWS}", "--torch-dtype", "fp32",
          f"--{train_type}", "--parallelism", backend, "--seed", 7, "--lora-dropout", 0, "--learning-rate", "5e-3",
-         "--max-steps", STEPS, "--logging-steps", 1, "--per-device-train-batch-size", 1,
+         "--gradient-checkpointing", "false", "--max-steps", STEPS, "--logging-steps", 1, "--per-device-train-batch-size", 1,
          "--gradient-accumulation-steps", 4 // procs, "--output-dir", out]
     if evaluate:
         a += ["--val-dataset", f"{val}#4", "--eval-steps", 3]

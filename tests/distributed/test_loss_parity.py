@@ -111,7 +111,7 @@ def runs(demo_data, tied_model, tmp_path_factory) -> dict[str, Path]:
                     "--nproc-per-node", 2, "--per-device-train-batch-size", 2 // ga,
                     "--gradient-accumulation-steps", ga, "--learning-rate", "1e-3",
                     *(["--lora-dropout", 0] if "--full" not in extra else []),
-                    "--max-steps", STEPS, "--logging-steps", 1, "--seed", 7, "--output-dir", d,
+                    "--gradient-checkpointing", "false", "--max-steps", STEPS, "--logging-steps", 1, "--seed", 7, "--output-dir", d,
                     "--loss-impl", impl, "--loss-chunk-tokens", CHUNK, *extra]
             jobs["deepspeed" if name in DEEPSPEED else "torch"].append({"name": d.name, "args": args, "out": d})
             out[d.name] = d

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 def _args(train, out, parallelism, *extra, steps=STEPS, lr=LR):
     return ["sft", "--model", "tiny-llama", "--dataset", train, "--torch-dtype", "bf16", "--train-type", "full",
-            "--learning-rate", lr, "--max-steps", steps, "--logging-steps", 1, "--save-steps", steps,
+            "--learning-rate", lr, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", steps, "--logging-steps", 1, "--save-steps", steps,
             "--output-dir", out, "--seed", 7, "--parallelism", parallelism, "--nproc-per-node", 2,
             "--per-device-train-batch-size", 2, *extra]
 

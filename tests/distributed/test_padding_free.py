@@ -57,7 +57,7 @@ def runs(data, tmp_path_factory):
         d = root / f"{backend}_{form}"
         proc = run_cli(["sft", "--model", "tiny-llama", "--train-type", "full", "--dataset", train,
                         "--val-dataset", val, "--eval-steps", 5,
-                        "--torch-dtype", "fp32", "--learning-rate", "1e-3", "--max-steps", STEPS, "--logging-steps", 1,
+                        "--torch-dtype", "fp32", "--learning-rate", "1e-3", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", STEPS, "--logging-steps", 1,
                         "--output-dir", d, "--seed", 7, *backends[backend], *forms[form]], timeout=600)
         out[backend, form] = (d, proc.stdout)
     return out

@@ -24,7 +24,7 @@ REL_BF16 = 2e-2
 
 def _base(train, out):
     return ["sft", "--model", "tiny-llama-2l", "--train-type", "full", "--dataset", train, "--torch-dtype", "fp32",
-            "--learning-rate", "1e-3", "--max-steps", STEPS, "--logging-steps", 1, "--save-steps", 5,
+            "--learning-rate", "1e-3", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", STEPS, "--logging-steps", 1, "--save-steps", 5,
             "--output-dir", out, "--seed", 7]
 
 
@@ -196,7 +196,7 @@ def test_zero3_loads_a_model_folder_partitioned(runs, demo_data, tmp_path):
     out = tmp_path / "zero3_folder"
     folder = runs["single_b4"] / f"checkpoint-{STEPS}" / "model"
     run_cli(["sft", "--model", folder, "--train-type", "full", "--dataset", train, "--torch-dtype", "fp32",
-             "--max-steps", 1,
+             "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", 1,
              "--logging-steps", 1, "--output-dir", out, "--parallelism", "zero3", "--nproc-per-node", 2,
              "--per-device-train-batch-size", 2, "--save-hf-model", "false"], timeout=300)
     assert read_losses(out)[1] < read_losses(runs["single_b4"])[1] - 0.5, "starts from the trained weights"

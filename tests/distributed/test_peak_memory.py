@@ -100,7 +100,7 @@ def _check(name, model, backend, train_type, nproc, demo_data, tmp_path, loss_im
     run_cli(["sft", "--model", model, "--dataset", demo_data[0], "--train-type", train_type,
              "--parallelism", backend, "--nproc-per-node", nproc, "--torch-dtype", dtype,
              "--max-length", MAX_LENGTH, "--packing", "true", "--per-device-train-batch-size", MICRO_BATCH,
-             *(["--lora-dropout", "0.05"] if train_type != "full" else []), "--max-steps", 3, "--output-dir", out,
+             *(["--lora-dropout", "0.05"] if train_type != "full" else []), "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", 3, "--output-dir", out,
              "--logging-steps", 1, *loss],
             env=cli_env(MALLOC_MMAP_THRESHOLD_="65536"))
     shape = plan.shape_from_model_arg(str(model))

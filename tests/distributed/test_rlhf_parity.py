@@ -42,7 +42,7 @@ def _has(module: str) -> bool:
 def _args(data: Path, out: Path, train_type: str, backend: str, procs: int) -> list:
     return ["rlhf", "--rlhf-type", "dpo", "--model", "tiny-llama-2l", "--dataset", data, "--torch-dtype", "fp32",
             f"--{train_type}", "--parallelism", backend, "--seed", 7, "--learning-rate",
-            "5e-3" if train_type != "full" else "1e-3", "--max-steps", STEPS, "--logging-steps", 1,
+            "5e-3" if train_type != "full" else "1e-3", "--gradient-checkpointing", "false", "--max-steps", STEPS, "--logging-steps", 1,
             "--per-device-train-batch-size", 2 // procs, "--gradient-accumulation-steps", 2,
             "--save-hf-model", "false", "--output-dir", out]
     # (--lora-dropout is a LoRA option: refused on a full run; added below for the adapters)

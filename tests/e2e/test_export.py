@@ -34,7 +34,7 @@ from tests.conftest import cli_env, run_cli
 pytestmark = pytest.mark.slow
 
 LOGIT_RTOL = 0.03
-COMMON = ["--model", "tiny-llama-2l", "--train-type", "full", "--max-steps", "3", "--per-device-train-batch-size", "2",
+COMMON = ["--model", "tiny-llama-2l", "--train-type", "full", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "3", "--per-device-train-batch-size", "2",
           "--learning-rate", "5e-3", "--max-length", "64", "--logging-steps", "1"]
 KINDS = {
     "single": ["--parallelism", "single"],

@@ -29,7 +29,7 @@ def lora_run(tmp_path_factory) -> Path:
     run_cli(["sft", "--model", "tiny-llama", "--train_type", "lora", "--dataset", f"{train}#48",
              "--target_modules", "all-linear", "--lr_scheduler_type", "cosine", "--learning_rate", "2e-2",
              "--lora_rank", "8", "--lora_alpha", "32", "--per_device_train_batch_size", "4",
-             "--gradient_accumulation_steps", "1", "--max_steps", "3", "--logging_steps", "1",
+             "--gradient_accumulation_steps", "1", "--gradient-checkpointing", "false", "--max_steps", "3", "--logging_steps", "1",
              "--max_length", "64", "--truncation_strategy", "right", "--system", "You reverse strings.",
              "--report_to", "tensorboard", "--output_dir", out],
             env=cli_env(SWIFTLITE_CACHE=str(root / "cache")))
@@ -98,7 +98,7 @@ def test_merge_lora_on_a_full_run_is_an_error(tmp_path):
     from swiftlite.demo import write_demo_data
     train, _ = write_demo_data(tmp_path / "data", n_train=16, n_val=4)
     run = tmp_path / "full"
-    run_cli(["sft", "--model", "tiny-llama-2l", "--train_type", "full", "--dataset", train, "--max_steps", "1",
+    run_cli(["sft", "--model", "tiny-llama-2l", "--train_type", "full", "--dataset", train, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max_steps", "1",
              "--per_device_train_batch_size", "2", "--max_length", "32", "--truncation_strategy", "right", "--output_dir", run],
             env=cli_env(SWIFTLITE_CACHE=str(tmp_path / "cache")))
     r = run_cli(["export", "--adapters", run / "checkpoint-1", "--merge_lora", "true"], check=False)

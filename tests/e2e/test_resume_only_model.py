@@ -28,7 +28,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "distributed" / "_resume_only_model_worker.py"
 BASE = {"model": "tiny-llama-2l", "train_type": "full", "torch_dtype": "fp32", "per_device_train_batch_size": 2,
-        "max_length": 64, "logging_steps": 1, "learning_rate": 1e-3, "lr_scheduler": "cosine", "warmup_steps": 1}
+        "max_length": 64, "logging_steps": 1, "learning_rate": 1e-3, "lr_scheduler": "cosine", "warmup_steps": 1,
+        "gradient_accumulation_steps": 1, "gradient_checkpointing": False}
 KINDS = {"single": ([], {"parallelism": "single"}),
          "fsdp": (["--nproc-per-node", "2"], {"parallelism": "fsdp"}),
          "zero2": (["--nproc-per-node", "2"], {"parallelism": "zero2"})}
@@ -53,7 +54,7 @@ def _trained(root: Path, train: Path, kind: str) -> Path:
     extra, values = KINDS[kind]
     run = root / f"A_{kind}"
     if not run.exists():
-        run_cli(["sft", *flags({**BASE, **values}), *extra, "--dataset", train, "--max_steps", "4",
+        run_cli(["sft", *flags({**BASE, **values}), *extra, "--dataset", train, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max_steps", "4",
                  "--output_dir", run], env=cli_env(SWIFTLITE_CACHE=str(root / "cache")))
     return run / "checkpoint-4"
 
@@ -101,7 +102,7 @@ def test_weights_only_step_zero_fresh_optimizer(data, kind):
 def test_the_command_restarts_at_step_one_from_the_loaded_weights(data):
     root, train = data
     ckpt = _trained(root, train, "single")
-    common = [*flags({**BASE, "parallelism": "single"}), "--dataset", f"{train}#40", "--max_steps", "3",
+    common = [*flags({**BASE, "parallelism": "single"}), "--dataset", f"{train}#40", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max_steps", "3",
               "--per_device_train_batch_size", "1"]
     env = cli_env(SWIFTLITE_CACHE=str(root / "cache"))
     plain = run_cli(["sft", *common, "--output_dir", root / "P", "--resume_from_checkpoint", ckpt], check=False, env=env)

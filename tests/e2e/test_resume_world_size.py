@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 GLOBAL_BATCH = 4
 BASE = ["--model", "tiny-llama-2l", "--train-type", "full", "--torch-dtype", "fp32", "--logging-steps", "1",
-        "--max-length", "64", "--learning-rate", "1e-3", "--max-steps", "8", "--save-steps", "4"]
+        "--max-length", "64", "--learning-rate", "1e-3", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "8", "--save-steps", "4"]
 TOL = 1e-4
 
 

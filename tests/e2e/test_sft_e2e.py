@@ -15,7 +15,7 @@ def run(demo_data, tmp_path_factory):
     train, val = demo_data
     out = tmp_path_factory.mktemp("e2e") / "run"
     proc = run_cli(["sft", "--model", "tiny-llama-2l", "--train-type", "full", "--dataset", train, "--val-dataset", val,
-                    "--max-steps", 30, "--per-device-train-batch-size", 8, "--learning-rate", "3e-3",
+                    "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", 30, "--per-device-train-batch-size", 8, "--learning-rate", "3e-3",
                     "--logging-steps", 5, "--save-steps", 15, "--save-total-limit", 1, "--output-dir", out,
                     "--report-to", "tensorboard"])
     return out, proc
@@ -69,7 +69,7 @@ def test_local_hf_folder_as_model(run, demo_data, tmp_path):
     out, _ = run
     run2 = tmp_path / "from_folder"
     run_cli(["sft", "--model", out / "checkpoint-30" / "model", "--train-type", "full", "--dataset", f"{train}#64",
-             "--max-steps", 2,
+             "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", 2,
              "--per-device-train-batch-size", 8, "--output-dir", run2, "--logging-steps", 1])
     first = read_losses(run2)[1]
     assert first < read_losses(out)[1] - 0.5, "starts from the trained weights, not from scratch"
@@ -79,7 +79,7 @@ def test_pretraining_on_text(tmp_path):
     data = tmp_path / "t.jsonl"
     data.write_text("".join(json.dumps({"text": "abcdefgh" * (i % 5 + 1)}) + "\n" for i in range(64)))
     out = tmp_path / "pt"
-    run_cli(["pt", "--model", "tiny-llama-2l", "--train-type", "full", "--dataset", data, "--max-steps", 15,
+    run_cli(["pt", "--model", "tiny-llama-2l", "--train-type", "full", "--dataset", data, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", 15,
              "--learning-rate", "3e-3",
              "--per-device-train-batch-size", 8, "--output-dir", out, "--logging-steps", 1, "--packing",
              "--max-length", 64])

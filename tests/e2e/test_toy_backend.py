@@ -29,7 +29,7 @@ def test_toy_backend_trains_and_resumes_through_sft(data, tmp_path):
     base = ["sft", "--external-plugins", PLUGIN, "--model", "tiny-llama", "--train-type", "full", "--dataset", data,
             "--parallelism", "toy", "--per-device-train-batch-size", "4", "--learning-rate", "2e-3",
             "--logging-steps", "1", "--output-dir", str(out), "--save-steps", "2"]
-    proc = run_cli([*base, "--max-steps", "3"])
+    proc = run_cli([*base, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "3"])
     assert "swiftlite: toy x 1 process(es)" in proc.stdout
     losses = read_losses(out)
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]
@@ -38,7 +38,7 @@ def test_toy_backend_trains_and_resumes_through_sft(data, tmp_path):
     # resume through the same record: checkpoint-2 -> step 3 reproduces the loss
     again = tmp_path / "again"
     again.mkdir()
-    proc2 = run_cli([*base[:-4], "--output-dir", str(again), "--max-steps", "3",
+    proc2 = run_cli([*base[:-4], "--output-dir", str(again), "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "3",
                      "--resume-from", str(out / "checkpoint-2")])
     assert "resuming from checkpoint-2" in proc2.stdout
     assert read_losses(again)[3] == pytest.approx(losses[3], rel=1e-6)
@@ -53,7 +53,7 @@ def test_toy_backend_trains_dpo_with_a_frozen_reference_copy(tmp_path):
     proc = run_cli(["rlhf", "--rlhf_type", "dpo", "--external-plugins", PLUGIN, "--model", "tiny-llama",
                     "--train-type", "full", "--dataset", str(train), "--parallelism", "toy",
                     "--per-device-train-batch-size", "4", "--learning-rate", "1e-3", "--logging-steps", "1",
-                    "--max-steps", "3", "--output-dir", str(out)])
+                    "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "3", "--output-dir", str(out)])
     assert "swiftlite: toy x 1 process(es)" in proc.stdout
     assert "reference: a frozen copy" in proc.stdout
     losses = read_losses(out)
@@ -69,7 +69,7 @@ def test_toy_backend_skips_a_nan_step(data, tmp_path):
     env = cli_env(SWIFTLITE_FAULT="step=2,phase=grads,kind=nan")
     run_cli(["sft", "--external-plugins", PLUGIN, "--model", "tiny-llama", "--train-type", "full", "--dataset", data,
              "--parallelism", "toy", "--per-device-train-batch-size", "4", "--logging-steps", "1",
-             "--max-steps", "4", "--nan-policy", "skip", "--output-dir", str(out)], env=env)
+             "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "4", "--nan-policy", "skip", "--output-dir", str(out)], env=env)
     recs = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     skipped = [r for r in recs if "skipped_step" in r]
     assert [r["step"] for r in skipped] == [2] and "grad norm is nan" in skipped[0]["skipped_step"]

@@ -31,7 +31,7 @@ def data(tmp_path_factory):
 
 def _args(backend: str, out: str, *extra: str) -> list[str]:
     return ["sft", *TINY, "--dataset", "train.jsonl", "--per-device-train-batch-size", "2", "--parallelism",
-            backend, "--nproc-per-node", "2", "--max-steps", str(STEPS), "--output-dir", out, *extra]
+            backend, "--nproc-per-node", "2", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", str(STEPS), "--output-dir", out, *extra]
 
 
 def _start(args, env, cwd):
@@ -112,7 +112,7 @@ def test_second_signal_during_the_save_abandons_it(data):
     latest = data / out / ckpt.read_latest(data / out)
     assert ckpt.verify_checkpoint(latest) is None
     assert not (data / out / "preempted").exists()
-    r = subprocess.run([sys.executable, "-m", "swiftlite", *_args("fsdp", out, "--resume", "auto", "--max-steps",
+    r = subprocess.run([sys.executable, "-m", "swiftlite", *_args("fsdp", out, "--resume", "auto", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps",
                                                                    "6")], env=env_for(data / "cache"), cwd=data,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -29,7 +29,7 @@ def _last_error(stderr: str) -> str:
 
 def test_raise_on_rank1_ends_the_job_naming_rank1(work):
     env = env_for(work / "cache", SWIFTLITE_FAULT="rank=1,step=2,kind=raise")
-    r, dt = swiftlite(["sft", *TINY, "--dataset", "data/train.jsonl", "--max-steps", "4", "--nproc-per-node", "2",
+    r, dt = swiftlite(["sft", *TINY, "--dataset", "data/train.jsonl", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "4", "--nproc-per-node", "2",
                        "--ddp-timeout", "60", "--output-dir", "raise"], env, work, timeout=240)
     assert r.returncode != 0
     line = _last_error(r.stderr)
@@ -42,7 +42,7 @@ def test_hang_on_rank1_ends_within_the_ddp_timeout_naming_rank1(work):
     """--ddp-timeout 20: rank 0's next collective gives up after 20 s, the launcher stops rank 1 and
     reports where it hung. The job ends within the timeout plus shutdown, counted from the hang."""
     env = env_for(work / "cache", SWIFTLITE_FAULT="rank=1,step=2,kind=hang")
-    r, dt = swiftlite(["sft", *TINY, "--dataset", "data/train.jsonl", "--max-steps", "4", "--nproc-per-node", "2",
+    r, dt = swiftlite(["sft", *TINY, "--dataset", "data/train.jsonl", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "4", "--nproc-per-node", "2",
                        "--ddp-timeout", "20", "--output-dir", "hang"], env, work, timeout=300)
     assert r.returncode != 0
     line = _last_error(r.stderr)

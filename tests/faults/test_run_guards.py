@@ -45,7 +45,7 @@ BASE = ["sft", *TINY, "--dataset", "train.jsonl", "--per-device-train-batch-size
 def test_nan_stops_with_one_line_naming_the_step(folder):
     env = env_for(folder / "cache")
     r, _ = swiftlite([*BASE, "--parallelism", "fsdp", "--nproc-per-node", "2", "--learning-rate", "1e8",
-                      "--max-steps", "8", "--save-steps", "1"], env, folder)
+                      "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "8", "--save-steps", "1"], env, folder)
     assert r.returncode != 0
     err = r.stderr.strip().splitlines()[-1]
     assert err.startswith("error: ") and " at step " in err and ("nan" in err or "inf" in err), r.stderr[-2000:]
@@ -55,7 +55,7 @@ def test_nan_stops_with_one_line_naming_the_step(folder):
 
 def test_nan_skip_counts_the_step_and_goes_on(folder):
     env = env_for(folder / "cache", SWIFTLITE_FAULT="step=3,phase=grads,kind=nan")
-    r, _ = swiftlite([*BASE, "--parallelism", "fsdp", "--nproc-per-node", "2", "--max-steps", "5",
+    r, _ = swiftlite([*BASE, "--parallelism", "fsdp", "--nproc-per-node", "2", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "5",
                       "--nan-policy", "skip"], env, folder)
     assert r.returncode == 0, r.stderr[-3000:]
     recs = _records(folder / "run")
@@ -65,13 +65,13 @@ def test_nan_skip_counts_the_step_and_goes_on(folder):
     assert all(math.isfinite(x["loss"]) for x in recs if "loss" in x) and _all_finite(folder / "run")
     # the skipped step left the weights alone: stopping policy on the same fault names the step
     env2 = env_for(folder / "cache", SWIFTLITE_FAULT="step=3,phase=grads,kind=nan")
-    r2, _ = swiftlite([*BASE[:-1], "run2", "--max-steps", "5"], env2, folder)
+    r2, _ = swiftlite([*BASE[:-1], "run2", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "5"], env2, folder)
     assert r2.returncode == 2 and "grad norm is nan at step 3" in r2.stderr
 
 
 def test_full_disk_during_a_save_keeps_every_earlier_checkpoint(folder):
     env = env_for(folder / "cache", SWIFTLITE_FAULT="step=4,phase=checkpoint,kind=enospc")
-    r, _ = swiftlite([*BASE, "--max-steps", "6", "--save-steps", "2"], env, folder)
+    r, _ = swiftlite([*BASE, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "6", "--save-steps", "2"], env, folder)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "no space left writing checkpoint-4" in r.stderr and str(folder / "run") in r.stderr
     run = folder / "run"
@@ -79,29 +79,29 @@ def test_full_disk_during_a_save_keeps_every_earlier_checkpoint(folder):
     assert ckpt.read_latest(run) == "checkpoint-2"
     assert ckpt.verify_checkpoint(run / "checkpoint-2") is None    # intact: its manifest and every checksum hold
     assert not [p for p in run.iterdir() if p.name.startswith(".tmp-")]
-    r2, _ = swiftlite([*BASE, "--max-steps", "6", "--save-steps", "2", "--resume"], env_for(folder / "cache"), folder)
+    r2, _ = swiftlite([*BASE, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "6", "--save-steps", "2", "--resume"], env_for(folder / "cache"), folder)
     assert r2.returncode == 0 and "resuming from checkpoint-2" in r2.stdout, r2.stderr[-2000:]
     assert ckpt.read_latest(run) == "checkpoint-6"
 
 
 def test_resume_after_the_dataset_changed_is_refused_naming_it(folder):
     env = env_for(folder / "cache")
-    r, _ = swiftlite([*BASE, "--max-steps", "2"], env, folder)
+    r, _ = swiftlite([*BASE, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "2"], env, folder)
     assert r.returncode == 0, r.stderr[-2000:]
     from swiftlite.demo import make_rows
     with open(folder / "train.jsonl", "a") as f:
         f.write("\n".join(json.dumps(x) for x in make_rows(8, 9)) + "\n")
-    r2, _ = swiftlite([*BASE, "--max-steps", "4", "--resume"], env, folder)
+    r2, _ = swiftlite([*BASE, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "4", "--resume"], env, folder)
     assert r2.returncode == 2 and r2.stderr.count("\n") == 1
     assert "other data" in r2.stderr and "data.rows" in r2.stderr and "data.sha256" in r2.stderr
-    r3, _ = swiftlite([*BASE, "--max-steps", "4", "--resume", "--ignore-data-skip"], env, folder)
+    r3, _ = swiftlite([*BASE, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "4", "--resume", "--ignore-data-skip"], env, folder)
     assert r3.returncode == 0, r3.stderr[-2000:]
     assert "changed data.rows" in r3.stdout and ckpt.read_latest(folder / "run") == "checkpoint-4"
 
 
 def test_second_run_on_the_same_folder_stops_naming_the_first(folder):
     env = env_for(folder / "cache")
-    first = subprocess.Popen([sys.executable, "-m", "swiftlite", *BASE, "--max-steps", "400"], env=env, cwd=folder,
+    first = subprocess.Popen([sys.executable, "-m", "swiftlite", *BASE, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "400"], env=env, cwd=folder,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         lock = folder / "run" / ".lock"
@@ -110,12 +110,12 @@ def test_second_run_on_the_same_folder_stops_naming_the_first(folder):
             time.sleep(0.2)
         assert lock.read_text().split()[0] == str(first.pid)
         t0 = time.monotonic()
-        r, _ = swiftlite([*BASE, "--max-steps", "4", "--overwrite-output-dir"], env, folder)
+        r, _ = swiftlite([*BASE, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "4", "--overwrite-output-dir"], env, folder)
         assert time.monotonic() - t0 < 5  # the refusal comes from preflight, before any rank starts
         assert r.returncode == 2 and f"pid {first.pid}" in r.stderr, r.stderr[-2000:]
     finally:
         first.kill()
         first.wait()
     # the first run is gone: its lock is taken over, with a notice
-    r2, _ = swiftlite([*BASE, "--max-steps", "2", "--overwrite-output-dir"], env, folder)
+    r2, _ = swiftlite([*BASE, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "2", "--overwrite-output-dir"], env, folder)
     assert r2.returncode == 0 and f"taking over" in r2.stdout and f"pid {first.pid}" in r2.stdout, r2.stdout[-2000:]

@@ -28,7 +28,7 @@ def run(tmp_path_factory):
     rows.insert(20, json.dumps({"question": "p", "answer": "c"}))
     (d / "train.jsonl").write_text("\n".join(rows) + "\n")
     env = env_for(d / "cache", HF_TOKEN=TOKEN, HUGGING_FACE_HUB_TOKEN=TOKEN)
-    args = ["sft", *TINY, "--dataset", "train.jsonl", "--skip-bad-rows", "--max-steps", "3", "--save-steps", "1",
+    args = ["sft", *TINY, "--dataset", "train.jsonl", "--skip-bad-rows", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "3", "--save-steps", "1",
             "--save-total-limit", "2", "--output-dir", "run"]
     r, _ = swiftlite(args, env, d)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -70,7 +70,7 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_used(run):
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size: only the checksum sees it
     f.write_bytes(bytes(data))
-    r, _ = swiftlite(["sft", *TINY, "--dataset", "train.jsonl", "--skip-bad-rows", "--max-steps", "4",
+    r, _ = swiftlite(["sft", *TINY, "--dataset", "train.jsonl", "--skip-bad-rows", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "4",
                       "--save-steps", "1", "--save-total-limit", "2", "--output-dir", "corrupt", "--resume"], env, d)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "warning: skipping" in r.stdout and "checkpoint-3: model/model.safetensors checksum mismatch" in r.stdout
@@ -101,7 +101,7 @@ def test_checkpoint_with_pickle_payload_is_refused(run, how):
     ckpt.write_manifest(c)
     before = sorted(p.name for p in (d / name).iterdir())
     flag = ["--resume-from", f"{name}/checkpoint-3"] if how == "resume-from" else ["--resume"]
-    r, _ = swiftlite(["sft", *TINY, "--dataset", "train.jsonl", "--skip-bad-rows", "--max-steps", "4",
+    r, _ = swiftlite(["sft", *TINY, "--dataset", "train.jsonl", "--skip-bad-rows", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "4",
                       "--output-dir", name, *flag], env, d)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     lines = r.stderr.splitlines()
@@ -117,7 +117,7 @@ def test_dcp_metadata_with_pickle_payload_is_refused(run):
     c = d / "evil-meta" / "checkpoint-3"
     (c / "dcp" / ".metadata").write_bytes(pickle.dumps(Evil(marker)))
     ckpt.write_manifest(c)
-    r, _ = swiftlite(["sft", *TINY, "--dataset", "train.jsonl", "--skip-bad-rows", "--max-steps", "4",
+    r, _ = swiftlite(["sft", *TINY, "--dataset", "train.jsonl", "--skip-bad-rows", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "4",
                       "--output-dir", "evil-meta", "--resume-from", "evil-meta/checkpoint-3"], env, d)
     assert r.returncode == 2 and not marker.exists()
     assert r.stderr.count("\n") == 1 and ".metadata: refused, unsafe pickle content" in r.stderr, r.stderr

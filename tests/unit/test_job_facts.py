@@ -152,7 +152,8 @@ def test_one_sft_process_runs_the_rules_once_and_resolves_the_backend_once(tmp_p
         monkeypatch.delenv(k, raising=False)
     train, _ = write_demo_data(tmp_path / "data", n_train=16, n_val=4)
     runs, resolutions = rules.RUNS["count"], RESOLUTIONS["count"]
-    assert main(["sft", "--model", "tiny-llama-2l", "--dataset", str(train), "--max-steps", "1",
+    assert main(["sft", "--model", "tiny-llama-2l", "--dataset", str(train), "--gradient-accumulation-steps", "1",
+                 "--gradient-checkpointing", "false", "--max-steps", "1",
                  "--per-device-train-batch-size", "2", "--output-dir", str(tmp_path / "out")]) == 0
     assert (rules.RUNS["count"] - runs, RESOLUTIONS["count"] - resolutions) == (1, 1)
     assert (tmp_path / "out" / "logging.jsonl").is_file()

@@ -242,7 +242,7 @@ def _wandb_records(path: Path):
             yield rec
 
 
-RUN_ARGS = ["sft", "--model", "tiny-llama", "--max_steps", 7, "--per_device_train_batch_size", 2,
+RUN_ARGS = ["sft", "--model", "tiny-llama", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max_steps", 7, "--per_device_train_batch_size", 2,
             "--learning_rate", "1e-3", "--warmup_steps", 2, "--save_steps", 4]
 
 

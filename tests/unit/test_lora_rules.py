@@ -118,7 +118,7 @@ def test_cli_target_modules_that_match_nothing_is_one_line_exit_2(tmp_path, demo
     """Checked once the model is built (after the config): still one line and exit code 2."""
     train, _ = demo_data
     proc = subprocess.run([sys.executable, "-m", "swiftlite", "sft", "--model", "tiny-llama-2l", "--dataset",
-                           f"{train}#4", "--qlora", "--target-modules", "query_key_value", "--max-steps", "1",
+                           f"{train}#4", "--qlora", "--target-modules", "query_key_value", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "1",
                            "--output-dir", str(tmp_path / "o")], capture_output=True, text=True, env=cli_env(),
                           timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -142,7 +142,9 @@ TABLE = [
     ("--gradient_checkpointing true", ("gradient_checkpointing", True)),
     ("--gradient_checkpointing --gradient_checkpointing_kwargs '{\"use_reentrant\": false}'",
      ("gradient_checkpointing_kwargs", {"use_reentrant": False})),
-    ("--gradient_checkpointing_kwargs '{\"use_reentrant\": false}'",
+    ("--gradient_checkpointing_kwargs '{\"use_reentrant\": false}'",      # checkpointing is on by default
+     ("gradient_checkpointing_kwargs", {"use_reentrant": False})),
+    ("--gradient_checkpointing false --gradient_checkpointing_kwargs '{\"use_reentrant\": false}'",
      "--gradient-checkpointing-kwargs needs --gradient-checkpointing true"),
     ("--gradient_checkpointing --gradient_checkpointing_kwargs '{use_reentrant: false}'",
      "flags: gradient_checkpointing_kwargs: not valid JSON"),

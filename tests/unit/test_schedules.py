@@ -163,7 +163,7 @@ def test_logged_lr_of_a_run_equals_hf_trainer(tmp_path, demo_data):
     Trainer takes (and logs for) that step: peak x lambda(step - 1)."""
     train, _ = demo_data
     steps, kwargs = 7, {"min_lr": 1e-4}
-    run_cli(["sft", "--model", "tiny-llama", "--dataset", train, "--max_steps", steps, "--logging_steps", 1,
+    run_cli(["sft", "--model", "tiny-llama", "--dataset", train, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max_steps", steps, "--logging_steps", 1,
              "--learning_rate", PEAK, "--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs",
              json.dumps(kwargs), "--warmup_ratio", 0.3, "--output_dir", tmp_path / "run"], timeout=300)
     recs = [json.loads(x) for x in (tmp_path / "run" / "logging.jsonl").read_text().splitlines()]
