@@ -90,10 +90,15 @@ WHOLE_MATRIX = {
 }
 
 
+def optim_name(cfg: "RunConfig") -> str:
+    """The optimizer the run trains with: ms-swift's --optimizer plugin (muon) wins over --optim."""
+    return cfg.optim.optimizer or cfg.optim.optim
+
+
 def optim_problem(cfg: "RunConfig", choice: "object | None" = None) -> str | None:
     """Why --optim cannot run on this run's backend (`choice`: a parallel.base.BackendChoice), or
     None. Preflight asks before launch; `build_optimizer` asks again in the rank."""
-    name = cfg.optim.optim
+    name = optim_name(cfg)
     if name in WHOLE_MATRIX and choice is not None and any(choice.record.shards):
         return (f"--optim {name}: {WHOLE_MATRIX[name]}, and --parallelism {choice.name} gives each rank a slice "
                 "(an FSDP shard or a ZeRO flat partition); use --parallelism ddp/single, or an elementwise "
@@ -115,7 +120,10 @@ def build_optimizer(model: torch.nn.Module, cfg: "RunConfig") -> torch.optim.Opt
     arguments for each (`Trainer.get_optimizer_cls_and_kwargs`): AdamW with --adam-beta1/2 and
     --adam-epsilon; sgd, adagrad, rmsprop with the lr alone; adafactor as transformers' Adafactor
     with scale_parameter=False, relative_step=False (the schedule drives its lr); muon as
-    torch.optim.Muon (lr, weight decay; its other settings torch's defaults).
+    torch.optim.Muon with adjust_lr_fn="match_rms_adamw" (the update scaled to AdamW's RMS, 0.2 x
+    sqrt(max(rows, cols)), as Moonlight's Muon that ms-swift's `--optimizer muon` runs, so
+    --learning-rate means what it means for AdamW), the weight decay of the groups, momentum 0.95,
+    Nesterov, 5 Newton-Schulz steps (torch's and Moonlight's defaults).
 
     adamw_torch_fused (the default, as HF's and ms-swift's) uses torch's fused kernel wherever it
     runs: it updates each tensor in one vectorised pass; the default on CPU is the per-tensor Python
@@ -134,7 +142,7 @@ def build_optimizer(model: torch.nn.Module, cfg: "RunConfig") -> torch.optim.Opt
     ratio = cfg.lora.lorap_lr_ratio if cfg.is_peft else None
     lr = cfg.learning_rate
     groups = param_groups(model, o.weight_decay, lr=lr, lorap_lr_ratio=ratio)
-    name = o.optim
+    name = optim_name(cfg)
     if name == "adamw_torch_fused":
         fused = _fused_supported([p for g in groups for p in g["params"]])
         return torch.optim.AdamW(groups, lr=lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon,
@@ -151,7 +159,7 @@ def build_optimizer(model: torch.nn.Module, cfg: "RunConfig") -> torch.optim.Opt
         from transformers.optimization import Adafactor
         return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False)
     if name == "muon":
-        return torch.optim.Muon(groups, lr=lr)
+        return torch.optim.Muon(groups, lr=lr, adjust_lr_fn="match_rms_adamw")
     from swiftlite.config.schema import OPTIMIZERS
     raise UserError(f"--optim {name}: not one of {', '.join(OPTIMIZERS)}")
 

@@ -68,7 +68,7 @@ def run_facts(cfg: "RunConfig", train_data: Any, global_batch: int) -> dict[str,
     # Recorded only when not the default, so checkpoints written before these options resume as before.
     for key, default in (("optim", "adamw_torch_fused"), ("use_dora", False), ("lora_bias", "none"),
                          ("init_weights", "true")):
-        value = cfg.flat()[key]
+        value = cfg.flat()[key] if key != "optim" else (cfg.optim.optimizer or cfg.optim.optim)
         if value != default and (key == "optim" or cfg.is_peft):
             shape[key] = value
     return {"data": {"rows": len(train_data.rows), "tokens": tokens, "sha256": h.hexdigest()[:32]},
@@ -271,7 +271,7 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
             "data/run-shape check was skipped")
         return {**state, "global_step": 0, "resumed_from_step": state.get("global_step")}
     same_world = state.get("world_size") == world.world_size
-    if (cross or (saved == "ds" and not same_world)) and not cfg.optim.optim.startswith("adamw"):
+    if (cross or (saved == "ds" and not same_world)) and not (cfg.optim.optimizer or cfg.optim.optim).startswith("adamw"):
         raise UserError(f"--resume: {path.name} resumes here through DeepSpeed's universal checkpoint, which "
                         f"carries AdamW's state only, and this run trains with --optim {cfg.optim.optim}; resume "
                         "it on the backend and world size that wrote it, or with --resume_only_model")

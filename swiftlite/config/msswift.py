@@ -95,6 +95,12 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
         ("gkd", "GKD (on-policy distillation) is not available; distil by running sft on the teacher's outputs"))},
     ("truncation_strategy", "split"): "split (several samples per long row) is not available; use "
                                       "--truncation-strategy delete/left/right, or --packing for pt",
+    ("optimizer", "lorap"): "give --lorap_lr_ratio (ms-swift picks its lorap optimizer from it; so does swiftlite)",
+    ("optimizer", "galore"): "GaLore is not available; for less optimizer memory train a LoRA or shard the optimizer "
+                             "state (--parallelism zero2/zero3/fsdp)",
+    **{("optimizer", o): "not available (MuonClip, per-module learning rates of multimodal models); --optim takes "
+                         "adamw_torch_fused, adamw_torch, sgd, adagrad, rmsprop, adafactor, muon"
+       for o in ("muonclip", "multimodal")},
     **{("optim", o): _OPTIM for o in (
         "adamw_torch_xla", "adamw_torch_npu_fused", "adamw_anyprecision", "adamw_torch_4bit", "adamw_torch_8bit",
         "ademamix", "adamw_bnb_8bit", "adamw_8bit", "ademamix_8bit", "lion_8bit", "lion_32bit", "paged_adamw_32bit",

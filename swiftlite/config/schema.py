@@ -250,6 +250,9 @@ class OptimConfig:
                      "(torch AdamW, fused kernel where it runs), adamw_torch, sgd, adagrad, rmsprop (elementwise: "
                      "every backend), adafactor (transformers' Adafactor, the schedule's lr), muon (torch.optim.Muon, "
                      "plain LoRA only); adafactor and muon need whole matrices: single/ddp.", choices=OPTIMIZERS)
+    optimizer: str | None = opt(None, "ms-swift's optimizer plugin, which takes priority over --optim: muon "
+                                "(= --optim muon; the other plugins are refused with their alternative).",
+                                choices=("muon",))
     lr_scheduler: str = opt("cosine", "Learning-rate schedule: transformers' get_scheduler, the lr of each step "
                             "as HF Trainer's (constant has no warm-up; reduce_lr_on_plateau and greedy are "
                             "refused: they step on a metric).", aliases=("--lr_scheduler_type",

@@ -85,11 +85,11 @@ def test_every_msswift_export_option_is_taken_or_refused_with_a_reason():
 
 def test_every_refused_flag_reported_at_once_in_order():
     with pytest.raises(UserErrors) as e:
-        parse_run_args(["--dataset", "d.jsonl", "--use_galore", "--galore_rank", "4", "--optimizer", "x",
+        parse_run_args(["--dataset", "d.jsonl", "--use_galore", "--galore_rank", "4", "--optim_args", "x",
                         "--frobnicate", "3", "--lora_rnak", "4", "--use_ray", "true", "--lora-rank", "8"])
     lines = e.value.lines
     assert [ln.split(":")[0].split(" (")[0] for ln in lines] == [
-        "--use_galore", "--galore_rank", "--optimizer", "unknown option --frobnicate", "unknown option --lora_rnak",
+        "--use_galore", "--galore_rank", "--optim_args", "unknown option --frobnicate", "unknown option --lora_rnak",
         "--use_ray"]
     assert "GaLore is not available" in lines[0] and "--train-type lora" in lines[0]
     assert lines[3] == "unknown option --frobnicate"                      # no suggestion: nothing alike

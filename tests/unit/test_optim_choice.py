@@ -96,3 +96,14 @@ def test_elementwise_optimizers_run_on_sharding_backends(argv):
 def test_extra_package_optimizers_refused():
     with pytest.raises(UserError, match="--optim adamw_8bit: not available: --optim takes"):
         cfg_of("--optim", "adamw_8bit")
+
+
+def test_msswift_optimizer_plugin_muon_is_torch_muon_at_adamw_scale():
+    from swiftlite.optim import build_optimizer
+    cfg = cfg_of("--optimizer", "muon", "--optim", "sgd")          # ms-swift: the plugin wins over --optim
+    opt = build_optimizer(lora_model(cfg), cfg)
+    assert type(opt) is torch.optim.Muon and opt.defaults["adjust_lr_fn"] == "match_rms_adamw"
+    with pytest.raises(UserError, match="--optimizer galore: GaLore is not available"):
+        cfg_of("--optimizer", "galore")
+    with pytest.raises(UserError, match="--optimizer lorap: give --lorap_lr_ratio"):
+        cfg_of("--optimizer", "lorap")
