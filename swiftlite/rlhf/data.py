@@ -16,7 +16,8 @@ masked. Each sequence is held to --max-length: under `delete` a pair with a side
 dropped and counted (DataStats.deleted), under `left`/`right` each side is cut; a pair with a side
 left without a target is dropped and counted (`no_target`). A row with no rejected answer, or whose
 chosen and rejected answers are identical, is a one-line UserError naming the row, or (with
---skip-bad-rows) a counted skip.
+--skip-bad-rows) a counted skip. An optional numeric `margin` column (reward modelling, rlhf/rm.py) is
+kept on each pair row (0.0 where a row has none).
 """
 
 from __future__ import annotations
