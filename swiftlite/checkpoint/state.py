@@ -253,12 +253,9 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
     if state.get("save_only_model") and not model_only:
         # --save_only_model checkpoint: the weights and the position (step, data order) are there; the
         # optimizer, schedule and RNG states are not (ms-swift/HF resume such a checkpoint likewise)
-        if cross:
-            raise UserError(f"--resume: {path.name} holds only the weights (--save_only_model), in a "
-                            f"{'DeepSpeed' if saved == 'ds' else 'torch backend'}'s format, which this backend "
-                            "reads only through a conversion that needs the optimizer state; resume it with the "
-                            f"backend that wrote it ({state.get('backend')}), or start a new run from its "
-                            f"{layout.ADAPTER_DIR if cfg.is_peft else layout.MODEL_DIR}/ folder")
+        why = weights_only_problem(path, cfg, choice, state)
+        if why:
+            raise UserError(why)
         _load_engine(engine, path, world, state, cross, model_only=True, log=log, choice=choice)
         log(f"notice: {path.name} was saved with --save_only_model: restored the weights and the data position "
             f"(step {state.get('global_step')}); not restored: the optimizer state (AdamW moments start at zero), "
@@ -281,6 +278,27 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
     if cross or not same_world or via_universal:
         log(resume_notice(path, state, world, choice, cross, rng=same_world))
     return state
+
+
+def weights_only_problem(path: Path | None, cfg: "RunConfig", choice: Any, state: dict | None = None) -> str | None:
+    """Why this run cannot resume `path`, a --save_only_model checkpoint (None when it can, or when
+    `path` is no such checkpoint): across formats the weights are read only through the universal
+    conversion, which needs the optimizer state. Preflight asks before launch; the rank again."""
+    if path is None or getattr(cfg.checkpoint, "resume_only_model", False):
+        return None
+    if state is None:
+        f = path / layout.TRAINER_STATE
+        state = json.loads(f.read_text()) if f.is_file() else {}
+    if not state.get("save_only_model"):
+        return None
+    saved = saved_format(state)
+    if saved == _format_of(choice):
+        return None
+    return (f"--resume: {path.name} holds only the weights (--save_only_model), in a "
+            f"{'DeepSpeed' if saved == 'ds' else 'torch backend'}'s format, which this backend reads only "
+            f"through a conversion that needs the optimizer state; resume it with the backend that wrote it "
+            f"({state.get('backend')}), or start a new run from its "
+            f"{layout.ADAPTER_DIR if cfg.is_peft else layout.MODEL_DIR}/ folder")
 
 
 def saved_format(state: dict) -> str:

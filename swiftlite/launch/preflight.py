@@ -78,7 +78,7 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "JobFact
     run_dir = check_output_dir(cfg)
     from swiftlite.parallel.loss import check_loss_options
     check_loss_options(cfg)
-    resume_point(cfg, run_dir, log=lambda *_: None)
+    resume = resume_point(cfg, run_dir, log=lambda *_: None)
     for spec in cfg.data.dataset:
         check_spec(spec, "--dataset")
     for spec in cfg.data.val_dataset:
@@ -96,6 +96,10 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "JobFact
     skeleton_mode(cfg, facts.choice)   # refuses an adapter peft computes from weights a skeleton lacks
     from swiftlite.optim import optim_problem
     why = optim_problem(cfg, facts.choice)
+    if why:
+        raise UserError(why)
+    from swiftlite.checkpoint.state import weights_only_problem
+    why = weights_only_problem(resume, cfg, facts.choice)   # a --save_only_model checkpoint, another format
     if why:
         raise UserError(why)
     from swiftlite.metrics import check_report_to

@@ -50,6 +50,16 @@ def test_weights_only_checkpoint_and_its_resume(tmp_path, demo_data, capsys):
     assert len(resumed) == 2
     assert resumed[0] == pytest.approx(whole[2], abs=1e-6)    # step 3's loss: the weights after step 2
     assert resumed[1] != pytest.approx(whole[3], abs=1e-6)    # step 4: fresh AdamW moments and schedule
+    # under DeepSpeed the weights of a torch backend's weights-only checkpoint cannot be read: refused
+    # before launch (preflight), one line, exit 2
+    from tests.conftest import run_cli
+    proc = run_cli(["sft", "--model", "tiny-llama-2l", "--train_type", "full", "--dataset", f"{data}#48",
+                    "--max_steps", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+                    "--output_dir", run, "--resume", "true", "--deepspeed", "zero2", "--torch_dtype", "fp32",
+                    "--dry-run"], check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--resume: checkpoint-4 holds only the weights (--save_only_model), in a torch backend's format" \
+        in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_resume_refused_where_the_weights_need_the_optimizer_state(tmp_path):
