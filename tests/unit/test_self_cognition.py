@@ -66,3 +66,20 @@ def test_refusals(tmp_path):
         _prepare(tmp_path, [sc], model_author=["a", "b", "c"])
     with pytest.raises(UserError, match=r"--model-name applies to sft and pt"):
         load_config(None, {"dataset": ["d.jsonl"], "model_name": ["X"]}, task="rlhf", validate_paths=False)
+
+
+def test_streamed_rows_are_filled_too(tmp_path):
+    from swiftlite.data.pipeline import prepare_datasets
+    from swiftlite.data.stream import StreamBatches
+    from swiftlite.distributed import World
+    from swiftlite.models.loading import load_tokenizer, resolve_model
+    sc, _ = _files(tmp_path)
+    cfg = load_config(None, {"model": "tiny-llama-2l", "dataset": [str(sc)], "output_dir": str(tmp_path / "o"),
+                             "gradient_accumulation_steps": 1, "streaming": True, "max_steps": 3,
+                             "model_name": ["小黄", "Xiao Huang"]}, task="sft")
+    tok = load_tokenizer(cfg, resolve_model(cfg.model.model))
+    train, _, plan = prepare_datasets(cfg, tok, 1)
+    b = StreamBatches(train, plan, tok.pad_token_id, World(), None, 0, True, None)
+    texts = [tok.decode(b.step_data(k).micro[0]["input_ids"][0]) for k in range(3)]
+    b.close()
+    assert "我是小黄，由{{AUTHOR}}训练" in texts[0] and "I am Xiao Huang" in texts[1] and "Yes, I am Xiao Huang." in texts[2]
