@@ -165,7 +165,8 @@ def _call_reward(r: Any, completions: list[str], kwargs: dict, wheres: list[str]
             except Exception as e1:
                 raise UserError(f"reward function {r.key} ({r.name}) raised {type(e1).__name__}: "
                                 f"{str(e1).splitlines()[0] if str(e1) else ''} on {wheres[i]}") from None
-        raise UserError(f"reward function {r.key} ({r.name}) raised {type(e).__name__}: {e} on a batch of "
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise UserError(f"reward function {r.key} ({r.name}) raised {type(e).__name__}: {first} on a batch of "
                         f"{len(completions)} completions (rows {wheres[0]} ...)") from None
     out = list(out) if out is not None else []
     if len(out) != len(completions):
@@ -220,7 +221,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     mine_c = [c for mb in mine for c in mb]
     rows = [b.rows[prompts[c // G]] for c in mine_c]
     comps = [texts[c] for c in mine_c]
-    ids = [micro_ids for micro_ids in (_completion_ids(micro, c) for c in mine_c)]
+    ids = [_completion_ids(micro, c) for c in mine_c]
     kwargs: dict[str, Any] = {}
     for key in sorted({k for r in rows for k in r["columns"]}):
         kwargs[key] = [r["columns"].get(key) for r in rows]
