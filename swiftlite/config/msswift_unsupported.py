@@ -79,8 +79,9 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("val_dataset_shuffle",)),
     ("several --dataset files are concatenated (each sampled by its own #N): interleaving is not available; "
      "use #N per file to set the mix", ("interleave_prob", "stopping_strategy")),
-    ("shuffling with a buffer applies to streamed datasets; the training rows are shuffled as a whole here "
-     "(a permutation per epoch seeded by --seed)", ("shuffle_buffer_size",)),
+    ("no shuffle buffer: the training rows are shuffled as a whole (a permutation per epoch seeded by --seed), "
+     "and --streaming reads them in file order (which keeps its resume exact): drop the flag",
+     ("shuffle_buffer_size",)),
     ("nothing is downloaded for datasets: --dataset takes local files or saved HF dataset folders",
      ("download_mode",)),
     (_DATA_MAP, ("columns", "remove_unused_columns", "disable_auto_column_mapping")),
@@ -226,7 +227,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the command says what runs: sft/pt/rlhf train (validating when given validation data), export and infer "
      "are their own commands: drop the flag", ("do_train", "do_eval")),
     ("set by the launcher (LOCAL_RANK): drop the flag", ("local_rank",)),
-    ("batches are built in the training process, so there are no workers to keep: drop the flag",
+    ("the DataLoader workers (--dataloader-num-workers) already live for the whole run (one pass over every "
+     "step, all epochs), so there is nothing to keep between epochs: drop the flag",
      ("dataloader_persistent_workers",)),
     ("the loss is always averaged over the target tokens of the global batch (every rank and micro-batch), "
      "which is what this flag asks for: drop the flag", ("average_tokens_across_devices",)),
