@@ -201,11 +201,17 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
     rlhf = spec.own_options == "rlhf"   # preference training: pairs, a reference, plain logits
     r = cfg.rlhf
     copy = rlhf and r.rlhf_type in ("dpo", "kto") and not r.precompute_ref_log_probs and (r.ref_model or not cfg.is_peft)
+    # GRPO: a sequence is a prompt (--max-length) plus its completion, one per sample; the reference is a
+    # frozen copy unless --beta 0 or LoRA (adapter off). Its generation KV cache is not counted.
+    grpo = rlhf and r.rlhf_type == "grpo"
+    copy = copy or (grpo and r.beta != 0 and bool(r.ref_model or not cfg.is_peft))
+    seq_len = cfg.data.max_length + r.max_completion_length if grpo and cfg.data.max_length else cfg.data.max_length
     return Workload(
         train_type=cfg.train.train_type, dtype=cfg.model.torch_dtype, lora_rank=cfg.lora.lora_rank,
         lora_targets=tuple(cfg.lora.target_modules) or ("all-linear",), lora_dropout=cfg.lora.lora_dropout,
         quant_bits=cfg.quant_bits, double_quant=cfg.quant.bnb_4bit_use_double_quant,
-        max_length=cfg.data.max_length, micro_batch=cfg.train.per_device_train_batch_size * spec.sequences_per_sample,
+        max_length=seq_len,
+        micro_batch=cfg.train.per_device_train_batch_size * (1 if grpo else spec.sequences_per_sample),
         reference="copy" if copy else "none",
         gradient_checkpointing=cfg.train.gradient_checkpointing, world_size=world_size,
         gpus_per_node=gpus_per_node or cfg.parallel.nproc_per_node or world_size,

@@ -71,3 +71,12 @@ def test_grpo_options_are_refused_on_dpo_and_grpo_losses_too():
     config_file, values = parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl", "--loss_type", "dapo"])
     with pytest.raises(UserError, match="--loss-type dapo is a GRPO loss"):
         load_config(config_file, values, task="rlhf", validate_paths=False)
+
+
+def test_the_planner_counts_grpos_sequences_and_reference():
+    from swiftlite.planner.recommend import workload_from_config
+    base = ["--max_length", "100", "--max_completion_length", "50", "--per_device_train_batch_size", "4"]
+    lora, full, no_ref = (workload_from_config(_cfg([*base, *x]), 1, None)
+                          for x in ([], ["--train_type", "full"], ["--train_type", "full", "--beta", "0"]))
+    assert (lora.max_length, lora.micro_batch, lora.reference) == (150, 4, "none")   # adapter off: no copy
+    assert full.reference == "copy" and no_ref.reference == "none"
