@@ -144,8 +144,29 @@ def child_env(extra: Mapping[str, str] | None = None, *, drop_rank_vars: bool = 
 # -- the launcher's variables ----------------------------------------------------------------------
 
 def inside_launcher() -> bool:
-    """True in a rank started by torchrun / the DeepSpeed launcher (or forked by swiftlite)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    """True in a rank started by torchrun / the DeepSpeed launcher (or forked by swiftlite): those set
+    LOCAL_RANK. RANK and WORLD_SIZE alone are a platform's node-level variables (PAI-DLC, Kubeflow's
+    PyTorchJob: this node's index and the node count), read by `launcher_values`, not a rank."""
+    return "LOCAL_RANK" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def platform_node_vars() -> dict[str, str]:
+    """A platform's node-level RANK / WORLD_SIZE (no LOCAL_RANK: no launcher started this process) as
+    NODE_RANK / NNODES, which is how ms-swift's DLC example passes them (NNODES=$WORLD_SIZE
+    NODE_RANK=$RANK swift sft ...); each node then starts NPROC_PER_NODE ranks."""
+    e = os.environ
+    if "LOCAL_RANK" in e or "TORCHELASTIC_RUN_ID" in e or "RANK" not in e or "WORLD_SIZE" not in e:
+        return {}
+    return {"NNODES": e["WORLD_SIZE"], "NODE_RANK": e["RANK"]}
+
+
+def drop_platform_node_vars() -> None:
+    """Once the config has read a platform's node-level RANK / WORLD_SIZE (`launcher_values`), remove
+    them from this process: what it starts (torchrun, forked ranks) numbers the ranks itself, and no
+    code of this launching process may take RANK for a rank of its own."""
+    if platform_node_vars():
+        for k in ("RANK", "WORLD_SIZE"):
+            os.environ.pop(k, None)
 
 
 def inside_torchrun() -> bool:
@@ -157,7 +178,8 @@ def launcher_values() -> dict[str, str]:
     launched rank (inside one, torchrun's own values describe the job)."""
     if inside_torchrun():
         return {}
-    return {key: os.environ[var] for var, key in LAUNCHER_VARS.items() if var in os.environ}
+    given = {**platform_node_vars(), **{v: os.environ[v] for v in LAUNCHER_VARS if v in os.environ}}
+    return {key: given[var] for var, key in LAUNCHER_VARS.items() if var in given}
 
 
 #: Set by Slurm in a job's environment (srun/sbatch): the job's nodes find node 0 from its node list.
@@ -174,6 +196,10 @@ def launcher_var_for(field: str) -> str | None:
     for var, key in LAUNCHER_VARS.items():
         if key == field and var in os.environ:
             return var
+    node = {"NNODES": "WORLD_SIZE", "NODE_RANK": "RANK"}
+    for var, key in LAUNCHER_VARS.items():
+        if key == field and var in platform_node_vars():
+            return f"{node[var]} (a platform's node-level variable, read as {var})"
     return None
 
 

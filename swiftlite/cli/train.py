@@ -21,6 +21,7 @@ def run_command(task: str, args: list[str]) -> int:
     from swiftlite.config import load_config
     config_file, values = parse_run_args(args)
     cfg = load_config(config_file, values, task=task)
+    env.drop_platform_node_vars()  # read into --nnodes / --node-rank (PAI-DLC, Kubeflow); not this process's rank
     from swiftlite.checkpoint.run_dir import apply_add_version
     apply_add_version(cfg)   # --add_version: this run's <output-dir>/vN-<time> folder, the same in every rank
     from swiftlite.parallel.base import load_plugins
