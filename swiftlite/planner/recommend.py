@@ -253,10 +253,33 @@ def resolve_auto(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None
         return Decision("fsdp", f"{world_size} CPU processes: FSDP2 shards params, grads and optimizer "
                         "state (memory is not estimated on CPU)")
     shape = shape or shape_from_model_arg(cfg.model.model)
-    decision = recommend(shape, workload_from_config(cfg, world_size, gpu_memory_bytes, gpus_per_node))
+    workload = workload_from_config(cfg, world_size, gpu_memory_bytes, gpus_per_node)
+    decision = recommend(shape, workload)
     if decision.backend == "none":
         raise UserError(f"--parallelism auto: {decision.reason}; or pick --parallelism explicitly")
+    _refuse_offload_for_master_weights(cfg, shape, workload, decision)
     return decision
+
+
+def _refuse_offload_for_master_weights(cfg: "RunConfig", shape: ModelShape, workload: Workload,
+                                       decision: Decision) -> None:
+    """`auto` never turns a bf16 job into an offload job only because of swiftlite's fp32 master weights
+    (16 bytes/param of model state): when the same job with --pure-bf16 (ms-swift's own bf16 training:
+    bf16 weights, gradients and AdamW state, 8 bytes/param) fits without offload, the user chooses
+    between the two in one line. docs/estimate.md lists this rule."""
+    if "offload" not in decision.backend or cfg.model.torch_dtype != "bf16" or cfg.parallel.pure_bf16:
+        return
+    import dataclasses
+    pure = recommend(shape, dataclasses.replace(workload, pure_bf16=True))
+    if pure.backend == "none" or "offload" in pure.backend:
+        return
+    used = pure.table[pure.backend].peak
+    raise UserError(
+        f"--parallelism auto: this bf16 run fits only with CPU offload ({decision.backend}) because its fp32 "
+        f"master weights and AdamW state take 16 bytes/param; with --pure-bf16 (bf16 weights, gradients and "
+        f"optimizer state, 8 bytes/param: ms-swift's bf16 training) it runs on {pure.backend} "
+        f"({fmt_gb(used)} of {fmt_gb(workload.gpu_memory_bytes or 0)}): pass --pure-bf16, or "
+        f"--parallelism {decision.backend} to keep fp32 master weights")
 
 
 __all__ = ["Decision", "ROOM", "RULES", "Rule", "assess", "fmt_gb", "recommend", "resolve_auto", "workload_from_config"]
