@@ -11,7 +11,10 @@ Eager tokenization drops a row without an answer (or one over --max-length under
 delete) before the batch plan is made; lazily, that row is only found when its batch is built, so it
 keeps its place with no target tokens (counted in `LazyRows.stats`). Where every row is usable, the
 batches are the eager ones, row for row. The tokenized rows are not cached (ms-swift: lazy datasets
-are not cached either).
+are not cached either), --dataset-num-proc applies to the (eager) validation rows only, and with
+several processes each one tokenizes every row of a step's global batch: the loss is normalised by
+the global batch's target tokens (docs/design.md, Numerics), which each rank counts itself rather
+than exchanging them.
 """
 
 from __future__ import annotations
