@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -493,8 +494,12 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
         add_neftune(model, cfg.train.neftune_noise_alpha)
     if cfg.train.gradient_checkpointing:
         kwargs = cfg.train.gradient_checkpointing_kwargs
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs=dict(kwargs) if kwargs is not None else {"use_reentrant": False})
+        with warnings.catch_warnings():
+            # transformers 5 renamed it activation_checkpointing_enable; the old name (peft and tests
+            # hook it) still does the same: its deprecation notice says nothing to the user
+            warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=dict(kwargs) if kwargs is not None else {"use_reentrant": False})
         if cfg.is_peft:
             model.enable_input_require_grads()
     if cfg.parallel.compile:

@@ -141,13 +141,20 @@ def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> t
     t0 = time.perf_counter()
     # DCP warns on every single-process save that no process group exists: that is intended here.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    from swiftlite.train.library_warnings import keep_library_warnings
+    library_warnings = keep_library_warnings()   # to <run>/logs/warnings_rank<r>.log, not the console
     world = init_distributed(cfg.parallel.ddp_timeout)
     # The job's facts: handed over by the launcher (dtype, max length, backend), or resolved here
     # by the same function when this rank was started by an external launcher.
     choice = resolve_backend(cfg, world, facts)
-    run_dir = prepare_run_dir(cfg, world.is_main)
+    try:
+        run_dir = prepare_run_dir(cfg, world.is_main)
+    except BaseException:
+        library_warnings.close()
+        raise
     lock = RunLock(run_dir).acquire() if world.is_main else None
     barrier()
+    library_warnings.open(run_dir, world.rank)   # after the barrier: rank 0 has created the folder
 
     try:
         resume_path = resume_point(cfg, run_dir, log=print if world.is_main else (lambda *_: None))
