@@ -79,14 +79,16 @@ class TokenStream:
         self.stats = DataStats()
 
     def rows(self) -> Iterator[dict]:
-        for _ in itertools.count():
+        for n_pass in itertools.count():
             found = False
+            skipped = self.stats.skipped if n_pass == 0 else []   # a bad line is reported once, not per pass
             for spec in self.specs:
-                for row, where in _raw_rows(spec, self.skip_bad_rows, self.stats.skipped):
+                for row, where in _raw_rows(spec, self.skip_bad_rows, skipped):
                     if self.transform is not None:
                         row = self.transform.stream_row(row)
                     part, st = self.encode([(row, where)])
-                    self.stats.add(st)
+                    if n_pass == 0:
+                        self.stats.add(st)
                     if part:
                         found = True
                         yield part[0]
