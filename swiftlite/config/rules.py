@@ -213,10 +213,10 @@ def _lora_variants(c: RunConfig):
     if w not in INIT_WEIGHTS and not re.fullmatch(r"pissa_niter_\d+", w):
         return (f"--init_weights {w}: not one of {', '.join(INIT_WEIGHTS)} (peft's init_lora_weights; ms-swift's "
                 "lora-ga and corda are not available)")
-    if w == "loftq":
-        return ("--init_weights loftq is not available: peft's LoftQ rewrites the base into its quantized residual "
-                "(a second model to save and ship with the adapter); use --init_weights pissa or olora on a 16-bit "
-                "base, or true")
+    if w == "loftq" and c.quant_bits != 4:
+        return ("--init_weights loftq fits A and B to the quantization error of a 4-bit base (peft's "
+                "replace_lora_weights_loftq): it needs --train-type qlora (or --quant-bits 4); on a 16-bit base use "
+                "pissa or olora")
     if (w.startswith("pissa") or w == "olora") and c.quant_bits is not None:
         return (f"--init_weights {w} moves the principal part of each base weight into the adapter and keeps the "
                 "residual in the base, which a bitsandbytes-quantized base cannot hold; use --train-type lora "

@@ -85,6 +85,9 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "JobFact
         check_spec(spec, "--val-dataset")
     from swiftlite.models.loading import check_attn_impl, resolve_model
     source = resolve_model(cfg.model.model)
+    if cfg.is_peft and cfg.lora.init_weights == "loftq" and source.kind == "preset":
+        from swiftlite.models.lora import apply_loftq
+        apply_loftq(None, cfg, None)   # the one-line refusal, before launch
     if source.kind == "folder":
         check_model_folder(cfg, Path(source.ref))
     check_lora_targets(cfg, source)

@@ -511,5 +511,9 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
     if skeleton == "fill":
         from swiftlite.models.sharded import materialize
         materialize(model, world.device if world is not None else "cpu")
+    if cfg.is_peft and cfg.lora.init_weights == "loftq":   # needs the filled 4-bit base
+        from swiftlite.models.lora import apply_loftq
+        src = source or resolve_model(cfg.model.model)
+        apply_loftq(model, cfg, src.ref if src.kind != "preset" else None)
     model.train()
     return model

@@ -142,6 +142,8 @@ def _wrap(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
 def init_lora_weights(cfg: "RunConfig") -> bool | str:
     """--init_weights as peft's init_lora_weights: true/false are booleans, the rest peft's names."""
     w = cfg.lora.init_weights
+    if w == "loftq":
+        return True   # peft's LoftQ for a bitsandbytes base replaces these later (`apply_loftq`)
     return {"true": True, "false": False}.get(w, w)
 
 
@@ -160,7 +162,7 @@ def reads_base(cfg: "RunConfig") -> str | None:
         return None
     if cfg.lora.use_dora:
         return "--use_dora"
-    if mutates_base(cfg):
+    if mutates_base(cfg) or cfg.lora.init_weights == "loftq":
         return f"--init_weights {cfg.lora.init_weights}"
     return None
 
@@ -171,6 +173,13 @@ def check_skeleton(cfg: "RunConfig", skeleton: str | None) -> None:
     flag = reads_base(cfg)
     if skeleton is None or flag is None:
         return
+    if skeleton == "fill" and cfg.lora.init_weights == "loftq" and not cfg.lora.use_dora:
+        return   # LoftQ runs after the 4-bit base is filled (models/loading.prepare_model)
+    if cfg.quant_bits is not None and cfg.lora.use_dora and skeleton == "fill":
+        raise UserError("--use_dora with a 4-bit base: peft builds DoRA's magnitudes from the base weights, and "
+                        "this backend fills the 4-bit base layer by layer after the adapter is built; use "
+                        "--parallelism fsdp --sharded_loading false on 2+ processes (the whole 4-bit model loads first), or "
+                        "--train-type lora")
     if skeleton == "shard" and cfg.quant_bits is None:
         way = "add --sharded_loading false (each rank loads the whole model, then shards it)"
     else:
@@ -178,6 +187,48 @@ def check_skeleton(cfg: "RunConfig", skeleton: str | None) -> None:
     raise UserError(f"{flag}: peft computes this adapter from the base weights, which "
                     f"{'sharded loading' if skeleton == 'shard' else 'layer-by-layer 4-bit loading'} has not "
                     f"loaded yet when the adapter is built; {way}")
+
+
+def apply_loftq(model: "torch.nn.Module", cfg: "RunConfig", folder: str | None) -> None:
+    """--init_weights loftq, as peft's `replace_lora_weights_loftq` (one LoftQ iteration on a
+    bitsandbytes 4-bit base): each 4-bit layer's A and B become the best rank-r fit (SVD, peft's
+    `_low_rank_decomposition`) of W - dequant(quant(W)), W read from the model's safetensors files
+    (peft's loader: one file or a sharded index), so the quantized base plus the adapter starts as
+    close to the 16-bit model as rank r allows. The base stays the plain 4-bit quantization of the
+    folder's weights: checkpoints, adapters and export work as for any QLoRA run. Two differences
+    from peft's function, which computes on CUDA or XPU only and sets B A to the fit: this runs on
+    the weights' own device, and A and B are divided by sqrt(lora_alpha / r), so that the adapter's
+    output, scale included, is the fit (peft's equals it only when lora_alpha = r)."""
+    if folder is None:
+        raise UserError(f"--init_weights loftq reads the 16-bit weights from the model's safetensors files; "
+                        f"--model {cfg.model.model} is a built-in preset (weights drawn from --seed, no files): "
+                        "give a model folder or hub id")
+    import math
+
+    import bitsandbytes.functional as bnbf
+    import torch
+    from peft.tuners.lora.bnb import Linear4bit
+    from peft.utils.loftq_utils import _low_rank_decomposition, _SafetensorLoader
+    try:
+        loader = _SafetensorLoader(model, folder)
+    except (ValueError, OSError) as e:
+        raise UserError(f"--init_weights loftq: {str(e).splitlines()[0]}") from None
+    prefix, found = "base_model.model.", False
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, Linear4bit):
+                continue
+            found = True
+            base = module.get_base_layer().weight
+            deq = bnbf.dequantize_4bit(base.data, base.quant_state).float()
+            w = loader.get_tensor(name.removeprefix(prefix) + ".weight").to(deq.device, torch.float32)
+            fit = _low_rank_decomposition(w - deq, reduced_rank=module.r["default"])
+            root = math.sqrt(module.scaling["default"])
+            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+            a.data = (fit["R"] / root).to(a.dtype)
+            b.data = (fit["L"] / root).to(b.dtype)
+    if not found:
+        raise UserError("--init_weights loftq: no 4-bit LoRA layer to initialise (bitsandbytes replaced none)")
 
 
 #: peft's saved names of an adapter's initial A0/B0, kept on the peft model by `apply_lora`.

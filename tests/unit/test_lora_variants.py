@@ -114,8 +114,8 @@ def test_init_weights_refusals():
         cfg_of("--init_weights", "corda")
     with pytest.raises(UserError, match="bitsandbytes-quantized base cannot hold"):
         cfg_of("--init_weights", "pissa", "--train_type", "qlora")
-    with pytest.raises(UserError, match="--init_weights loftq is not available"):
-        cfg_of("--init_weights", "loftq", "--train_type", "qlora")
+    with pytest.raises(UserError, match="--init_weights loftq fits A and B to the quantization error"):
+        cfg_of("--init_weights", "loftq")
     assert cfg_of("--init_weights", "pissa_niter_4").lora.init_weights == "pissa_niter_4"
     config_file, values = parse_run_args(["--dataset", "t.jsonl", "--init_weights", "olora"])
     with pytest.raises(UserError, match="the dpo reference is the base with the adapter off"):
@@ -129,7 +129,8 @@ def test_init_weights_refusals():
 @pytest.mark.parametrize("argv,expect", [
     (["--parallelism", "fsdp", "--nproc_per_node", "2"], "--sharded_loading false"),
     (["--parallelism", "fsdp", "--nproc_per_node", "2", "--sharded_loading", "false"], None),
-    (["--train_type", "qlora"], "layer-by-layer 4-bit loading"),
+    (["--train_type", "qlora"], "--use_dora with a 4-bit base"),
+    (["--train_type", "qlora", "--parallelism", "fsdp", "--nproc_per_node", "2", "--sharded_loading", "false"], None),
     (["--parallelism", "zero3", "--nproc_per_node", "2"], None),
 ])
 def test_base_reading_adapters_on_a_skeleton(argv, expect):
@@ -212,3 +213,31 @@ def test_dora_run_saves_magnitudes_and_exports(demo_data, tmp_path):
     assert "checks: passed" in proc.stdout + proc.stderr
     merged = load_file(str(next(out.glob("*.safetensors"))))
     assert not any("magnitude" in k or "lora_" in k for k in merged)
+
+
+def test_loftq_fits_the_adapter_to_the_4bit_error(tmp_path):
+    """QLoRA + --init_weights loftq (peft's replace_lora_weights_loftq): B is no longer zero, and the
+    quantized base plus the adapter is closer to the folder's 16-bit weights than the base alone."""
+    import bitsandbytes.functional as bnbf
+
+    from swiftlite.models.loading import prepare_model
+    tiny_qwen2(seed=0).save_pretrained(tmp_path / "m", safe_serialization=True)
+    from safetensors.torch import load_file
+    w = load_file(str(tmp_path / "m" / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"]
+    config_file, values = parse_run_args(["--dataset", "t.jsonl", "--model", str(tmp_path / "m"),
+                                          "--train_type", "qlora", "--init_weights", "loftq", "--lora_rank", "4"])
+    cfg = load_config(config_file, values, validate_paths=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = prepare_model(cfg)
+    layer = q_proj(model)
+    assert torch.count_nonzero(layer.lora_B["default"].weight) > 0
+    base = layer.base_layer.weight
+    deq = bnbf.dequantize_4bit(base.data, base.quant_state).float()
+    s = torch.linalg.svdvals(w - deq)
+    err_loftq = (w - deq - layer.get_delta_weight("default").float()).norm()   # scale alpha/r included
+    assert err_loftq.item() == pytest.approx(s[4:].norm().item(), rel=1e-3)    # the best rank-4 fit
+    assert err_loftq < 0.95 * (w - deq).norm()
+    with pytest.raises(UserError, match="is a built-in preset"):
+        from swiftlite.models.lora import apply_loftq
+        apply_loftq(None, cfg_of("--train_type", "qlora", "--init_weights", "loftq"), None)
