@@ -4,10 +4,10 @@ round where the backend allows it, not once per token.
 FSDP2 (fsdp, hsdp) unshards every FSDPModule and keeps them unsharded until the round ends (their
 reshard-after-forward is switched off for the round, then restored and resharded). ZeRO-3 gathers
 every parameter with deepspeed.zero.GatheredParameters and takes its module hooks off for the round
-(TRL's unwrap_model_for_generation), so no collective runs while it generates. FSDP1 holds its root
+(TRL's unwrap_model_for_generation), so no all-gather runs while it generates. FSDP1 holds its root
 unit (embeddings, lm_head) whole with summon_full_params(recurse=False), as TRL does; its
 decoder-layer units still all-gather at each token (their hooks do so even inside a recursive
-summon: 18 collectives for a 6-token call either way). Other engines hold whole weights already.
+summon: 18 all-gathers for a 6-token call either way). Other engines hold whole weights already.
 Here, in parallel/, because it reaches into the backends' own state.
 """
 
