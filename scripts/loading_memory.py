@@ -80,10 +80,11 @@ def run_case(model: Path, data: Path, backend: str, nproc: int, train_type: str,
         raise RuntimeError(f"{backend} x{nproc} {train_type} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     size = model_bytes(model)
     ranks = []
-    for f in sorted((out / "logs").glob("memory_rank*.json")):
+    from swiftlite.checkpoint import layout
+    for f in sorted((out / layout.LOGS_DIR).glob(layout.rank_glob("memory"))):
         rec = json.loads(f.read_text())
         # the parameter bytes this rank holds, counted from its tensors (logs/state_rank<r>.json)
-        state = json.loads((f.parent / f.name.replace("memory_", "state_")).read_text())
+        state = json.loads((f.parent / layout.rank_file("state", layout.rank_of("memory", f))).read_text())
         ranks.append({"load": rec["load_peak"] / size, "peak": rec["training_peak"] / size,
                       "load_mib": rec["load_peak"] / 2**20, "peak_mib": rec["training_peak"] / 2**20,
                       "params_mib": state["params"] / 2**20})

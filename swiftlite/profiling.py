@@ -114,7 +114,7 @@ class _State:
         prof, self.prof = self.prof, None
         prof.__exit__(None, None, None)
         self.window_ns[1] = time.time_ns()
-        path = self.out / f"trace_rank{self.rank}.json"
+        path = self.out / layout.rank_file("trace", self.rank)
         prof.export_chrome_trace(str(path))
         self.trace = str(path)
         self._dump_collectives()
@@ -149,7 +149,7 @@ class _State:
             return
         groups = {name: dist.get_process_group_ranks(pg) for pg, name in _world.pg_names.items()}
         rec = {"rank": self.rank, "window_ns": [lo, hi], "groups": groups, "entries": entries}
-        (self.out / f"collectives_rank{self.rank}.json").write_text(json.dumps(rec) + "\n")
+        (self.out / layout.rank_file("collectives", self.rank)).write_text(json.dumps(rec) + "\n")
 
     # -- hook ---------------------------------------------------------------------------------------
     def on_step(self, step: int) -> None:
@@ -183,7 +183,7 @@ class _State:
             # the last step's end is unknown (the hook is not called after it): left as None
             rec = {"rank": self.rank, "steps": self.steps, "end_s": round(end, 6),
                    "profiled_steps": self.profiled, "trace": self.trace, **peak_memory()}
-            (self.out / f"stats_rank{self.rank}.json").write_text(json.dumps(rec) + "\n")
+            (self.out / layout.rank_file("stats", self.rank)).write_text(json.dumps(rec) + "\n")
 
 
 _STATE: _State | None = None
@@ -290,7 +290,7 @@ def record_cuda_memory(run_dir: str | Path, rank: int, at_load: int, after_first
     first step) and after the first step: what a GPU holds at load, next to the training peak."""
     logs = Path(run_dir) / layout.LOGS_DIR
     logs.mkdir(parents=True, exist_ok=True)
-    (logs / f"cuda_memory_rank{rank}.json").write_text(
+    (logs / layout.rank_file("cuda_memory", rank)).write_text(
         json.dumps({"max_allocated_at_load": at_load, "max_allocated_after_first_step": after_first_step}) + "\n")
 
 
@@ -315,7 +315,7 @@ def end_memory_window(run_dir: str | Path, rank: int, start: dict[str, Any] | No
            "imported_in_window": imported}
     logs = Path(run_dir) / layout.LOGS_DIR
     logs.mkdir(parents=True, exist_ok=True)
-    (logs / f"memory_rank{rank}.json").write_text(json.dumps(rec) + "\n")
+    (logs / layout.rank_file("memory", rank)).write_text(json.dumps(rec) + "\n")
 
 
 def reset() -> None:

@@ -30,6 +30,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from swiftlite.checkpoint import layout
 from swiftlite.planner.topology import group_crosses  # the planner's rule for what crosses a node boundary
 
 #: Bytes per element of the dtype names the flight recorder writes (c10::ScalarType names).
@@ -134,7 +135,7 @@ def rank_link_bytes(record: dict, per_node: int, trace_kinds: list[str] | None =
 def link_bytes(prof_dir: str | Path, per_node: int, steps: int) -> dict[str, Any] | None:
     """Per step, averaged over the ranks: intra- and inter-node bytes and the groups that carried
     them; None when the run wrote no collectives files (flight recorder off, one process)."""
-    files = sorted(Path(prof_dir).glob("collectives_rank*.json"))
+    files = sorted(Path(prof_dir).glob(layout.rank_glob("collectives")))
     if not files:
         return None
     from swiftlite.bench.trace import collective_kinds

@@ -212,7 +212,7 @@ def _estimates(cfg: BenchConfig, spec: BackendSpec, res: BackendResult, world: i
 
 def _comm(res: BackendResult, prof_dir: Path, world: int, dtype: str) -> None:
     analyses = []
-    for t in sorted(prof_dir.glob("trace_rank*.json")):
+    for t in sorted(prof_dir.glob(layout.rank_glob("trace"))):
         try:
             analyses.append(analyze_trace(t, world, dtypes.BYTES.get(dtype, 4)))
         except (OSError, ValueError, KeyError) as e:
@@ -244,7 +244,7 @@ def collect(cfg: BenchConfig, spec: BackendSpec, res: BackendResult, run_dir: Pa
     if records:
         res.final_loss = records[-1]["loss"]
     prof_dir = run_dir / "profile"
-    stats = [json.loads(p.read_text()) for p in sorted(prof_dir.glob("stats_rank*.json"))]
+    stats = [json.loads(p.read_text()) for p in sorted(prof_dir.glob(layout.rank_glob("stats")))]
     _step_times(cfg, res, stats, {r["step"]: r for r in records})
     if res.tokens_per_step and res.step_time_s:
         res.tokens_per_s = res.tokens_per_step / res.step_time_s
@@ -253,7 +253,7 @@ def collect(cfg: BenchConfig, spec: BackendSpec, res: BackendResult, run_dir: Pa
             res.mfu = k * shape.n_params * res.tokens_per_s / (peak_flops * world)
     res.peak_gpu_gib = [s["cuda_max_allocated_gib"] for s in stats if "cuda_max_allocated_gib" in s]
     res.max_rss_mib = [s["max_rss_mib"] for s in stats if "max_rss_mib" in s]
-    for p in sorted((run_dir / layout.LOGS_DIR).glob("state_rank*.json")):
+    for p in sorted((run_dir / layout.LOGS_DIR).glob(layout.rank_glob("state"))):
         rec = json.loads(p.read_text())
         res.state_bytes.append(int(rec.get("params", 0)) + int(rec.get("grads", 0)) + int(rec.get("optimizer", 0)))
     _estimates(cfg, spec, res, world, dtype, shape, gpu_memory)

@@ -65,3 +65,35 @@ def step_of(path: Path) -> int:
 
 def rng_file(rank: int) -> str:
     return f"rank{rank}.pt"
+
+
+# -- per-rank files of a run folder: logs/ (what each rank measured or said) and profile/ ----------
+PROFILE_DIR = "profile"
+#: kind -> file name with {rank}: each writer and each reader asks `rank_file` / `rank_glob`
+RANK_FILES = {
+    "memory": "memory_rank{rank}.json",            # RSS window: baseline, load and training peaks (CPU)
+    "cuda_memory": "cuda_memory_rank{rank}.json",  # the CUDA allocator's peak at load and after step 1
+    "state": "state_rank{rank}.json",              # model-state bytes the rank holds (first step)
+    "warnings": "warnings_rank{rank}.log",         # library warnings kept off the console
+    "error": "rank{rank}.err",                     # the one line a failed rank left
+    "stack": "rank{rank}.stack",                   # every thread's stack of a hung rank
+    "trace": "trace_rank{rank}.json",              # profile/: torch.profiler trace
+    "collectives": "collectives_rank{rank}.json",  # profile/: collectives of the profiled steps
+    "stats": "stats_rank{rank}.json",              # profile/: step statistics for bench
+}
+
+
+def rank_file(kind: str, rank: int) -> str:
+    """The name of rank `rank`'s file of `kind` (RANK_FILES)."""
+    return RANK_FILES[kind].format(rank=rank)
+
+
+def rank_glob(kind: str) -> str:
+    """A glob pattern matching every rank's file of `kind`."""
+    return RANK_FILES[kind].replace("{rank}", "*")
+
+
+def rank_of(kind: str, path: Path) -> int:
+    """The rank a file of `kind` belongs to (its name as `rank_file` spells it)."""
+    head, _, tail = RANK_FILES[kind].partition("{rank}")
+    return int(path.name[len(head):len(path.name) - len(tail)])

@@ -280,7 +280,9 @@ class TrainConfig:
                                        "ms-swift: --gradient-checkpointing false keeps the activations).")
     gradient_checkpointing_kwargs: dict[str, Any] | None = opt(
         None, "JSON object passed to gradient_checkpointing_enable (torch.utils.checkpoint), e.g. "
-        "'{\"use_reentrant\": false}'. Default: {\"use_reentrant\": false}.")
+        "'{\"use_reentrant\": false}'. Default as ms-swift's: use_reentrant true, false for ddp on 2+ "
+        "processes (reentrant keeps nothing of a layer's first forward: bitsandbytes' 4-bit matmul would "
+        "keep ZeRO-3's gathered weights otherwise).")
     seed: int = opt(42, "Seed for weights of built-in models, data order, dropout.")
     output_dir: str = opt("output", "Run folder (args.json, logs, checkpoints).")
     add_version: bool = opt(False, "Train in a new <output-dir>/v<N>-<YYYYMMDD-HHMMSS> folder (ms-swift's run "

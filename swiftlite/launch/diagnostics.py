@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 
 from swiftlite import env
+from swiftlite.checkpoint import layout
 from swiftlite.config import RunConfig
 from swiftlite.signals import dump_stacks_to, dumping, stop_stack_dump
 
@@ -53,7 +54,7 @@ def logs_dir(cfg: RunConfig) -> Path:
 def clear_rank_logs(cfg: RunConfig) -> Path:
     """Remove an earlier launch's rank errors and stack dumps; return the logs folder."""
     logs = logs_dir(cfg)
-    for old in [*logs.glob("rank*.err"), *logs.glob("rank*.stack")] if logs.is_dir() else []:
+    for old in [*logs.glob(layout.rank_glob("error")), *logs.glob(layout.rank_glob("stack"))] if logs.is_dir() else []:
         old.unlink()
     return logs
 
@@ -89,10 +90,10 @@ def _launcher_exit_codes(tail: str) -> dict[int, int]:
 
 def _read_rank_files(logs: Path, kind: str) -> dict[int, str]:
     store: dict[int, str] = {}
-    for f in sorted(logs.glob(f"rank*{kind}")) if logs.is_dir() else []:
+    for f in sorted(logs.glob(layout.rank_glob(kind))) if logs.is_dir() else []:
         try:
             text = f.read_text(errors="replace").strip()
-            r = int(f.stem[4:])
+            r = layout.rank_of(kind, f)
         except (OSError, ValueError):
             continue
         if text:
@@ -108,8 +109,8 @@ def explain_failure(logs: Path, world_size: int, launcher_tail: str, ddp_timeout
     the launcher terminates them. A rank whose error is only a failed collective (timeout, peer
     gone) is a victim: the culprit is then a rank that reported nothing (killed, or hung: its stack
     says where it was stuck)."""
-    errs = _read_rank_files(logs, ".err")
-    stacks = _read_rank_files(logs, ".stack")
+    errs = _read_rank_files(logs, "error")
+    stacks = _read_rank_files(logs, "stack")
     codes = {**_launcher_exit_codes(launcher_tail), **(codes or {})}
     primary = [r for r, t in sorted(errs.items()) if not _COLLECTIVE.search(_first_line(t))]
     if primary:
@@ -156,7 +157,7 @@ def record_rank_failure(cfg: RunConfig | None, message: str, user_error: bool) -
     logs = logs_dir(cfg)
     try:
         logs.mkdir(parents=True, exist_ok=True)
-        (logs / f"rank{rank}.err").write_text((USER_ERROR_PREFIX + " " if user_error else "") + message + "\n")
+        (logs / layout.rank_file("error", rank)).write_text((USER_ERROR_PREFIX + " " if user_error else "") + message + "\n")
     except OSError:
         pass
 
@@ -181,7 +182,7 @@ def install_rank_diagnostics(cfg: RunConfig) -> None:
         logs.mkdir(parents=True, exist_ok=True)
     except OSError:
         return
-    dump_stacks_to(logs / f"rank{rank}.stack")
+    dump_stacks_to(logs / layout.rank_file("stack", rank))
 
 
 def finish_rank_diagnostics() -> None:

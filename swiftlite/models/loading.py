@@ -478,10 +478,12 @@ def add_neftune(model: "torch.nn.Module", alpha: float) -> None:
 
 
 def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
-                  init_context: Any = None, skeleton: str | None = None) -> "torch.nn.Module":
+                  init_context: Any = None, skeleton: str | None = None,
+                  reentrant: bool = True) -> "torch.nn.Module":
     """load -> quantize -> LoRA -> activation checkpointing -> compile. Wrap + optimizer come next.
     `skeleton`: "shard" (the backend shards the skeleton, then fills it) or "fill" (filled here, at
-    the end, before wrapping), see `load_model`."""
+    the end, before wrapping), see `load_model`. `reentrant`: checkpointing's default form when
+    --gradient_checkpointing_kwargs does not say (the backend record's `reentrant_checkpointing`)."""
     check_attn_impl(cfg)  # preflight checks it too; a rank started another way gets the same line
     # quantization happens inside loading (bnb needs it there)
     model = load_model(cfg, source, world, init_context=init_context, attn_impl=cfg.model.attn_impl,
@@ -493,13 +495,12 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
     if cfg.train.neftune_noise_alpha:
         add_neftune(model, cfg.train.neftune_noise_alpha)
     if cfg.train.gradient_checkpointing:
-        kwargs = cfg.train.gradient_checkpointing_kwargs
+        kwargs = {"use_reentrant": reentrant, **(cfg.train.gradient_checkpointing_kwargs or {})}
         with warnings.catch_warnings():
             # transformers 5 renamed it activation_checkpointing_enable; the old name (peft and tests
             # hook it) still does the same: its deprecation notice says nothing to the user
             warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=dict(kwargs) if kwargs is not None else {"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if cfg.is_peft:
             model.enable_input_require_grads()
     if cfg.parallel.compile:

@@ -157,6 +157,13 @@ class Backend:
     loading: str = "whole"
     ds_preset: str | None = None               # DeepSpeed preset (swiftlite/ds_configs/<name>.json)
     frozen_copy: FrozenCopy | str = LIKE_POLICY  # DPO's frozen reference copy (see FrozenCopy)
+    # Activation checkpointing's default form (--gradient_checkpointing_kwargs sets it): reentrant, as
+    # ms-swift (trainers/mixin.py) everywhere but multi-process DDP. Reentrant runs a layer's first
+    # forward without autograd, so nothing the layer computes outlives it; non-reentrant keeps what an
+    # autograd Function stores on its ctx, and bitsandbytes' 4-bit matmul stores its weight there: under
+    # ZeRO-3 that is the gathered weight of every layer until backward (the whole 4-bit base on each
+    # rank, measured). DDP keeps non-reentrant: its reducer expects each parameter's gradient once.
+    reentrant_checkpointing: bool = True
     needs: tuple[str, ...] = ()                # Python packages it imports ("deepspeed")
 
     @property

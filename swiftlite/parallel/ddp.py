@@ -80,4 +80,4 @@ register_backend(Backend(
     checks=(check_precision,), frozen_copy=frozen_replica, summary="one process, no wrapping"))
 register_backend(Backend(
     name="ddp", engine="ddp", factory=ddp, one_process="single", memory_family="ddp", checks=(check_precision,),
-    frozen_copy=frozen_replica, summary="DistributedDataParallel: a full replica per process, gradients all-reduced"))
+    frozen_copy=frozen_replica, reentrant_checkpointing=False, summary="DistributedDataParallel: a full replica per process, gradients all-reduced"))

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from swiftlite.checkpoint.layout import LOGS_DIR
+from swiftlite.checkpoint.layout import LOGS_DIR, rank_file
 
 
 class WarningLog:
@@ -41,7 +41,7 @@ class WarningLog:
         """Write to `<run_dir>/logs/warnings_rank<rank>.log` from now on (the held ones first)."""
         logs = Path(run_dir) / LOGS_DIR
         logs.mkdir(parents=True, exist_ok=True)
-        self.path = logs / f"warnings_rank{rank}.log"
+        self.path = logs / rank_file("warnings", rank)
         if self.held:
             with open(self.path, "a", encoding="utf-8") as fh:
                 fh.write("".join(self.held))

@@ -188,7 +188,7 @@ def record_state_bytes(run_dir: Path, rank: int, before_step: dict, after_step: 
     logs = run_dir / layout.LOGS_DIR
     logs.mkdir(exist_ok=True)
     rec = {"params": before_step["params"], "grads": before_step["grads"], "optimizer": after_step["optimizer"]}
-    (logs / f"state_rank{rank}.json").write_text(json.dumps(rec) + "\n")
+    (logs / layout.rank_file("state", rank)).write_text(json.dumps(rec) + "\n")
 
 
 class FaultInjector(Observer):

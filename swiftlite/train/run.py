@@ -178,7 +178,8 @@ def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> t
         probe = probe_factory(run_dir, world, start_guess, steps) if probe_factory else None
         if probe is not None:
             probe.start()
-        model = prepare_model(cfg, source, world, init_context=init_context, skeleton=skeleton_mode(cfg, choice))
+        model = prepare_model(cfg, source, world, init_context=init_context, skeleton=skeleton_mode(cfg, choice),
+                              reentrant=choice.record.reentrant_checkpointing or not world.distributed)
         engine = build_engine(model, cfg, world, steps, choice)   # optimizer built here (trap 2)
 
         start_step = 0

@@ -453,10 +453,11 @@ def test_gradient_checkpointing_kwargs_reach_the_model(monkeypatch):
                         lambda self, gradient_checkpointing_kwargs=None: seen.append(gradient_checkpointing_kwargs))
     cfg = build_config({"model": "tiny-llama-2l", "train_type": "full", "gradient_checkpointing": True,
                         "gradient_checkpointing_kwargs": '{"use_reentrant": true}'})
-    prepare_model(cfg)
+    prepare_model(cfg, reentrant=False)                 # the flag wins over the backend's default
     cfg.train.gradient_checkpointing_kwargs = None
-    prepare_model(cfg)
-    assert seen == [{"use_reentrant": True}, {"use_reentrant": False}]
+    prepare_model(cfg)                                  # ms-swift's default: reentrant
+    prepare_model(cfg, reentrant=False)                 # multi-process DDP's default
+    assert seen == [{"use_reentrant": True}, {"use_reentrant": True}, {"use_reentrant": False}]
 
 
 # -- launch and models ---------------------------------------------------------------------------------
