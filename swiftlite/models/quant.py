@@ -28,12 +28,16 @@ def bnb_config(cfg: "RunConfig") -> Any:
     """
     from transformers import BitsAndBytesConfig
     quiet_bnb_import()
+    from swiftlite.config.tasks import reward_model
+    # transformers keeps the output embedding (lm_head) unquantized; a reward model's head is `score`,
+    # which must stay a trainable full-precision layer too (peft trains it as a module to save)
+    skip = {"llm_int8_skip_modules": ["score"]} if reward_model(cfg) else {}
     if cfg.quant.quant_bits == 8:
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
     dt = compute_dtype(cfg)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=cfg.quant.bnb_4bit_quant_type,
                               bnb_4bit_use_double_quant=cfg.quant.bnb_4bit_use_double_quant,
-                              bnb_4bit_compute_dtype=dt, bnb_4bit_quant_storage=dt)
+                              bnb_4bit_compute_dtype=dt, bnb_4bit_quant_storage=dt, **skip)
 
 
 def quiet_bnb_import() -> None:
@@ -83,8 +87,11 @@ def quantize_in_place(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.M
     """Quantize a model built from a config (built-in presets) through the same from_pretrained path
     a real checkpoint takes, so tests exercise exactly what users run."""
     from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from swiftlite.dtypes import torch_dtype
+    # a reward model (rlhf rm) is reloaded as what it is, score head included
+    auto = AutoModelForSequenceClassification if type(model).__name__.endswith("ForSequenceClassification") \
+        else AutoModelForCausalLM
     with tempfile.TemporaryDirectory(prefix="swiftlite-q-") as tmp:
         # Not model.save_pretrained: under an initialised process group transformers writes only on
         # rank 0, and every rank quantizes its own copy into its own temp folder.
@@ -94,7 +101,7 @@ def quantize_in_place(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.M
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # an internal round trip, not a user-visible load
         try:
-            q = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch_dtype(cfg.model.torch_dtype),
+            q = auto.from_pretrained(tmp, dtype=torch_dtype(cfg.model.torch_dtype),
                                                      quantization_config=bnb_config(cfg))
         finally:
             if bar:

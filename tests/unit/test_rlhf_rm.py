@@ -58,3 +58,20 @@ def test_a_reward_model_run_builds_a_sequence_classification_model_with_one_outp
     assert model.score.out_features == 1 and model.config.pad_token_id is not None
     ids = torch.tensor([[5, 6, 7, model.config.pad_token_id]])
     assert model(input_ids=ids).logits.shape == (1, 1)
+
+
+def test_a_qlora_reward_model_keeps_a_trainable_full_precision_score_head():
+    """bitsandbytes leaves lm_head unquantized but not a classification head: the score layer must stay
+    a plain Linear, trained in full (peft SEQ_CLS: a module to save) beside the adapter."""
+    pytest.importorskip("bitsandbytes")
+    from swiftlite.config import build_config
+    from swiftlite.models.loading import prepare_model
+    cfg = build_config({"model": "tiny-llama-2l", "dataset": ["x.jsonl"], "rlhf_type": "rm", "train_type": "qlora",
+                        "torch_dtype": "fp32"}, task="rlhf")
+    model = prepare_model(cfg)
+    assert any(type(m).__name__ == "Linear4bit" for m in model.modules())        # the base is 4-bit
+    heads = [(n, m) for n, m in model.named_modules() if n.endswith("score.modules_to_save.default")]
+    assert len(heads) == 1 and type(heads[0][1]) is torch.nn.Linear
+    assert all(p.requires_grad for p in heads[0][1].parameters())
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("lora_A" in n for n in trainable) and any("score" in n for n in trainable)
