@@ -20,7 +20,8 @@ def _command(tmp_path, data, monkeypatch, **extra):
     monkeypatch.delenv(env.RUN_VERSION, raising=False)
     values = {"model": "tiny-llama-2l", "train_type": "full", "dataset": [f"{data}#16"], "max_steps": 4,
               "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "save_steps": 2,
-              "output_dir": str(tmp_path / "out"), "dataloader_num_workers": 0, **extra}
+              "output_dir": str(tmp_path / "out"), "dataloader_num_workers": 0,
+              "gradient_checkpointing": False, **extra}
     cfg = load_config(None, values, task="sft")
     apply_add_version(cfg)     # what cli/train.py does right after loading the config
     return cfg, train(cfg)

@@ -44,7 +44,8 @@ def test_workers_build_the_same_steps_in_the_same_order(padding_free):
 def _cfg(tmp_path, data, name, **extra):
     values = {"model": "tiny-llama-2l", "train_type": "full", "dataset": [f"{data}#48"], "max_steps": 4,
               "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "logging_steps": 1,
-              "output_dir": str(tmp_path / name), "save_steps": 2, "seed": 5}
+              "output_dir": str(tmp_path / name), "save_steps": 2, "seed": 5,
+              "gradient_checkpointing": False}   # fast: these tests are about the data
     values.update(extra)
     return load_config(None, {k: v for k, v in values.items() if v is not None}, task="sft")
 

@@ -18,7 +18,7 @@ def _cfg(tmp_path, data, name, **extra):
     values = {"model": "tiny-llama-2l", "train_type": "full", "dataset": [f"{data}#48"], "max_steps": 4,
               "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "logging_steps": 1,
               "output_dir": str(tmp_path / name), "save_steps": 2, "seed": 5, "dataloader_num_workers": 0,
-              "warmup_steps": 2}
+              "warmup_steps": 2, "gradient_checkpointing": False}
     values.update(extra)
     return load_config(None, values, task="sft")
 
