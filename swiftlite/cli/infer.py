@@ -21,7 +21,8 @@ def infer_cmd(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "--max_new_tokens", help="Tokens to generate."),
     dataset: Optional[str] = typer.Option(None, "--dataset", "--val-dataset", "--val_dataset",
                                           help="Score the greedy answers against the last assistant turn of "
-                                               "each row (file or file#N)."),
+                                               "each row (file or file#N); a reward model prints each row's "
+                                               "reward (pairs: chosen and rejected, and the accuracy)."),
     limit: Optional[int] = typer.Option(None, "--limit", "--val-dataset-sample", "--val_dataset_sample",
                                         help="With --dataset: score only the first N rows."),
     metric: str = typer.Option("exact_match", "--metric", help="exact_match."),
@@ -32,7 +33,8 @@ def infer_cmd(
                               help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32."),
     show: int = typer.Option(3, "--show", help="With --dataset: print this many predictions to stderr."),
 ) -> None:
-    """Greedy generation: one prompt, a chat loop, or exact-match accuracy on a dataset."""
+    """Greedy generation: one prompt, a chat loop, or exact-match accuracy on a dataset; a reward model
+    (rlhf --rlhf_type rm) prints rewards instead."""
     from swiftlite.infer import InferOptions, run
     raise typer.Exit(run(InferOptions(model=model, adapters=adapters, prompt=prompt, system=system,
                                       max_new_tokens=max_new_tokens, dataset=dataset, limit=limit, metric=metric,
