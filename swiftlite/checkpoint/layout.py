@@ -24,6 +24,7 @@ tag file inside a checkpoint (`DS_LATEST`, naming the tag folder). They are diff
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 
 # -- the run folder --------------------------------------------------------------------------------
@@ -47,6 +48,30 @@ DS_TAG = "ds"                  # the tag swiftlite passes to DeepSpeed's save/lo
 DS_LATEST = "latest"           # DeepSpeed's own tag file (not the run's LATEST)
 DS_UNIVERSAL = "ds_universal"  # ds/ in DeepSpeed's universal format (its tag folder inside is DS_TAG too)
 MODEL_DIR = "model"
+
+
+class CheckpointFormat(str, enum.Enum):
+    """The formats a checkpoint's sharded state is written in: the one vocabulary of the backend records
+    (`Backend.checkpoint_format`), trainer_state.json ("format") and export (`Source.weights`). The
+    values are what trainer_state.json has always held."""
+    DCP = "dcp"   # torch.distributed.checkpoint, in DCP_DIR (the torch backends)
+    DS = "ds"     # DeepSpeed's own checkpoint, its tag DS_TAG (every ZeRO record)
+
+    def __str__(self) -> str:   # "ds", in messages and JSON alike, on every Python version
+        return self.value
+
+    @property
+    def folder(self) -> str:
+        """The checkpoint's subfolder that holds this format."""
+        return DCP_DIR if self is CheckpointFormat.DCP else DS_TAG
+
+    @classmethod
+    def of_state(cls, state: dict) -> "CheckpointFormat":
+        """A checkpoint's format from its trainer_state.json: "format"; checkpoints written before that
+        field name only their engine key, and every ZeRO record's engine key is "deepspeed"."""
+        if state.get("format"):
+            return cls(state["format"])
+        return cls.DS if state.get("backend") == "deepspeed" else cls.DCP
 ADAPTER_DIR = "adapter"
 RNG_DIR = "rng"
 

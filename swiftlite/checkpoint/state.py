@@ -133,7 +133,7 @@ def check_disk_space(run_dir: Path, step: int, need: int) -> None:
 
 def save_training_state(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any,
                         run_dir: Path, step: int, backend: str, facts: dict | None = None, *,
-                        fmt: str = "dcp") -> Path:
+                        fmt: layout.CheckpointFormat = layout.CheckpointFormat.DCP) -> Path:
     """Write checkpoint-<step> atomically (temp folder, manifest, rename, then `latest`). Before writing:
     the weights are finite and the disk has room for it (the size of the previous checkpoint); a write
     that runs out of space anyway (ENOSPC) removes its partial folder, keeps every earlier checkpoint
@@ -156,7 +156,7 @@ def save_training_state(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig
 
 
 def _save(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any, run_dir: Path, step: int,
-          backend: str, facts: dict | None, fmt: str) -> Path:
+          backend: str, facts: dict | None, fmt: layout.CheckpointFormat) -> Path:
     from swiftlite import faults
     from swiftlite.distributed import barrier
     name = layout.checkpoint_name(step)
@@ -177,7 +177,7 @@ def _save(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any,
     faults.maybe_inject(step, "checkpoint")
     barrier()
     if world.is_main:
-        state = {"global_step": step, "backend": backend, "format": fmt, "world_size": world.world_size,
+        state = {"global_step": step, "backend": backend, "format": str(fmt), "world_size": world.world_size,
                  "train_type": cfg.train.train_type, "model": cfg.model.model,
                  "torch_dtype": cfg.model.torch_dtype, **(facts or {}),
                  **({"save_only_model": True} if weights_only else {})}
@@ -244,12 +244,12 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
                         f"this run uses {cfg.train.train_type}")
     saved, here = saved_format(state), _format_of(choice)
     cross = saved != here   # DCP <-> ZeRO: through the checkpoint's universal conversion (made once)
-    if cross and model_only and saved == "dcp":  # refused before anything is converted
+    if cross and model_only and saved is layout.CheckpointFormat.DCP:  # refused before anything is converted
         raise UserError(f"--resume_only_model: {path} is a torch backend's checkpoint; under DeepSpeed it resumes "
                         "whole (without --resume_only_model), or its model/ folder starts a new run (--model)")
     if cross and getattr(engine, "load_universal", None) is None:  # an engine of the older Protocol
         raise UserError(f"--resume: {path} holds a {state.get('backend')} checkpoint; resume it with a "
-                        f"{'DeepSpeed' if saved == 'ds' else 'torch'} backend")
+                        f"{'DeepSpeed' if saved is layout.CheckpointFormat.DS else 'torch'} backend")
     if state.get("save_only_model") and not model_only:
         # --save_only_model checkpoint: the weights and the position (step, data order) are there; the
         # optimizer, schedule and RNG states are not (ms-swift/HF resume such a checkpoint likewise)
@@ -268,7 +268,7 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
             "data/run-shape check was skipped")
         return {**state, "global_step": 0, "resumed_from_step": state.get("global_step")}
     same_world = state.get("world_size") == world.world_size
-    if (cross or (saved == "ds" and not same_world)) and not (cfg.optim.optimizer or cfg.optim.optim).startswith("adamw"):
+    if (cross or (saved is layout.CheckpointFormat.DS and not same_world)) and not (cfg.optim.optimizer or cfg.optim.optim).startswith("adamw"):
         raise UserError(f"--resume: {path.name} resumes here through DeepSpeed's universal checkpoint, which "
                         f"carries AdamW's state only, and this run trains with --optim {cfg.optim.optim}; resume "
                         "it on the backend and world size that wrote it, or with --resume_only_model")
@@ -295,22 +295,20 @@ def weights_only_problem(path: Path | None, cfg: "RunConfig", choice: Any, state
     if saved == _format_of(choice):
         return None
     return (f"--resume: {path.name} holds only the weights (--save_only_model), in a "
-            f"{'DeepSpeed' if saved == 'ds' else 'torch backend'}'s format, which this backend reads only "
+            f"{'DeepSpeed' if saved is layout.CheckpointFormat.DS else 'torch backend'}'s format, which this backend reads only "
             f"through a conversion that needs the optimizer state; resume it with the backend that wrote it "
             f"({state.get('backend')}), or start a new run from its "
             f"{layout.ADAPTER_DIR if cfg.is_peft else layout.MODEL_DIR}/ folder")
 
 
-def saved_format(state: dict) -> str:
-    """The format of a checkpoint's sharded state: trainer_state.json's "format" (`Backend.checkpoint_format`:
-    "dcp" or "ds"); checkpoints written before that field name only their engine key, and every ZeRO
-    record's engine key is "deepspeed"."""
-    return state.get("format") or ("ds" if state.get("backend") == "deepspeed" else "dcp")
+def saved_format(state: dict) -> layout.CheckpointFormat:
+    """The format of a checkpoint's sharded state (checkpoint/layout.CheckpointFormat.of_state)."""
+    return layout.CheckpointFormat.of_state(state)
 
 
 def _format_of(choice: Any) -> str:
     """The checkpoint format of the backend that runs now (`BackendChoice.is_deepspeed` reads its record)."""
-    return "ds" if getattr(choice, "is_deepspeed", False) else "dcp"
+    return layout.CheckpointFormat.DS if getattr(choice, "is_deepspeed", False) else layout.CheckpointFormat.DCP
 
 
 def _load_engine(engine: Any, path: Path, world: Any, state: dict, cross: bool, *, model_only: bool,
@@ -334,7 +332,7 @@ def _load_engine(engine: Any, path: Path, world: Any, state: dict, cross: bool, 
 
 def resume_notice(path: Path, state: dict, world: Any, choice: Any, cross: bool, rng: bool) -> str:
     """One line saying what a resume at another world size or in another format carried over."""
-    how = "through DeepSpeed's universal format" if cross or saved_format(state) == "ds" else "through DCP"
+    how = "through DeepSpeed's universal format" if cross or saved_format(state) is layout.CheckpointFormat.DS else "through DCP"
     carried = ("the fp32 weights, the AdamW moments and step, the LR schedule, the data position (step "
                f"{state.get('global_step')})" + (" and the RNG states" if rng else ""))
     dropped = ("nothing" if rng else

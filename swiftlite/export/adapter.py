@@ -93,9 +93,9 @@ def load_adapter(src: Source, log: Callable[[str], None]) -> Adapter:
             raise UserError(f"--ckpt {src.arg}: a --init_weights {lc.init_weights} run's checkpoint without adapter/: "
                             "its tensors are relative to the base PiSSA/OLoRA rewrote; export a checkpoint written "
                             "with --save-hf-model true (its adapter/ is converted to a plain LoRA of the base)")
-        if src.weights == "dcp":
+        if src.weights is layout.CheckpointFormat.DCP:
             reader: TensorReader = DCPReader(src.dcp_dir)
-        elif src.weights == "deepspeed":
+        elif src.weights is layout.CheckpointFormat.DS:
             reader = ZeroReader(src.path, exclude_frozen=True)
         else:
             raise UserError(f"--ckpt {src.arg}: no adapter in {src.path}")
@@ -112,7 +112,7 @@ def load_adapter(src: Source, log: Callable[[str], None]) -> Adapter:
                 "lora_dropout": lc.lora_dropout, "target_modules": targets, "bias": lc.lora_bias,
                 "modules_to_save": lc.modules_to_save or None, "fan_in_fan_out": False,
                 "use_rslora": lc.use_rslora, "use_dora": lc.use_dora}
-        origin = f"{src.path.name}/{layout.DCP_DIR if src.weights == 'dcp' else layout.DS_TAG} (trainable tensors)"
+        origin = f"{src.path.name}/{src.weights.folder} (trainable tensors)"
     if conf.get("peft_type", "LORA") != "LORA":
         raise UserError(f"{origin}: a {conf.get('peft_type')} adapter; only LoRA adapters can be exported")
     empty = [k for k, v in tensors.items() if v.numel() == 0]

@@ -96,10 +96,10 @@ def export_model(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_sha
         replace = adapter.replacements()
         run_dtype = dtypes.torch_dtype(src.cfg.model.torch_dtype)
     else:
-        if src.weights == "dcp":
+        if src.weights is layout.CheckpointFormat.DCP:
             reader = DCPReader(src.dcp_dir)
             info["weights_from"] = f"{src.path.name}/{layout.DCP_DIR} (torch.distributed.checkpoint, {len(reader.info)} tensors)"
-        elif src.weights == "deepspeed":
+        elif src.weights is layout.CheckpointFormat.DS:
             reader = ZeroReader(src.path, exclude_frozen=False)
             info["weights_from"] = (f"{src.path.name}/{layout.DS_TAG} (ZeRO-{reader.stage} fp32 master weights of "
                                     f"{reader.world} ranks)")

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from swiftlite.checkpoint import layout
 from swiftlite.checkpoint.readers import DCPReader, SafetensorsReader, ZeroReader
 from swiftlite.export.adapter import load_adapter
 from swiftlite.export.base_model import tied_names, tokenizer_for
@@ -37,8 +38,8 @@ def reference_model(src: Source) -> tuple[torch.nn.Module, str]:
             from transformers import AutoConfig
             conf = AutoConfig.from_pretrained(str(src.path))
         m = auto_class(conf).from_config(conf, dtype=torch.float32)
-        reader = (DCPReader(src.dcp_dir) if src.weights == "dcp" else
-                  ZeroReader(src.path, exclude_frozen=False) if src.weights == "deepspeed" else
+        reader = (DCPReader(src.dcp_dir) if src.weights is layout.CheckpointFormat.DCP else
+                  ZeroReader(src.path, exclude_frozen=False) if src.weights is layout.CheckpointFormat.DS else
                   SafetensorsReader(src.path))
         sd = {k: v.float() if v.is_floating_point() else v for k, v in reader.read(reader.names()).items()}
         missing, unexpected = m.load_state_dict(sd, strict=False)

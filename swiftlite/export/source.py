@@ -41,7 +41,8 @@ class Source:
     run_dir: Path | None = None
     cfg: Any = None                  # RunConfig of the run (args.json), base possibly overridden
     base_from: str = layout.ARGS     # where the base model name came from (for messages)
-    weights: str = "hf"              # "dcp" | "deepspeed" | "adapter" | "hf"
+    # a checkpoint's sharded state (layout.CheckpointFormat), or "adapter" / "hf" (a peft or HF folder)
+    weights: "layout.CheckpointFormat | str" = "hf"
 
     @property
     def is_peft(self) -> bool:
@@ -130,9 +131,9 @@ def inspect_source(arg: str, base_model: str | None, log: Callable[[str], None],
         src.step = state.get("global_step")
         src.run_dir = path.parent
         if (path / layout.DCP_DIR / layout.DCP_METADATA).is_file():
-            src.weights = "dcp"
-        elif (path / layout.DS_TAG).is_dir() or src.backend == "deepspeed":
-            src.weights = "deepspeed"
+            src.weights = layout.CheckpointFormat.DCP
+        elif (path / layout.DS_TAG).is_dir() or layout.CheckpointFormat.of_state(state) is layout.CheckpointFormat.DS:
+            src.weights = layout.CheckpointFormat.DS
         elif src.adapter_dir is not None:
             src.weights = "adapter"
         else:

@@ -13,6 +13,7 @@ import torch
 
 from swiftlite import dtypes
 from swiftlite.config.tasks import task_spec
+from swiftlite.checkpoint import layout
 from swiftlite.checkpoint.readers import ModelReader, st_dtype, tensor_value
 from swiftlite.export.adapter import load_adapter
 from swiftlite.export.output import ExportResult
@@ -160,7 +161,7 @@ def verify_export(folder: Path, src: Source, opts: ExportOptions, result: Export
         # DeepSpeed keeps fp32 masters next to 16-bit module weights (the reference): exporting them
         # to another 16-bit dtype rounds once where the reference rounded twice.
         run_dtype = src.cfg.model.torch_dtype if src.cfg is not None else "fp32"
-        double = src.weights == "deepspeed" and run_dtype not in ("fp32", opts.dtype)
+        double = src.weights is layout.CheckpointFormat.DS and run_dtype not in ("fp32", opts.dtype)
         exact = not src.is_peft and not double
         rtol = ROUNDING[opts.dtype]
         if double:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol
 
+from swiftlite.checkpoint.layout import CheckpointFormat
 from swiftlite.distributed import World
 from swiftlite.errors import UserError
 
@@ -150,7 +151,7 @@ class Backend:
     options: frozenset[str] = frozenset()      # OPTION_FLAGS keys it honours
     checks: tuple[Check, ...] = ()             # its own config rules
     init_context: Callable[..., Any] | str | None = None   # (cfg, world, model_config, choice) -> context
-    checkpoint_format: str = "dcp"             # "dcp" (torch.distributed.checkpoint) or "ds" (DeepSpeed)
+    checkpoint_format: CheckpointFormat = CheckpointFormat.DCP   # its checkpoints' sharded state (dcp/ or ds/)
     # How the model reaches the ranks (docs/backends.md, "Loading at size"): "whole" (every rank
     # loads all of it), "sharded" (a meta skeleton the factory shards, then fills each rank's rows:
     # models/sharded.py), "partitioned" (built inside init_context, ZeRO-3's zero.Init).
@@ -207,7 +208,7 @@ class BackendChoice:
 
     @property
     def is_deepspeed(self) -> bool:
-        return self.record.checkpoint_format == "ds"
+        return self.record.checkpoint_format is CheckpointFormat.DS
 
 
 _REGISTRY: dict[str, Backend] = {}

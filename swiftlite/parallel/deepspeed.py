@@ -45,7 +45,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from swiftlite.checkpoint.layout import DS_TAG, step_of
+from swiftlite.checkpoint.layout import DS_TAG, CheckpointFormat, step_of
 from swiftlite.distributed import World
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, BackendChoice, FrozenModel, register_backend
@@ -563,7 +563,7 @@ def _record(name: str, summary: str, family: str | None, shards: tuple[bool, boo
     return Backend(name=name, engine="deepspeed", factory=build_deepspeed_engine, summary=summary,
                    shards=shards, memory_family=family, estimate=estimate, loss_scaling=True, options=options,
                    checks=(_needs_source, check_config) if name == "deepspeed" else (check_config,),
-                   init_context=model_init_context, checkpoint_format="ds", frozen_copy=frozen_copy,
+                   init_context=model_init_context, checkpoint_format=CheckpointFormat.DS, frozen_copy=frozen_copy,
                    ds_preset=None if name == "deepspeed" else name, needs=("deepspeed",),
                    # ZeRO-3 presets: zero.Init for 16-bit models, and a 4-bit skeleton partitioned
                    # layer by layer as it is filled (DeepSpeedEngine, fill_partitioned); a JSON of the

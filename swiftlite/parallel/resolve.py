@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from swiftlite.checkpoint.layout import CheckpointFormat
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import OPTION_FLAGS, Backend, BackendChoice, get_backend, parallelism_names
 
@@ -55,7 +56,7 @@ def _lookup(name: str, cfg: "RunConfig") -> tuple[Backend, str | None]:
         raise UserError(f"--parallelism: unknown value {name!r} (choose from {', '.join(parallelism_names())}, "
                         "or a DeepSpeed .json file)")
     if ds:
-        if rec.checkpoint_format != "ds":
+        if rec.checkpoint_format is not CheckpointFormat.DS:
             raise UserError(f"--deepspeed given with --parallelism {cfg.parallel.parallelism}: use one of them")
         return rec, ds
     return rec, rec.ds_preset
