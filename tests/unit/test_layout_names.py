@@ -16,6 +16,8 @@ def test_every_backend_record_names_its_checkpoint_format_from_the_one_vocabular
     names = parallelism_names()
     assert "fsdp" in names and "zero3" in names
     for name in names:
+        if name == "auto":
+            continue   # a choice among the records, not one
         rec = get_backend(name)
         assert isinstance(rec.checkpoint_format, CheckpointFormat), name
         want = CheckpointFormat.DS if rec.engine == "deepspeed" else CheckpointFormat.DCP
