@@ -244,6 +244,14 @@ def _early_stop(c: RunConfig):
                 "--save_strategy steps")
 
 
+@rule("dataloader drop_last")
+def _drop_last(c: RunConfig):
+    if (not c.train.dataloader_drop_last and task_spec(c.task).own_options == "rlhf"
+            and c.rlhf.rlhf_type == "grpo"):
+        return ("--dataloader_drop_last false: GRPO generates for whole rounds of prompts, and the prompts left "
+                "over after the last whole round of an epoch are not used; drop the flag")
+
+
 @rule("neftune")
 def _neftune(c: RunConfig):
     a = c.train.neftune_noise_alpha

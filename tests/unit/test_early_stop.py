@@ -107,3 +107,11 @@ def test_drop_last_flag_reaches_the_plan(demo_data):
         cfg = load_config(config_file, values)
         plans[flag] = prepare_datasets(cfg, load_tokenizer(cfg), 1)[2]
     assert plans["true"].steps_per_epoch == 2 and plans["false"].steps_per_epoch == 3
+
+
+def test_drop_last_false_refused_for_grpo_rounds():
+    config_file, values = parse_run_args(["--dataset", "t.jsonl", "--dataloader_drop_last", "false"])
+    with pytest.raises(UserError, match="--dataloader_drop_last false: GRPO generates for whole rounds"):
+        load_config(config_file, {**values, "rlhf_type": "grpo"}, task="rlhf", validate_paths=False)
+    assert load_config(config_file, {**values, "rlhf_type": "dpo"}, task="rlhf",
+                       validate_paths=False).train.dataloader_drop_last is False
