@@ -120,7 +120,6 @@ class LoraConfig:
                          "the model, saved with the adapter).", choices=("none", "all"))
 
 
-
 @dataclass(kw_only=True)
 class QuantConfig:
     quant_method: str | None = opt(None, "How the base is quantized at load time: bnb (bitsandbytes) is the only "
