@@ -33,6 +33,8 @@ class StepStats:
     tokens: int             # real (non-pad) tokens of the global batch (what tokens/s counts)
     target_tokens: int      # tokens the loss was taken on, over the global batch (rlhf: pairs)
     metrics: dict[str, float] = field(default_factory=dict)   # task-specific means (rlhf: rewards/..., logps/...)
+    # name -> (columns, rows) for the loggers' tables (GRPO's --log_completions "completions"; main rank only)
+    tables: dict[str, tuple[list[str], list[list[Any]]]] = field(default_factory=dict)
 
 
 #: --report-to loggers: name -> (the module it needs, the swiftlite extra that installs it).
@@ -119,6 +121,15 @@ class _TensorBoard:
         for k, v in tags.items():
             self.writer.add_scalar(k, v, step)
 
+    def table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        """TensorBoard has no table type: a markdown table under the TEXT tab (add_text renders it)."""
+        def cell(v: Any) -> str:   # every line break (str.splitlines' set) as <br>: one row per line
+            return "<br>".join(("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v))
+                               .replace("|", "\\|").splitlines())
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+        self.writer.add_text(name, "\n".join(lines), step)
+
     def close(self) -> None:
         self.writer.close()
 
@@ -133,6 +144,10 @@ class _Wandb:
         self.wandb, self.run_dir, self.run = wandb, run_dir, None
 
     def log(self, tags: dict[str, float], step: int) -> None:
+        self._start()
+        self.run.log({**tags, "train/global_step": step})
+
+    def _start(self) -> None:
         if self.run is None:
             try:
                 self.run = self.wandb.init(name=self.run_dir.name, config=_run_config(self.run_dir))
@@ -141,7 +156,11 @@ class _Wandb:
                                 "`wandb login`, or set WANDB_MODE=offline to write the run locally") from None
             self.run.define_metric("train/global_step")
             self.run.define_metric("*", step_metric="train/global_step", step_sync=True)
-        self.run.log({**tags, "train/global_step": step})
+
+    def table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        """A wandb.Table (TRL's and ms-swift's `completions` table), at the step's x value."""
+        self._start()
+        self.run.log({name: self.wandb.Table(columns=columns, data=rows), "train/global_step": step})
 
     def close(self) -> None:
         if self.run is not None:
@@ -156,6 +175,10 @@ class _SwanLab:
         self.swanlab, self.run_dir, self.started = swanlab, run_dir, False
 
     def log(self, tags: dict[str, float], step: int) -> None:
+        self._start()
+        self.swanlab.log(tags, step=step)
+
+    def _start(self) -> None:
         if not self.started:
             try:
                 self.swanlab.init(experiment_name=self.run_dir.name, config=_run_config(self.run_dir))
@@ -163,7 +186,11 @@ class _SwanLab:
                 raise UserError(f"--report-to swanlab: could not start a SwanLab experiment ({_first_line(e)}); "
                                 "run `swanlab login`, or set SWANLAB_MODE=offline") from None
             self.started = True
-        self.swanlab.log(tags, step=step)
+
+    def table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        """An echarts table, as ms-swift logs its `completions` to SwanLab."""
+        self._start()
+        self.swanlab.log({name: self.swanlab.echarts.Table().add(columns, rows)}, step=step)
 
     def close(self) -> None:
         if self.started:
@@ -261,6 +288,14 @@ class RunLogger:
                     sink.log(tags, step)
         if show:
             self.print(format_line(record, self.total, eta_s))
+
+    def table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        """A table (columns, rows of values) to every --report-to logger (`table` of each sink: W&B and
+        SwanLab tables, TensorBoard a markdown text); logging.jsonl gets none (the task keeps its own file)."""
+        if not self.enabled:
+            return
+        for sink in self._sinks:
+            sink.table(name, columns, rows, step)
 
     def advance(self, step: int, info: str = "") -> None:
         if self._progress is not None:

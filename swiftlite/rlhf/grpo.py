@@ -68,6 +68,7 @@ class GrpoBatches:
     options: Any = None                # cfg.rlhf
     log_path: Any = None               # completions.jsonl (main rank, --log_completions)
     current: Round | None = None
+    table: Any = None                  # the round's completions table, until its first step returns it
 
     @property
     def needs_old(self) -> bool:
@@ -283,12 +284,18 @@ def _log_completions(b: GrpoBatches, step: int, prompts: list[int], mine_c: list
     if b.log_path is None:
         return
     names = [r.name for r in b.rewards]
+    table = []
     with open(b.log_path, "a") as f:
         for c, text in sorted(x for part in parts for x in part):
             row = b.rows[prompts[c // G]]
             rew = {n: (None if math.isnan(v) else v) for n, v in zip(names, rpf[c].tolist())}
-            f.write(json.dumps({"step": step + 1, "prompt": b.tokenizer.decode(row["input_ids"]), "completion": text,
+            prompt = b.tokenizer.decode(row["input_ids"])
+            f.write(json.dumps({"step": step + 1, "prompt": prompt, "completion": text,
                                 "rewards": rew, "advantage": float(adv[c])}) + "\n")
+            table.append([step + 1, prompt, text, *rew.values(), float(adv[c])])
+    # the same rows for the --report-to loggers (TRL's and ms-swift's `completions` table), sent with
+    # the round's first step (grpo_step hands them to the loop in StepStats.tables)
+    b.table = (["step", "prompt", "completion", *names, "advantage"], table)
 
 
 def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | None = None,
@@ -349,8 +356,9 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     out["clip_ratio/region_mean"] = agg["region"] / denom
     # loss: the sum over ranks of what each backpropagated, over the ranks (the backends' average): the
     # mean micro-batch loss (grpo, bnpo, dr_grpo), dapo's token sum over its normalizer
+    tables, b.table = ({"completions": b.table} if b.table is not None else {}), None
     return StepStats(step=step + 1, loss=loss_total / world.world_size, grad_norm=float(grad_norm), tokens=int(tok_total),
-                     target_tokens=int(comp_total), metrics=out)
+                     target_tokens=int(comp_total), metrics=out, tables=tables)
 
 
 __all__ = ["COMPLETIONS_FILE", "GrpoBatches", "GrpoEngine", "ROUND_FILE", "Round", "generate_round", "grpo_batches", "grpo_step", "setup"]

@@ -114,6 +114,8 @@ class LogObserver(Observer):
         now = time.perf_counter()
         if done == self.start + 1:
             self.t_first_done = now
+        for name, (columns, rows) in getattr(stats, "tables", {}).items():   # GRPO's completions table
+            self.log.table(name, columns, rows, done)
         if not (math.isfinite(stats.loss) and math.isfinite(stats.grad_norm)):
             self.log.advance(done, "non-finite step")  # the guard logs it (train/guard.py)
             return

@@ -6,12 +6,15 @@ written (one line, exit 2), including a reward that raises mid-run (no checkpoin
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
 import pytest
 
 from tests.conftest import run_cli
+
+TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 COMMON = ["--rlhf-type", "grpo", "--model", "tiny-llama-2l", "--torch-dtype", "fp32", "--parallelism", "single",
           "--seed", "3", "--per-device-train-batch-size", "4", "--gradient-accumulation-steps", "2",
@@ -63,7 +66,7 @@ def test_grpo_lora_run_logs_trl_metrics_and_completions(files, tmp_path):
     args = ["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--external-plugins", files / "plugin.py",
             "--reward-funcs", "exact", "repetition", "length", "--reward-weights", "1", "0.5", "1",
             "--log-completions", "true", "--learning-rate", "1e-3",
-            "--max-steps", "2"]
+            "--max-steps", "2", *(["--report-to", "tensorboard"] if TENSORBOARD else [])]
     proc = run_cli([*args, "--output-dir", tmp_path / "a"], env=_env(files))
     assert "grpo (grpo loss, beta 0.04, reference: the base model with the adapter disabled" in proc.stdout
     steps = _steps(tmp_path / "a")
@@ -77,6 +80,17 @@ def test_grpo_lora_run_logs_trl_metrics_and_completions(files, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "a" / "completions.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and {r["step"] for r in rows} == {1, 2}   # 2 steps x 2 prompts x 4 completions
     assert set(rows[0]["rewards"]) == {"ExactMatch", "RepetitionPenalty", "length"} and "reverse:" in rows[0]["prompt"]
+    if TENSORBOARD:   # the same table, step by step, as TensorBoard text (a markdown table per round)
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        ev = EventAccumulator(str(tmp_path / "a" / "runs"), size_guidance={"tensors": 0})
+        ev.Reload()
+        texts = ev.Tensors("completions/text_summary")
+        assert [t.step for t in texts] == [1, 2]
+        md = texts[1].tensor_proto.string_val[0].decode().splitlines()
+        assert md[0] == "| step | prompt | completion | ExactMatch | RepetitionPenalty | length | advantage |"
+        assert len(md) == 2 + 8 and all(x.startswith("| 2 | ") for x in md[2:])
+        done = [r for r in rows if r["step"] == 2]
+        assert [float(x.rsplit("|", 2)[1]) for x in md[2:]] == pytest.approx([r["advantage"] for r in done], abs=1e-3)
     calls = [json.loads(x) for x in (files / "calls.jsonl").read_text().splitlines()]
     assert [c["n"] for c in calls] == [8, 8] and [c["step"] for c in calls] == [0, 1]
     assert {"prompts", "messages", "completion_ids", "trainer_state"} <= set(calls[0]["keys"])
