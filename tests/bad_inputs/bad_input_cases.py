@@ -313,7 +313,7 @@ CASES: list[Case] = [
          "3 usable rows, fewer than one global batch of 4 (per-device 2 x 1 processes x accumulation 2)",
          setup=three_rows),
     Case("sft-world-size-vs-batch", ["sft", *GOOD, "--dataset", "small.jsonl", "--nproc-per-node", "2",
-                                     "--per-device-train-batch-size", "2"],
+                                     "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "1"],
          "fewer than one global batch of 4 (per-device 2 x 2 processes x accumulation 1)", setup=three_rows),
     # -- launch ----------------------------------------------------------------------------------
     Case("sft-port-in-use", ["sft", *GOOD, *DATA, "--nproc-per-node", "2", "--master-port", "{port}"],
