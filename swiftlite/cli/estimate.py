@@ -56,7 +56,14 @@ def estimate_cmd(
     rlhf_type: Optional[str] = typer.Option(None, "--rlhf-type", "--rlhf_type",
                                             help="Preference training (dpo, orpo, simpo, cpo, kto, rm): 2 sequences "
                                                  "per sample, and DPO's and KTO's frozen reference copy on a full "
-                                                 "fine-tune."),
+                                                 "fine-tune. grpo: --batch-size counts completions, --max-length "
+                                                 "is the prompt's, the generation KV cache and gathered weights "
+                                                 "are counted, and the reference copy on a full fine-tune "
+                                                 "unless --beta 0."),
+    max_completion_length: int = typer.Option(512, "--max-completion-length", "--max_completion_length",
+                                              help="GRPO: tokens generated per completion (ms-swift's default 512)."),
+    beta: float = typer.Option(0.04, "--beta", help="GRPO: the KL weight; 0: no reference copy (ms-swift's "
+                                                   "default 0.04)."),
     precompute_ref_log_probs: bool = typer.Option(False, "--precompute-ref-log-probs", "--precompute_ref_log_probs",
                                                   help="DPO with precomputed reference log-probs: no copy."),
     sharded_loading: bool = typer.Option(True, "--sharded-loading/--no-sharded-loading",
@@ -83,7 +90,8 @@ def estimate_cmd(
                             lora_rank=lora_rank, quant_bits=quant_bits, loss_impl=loss_impl, pure_bf16=pure_bf16,
                             hsdp_shard_size=hsdp_shard_size, rlhf_type=rlhf_type,
                             precompute_ref_log_probs=precompute_ref_log_probs, parallelism=parallelism,
-                            sharded_loading=sharded_loading)
+                            sharded_loading=sharded_loading, max_completion_length=max_completion_length,
+                            beta=beta)
     if as_json:
         print(to_json(decision))
     else:

@@ -129,6 +129,8 @@ class Workload:
     shard_file_bytes: int | None = None  # largest safetensors file of the checkpoint (None: unknown,
                                          # planner/load.py HF_SHARD_BYTES)
     reference: str = "none"              # rlhf DPO: "copy" (a frozen reference copy) or "none"
+    generation_length: int = 0           # GRPO: prompt + completion tokens a generated sequence reaches
+                                         # (0: no generation); micro_batch sequences are generated at once
 
     def __post_init__(self) -> None:
         if dtypes.normalize(self.dtype) in dtypes.NAMES:
@@ -224,6 +226,7 @@ class MemoryEstimate:
     comm_intra_node_bytes: int = 0  # of comm_bytes_per_step: collectives inside one node (planner/topology.py)
     comm_inter_node_bytes: int = 0  # of comm_bytes_per_step: collectives whose group spans nodes
     reference: int = 0      # rlhf: the frozen reference copy (reference_bytes), in `total`
+    generation: int = 0     # GRPO's generation round (generation_bytes: KV cache + gathered weights), in `total`
     step_transient: int = 0  # DeepSpeed's gradient conversion inside step() (planner/transients.py)
     load_method: str = ""   # how the weights are loaded (planner/load.py METHODS)
     load_gpu: int = 0       # per GPU while loading, overhead included
@@ -437,8 +440,11 @@ def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> M
     # The step runs after the backward has freed the activations and the gathered parameters; the
     # reduce bucket (h*h elements) stays allocated through it.
     bucket = min(shape.hidden * shape.hidden, trainable_params(shape, w)) * w.elem if step else 0
+    gen = generation_bytes(shape, w, rec)
     base = sum(states.values()) + ref + w.overhead_bytes
-    total = base + max(acts + temp, step + bucket)
+    # GRPO's generation round runs before the round's forward/backward passes: its KV cache and
+    # gathered weights are one more phase next to the backward's activations and the optimizer step
+    total = base + max(acts + temp, step + bucket, gen)
     per_node = w.gpus_per_node or w.world_size
     cpu_node = cpu * per_node
     ranks = 1 if family in ("single", "ddp", "zero2", "zero2_offload") else _sharding_ranks(w, family)
@@ -462,7 +468,7 @@ def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> M
         cpu_per_node=cpu_node, total=total, fits=fits if not note else False,
         comm_bytes_per_step=links.total if links else 0, gpu_memory_bytes=w.gpu_memory_bytes,
         available=not note, note=note, comm_intra_node_bytes=links.intra if links else 0,
-        comm_inter_node_bytes=links.inter if links else 0, reference=ref, step_transient=step,
+        comm_inter_node_bytes=links.inter if links else 0, reference=ref, generation=gen, step_transient=step,
         load_method=loading.method, load_gpu=load_gpu, load_host_per_rank=loading.host_per_rank,
         load_host_per_node=loading.host_per_node, load_one_memory=loading.one_memory, peak=peak)
 
@@ -477,6 +483,34 @@ def reference_bytes(shape: ModelShape, w: Workload, backend: str | Backend) -> i
     return _ceil_div(nbytes, n) if rec.shards[0] else nbytes
 
 
+def kv_cache_bytes(shape: ModelShape, w: Workload) -> int:
+    """GRPO's generation KV cache per rank (rlhf/generate.py: one `generate` call per micro-batch, the
+    cache of transformers' DynamicCache): keys and values of every layer, 2 x layers x kv_heads x
+    head_dim x (prompt + completion tokens) x micro_batch sequences x the compute dtype's bytes."""
+    if not w.generation_length:
+        return 0
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * w.generation_length * w.micro_batch * w.elem
+
+
+def generation_bytes(shape: ModelShape, w: Workload, backend: str | Backend) -> int:
+    """GRPO's generation round per rank: the KV cache plus what the backend gathers for the round
+    (parallel/gather.py), in the compute dtype (a quantized base stays quantized): the whole weights on
+    fsdp/hsdp/zero3 (the all-gather's output is a buffer of its own, next to the rank's shard), FSDP1's
+    root unit and one decoder layer at a time on fsdp1; nothing on single/ddp/ZeRO-1/2 (whole weights
+    already). 0 when w.generation_length is 0."""
+    if not w.generation_length:
+        return 0
+    rec = backend_record(backend)
+    family = BASE_FAMILY.get(rec.memory_family, rec.memory_family)
+    gathered = 0
+    if rec.shards[0] and family != "single":
+        lin = shape.n_linear_params if w.quant_bits else 0
+        whole = (quantized_bytes(lin, w) if lin else 0) + (shape.n_params - lin) * w.elem
+        gathered = whole if family != "fsdp1" else \
+            _ceil_div(whole * (shape.n_nonlayer_params + shape.n_layer_params), max(1, shape.n_params))
+    return kv_cache_bytes(shape, w) + gathered
+
+
 def estimate_all(shape: ModelShape, workload: Workload) -> dict[str, MemoryEstimate]:
     """Estimates for every row of the table (`table_backends`: the registered records with `estimate`
     set and a memory family; "single" stands in for "ddp" on a one-GPU world), by record name."""
@@ -486,6 +520,6 @@ def estimate_all(shape: ModelShape, workload: Workload) -> dict[str, MemoryEstim
 __all__ = ["CHUNK_LOGIT_BYTES", "GiB", "LOGIT_BYTES", "LOSS_IMPLS", "MemoryEstimate", "Workload", "activation_bytes",
            "base_bits", "logit_bytes",
            "BASE_FAMILY", "LinkBytes", "comm_bytes_per_step", "comm_per_link", "comm_volumes", "estimate",
-           "estimate_all", "model_state_bytes", "quantized_bytes", "reference_bytes",
+           "estimate_all", "generation_bytes", "kv_cache_bytes", "model_state_bytes", "quantized_bytes", "reference_bytes",
            "temp_buffer_bytes", "topology_problem", "trainable_params", "unavailable_reason"]
 

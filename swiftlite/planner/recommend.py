@@ -202,7 +202,8 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
     r = cfg.rlhf
     copy = rlhf and r.rlhf_type in ("dpo", "kto") and not r.precompute_ref_log_probs and (r.ref_model or not cfg.is_peft)
     # GRPO: a sequence is a prompt (--max-length) plus its completion, one per sample; the reference is a
-    # frozen copy unless --beta 0 or LoRA (adapter off). Its generation KV cache is not counted.
+    # frozen copy unless --beta 0 or LoRA (adapter off); the generation round (KV cache of a micro-batch,
+    # the weights the backend gathers) is a phase of its own (planner/memory.generation_bytes).
     grpo = rlhf and r.rlhf_type == "grpo"
     copy = copy or (grpo and r.beta != 0 and bool(r.ref_model or not cfg.is_peft))
     seq_len = cfg.data.max_length + r.max_completion_length if grpo and cfg.data.max_length else cfg.data.max_length
@@ -212,7 +213,7 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         quant_bits=cfg.quant_bits, double_quant=cfg.quant.bnb_4bit_use_double_quant,
         max_length=seq_len,
         micro_batch=cfg.train.per_device_train_batch_size * (1 if grpo else spec.sequences_per_sample),
-        reference="copy" if copy else "none",
+        reference="copy" if copy else "none", generation_length=seq_len if grpo and seq_len else 0,
         gradient_checkpointing=cfg.train.gradient_checkpointing, world_size=world_size,
         gpus_per_node=gpus_per_node or cfg.parallel.nproc_per_node or world_size,
         gpu_memory_bytes=gpu_memory_bytes, fsdp2_available=_has_fsdp2(),

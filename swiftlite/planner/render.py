@@ -28,7 +28,7 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
                  quant_bits: int | None = None, cpu_memory: str | None = None, loss_impl: str = "chunked",
                  pure_bf16: bool = False, hsdp_shard_size: int | None = None, rlhf_type: str | None = None,
                  precompute_ref_log_probs: bool = False, parallelism: str | None = None,
-                 sharded_loading: bool = True) -> Decision:
+                 sharded_loading: bool = True, max_completion_length: int = 512, beta: float = 0.04) -> Decision:
     """Estimate every backend for `model` on `nodes` x `gpus` GPUs and recommend one; with
     `parallelism` (a backend name or a DeepSpeed .json file), estimate that one and say whether it
     fits (recommend.assess).
@@ -36,7 +36,9 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     `gpus` is per node; sizes are parse_size's (a bare number is GB); `cpu_memory` is per node and,
     when given, makes the offload rows check CPU memory too. `quant_bits` None with "qlora" means 4.
     `hsdp_shard_size` None: the hsdp row shards over one node's GPUs. Bad values raise a UserError
-    naming the flag.
+    naming the flag. GRPO (`rlhf_type` "grpo"): `micro_batch` counts completions, `max_length` is the
+    prompt's, and the generation round (KV cache of prompt + `max_completion_length` tokens, the
+    weights the backend gathers) is counted; `beta` 0 means no reference copy.
     """
     if hsdp_shard_size is not None and (not isinstance(hsdp_shard_size, int) or hsdp_shard_size <= 0
                                         or (gpus * nodes) % hsdp_shard_size):
@@ -44,12 +46,19 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     for flag, v in (("--gpus", gpus), ("--nnodes", nodes)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise UserError(f"{flag} must be a positive integer, got {v!r}")
-    if rlhf_type not in (None, "dpo", "orpo", "simpo", "cpo", "kto", "rm"):
-        raise UserError(f"--rlhf-type {rlhf_type!r}: choose from dpo, orpo, simpo, cpo, kto, rm")
+    if rlhf_type not in (None, "dpo", "orpo", "simpo", "cpo", "kto", "rm", "grpo"):
+        raise UserError(f"--rlhf-type {rlhf_type!r}: choose from dpo, orpo, simpo, cpo, kto, rm, grpo")
     if precompute_ref_log_probs and rlhf_type != "dpo":
         raise UserError("--precompute-ref-log-probs needs --rlhf-type dpo")
+    if not isinstance(max_completion_length, int) or max_completion_length <= 0:
+        raise UserError(f"--max-completion-length must be a positive integer, got {max_completion_length!r}")
     copy = rlhf_type in ("dpo", "kto") and train_type == "full" and not precompute_ref_log_probs
-    if rlhf_type:  # a pair is 2 sequences; the log-probs take the logits at the answer tokens
+    generation_length = 0
+    if rlhf_type == "grpo":   # a sample is one completion: prompt + completion, its logits at the completion
+        copy = train_type == "full" and beta != 0
+        generation_length = max_length + max_completion_length
+        max_length, loss_impl = generation_length, "plain"
+    elif rlhf_type:  # a pair is 2 sequences; the log-probs take the logits at the answer tokens
         micro_batch, loss_impl = micro_batch * 2, "plain"
     shape = shape_from_model_arg(model)
     workload = Workload(shard_file_bytes=largest_shard_file(model), sharded_loading=sharded_loading,reference="copy" if copy else "none",
@@ -57,7 +66,8 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
         max_length=max_length, micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing,
         world_size=gpus * nodes, gpus_per_node=gpus, gpu_memory_bytes=parse_size(gpu_memory, "--gpu-memory"),
         cpu_memory_bytes=parse_size(cpu_memory, "--cpu-memory") if cpu_memory is not None else None,
-        loss_impl=loss_impl, pure_bf16=pure_bf16, hsdp_shard_size=hsdp_shard_size)
+        loss_impl=loss_impl, pure_bf16=pure_bf16, hsdp_shard_size=hsdp_shard_size,
+        generation_length=generation_length)
     if parallelism not in (None, "auto"):
         return assess(shape, workload, parallelism)
     return recommend(shape, workload)
@@ -133,8 +143,15 @@ def render(decision: Decision, console=None) -> None:
     console.print(table)
     _render_phases(decision, console)
     if w is not None and w.reference == "copy" and decision.backend in decision.table:
-        console.print(f"[dim]totals include the frozen reference copy (DPO, KTO): "
+        console.print(f"[dim]totals include the frozen reference copy (DPO, KTO, GRPO): "
                       f"{_gib(decision.table[decision.backend].reference)} GiB per GPU on {decision.backend}[/dim]")
+    if w is not None and w.generation_length and decision.backend in decision.table:
+        from swiftlite.planner.memory import kv_cache_bytes
+        gen = decision.table[decision.backend].generation
+        console.print(f"[dim]totals include GRPO's generation round on {decision.backend}: "
+                      f"{_gib(gen)} GiB per GPU (KV cache {_gib(kv_cache_bytes(decision.shape, w))} GiB for "
+                      f"{w.micro_batch} sequences of {w.generation_length} tokens, the rest the weights gathered "
+                      "for the round), a phase of its own next to the backward's activations[/dim]")
     if multi:
         console.print("[dim]intra/inter: comm GiB per GPU per step, collectives inside one node / across "
                       "nodes (ring terms; docs/backends.md \"Across nodes\")[/dim]")
