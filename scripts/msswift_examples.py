@@ -1,0 +1,506 @@
+"""ms-swift's own example scripts, run with swiftlite with only the model and the datasets replaced.
+
+Reads ms-swift's public repository (a bare git mirror; default /work/.mirror/modelscope+ms-swift/repo,
+--mirror) at its HEAD: every `.sh` under examples/train and examples/export. Each `swift sft|pt|rlhf|export`
+command of a text-LLM script is extracted (shell variables, `$(expr ...)` and line continuations
+resolved), and run as `python -m swiftlite ...` with:
+
+- its environment assignments kept, except NPROC_PER_NODE capped at 2 (this machine has 2 cores) and
+  CUDA_VISIBLE_DEVICES dropped; MASTER_PORT becomes a free port (the written one may be taken here);
+- `--model` (and `--ref_model`, `--reward_model`, `--teacher_model`) replaced by a local tiny folder
+  built from a config with the repository's tokenizer: a Llama one for a Llama model, a Qwen2 one
+  otherwise; a pre-quantized AWQ/GPTQ model gets a tiny folder carrying that quantization_config;
+- `--dataset` / `--val_dataset` replaced by local files of the same format (`#N` and `:subset` kept as
+  `#N`): alpaca rows, chat messages, query/response, self-cognition rows (query/response/tag with
+  {{NAME}}/{{AUTHOR}}), preference pairs, KTO rows, GRPO prompts with a solution column, plain text;
+- a placeholder checkpoint path (`--adapters`/`--ckpt_dir output/vx-xxx/checkpoint-xxx`) replaced by a
+  LoRA checkpoint trained here first (the scripts name the output of an earlier training run);
+- `--max_steps 2` appended to a training command; nothing else changes.
+
+Each command runs first with --dry-run, then for real (in a fresh folder whose `examples/` is the mirror's, so
+relative paths in a script resolve as they do in ms-swift's repository root; the nodes of a multi-node pair
+run at once). The table: script, class, first line of the error:
+
+- runs: every command of the script exited 0, dry run and real run (`export` has no dry run: it runs once);
+- refused: exit 2 with one `error:` line per refused flag and no traceback (the first is shown);
+- gpu: refused the same way, naming a GPU-only kernel or device (flash attention, AWQ/GPTQ, vLLM, CUDA);
+- crash: anything else (a traceback, another exit code, a timeout).
+
+Skipped, each with its reason: multimodal models or data, Megatron, files without a `swift sft|pt|rlhf|export`
+command (infer, deploy, sample, app), ms-swift's Python entry under another launcher (accelerate, torchrun,
+deepspeed: no `swift` command), and training types swiftlite does not have (classification, embedding,
+reranker, GKD, PPO, ...).
+
+    python scripts/msswift_examples.py [--only SUBSTR ...] [--json out.json] [--timeout 600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MIRROR = Path("/work/.mirror/modelscope+ms-swift/repo")
+COMMANDS = ("sft", "pt", "rlhf", "export")
+
+# ---------------------------------------------------------------- reading the scripts
+
+MULTIMODAL_MODEL = re.compile(r"(VL|Omni|vision|Vision|llava|InternVL|Audio|-V-|MiniCPM-V|glm-4v|Ovis|Kimi-VL|"
+                              r"Phi-3-vision|Florence|deepseek-vl|qwen2-vl|Janus|Emu|Keye|mPLUG|molmo|paligemma|"
+                              r"GLM-4\.\dV|Qwen3-VL|Step-Audio)", re.I)
+MULTIMODAL_DATA = re.compile(r"(coco|LaTeX_OCR|RLAIF-V|TextCaps|VideoChatGPT|clevr|chartqa|multimodal|aishell|"
+                             r"garbage265|voc2007|visual_toolbox|geoqa|MathV|OCR)", re.I)
+#: ms-swift training types swiftlite does not have (its --task_type / --rlhf_type values).
+OTHER_TASKS = {"seq_cls", "embedding", "reranker", "generative_reranker"}
+OTHER_RLHF = {"gkd", "ppo", "opsd", "gym"}
+
+
+@dataclass
+class Command:
+    script: str
+    sub: str                  # sft | pt | rlhf | export
+    env: dict[str, str]
+    argv: list[str]           # after `swift SUB`
+
+    def opt(self, name: str) -> list[str] | None:
+        """The values of --name (None when absent; [] for a bare flag)."""
+        for i, a in enumerate(self.argv):
+            if a == f"--{name}":
+                vals = []
+                for b in self.argv[i + 1:]:
+                    if b.startswith("--"):
+                        break
+                    vals.append(b)
+                return vals
+        return None
+
+
+def git_show(mirror: Path, path: str) -> str:
+    return subprocess.run(["git", "-C", str(mirror), "show", f"HEAD:{path}"], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def list_scripts(mirror: Path) -> list[str]:
+    out = subprocess.run(["git", "-C", str(mirror), "ls-tree", "-r", "--name-only", "HEAD", "examples/train",
+                          "examples/export"], check=True, capture_output=True, text=True).stdout
+    return sorted(p for p in out.split() if p.endswith(".sh"))
+
+
+def logical_lines(text: str) -> list[str]:
+    """Comment lines dropped, backslash continuations joined."""
+    lines, cur = [], ""
+    for raw in text.splitlines():
+        s = raw.rstrip()
+        if not cur and s.lstrip().startswith("#"):
+            continue
+        if s.lstrip().startswith("#"):   # a comment line inside a continued command
+            continue
+        if s.endswith("\\"):
+            cur += s[:-1] + " "
+            continue
+        cur += s
+        if cur.strip():
+            lines.append(cur.strip())
+        cur = ""
+    if cur.strip():
+        lines.append(cur.strip())
+    return lines
+
+
+def _expand(s: str, shell: dict[str, str]) -> str:
+    def arith(m: re.Match) -> str:
+        expr = m.group(1).replace("\\*", "*")
+        expr = re.sub(r"\b/\b|\s/\s", " // ", expr)
+        expr = re.sub(r"\b[A-Za-z_]\w*\b", lambda v: shell.get(v.group(0), v.group(0)), expr)
+        try:   # integers from the script's own variables
+            return str(eval(expr, {"__builtins__": {}}, {}))
+        except Exception:
+            return m.group(0)
+    for _ in range(3):
+        s = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: shell.get(m.group(1) or m.group(2), ""), s)
+        s = re.sub(r"\$\(\(\s*([^)]*)\)\)", arith, s)
+        s = re.sub(r"\$\(expr ([^)]*)\)", arith, s)
+    return s
+
+
+ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)=(\S*)$")
+
+
+def extract(path: str, text: str, platform: dict[str, str]) -> tuple[list[Command], list[str]]:
+    """The swift commands of one script, and the other launchers found in it."""
+    shell = dict(platform)
+    cmds, launchers = [], []
+    for line in logical_lines(text):
+        m = ASSIGN.match(line)
+        if m:
+            shell[m.group(1)] = _expand(m.group(2).strip("'\""), shell)
+            continue
+        try:
+            toks = shlex.split(_expand(line, shell))
+        except ValueError:
+            continue
+        env: dict[str, str] = {}
+        i = 0
+        while i < len(toks) and re.match(r"^[A-Za-z_]\w*=", toks[i]):
+            k, _, v = toks[i].partition("=")
+            env[k] = v
+            i += 1
+        rest = toks[i:]
+        if len(rest) >= 2 and rest[0] == "swift" and rest[1] in COMMANDS:
+            cmds.append(Command(path, rest[1], env, rest[2:]))
+        elif rest and rest[0] in ("accelerate", "torchrun", "deepspeed", "python") and "swift/cli" in line:
+            launchers.append(rest[0])
+        elif rest and rest[0] == "megatron":
+            launchers.append("megatron")
+        elif len(rest) >= 2 and rest[0] == "swift":
+            launchers.append(f"swift {rest[1]}")
+    return cmds, launchers
+
+
+def skip_reason(path: str, cmds: list[Command], launchers: list[str]) -> str | None:
+    text_all = " ".join(" ".join(c.argv) for c in cmds)
+    if "megatron" in path or "megatron" in launchers:
+        return "Megatron (its training half runs under `megatron sft`)"
+    if not cmds:
+        other = sorted({lch for lch in launchers})
+        if any(lch in ("accelerate", "torchrun", "deepspeed", "python") for lch in other):
+            return f"ms-swift's Python entry under {'/'.join(x for x in other if not x.startswith('swift'))}, no swift command"
+        return f"no swift sft/pt/rlhf/export command ({', '.join(other) or 'none'})"
+    for c in cmds:
+        for name in ("model", "ref_model", "reward_model", "teacher_model"):
+            for v in c.opt(name) or []:
+                if MULTIMODAL_MODEL.search(v):
+                    return f"multimodal model {v}"
+        for v in (c.opt("dataset") or []) + (c.opt("val_dataset") or []):
+            if MULTIMODAL_DATA.search(v):
+                return f"multimodal dataset {v}"
+    if any(a.endswith((".yaml", ".yml")) and not a.startswith("--") for c in cmds for a in c.argv[:1]):
+        return "a YAML config for ms-swift's Ray launcher (use_ray: true, device_groups)"
+    if any(re.search(r"\bbert\b|bert-", v, re.I) for c in cmds for v in c.opt("model") or []):
+        return "BERT (an encoder, not a causal LM)"
+    if re.search(r"multimodal|omni|mllm", path):
+        return "multimodal (folder)"
+    for c in cmds:
+        task = (c.opt("task_type") or [""])[0]
+        if task in OTHER_TASKS:
+            return f"--task_type {task} (no such training type here)"
+        rl = (c.opt("rlhf_type") or [""])[0]
+        if c.sub == "rlhf" and rl in OTHER_RLHF:
+            return f"--rlhf_type {rl} (no such training type here)"
+    if "embedding" in text_all or "reranker" in path:
+        return "embedding/reranker (no such training type here)"
+    return None
+
+
+# ---------------------------------------------------------------- local stand-ins
+
+def _row_text(i: int) -> tuple[str, str]:
+    word = "".join(chr(97 + (i * 7 + k) % 26) for k in range(3 + i % 5))
+    return f"Reverse the word {word}.", word[::-1]
+
+
+def write_data(d: Path, n: int = 64) -> dict[str, Path]:
+    """One small local file per hub dataset format the scripts use."""
+    d.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, list[dict]] = {k: [] for k in ("alpaca", "messages", "query_response", "self_cognition",
+                                                   "preference", "kto", "grpo", "text")}
+    for i in range(n):
+        q, a = _row_text(i)
+        rows["alpaca"].append({"instruction": q, "input": "", "output": a})
+        rows["messages"].append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+        rows["query_response"].append({"query": q, "response": a})
+        rows["self_cognition"].append({"query": "Who are you?" if i % 2 else "你是谁？",
+                                       "response": f"I am {{{{NAME}}}}, made by {{{{AUTHOR}}}} ({i}).",
+                                       "tag": "en" if i % 2 else "zh"})
+        rows["preference"].append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                                   "rejected_response": a[::-1] + "x"})
+        rows["kto"].append({"prompt": [{"role": "user", "content": q}],
+                            "completion": [{"role": "assistant", "content": a if i % 2 else a + "!"}],
+                            "label": bool(i % 2)})
+        rows["grpo"].append({"messages": [{"role": "user", "content": q}], "solution": a})
+        rows["text"].append({"text": f"{q} {a}. " * 3})
+    out = {}
+    for k, rs in rows.items():
+        p = d / f"{k}.jsonl"
+        p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rs))
+        out[k] = p
+    return out
+
+
+#: hub id (before `#N` / `:subset`) -> the local format of its rows, as ms-swift's loader gives them.
+HUB_FORMAT = {
+    "AI-ModelScope/alpaca-gpt4-data-zh": "alpaca", "AI-ModelScope/alpaca-gpt4-data-en": "alpaca",
+    "AI-ModelScope/LongAlpaca-12k": "alpaca", "swift/self-cognition": "self_cognition",
+    "hjh0119/shareAI-Llama3-DPO-zh-en-emoji": "preference", "AI-ModelScope/orpo-dpo-mix-40k": "preference",
+    "AI-ModelScope/ultrafeedback-binarized-preferences-cleaned-kto": "kto",
+    "AI-MO/NuminaMath-TIR": "grpo", "AI-ModelScope/NuminaMath-TIR": "grpo", "modelscope/gsm8k": "grpo",
+    "AI-MO/NuminaMath-CoT": "grpo", "open-r1/OpenThoughts-114k-math": "grpo",
+    "swift/chinese-c4": "text", "lvjianjin/AdvertiseGen": "query_response", "AI-ModelScope/ruozhiba": "text",
+}
+
+
+def local_dataset(spec: str, files: dict[str, Path], cmd: Command) -> str:
+    base, _, n = spec.partition("#")
+    hub = base.split(":")[0]
+    kind = HUB_FORMAT.get(hub)
+    if kind is None:
+        rl = (cmd.opt("rlhf_type") or [""])[0]
+        kind = {"grpo": "grpo", "kto": "kto", "dpo": "preference", "orpo": "preference", "simpo": "preference",
+                "cpo": "preference", "rm": "preference"}.get(rl, "text" if cmd.sub == "pt" else "messages")
+    return str(files[kind]) + (f"#{n}" if n else "")
+
+
+def build_models(d: Path) -> dict[str, Path]:
+    """Tiny Qwen2 and Llama folders from a config (random weights, bf16) with the repository's tokenizer,
+    and pre-quantized-looking folders (AWQ, GPTQ: the config's quantization_config, as the hub's carry)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
+    common = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=TINY_VOCAB, eos_token_id=258, pad_token_id=259,
+                  bos_token_id=None, dtype="bfloat16")
+    cfgs = {"qwen2": Qwen2Config(max_position_embeddings=32768, tie_word_embeddings=False, **common),
+            "llama": LlamaConfig(max_position_embeddings=8192, tie_word_embeddings=False, **common)}
+    out = {}
+    for name, cfg in cfgs.items():
+        p = d / f"tiny-{name}"
+        if not (p / "config.json").is_file():
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(p)
+            for f in Path(TINY_TOKENIZER).iterdir():
+                shutil.copy(f, p / f.name)
+        out[name] = p
+    for method in ("awq", "gptq"):
+        p = d / f"tiny-qwen2-{method}"
+        if not p.exists():
+            shutil.copytree(out["qwen2"], p)
+            cfg = json.loads((p / "config.json").read_text())
+            cfg["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
+            (p / "config.json").write_text(json.dumps(cfg, indent=1))
+        out[method] = p
+    return out
+
+
+def local_model(hub: str, models: dict[str, Path]) -> str:
+    h = hub.lower()
+    if "awq" in h:
+        return str(models["awq"])
+    if "gptq" in h or "int4" in h or "int8" in h:
+        return str(models["gptq"])
+    return str(models["llama" if "llama" in h else "qwen2"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PLACEHOLDER = re.compile(r"x{2,}|vx-|/path/to|<", re.I)
+
+
+def translate(cmd: Command, models: dict[str, Path], files: dict[str, Path], ckpt: Path | None,
+              port: int) -> tuple[dict[str, str], list[str]]:
+    """(env, swiftlite argv) for one command: only the model, datasets and placeholder checkpoints replaced."""
+    env = {k: v for k, v in cmd.env.items() if k != "CUDA_VISIBLE_DEVICES"}
+    if "NPROC_PER_NODE" in env:
+        env["NPROC_PER_NODE"] = str(min(2, int(env["NPROC_PER_NODE"] or 1)))
+    if "MASTER_PORT" in env:
+        env["MASTER_PORT"] = str(port)
+    out, i, a = [], 0, cmd.argv
+    while i < len(a):
+        tok = a[i]
+        name = tok[2:] if tok.startswith("--") else None
+        j = i + 1
+        vals = []
+        while j < len(a) and not a[j].startswith("--"):
+            vals.append(a[j])
+            j += 1
+        if name in ("model", "ref_model", "reward_model", "teacher_model") and vals:
+            out += [tok, *[local_model(v, models) for v in vals]]
+        elif name in ("dataset", "val_dataset") and vals:
+            out += [tok, *[local_dataset(v, files, cmd) for v in vals]]
+        elif name in ("adapters", "ckpt_dir", "resume_from_checkpoint") and vals and PLACEHOLDER.search(vals[0]):
+            out += [tok, *([str(ckpt)] if ckpt else vals)]
+        else:
+            out += [tok, *vals]
+        i = j
+    if cmd.sub != "export":
+        out += ["--max_steps", "2"]
+    return env, out
+
+
+# ---------------------------------------------------------------- running
+
+#: a refusal because this machine has no GPU (not one swiftlite would give on a GPU too, such as vLLM's flags)
+GPU_WORDS = re.compile(r"CUDA GPU|no GPU|needs a GPU|GPU kernel|GPU-only|without a GPU", re.I)
+
+
+@dataclass
+class Result:
+    script: str
+    cls: str
+    error: str = ""
+    commands: list[list[str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "NPROC_PER_NODE", "NNODES", "NODE_RANK", "CUDA_VISIBLE_DEVICES")}
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def classify(rc: int, stderr: str) -> tuple[str, str]:
+    """(class, first error line) of one finished command."""
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    if rc == 0:
+        return "runs", ""
+    if rc == 2 and errors and "Traceback" not in stderr:
+        first = errors[0][len("error:"):].strip()
+        return ("gpu" if GPU_WORDS.search(first) else "refused"), first
+    first = next((ln for ln in reversed(lines) if not ln.startswith(" ")), f"exit {rc}")
+    return "crash", f"exit {rc}: {first[:300]}"
+
+
+def run_one(sub: str, env: dict[str, str], argv: list[str], cwd: Path, timeout: float, dry: bool):
+    full = [sys.executable, "-m", "swiftlite", sub, *argv, *(["--dry-run"] if dry else [])]
+    try:
+        p = subprocess.run(full, cwd=cwd, env={**base_env(), **env}, capture_output=True, text=True, timeout=timeout)
+        return p.returncode, p.stderr + ("" if p.returncode == 0 else p.stdout[-2000:])
+    except subprocess.TimeoutExpired:
+        return 124, f"timeout after {timeout:.0f} s"
+
+
+def run_group(group: list[tuple[str, list[tuple[dict, list[str], str]]]], work: Path, timeout: float) -> list[Result]:
+    """Run the scripts of a group (one script, or the nodes of a multi-node pair at once) command by command."""
+    results = {s: Result(s, "runs") for s, _ in group}
+    cwds = {}
+    for s, _ in group:
+        cwd = work / "runs" / s.replace("/", "__")
+        shutil.rmtree(cwd, ignore_errors=True)
+        cwd.mkdir(parents=True)
+        (cwd / "examples").symlink_to(work / "mirror" / "examples")
+        cwds[s] = cwd
+    t0 = time.time()
+    steps = max(len(c) for _, c in group)
+    for k in range(steps):
+        for dry in (True, False):
+            # `swift export` has no dry run (ms-swift's neither): it runs once
+            todo = [(s, cmds[k]) for s, cmds in group if k < len(cmds) and results[s].cls == "runs"
+                    and not (dry and cmds[k][2] == "export")]
+            if not todo:
+                continue
+            with ThreadPoolExecutor(len(todo)) as ex:
+                futs = {s: ex.submit(run_one, c[2], c[0], c[1], cwds[s], timeout, dry) for s, c in todo}
+            for s, c in todo:
+                rc, err = futs[s].result()
+                if dry or c[2] == "export":
+                    results[s].commands.append([*(f"{a}={b}" for a, b in c[0].items()), "swiftlite", c[2], *c[1]])
+                cls, first = classify(rc, err)
+                if cls != "runs":
+                    results[s].cls, results[s].error = cls, ("dry-run: " if dry else "run: ") + first
+    for r in results.values():
+        r.seconds = time.time() - t0
+    return list(results.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mirror", type=Path, default=MIRROR)
+    ap.add_argument("--work", type=Path, default=None, help="working folder (default: a temporary one)")
+    ap.add_argument("--only", nargs="*", default=None, help="run only scripts whose path contains one of these")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per command")
+    ap.add_argument("--list", action="store_true", help="print the extracted commands and skips, run nothing")
+    args = ap.parse_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="msswift-examples-"))
+    work.mkdir(parents=True, exist_ok=True)
+    # The platform variables a DLC script reads ($WORLD_SIZE, $RANK as the node count and rank): one node here.
+    platform = {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    skipped, todo = [], []
+    for path in list_scripts(args.mirror):
+        if args.only and not any(o in path for o in args.only):
+            continue
+        cmds, launchers = extract(path, git_show(args.mirror, path), platform)
+        why = skip_reason(path, cmds, launchers)
+        (skipped.append((path, why)) if why else todo.append((path, cmds)))
+    if args.list:
+        for p, why in skipped:
+            print(f"skip  {p}: {why}")
+        for p, cmds in todo:
+            for c in cmds:
+                print(f"run   {p}: {' '.join(f'{k}={v}' for k, v in c.env.items())} swift {c.sub} {shlex.join(c.argv)}")
+        print(f"{len(todo)} to run, {len(skipped)} skipped")
+        return 0
+    if not (work / "mirror" / "examples").is_dir():
+        (work / "mirror").mkdir(exist_ok=True)
+        arch = subprocess.run(["git", "-C", str(args.mirror), "archive", "HEAD", "examples"], check=True,
+                              capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(work / "mirror")], input=arch, check=True)
+    models = build_models(work / "models")
+    files = write_data(work / "data")
+    ckpt = None
+    if any(c.sub == "export" or any(PLACEHOLDER.search(" ".join(c.opt(n) or [])) for n in ("adapters", "ckpt_dir"))
+           for _, cmds in todo for c in cmds):
+        ckpt = work / "lora_ckpt"
+        if not (ckpt / "checkpoint-2").is_dir():
+            rc, err = run_one("sft", {}, ["--model", str(models["qwen2"]), "--dataset", str(files["messages"]),
+                                          "--max_steps", "2", "--output_dir", str(ckpt), "--save_steps", "2"],
+                              work, args.timeout, False)
+            if rc != 0:
+                print(f"the LoRA checkpoint for export scripts failed: {err[-2000:]}", file=sys.stderr)
+        ckpt = ckpt / "checkpoint-2"
+    # group the nodes of a multi-node pair (NNODES > 1 with a NODE_RANK) in one folder: they run together
+    groups: dict[str, list] = {}
+    for path, cmds in todo:
+        tr = []
+        nodes = any(int(c.env.get("NNODES", "1") or 1) > 1 and "NODE_RANK" in c.env for c in cmds)
+        key = str(Path(path).parent) + "#nodes" if nodes else path
+        groups.setdefault(key, []).append((path, cmds))
+    results: list[Result] = []
+    for key, members in groups.items():
+        port = free_port()
+        group = []
+        for path, cmds in members:
+            group.append((path, [(*translate(c, models, files, ckpt, port), c.sub) for c in cmds]))
+        for r in run_group(group, work, args.timeout):
+            results.append(r)
+            print(f"{r.cls:8s} {r.seconds:6.1f}s  {r.script}  {r.error}", flush=True)
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.cls] = counts.get(r.cls, 0) + 1
+    print("\n| script | class | first error line |\n|---|---|---|")
+    for r in results:
+        print(f"| {r.script} | {r.cls} | {r.error.replace('|', '/')} |")
+    print("\nskipped:")
+    for p, why in skipped:
+        print(f"  {p}: {why}")
+    print(f"\n{len(results)} scripts run: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+          + f"; {len(skipped)} skipped")
+    if args.json:
+        args.json.write_text(json.dumps({"results": [r.__dict__ for r in results], "skipped": skipped}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""ms-swift-style commands, as its example scripts write them (issue 22, acceptance 1).
+
+Every flag found in ms-swift's `examples/train` text-LLM sft/pt/rlhf (dpo, orpo, simpo) and `examples/export`
+scripts (ms-swift 3602360a, 2026-08-22; the names are copied below, SCRIPT_FLAGS, as
+scripts/msswift_examples.py extracts them) is either used by one of the commands here, each with
+`--max_steps 2` on a local tiny Qwen2 folder, which must exit 0 and show the value given in its args.json,
+or is in REFUSED, where one run gives them all and gets one `error:` line per flag, exit 2.
+
+Speed: the single-process commands run in this process, one after another (swiftlite's CLI entry,
+`swiftlite.cli.main`, in a fresh output folder each, os.environ and the working directory restored after
+each); test_in_process_is_what_a_subprocess_does checks that one of them gives the same args.json and the
+same losses as `python -m swiftlite` in a subprocess. Only the multi-process commands (NPROC_PER_NODE=2)
+are subprocesses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, cli_env, read_losses, run_cli
+
+#: The flags of ms-swift's text-LLM sft/pt/rlhf(dpo, orpo, simpo)/export example scripts at 3602360a.
+SCRIPT_FLAGS = frozenset("""
+adapters agent_template attn_impl bnb_4bit_compute_dtype bnb_4bit_quant_type bnb_4bit_use_double_quant
+cached_dataset cached_val_dataset dataloader_num_workers dataset dataset_num_proc deepspeed device_map
+early_stop_interval enable_dft_loss eval_steps experts_impl galore_optim_per_parameter galore_quantization
+gradient_accumulation_steps gradient_checkpointing gradient_checkpointing_kwargs hub_model_id hub_token
+init_weights lazy_tokenize learning_rate lisa_activated_layers llamapro_num_new_blocks load_data_args
+load_from_cache_file logging_steps lora_alpha lora_ga_batch_size lora_ga_direction lora_ga_iters
+lora_ga_max_length lora_ga_scale lora_ga_stable_gamma lora_rank loss_scale loss_type max_length
+max_model_len max_steps merge_lora metric_for_best_model model model_author model_name modules_to_save
+neftune_noise_alpha new_special_tokens num_train_epochs optim_args optimizer output_dir packing padding_free
+per_device_eval_batch_size per_device_train_batch_size push_to_hub quant_batch_size quant_bits quant_method
+quant_n_samples reft_intervention_type response_prefix rlhf_type rope_scaling router_aux_loss_coef rpo_alpha
+save_only_model save_steps save_total_limit sequence_parallel_size split_dataset_ratio streaming system
+target_modules template to_cached_dataset to_ollama torch_dtype truncation_strategy tuner_backend tuner_type
+use_chat_template use_dora use_galore use_hf use_liger_kernel use_logits_to_keep warmup_ratio
+""".split())
+
+# The commands: (id, command, {args.json field: resolved value}). {M} {O} and the data names are filled in.
+# Most pass --gradient_accumulation_steps (ms-swift's scripts do; its default, ceil(16 / (batch x world)),
+# would make each of the two steps 16 micro-batches) and a short --max_length (the rows are short; the
+# tokenizer is byte-level: a token per byte).
+_C = "--model {M} --max_length 256 --gradient_accumulation_steps 1 --per_device_train_batch_size 1 --output_dir {O}"
+_LORA = "--tuner_type lora --lora_rank 8 --lora_alpha 32 --target_modules all-linear"
+SFT = [
+    ("lora", f"sft {_C} {_LORA} --dataset {{alpaca}}#16 --torch_dtype bfloat16 --num_train_epochs 1 "
+             "--learning_rate 1e-4 --warmup_ratio 0.05 --logging_steps 5 --eval_steps 50 --save_steps 50 "
+             "--save_total_limit 2 --split_dataset_ratio 0.2 --per_device_eval_batch_size 1 "
+             "--system 'You are a helpful assistant.'",
+     {"train_type": "lora", "lora_rank": 8, "lora_alpha": 32, "target_modules": ["all-linear"],
+      "torch_dtype": "bf16", "num_train_epochs": 1, "learning_rate": 1e-4, "warmup_ratio": 0.05,
+      "logging_steps": 5, "eval_steps": 50, "save_steps": 50, "save_total_limit": 2, "split_dataset_ratio": 0.2,
+      "per_device_eval_batch_size": 1, "system": "You are a helpful assistant.", "max_steps": 2}),
+    ("full", f"sft {_C} --tuner_type full --dataset {{alpaca}}#8 {{alpaca}}#8 --torch_dtype bfloat16 "
+             "--learning_rate 1e-5 --num_train_epochs 2",
+     {"train_type": "full", "torch_dtype": "bf16", "learning_rate": 1e-5, "num_train_epochs": 2}),
+    ("self_cognition", f"sft {_C} {_LORA} --dataset {{alpaca}}#8 {{self_cognition}}#8 --model_author swift "
+                       "--model_name swift-robot",
+     {"model_author": ["swift"], "model_name": ["swift-robot"]}),
+    ("self_cognition_zh_en", f"sft {_C} --dataset {{self_cognition}}#8 --model_author 魔搭 ModelScope "
+                             "--model_name 小黄 'Xiao Huang'",
+     {"model_author": ["魔搭", "ModelScope"], "model_name": ["小黄", "Xiao Huang"]}),
+    ("workers", f"sft {_C} --dataset {{messages}}#16 --dataloader_num_workers 4 --dataset_num_proc 4",
+     {"dataloader_num_workers": 4, "dataset_num_proc": 4}),
+    ("cache_true", f"sft {_C} --dataset {{messages}}#16 --load_from_cache_file true", {"load_from_cache_file": True}),
+    ("cache_false", f"sft {_C} --dataset {{messages}}#16 --load_from_cache_file false",
+     {"load_from_cache_file": False}),
+    ("lazy", f"sft {_C} --dataset {{alpaca}}#16 --lazy_tokenize true", {"lazy_tokenize": True}),
+    ("streaming", f"sft {_C} --dataset {{messages}} --streaming true --dataloader_num_workers 2",
+     {"streaming": True, "dataloader_num_workers": 2}),
+    ("packing", f"sft {_C} --dataset {{alpaca}}#16 --packing true --max_length 512",
+     {"packing": True, "max_length": 512}),
+    ("padding_free", f"sft {_C} --dataset {{alpaca}}#16 --padding_free true", {"padding_free": True}),
+    ("save_only_model", f"sft {_C} --dataset {{messages}}#16 --save_only_model true --save_steps 2",
+     {"save_only_model": True, "save_steps": 2}),
+    ("checkpointing_on", f"sft {_C} --dataset {{messages}}#16 --gradient_checkpointing true",
+     {"gradient_checkpointing": True}),
+    ("checkpointing_kwargs", f"sft {_C} --dataset {{messages}}#16 --gradient_checkpointing true "
+                             "--gradient_checkpointing_kwargs '{{\"use_reentrant\": false}}'",
+     {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False}}),
+    ("checkpointing_off", f"sft {_C} --dataset {{messages}}#16 --gradient_checkpointing false",
+     {"gradient_checkpointing": False}),
+    ("dora", f"sft {_C} {_LORA} --dataset {{messages}}#16 --use_dora true", {"use_dora": True}),
+    ("pissa", f"sft {_C} {_LORA} --dataset {{messages}}#16 --init_weights pissa", {"init_weights": "pissa"}),
+    ("olora", f"sft {_C} {_LORA} --dataset {{messages}}#16 --init_weights olora", {"init_weights": "olora"}),
+    ("neftune", f"sft {_C} --dataset {{messages}}#16 --neftune_noise_alpha 15", {"neftune_noise_alpha": 15.0}),
+    ("muon", f"sft {_C} {_LORA} --dataset {{messages}}#16 --optimizer muon", {"optimizer": "muon"}),
+    ("early_stop", f"sft {_C} --dataset {{messages}}#32 --split_dataset_ratio 0.25 --eval_steps 1 "
+                   "--early_stop_interval 3 --metric_for_best_model loss",
+     {"early_stop_interval": 3, "metric_for_best_model": "loss", "eval_steps": 1}),
+    ("modules_to_save", f"sft {_C} {_LORA} --dataset {{messages}}#16 --modules_to_save embed_tokens lm_head",
+     {"modules_to_save": ["embed_tokens", "lm_head"]}),
+    ("qlora", f"sft {_C} {_LORA} --dataset {{messages}}#16 --torch_dtype bfloat16 --quant_bits 4 "
+              "--quant_method bnb --bnb_4bit_compute_dtype bfloat16 --bnb_4bit_quant_type nf4 "
+              "--bnb_4bit_use_double_quant true",
+     {"quant_bits": 4, "quant_method": "bnb", "bnb_4bit_compute_dtype": "bf16", "bnb_4bit_quant_type": "nf4",
+      "bnb_4bit_use_double_quant": True}),
+    ("sdpa", f"sft {_C} --dataset {{messages}}#16 --attn_impl sdpa", {"attn_impl": "sdpa"}),
+    ("tuner_backend", f"sft {_C} --dataset {{messages}}#16 --tuner_backend peft", {"train_type": "lora"}),
+    ("truncation", f"sft {_C} --dataset {{messages}}#16 --max_length 128 --truncation_strategy right",
+     {"truncation_strategy": "right", "max_length": 128}),
+    ("truncation_delete", f"sft {_C} --dataset {{messages}}#16 --truncation_strategy delete",
+     {"truncation_strategy": "delete"}),
+    ("max_steps_epochs", f"sft {_C} --dataset {{query_response}}#16 --num_train_epochs 5",
+     {"num_train_epochs": 5, "max_steps": 2}),
+    ("pt_full", f"pt {_C} --tuner_type full --dataset {{text}}#16 --torch_dtype bfloat16 --packing true "
+                "--max_length 512 --learning_rate 1e-5",
+     {"train_type": "full", "packing": True, "max_length": 512}),
+    ("pt_streaming", f"pt {_C} --tuner_type full --dataset {{text}} --streaming true",
+     {"streaming": True, "train_type": "full"}),
+    ("pt_truncation", f"pt {_C} --dataset {{text}}#16 --max_length 96 --truncation_strategy right",
+     {"truncation_strategy": "right", "max_length": 96}),
+    ("dpo_lora", f"rlhf --rlhf_type dpo {_C} {_LORA} --dataset {{preference}}#16 --rpo_alpha 0.1 "
+                 "--split_dataset_ratio 0.2 --load_from_cache_file true --dataloader_num_workers 4 "
+                 "--dataset_num_proc 4 --save_only_model true --eval_steps 100 --save_steps 100",
+     {"rlhf_type": "dpo", "rpo_alpha": 0.1, "save_only_model": True, "dataloader_num_workers": 4}),
+    ("dpo_full", f"rlhf --rlhf_type dpo {_C} --tuner_type full --dataset {{preference}}#16 --torch_dtype bfloat16 "
+                 "--learning_rate 1e-5 --per_device_eval_batch_size 4",
+     {"rlhf_type": "dpo", "train_type": "full", "per_device_eval_batch_size": 4}),
+    ("dpo_rpo0", f"rlhf --rlhf_type dpo {_C} --dataset {{preference}}#16 --rpo_alpha 0.0", {"rpo_alpha": 0.0}),
+    ("orpo", f"rlhf --rlhf_type orpo {_C} {_LORA} --dataset {{preference}}#16 --learning_rate 1e-4",
+     {"rlhf_type": "orpo", "learning_rate": 1e-4}),
+    ("simpo", f"rlhf --rlhf_type simpo {_C} {_LORA} --dataset {{preference}}#16",
+     {"rlhf_type": "simpo"}),
+    ("simpo_full", f"rlhf --rlhf_type simpo {_C} --tuner_type full --dataset {{preference}}#16 --warmup_ratio 0.05",
+     {"rlhf_type": "simpo", "train_type": "full", "warmup_ratio": 0.05}),
+    ("orpo_messages", f"rlhf --rlhf_type orpo {_C} --dataset {{preference}}#8 --num_train_epochs 1",
+     {"rlhf_type": "orpo", "num_train_epochs": 1}),
+]
+#: Multi-process ones, as ms-swift's scripts launch them (NPROC_PER_NODE=2): subprocesses.
+MULTI = [
+    ("zero2", "NPROC_PER_NODE=2", f"sft {_C} {_LORA} --dataset {{alpaca}}#16 --deepspeed zero2",
+     {"deepspeed": "zero2", "nproc_per_node": 2}),
+    ("zero3_dpo", "NPROC_PER_NODE=2", f"rlhf --rlhf_type dpo {_C} --tuner_type full --dataset {{preference}}#16 "
+                                      "--deepspeed zero3",
+     {"deepspeed": "zero3", "rlhf_type": "dpo", "nproc_per_node": 2}),
+]
+
+#: Flags of those scripts that swiftlite refuses, with a value the scripts give: (command, flag and value,
+#: a word the refusal line must hold). One run of each command gives all of them.
+REFUSED = {
+    "sft": [
+        ("--agent_template react_en", "template"),
+        ("--cached_dataset ./c/train", "cached"), ("--cached_val_dataset ./c/val", "cached"),
+        ("--enable_dft_loss true", "DFT"), ("--experts_impl grouped_mm", "drop the flag"),
+        ("--use_galore true", "GaLore"), ("--galore_optim_per_parameter true", "GaLore"),
+        ("--galore_quantization true", "GaLore"),
+        ("--lisa_activated_layers 2", "LISA"), ("--llamapro_num_new_blocks 4", "tuner"),
+        ("--lora_ga_batch_size 2", "LoRA-GA"), ("--lora_ga_direction ArB2r", "LoRA-GA"),
+        ("--lora_ga_iters 2", "LoRA-GA"), ("--lora_ga_max_length 1024", "LoRA-GA"),
+        ("--lora_ga_scale stable", "LoRA-GA"), ("--lora_ga_stable_gamma 16", "LoRA-GA"),
+        ("--loss_scale react", "loss scale"), ("--max_model_len 512000", "max_position_embeddings"),
+        ("--new_special_tokens tokens.txt", "tokenizer"), ("--optim_args qk_clip_threshold=10000", "optimizer"),
+        ("--reft_intervention_type LoreftIntervention", "tuner"), ("--response_prefix x", "template"),
+        ("--rope_scaling yarn", "rope_scaling"), ("--router_aux_loss_coef 1e-3", "auxiliary loss"),
+        ("--sequence_parallel_size 8", "sequence parallelism"),
+        ("--truncation_strategy split", "split"), ("--tuner_backend unsloth", "peft"),
+        ("--use_logits_to_keep false", "logits"),
+    ],
+    "export": [
+        ("--device_map cpu", "device_map"), ("--hub_model_id m", "upload"), ("--hub_token t", "upload"),
+        ("--push_to_hub true", "upload"), ("--use_hf true", "upload"), ("--load_data_args true", "args.json"),
+        ("--quant_method awq", "quantized export"), ("--quant_bits 4", "quantized export"),
+        ("--quant_n_samples 256", "quantized export"), ("--quant_batch_size 1", "quantized export"),
+        ("--bnb_4bit_quant_type nf4", "quantized export"), ("--bnb_4bit_use_double_quant true", "quantized export"),
+        ("--to_ollama true", "export targets"), ("--to_cached_dataset true", "cach"),
+        ("--use_chat_template false", "args.json"), ("--dataset d.jsonl", "args.json"),
+        ("--dataset_num_proc 4", "args.json"), ("--max_length 2048", "args.json"),
+        ("--split_dataset_ratio 0.01", "args.json"), ("--truncation_strategy split", "args.json"),
+        ("--loss_scale all", "args.json"),
+    ],
+}
+
+#: Refused by a later check (a value's choices, the value rules, the preflight of the machine): each its own
+#: line, exit 2, but not in the same run as REFUSED's (one stage's refusals are listed before the next runs).
+REFUSED_LATER = [
+    ("--loss_type loss_scale", "loss_type"), ("--init_weights lora-ga", "lora-ga"),
+    ("--template default", "template"), ("--attn_impl flash_attn", "GPU"), ("--use_liger_kernel true", "GPU"),
+]
+
+
+def _flags(command: str) -> set[str]:
+    return {t[2:] for t in shlex.split(command) if t.startswith("--")}
+
+
+def test_every_script_flag_is_run_or_refused():
+    used = set().union(*(_flags(c) for _, c, _ in SFT), *(_flags(c) for _, _, c, _ in MULTI),
+                       {"adapters", "merge_lora", "max_steps"})   # test_export_merge_lora; every command
+    refused = {f[2:].split()[0] for rows in [*REFUSED.values(), REFUSED_LATER] for f, _ in rows}
+    assert SCRIPT_FLAGS - used - refused == set()
+    assert len(SFT) + len(MULTI) + 1 >= 40
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The tiny model folder and the data files (the formats of ms-swift's hub datasets the scripts use)."""
+    import importlib.util
+    import sys
+    spec = importlib.util.spec_from_file_location("msswift_examples", ROOT / "scripts" / "msswift_examples.py")
+    tool = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = tool   # its dataclasses look their module up
+    spec.loader.exec_module(tool)
+    root = tmp_path_factory.mktemp("msswift_scripts")
+    models = tool.build_models(root / "models")
+    files = tool.write_data(root / "data", n=32)
+    return root, models["qwen2"], {k: str(v) for k, v in files.items()}
+
+
+def _fill(command: str, model: Path, files: dict, out: Path) -> list[str]:
+    return shlex.split(command.format(M=model, O=out, **files))
+
+
+def main_in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
+    """swiftlite's CLI entry in this process; os.environ and the working directory are restored after."""
+    from swiftlite.cli import main
+    saved, old = dict(os.environ), os.getcwd()
+    err = io.StringIO()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = main(argv)
+    finally:
+        os.chdir(old)
+        os.environ.clear()
+        os.environ.update(saved)
+    return rc, err.getvalue()
+
+
+def _resolved(run: Path) -> dict:
+    args = json.loads((run / "args.json").read_text())
+    flat = {}
+    for section in args.values():
+        if isinstance(section, dict):
+            flat.update(section)
+    return flat
+
+
+def _check(run: Path, expected: dict, argv: list[str]) -> None:
+    got = _resolved(run)
+    for key, want in expected.items():
+        have = got.get(key)
+        if isinstance(want, float):
+            assert have == pytest.approx(want), (key, have, want)
+        else:
+            assert have == want, (key, have, want)
+    # the datasets as given, `#N` kept
+    if "--dataset" in argv:
+        i = argv.index("--dataset") + 1
+        given = []
+        while i < len(argv) and not argv[i].startswith("--"):
+            given.append(argv[i])
+            i += 1
+        assert [str(d) for d in got["dataset"]] == given
+    assert got["max_steps"] == 2
+
+
+def test_single_process_commands(world):
+    root, model, files = world
+    failures = []
+    for name, command, expected in SFT:
+        out = root / "runs" / name
+        argv = _fill(command, model, files, out) + ["--max_steps", "2"]
+        rc, err = main_in_process(argv, root)
+        if rc != 0:
+            failures.append(f"{name}: exit {rc}: {err.strip().splitlines()[-3:]}")
+            continue
+        try:
+            _check(out, expected, argv)
+            assert max(read_losses(out)) == 2, f"{name}: did not train 2 steps"
+        except AssertionError as e:
+            failures.append(f"{name}: {e}")
+    assert not failures, "\n".join(failures)
+
+
+def test_in_process_is_what_a_subprocess_does(world, tmp_path):
+    """The same command in this process and in `python -m swiftlite`: the same resolved args and losses."""
+    root, model, files = world
+    command = SFT[0][1]
+    a, b = tmp_path / "inproc", tmp_path / "subproc"
+    rc, err = main_in_process(_fill(command, model, files, a) + ["--max_steps", "2", "--logging_steps", "1"], root)
+    assert rc == 0, err
+    run_cli(_fill(command, model, files, b) + ["--max_steps", "2", "--logging_steps", "1"], cwd=root,
+            env=cli_env(SWIFTLITE_CACHE=os.environ["SWIFTLITE_CACHE"]))
+    ra, rb = _resolved(a), _resolved(b)
+    ra.pop("output_dir"), rb.pop("output_dir")
+    assert ra == rb
+    la, lb = read_losses(a), read_losses(b)
+    assert la.keys() == lb.keys() == {1, 2}
+    for step in la:
+        assert la[step] == pytest.approx(lb[step], rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.parametrize("name,env,command,expected", MULTI, ids=[m[0] for m in MULTI])
+def test_multi_process_commands(world, name, env, command, expected):
+    root, model, files = world
+    out = root / "runs" / name
+    argv = _fill(command, model, files, out) + ["--max_steps", "2"]
+    k, _, v = env.partition("=")
+    run_cli(argv, cwd=root, timeout=900, env=cli_env(**{k: v, "SWIFTLITE_CACHE": os.environ["SWIFTLITE_CACHE"]}))
+    _check(out, expected, argv)
+    assert max(read_losses(out)) == 2
+
+
+def test_export_merge_lora(world):
+    """`swift export --adapters <ckpt> --merge_lora true` (examples/export/merge_lora.sh): <ckpt>-merged."""
+    root, model, files = world
+    run = root / "runs" / "for_export"
+    rc, err = main_in_process(_fill(f"sft {_C} {_LORA} --dataset {{messages}}#16 --save_steps 2", model, files, run)
+                              + ["--max_steps", "2"], root)
+    assert rc == 0, err
+    ckpt = run / "checkpoint-2"
+    rc, err = main_in_process(["export", "--adapters", str(ckpt), "--merge_lora", "true"], root)
+    assert rc == 0, err
+    merged = Path(f"{ckpt}-merged")
+    cfg = json.loads((merged / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and list(merged.glob("*.safetensors"))
+    assert not (merged / "adapter_config.json").exists()
+
+
+@pytest.mark.parametrize("sub", sorted(REFUSED))
+def test_refused_flags_all_in_one_run(world, sub, tmp_path):
+    """Every refused flag of the scripts, given together: one `error:` line each, exit 2, nothing written."""
+    root, model, files = world
+    rows = REFUSED[sub]
+    out = tmp_path / "out"
+    if sub == "export":
+        argv = ["export", "--adapters", str(tmp_path / "missing-ckpt"), "--output_dir", str(out)]
+    else:
+        argv = _fill(f"sft {_C} --dataset {{messages}}", model, files, out)
+    for flag, _ in rows:
+        argv += shlex.split(flag)
+    rc, err = main_in_process(argv, tmp_path)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and "Traceback" not in err, err
+    assert all(ln.startswith("error: ") for ln in lines), err
+    for flag, word in rows:
+        _named(flag, word, lines, err)
+    assert not out.exists()
+
+
+def _named(flag: str, word: str, lines: list[str], err: str) -> None:
+    name = flag.split()[0]
+    hit = [ln for ln in lines if f"{name} " in ln + " " or f"{name}:" in ln
+           or name.replace("_", "-") in ln or f"{name[2:]}=" in ln]
+    assert hit, f"no refusal line names {name}:\n{err}"
+    assert any(word.lower() in ln.lower() for ln in hit), f"{name}: {hit}"
+
+
+@pytest.mark.parametrize("flag,word", REFUSED_LATER, ids=[f.split()[0] for f, _ in REFUSED_LATER])
+def test_refused_later_one_line(world, flag, word, tmp_path):
+    root, model, files = world
+    out = tmp_path / "out"
+    argv = _fill(f"sft {_C} --dataset {{messages}}", model, files, out) + shlex.split(flag)
+    rc, err = main_in_process(argv, tmp_path)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and "Traceback" not in err and len(lines) == 1 and lines[0].startswith("error: "), err
+    _named(flag, word, lines, err)
+    assert not out.exists()
