@@ -339,12 +339,13 @@ def _rlhf(c: RunConfig):
     r = c.rlhf
     given = [k for k in RLHF_KEYS if k in c.explicit]
     if task_spec(c.task).own_options != "rlhf":
-        if given:
-            return f"{_flag(given[0])} is an option of `swiftlite rlhf` (preference training), not of {c.task}"
+        if given:   # every one named at once
+            return (f"{', '.join(map(_flag, given))} {'is an option' if len(given) == 1 else 'are options'} "
+                    f"of `swiftlite rlhf` (preference training), not of {c.task}")
         return None
-    for k in given:
-        if k != "rlhf_type" and k not in RLHF_USES[r.rlhf_type]:
-            return f"{_flag(k)} does not apply to --rlhf-type {r.rlhf_type}"
+    foreign = [k for k in given if k != "rlhf_type" and k not in RLHF_USES[r.rlhf_type]]
+    if foreign:
+        return f"{', '.join(map(_flag, foreign))} {'does' if len(foreign) == 1 else 'do'} not apply to --rlhf-type {r.rlhf_type}"
     if r.beta is not None and not (r.beta > 0 or (r.beta == 0 and r.rlhf_type == "grpo")):
         return f"--beta must be > 0, got {r.beta}" + (" (0: no reference model)" if r.rlhf_type == "grpo" else "")
     if not 0.0 <= r.label_smoothing < 0.5:

@@ -135,3 +135,18 @@ def test_the_demo_pairs_are_checkable(tmp_path):
         s = r["messages"][0]["content"].removeprefix("reverse: ")
         assert r["messages"][1]["content"] == s[::-1] and r["rejected_response"] != s[::-1]
     assert len(val.read_text().splitlines()) == 10
+
+
+def test_every_foreign_preference_option_is_named_in_one_line():
+    """All at once: sft given three rlhf options names the three; dpo given two GRPO options names both."""
+    from swiftlite.config import build_config, validate
+    base = {"model": "tiny-llama-2l", "dataset": ["x.jsonl"]}
+    for task, values, words in (
+            ("sft", {"beta": 0.2, "temperature": 0.7, "num_iterations": 2},
+             "--beta, --temperature, --num-iterations are options of `swiftlite rlhf`"),
+            ("rlhf", {"rlhf_type": "dpo", "temperature": 0.7, "num_generations": 4},
+             "--num-generations, --temperature do not apply to --rlhf-type dpo")):
+        with pytest.raises(UserError, match=words):
+            cfg = build_config({**base, **values}, task=task)
+            cfg.explicit = frozenset({*values, "model", "dataset"})
+            validate(cfg, check_paths=False)
