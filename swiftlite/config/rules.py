@@ -16,7 +16,7 @@ from typing import Callable
 
 from swiftlite.config.schema import RunConfig
 from swiftlite.config.tasks import task_spec
-from swiftlite.errors import UserError
+from swiftlite.errors import UserError, raise_all
 
 
 Rule = Callable[[RunConfig], "str | None"]
@@ -470,12 +470,23 @@ RUNS = {"count": 0}
 
 
 def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
-    """Run every rule; the first failure raises a UserError with its reason."""
+    """Run every rule and refuse with all their reasons at once (one line each: errors.raise_all). A
+    rule that cannot judge a config another rule already refused (a value it divides by, say) is
+    passed over: the refusals found stand, and the user fixes those first."""
     RUNS["count"] += 1
+    found: list[str] = []
     for _name, fn in RULES:
-        msg = fn(cfg)
-        if msg:
-            raise UserError(msg)
+        try:
+            msg = fn(cfg)
+        except UserError as e:
+            msg = str(e)
+        except Exception:
+            if found:
+                continue
+            raise
+        if msg and msg not in found:
+            found.append(msg)
+    raise_all(found)
     if check_paths and cfg.model.template and not Path(cfg.model.template).is_file():
         raise UserError(f"--template: file not found: {cfg.model.template}")
     sysp = cfg.data.system
