@@ -158,3 +158,19 @@ def test_auto_launcher_keeps_torchrun_on_cuda_builds(monkeypatch, tmp_path):
     forced = launch.plan_launch(cfg_from(["--dataset", "d.jsonl", "--nproc-per-node", "2", "--launcher", "fork"],
                                          validate_paths=False), [])
     assert forced.fork
+
+
+def test_every_rule_refusal_is_reported_at_once():
+    """Three bad values in one command: three lines, one per mistake (errors.UserErrors)."""
+    import pytest as _pytest
+
+    from swiftlite.config import build_config, validate
+    from swiftlite.errors import UserErrors
+    cfg = build_config({"model": "tiny-llama-2l", "lora_rank": 0, "learning_rate": -1.0, "warmup_ratio": 3.0})
+    with _pytest.raises(UserErrors) as e:
+        validate(cfg, check_paths=False)
+    lines = e.value.lines
+    assert len(lines) == 3, lines
+    assert any(l.startswith("--lora-rank must be > 0") for l in lines)
+    assert any(l.startswith("--learning-rate must be > 0") for l in lines)
+    assert any(l.startswith("--warmup-ratio must be in [0, 1)") for l in lines)
