@@ -166,7 +166,8 @@ def test_every_rule_refusal_is_reported_at_once():
 
     from swiftlite.config import build_config, validate
     from swiftlite.errors import UserErrors
-    cfg = build_config({"model": "tiny-llama-2l", "lora_rank": 0, "learning_rate": -1.0, "warmup_ratio": 3.0})
+    cfg = build_config({"model": "tiny-llama-2l", "dataset": ["x.jsonl"], "lora_rank": 0, "learning_rate": -1.0,
+                        "warmup_ratio": 3.0})
     with _pytest.raises(UserErrors) as e:
         validate(cfg, check_paths=False)
     lines = e.value.lines
