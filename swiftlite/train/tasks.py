@@ -206,9 +206,6 @@ class RewardTask(PreferenceTask):
                 "count pairs"]
 
 
-#: rlhf methods whose task is not PreferenceTask's pairs (by --rlhf_type).
-RLHF_TASKS: dict[str, Task] = {"kto": UnpairedTask(task_spec("rlhf")), "rm": RewardTask(task_spec("rlhf"))}
-
 class GrpoTask(Task):
     """rlhf --rlhf_type grpo: online RL on prompts (rlhf/grpo.py): each step's completions are sampled
     from the policy and scored by --reward_funcs; a sample is a completion (the global batch counts them)."""
@@ -247,7 +244,12 @@ class GrpoTask(Task):
                 "completions"]
 
 
-GRPO_TASK = GrpoTask(TaskSpec("rlhf", unit="prompt", sequences_per_sample=1, chat=True, own_options="rlhf"))
+#: rlhf methods whose task is not PreferenceTask's pairs (by --rlhf_type).
+RLHF_TASKS: dict[str, Task] = {
+    "kto": UnpairedTask(task_spec("rlhf")),
+    "rm": RewardTask(task_spec("rlhf")),
+    "grpo": GrpoTask(TaskSpec("rlhf", unit="prompt", sequences_per_sample=1, chat=True, own_options="rlhf")),
+}
 
 TASKS: dict[str, Task] = {
     "sft": TokenTask(task_spec("sft")),
@@ -257,11 +259,12 @@ TASKS: dict[str, Task] = {
 
 
 def task_of(cfg: Any) -> Task:
-    if cfg.task == "rlhf" and cfg.rlhf.rlhf_type == "grpo":
-        return GRPO_TASK
-    if TASKS[cfg.task].spec.own_options == "rlhf" and cfg.rlhf.rlhf_type in RLHF_TASKS:
-        return RLHF_TASKS[cfg.rlhf.rlhf_type]
-    return TASKS[cfg.task]
+    """The command's task: by command, and for rlhf by --rlhf_type (pairs unless RLHF_TASKS says)."""
+    task = TASKS[cfg.task]
+    if task.spec.own_options == "rlhf":
+        return RLHF_TASKS.get(cfg.rlhf.rlhf_type, task)
+    return task
 
 
-__all__ = ["PreferenceTask", "RLHF_TASKS", "TASKS", "Task", "RewardTask", "TokenTask", "UnpairedTask", "task_of"]
+__all__ = ["GrpoTask", "PreferenceTask", "RLHF_TASKS", "TASKS", "Task", "RewardTask", "TokenTask", "UnpairedTask",
+           "task_of"]
