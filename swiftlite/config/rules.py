@@ -419,13 +419,6 @@ def _grpo(c: RunConfig):
     return None
 
 
-def _sampled(spec: str) -> bool:
-    """`path#N` (not a file whose own name has a '#'; data/sources.parse_source's rule, without
-    importing data/ from config/)."""
-    head, sep, n = spec.rpartition("#")
-    return bool(sep and head and n.strip().isdigit() and not Path(spec).expanduser().is_file())
-
-
 @rule("data loading")
 def _data_loading(c: RunConfig):
     t = c.train
@@ -451,10 +444,6 @@ def _data_loading(c: RunConfig):
     if d.streaming:   # ms-swift's rules for an iterable dataset (data/stream.py)
         if t.max_steps <= 0:
             return "--streaming needs --max-steps: a stream has no length to count epochs in"
-        sampled = [s for s in d.dataset if _sampled(s)]
-        if sampled:
-            return (f"--streaming with --dataset {sampled[0]}: `#N` sampling needs the whole file; drop `#N` "
-                    "or --streaming")
         if d.split_dataset_ratio > 0:
             return ("--streaming with --split-dataset-ratio: a stream cannot hold rows out; give --val-dataset "
                     "instead")

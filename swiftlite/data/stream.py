@@ -9,8 +9,8 @@ into micro-batches exactly as data/loader.BatchPlan cuts a global batch, so ever
 stream itself, takes its own micro-batches and knows the global target count without a collective.
 
 ms-swift's rules, checked before launch (config/rules.py): --max-steps is required (a stream has no
-length), no `path#N` (sampling needs the whole file), no --split-dataset-ratio (give --val-dataset,
-which is tokenized up front), no epoch save/eval strategy. There is no shuffle: the order is the
+length), `path#N` is the file's first N rows (ms-swift's `take(N)`: not shuffled, not repeated), no
+--split-dataset-ratio (give --val-dataset, which is tokenized up front), no epoch save/eval strategy. There is no shuffle: the order is the
 files' (ms-swift shuffles a 1000-row buffer; swiftlite keeps the order so that resume is exact).
 Resume reads the stream again from its start up to the resumed step's rows (tokenizing them: the
 time of that many rows, said in the log) and continues exactly where the checkpoint left off.
@@ -53,6 +53,15 @@ class StreamPlan:
 
 
 def _raw_rows(spec: str, skip_bad_rows: bool, skipped: list[str]) -> Iterator[tuple[dict, str]]:
+    """The rows of one spec in file order; `path#N`: its first N rows (ms-swift's `take(N)` on a stream:
+    no shuffle, and no repetition when the file is shorter)."""
+    from swiftlite.data.sources import parse_source
+    s = parse_source(spec)
+    rows = _file_rows(spec[:spec.rindex("#")] if s.count else spec, skip_bad_rows, skipped)
+    yield from (itertools.islice(rows, s.count) if s.count else rows)
+
+
+def _file_rows(spec: str, skip_bad_rows: bool, skipped: list[str]) -> Iterator[tuple[dict, str]]:
     from swiftlite.data.sources import _iter_jsonl, load_rows, parse_source
     s = parse_source(spec)
     path = Path(s.path).expanduser()

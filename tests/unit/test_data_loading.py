@@ -3,6 +3,8 @@ tensors in the same order, exact resume), --dataloader_prefetch_factor, --datalo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -160,7 +162,6 @@ def _stream_cfg(tmp_path, data, name, **extra):
 
 
 def test_streaming_trains_in_file_order_and_resumes_exactly(tmp_path, demo_data, monkeypatch):
-    import json
     import shutil
 
     from swiftlite.checkpoint import layout
@@ -199,7 +200,6 @@ def test_streaming_trains_in_file_order_and_resumes_exactly(tmp_path, demo_data,
 
 @pytest.mark.parametrize("extra,msg", [
     ({"max_steps": -1}, "--streaming needs --max-steps"),
-    ({"dataset": ["d.jsonl#50"]}, "--streaming with --dataset d.jsonl#50: `#N` sampling needs the whole file"),
     ({"split_dataset_ratio": 0.1}, "--streaming with --split-dataset-ratio: a stream cannot hold rows out"),
     ({"packing": True}, "--streaming with --packing"),
     ({"save_strategy": "epoch"}, "--save-strategy epoch with --streaming"),
@@ -208,6 +208,20 @@ def test_streaming_refusals(extra, msg):
     values = {"dataset": ["d.jsonl"], "streaming": True, "max_steps": 10, **extra}
     with pytest.raises(UserError, match=msg.replace("(", r"\(")):
         load_config(None, values, task="sft", validate_paths=False)
+
+
+def test_streaming_path_n_is_the_first_n_rows(tmp_path):
+    """ms-swift's streaming `#N` (dataset_meta.post_process: `take(N)`): the file's first N rows in file order,
+    not shuffled, and not repeated when the file is shorter."""
+    from swiftlite.data.stream import _raw_rows
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(10)))
+    assert [r["text"] for r, _ in _raw_rows(f"{f}#4", False, [])] == [f"row {i}" for i in range(4)]
+    assert [r["text"] for r, _ in _raw_rows(f"{f}#25", False, [])] == [f"row {i}" for i in range(10)]
+    assert len(list(_raw_rows(str(f), False, []))) == 10
+    cfg = load_config(None, {"dataset": [f"{f}#4"], "streaming": True, "max_steps": 10}, task="sft",
+                      validate_paths=False)
+    assert cfg.data.dataset == [f"{f}#4"] and cfg.data.streaming
 
 
 def test_rlhf_refuses_streaming_and_lazy_tokenize():
