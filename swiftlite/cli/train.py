@@ -100,6 +100,9 @@ def print_plan(cfg: Any, plan: Any, choice: Any) -> None:
     reason = f" ({choice.reason})" if choice.reason else ""
     t = cfg.train
     print(f"backend:        {choice.name}{reason}")
+    if cfg.parallel.fsdp:  # ms-swift's spelling, and what it means here
+        from swiftlite.config.msswift_fsdp import describe
+        print(f"fsdp:           {describe(cfg.parallel.fsdp, cfg.parallel.fsdp_config)}")
     if choice.deepspeed_source:
         print(f"deepspeed:      {choice.deepspeed_source}")
     print(f"world:          {plan.nnodes} node(s) x {plan.nproc_per_node} process(es) = {world}")

@@ -25,7 +25,7 @@ from swiftlite.config.msswift_unsupported import misspelling_of, refusal
 from swiftlite.config.rules import validate
 from swiftlite.config.schema import (FALSE_WORDS, SECRET_KEY, SECTIONS, TRUE_WORDS, FieldSpec, RunConfig,
                                      field_specs, section_classes)
-from swiftlite.errors import UserError, raise_all
+from swiftlite.errors import UserError, UserErrors, raise_all
 
 __all__ = ["FALSE_WORDS", "SECRET_KEY", "TRUE_WORDS", "alias_keys", "apply_env", "build_config", "canonical_key",
            "coerce", "context_length", "gpu_torch_build", "load_args", "load_config", "model_config_dict",
@@ -326,9 +326,24 @@ def load_config(config_file: str | None, overrides: dict[str, Any], *, task: str
     values.update(given)
     explicit = frozenset(k for k in values if k not in NO_MEANING)
     values = apply_env(values)
-    cfg = build_config(values, source="flags", task=task)
-    cfg.explicit = explicit
-    validate(cfg, check_paths=validate_paths)
+    # ms-swift's --fsdp/--fsdp_config name a backend and its options (config/msswift_fsdp.py); its
+    # refusals are reported with the others. The flags stay as said (args.json), the result beside them.
+    from swiftlite.config.msswift_fsdp import apply as fsdp_settings, said_text
+    fsdp_set, problems = fsdp_settings(values, explicit)
+    if values.get("fsdp"):
+        values["fsdp"] = [said_text(values["fsdp"])]
+    if isinstance(values.get("fsdp_config"), dict):
+        values["fsdp_config"] = json.dumps(values["fsdp_config"])
+    values.update(fsdp_set)
+    try:
+        cfg = build_config(values, source="flags", task=task)
+        cfg.explicit = explicit | frozenset(fsdp_set)
+        validate(cfg, check_paths=validate_paths)
+    except UserErrors as e:
+        raise_all(problems + e.lines)
+    except UserError as e:
+        raise_all(problems + [str(e)])
+    raise_all(problems)
     return cfg
 
 

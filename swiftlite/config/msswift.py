@@ -54,10 +54,6 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
               fits=("false",), switch=True),
     NoMeaning("hub_model_id", "nothing is uploaded; upload the exported folder (huggingface-cli upload REPO DIR)"),
     NoMeaning("ddp_backend", "the process-group backend is chosen automatically: nccl on GPUs, gloo on CPU"),
-    NoMeaning("fsdp", "use --parallelism fsdp (FSDP2), hsdp (hybrid_shard: sharded within a node, replicated "
-              "across nodes) or fsdp1", many=True),
-    NoMeaning("fsdp_config", "use --parallelism fsdp or hsdp with --mixed-precision, --reshard-after-forward, "
-              "--forward-prefetch, --backward-prefetch, --cpu-offload"),
     NoMeaning("device_map", "one process per GPU (--nproc-per-node); to spread a model over GPUs use --parallelism "
               "fsdp or zero3"),
     NoMeaning("sequence_parallel_size", "sequence parallelism is not available", fits=("1",)),
