@@ -6,7 +6,8 @@ command of a text-LLM script is extracted (shell variables, `$(expr ...)` and li
 resolved), and run as `python -m swiftlite ...` with:
 
 - its environment assignments kept, except NPROC_PER_NODE capped at 2 (this machine has 2 cores) and
-  CUDA_VISIBLE_DEVICES dropped; MASTER_PORT becomes a free port (the written one may be taken here);
+  CUDA_VISIBLE_DEVICES dropped; MASTER_PORT becomes a free port (the written one may be taken here), and a
+  placeholder MASTER_ADDR (`xxx.xxx.xxx.xxx`, the other node's script) this machine's 127.0.0.1;
 - `--model` (and `--ref_model`, `--reward_model`, `--teacher_model`) replaced by a local tiny folder
   built from a config with the repository's tokenizer: a Llama one for a Llama model, a Qwen2 one
   otherwise; a pre-quantized AWQ/GPTQ model gets a tiny folder carrying that quantization_config;
@@ -159,6 +160,9 @@ def extract(path: str, text: str, platform: dict[str, str]) -> tuple[list[Comman
             i += 1
         rest = toks[i:]
         if len(rest) >= 2 and rest[0] == "swift" and rest[1] in COMMANDS:
+            if re.search(r"\$\{?(RANK|WORLD_SIZE|MASTER_ADDR)\b", text):
+                # a platform script (PAI-DLC): the platform sets these in the process environment too
+                env = {**{k: v for k, v in platform.items() if k not in env}, **env}
             cmds.append(Command(path, rest[1], env, rest[2:]))
         elif rest and rest[0] in ("accelerate", "torchrun", "deepspeed", "python") and "swift/cli" in line:
             launchers.append(rest[0])
@@ -320,6 +324,8 @@ def translate(cmd: Command, models: dict[str, Path], files: dict[str, Path], ckp
         env["NPROC_PER_NODE"] = str(min(2, int(env["NPROC_PER_NODE"] or 1)))
     if "MASTER_PORT" in env:
         env["MASTER_PORT"] = str(port)
+    if PLACEHOLDER.search(env.get("MASTER_ADDR", "")):   # `xxx.xxx.xxx.xxx`: node 0's address, this machine here
+        env["MASTER_ADDR"] = "127.0.0.1"
     out, i, a = [], 0, cmd.argv
     while i < len(a):
         tok = a[i]
@@ -436,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="msswift-examples-"))
     work.mkdir(parents=True, exist_ok=True)
     # The platform variables a DLC script reads ($WORLD_SIZE, $RANK as the node count and rank): one node here.
-    platform = {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    platform = {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     skipped, todo = [], []
     for path in list_scripts(args.mirror):
         if args.only and not any(o in path for o in args.only):

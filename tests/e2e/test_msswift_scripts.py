@@ -76,6 +76,10 @@ SFT = [
     ("lazy", f"sft {_C} --dataset {{alpaca}}#16 --lazy_tokenize true", {"lazy_tokenize": True}),
     ("streaming", f"sft {_C} --dataset {{messages}} --streaming true --dataloader_num_workers 2",
      {"streaming": True, "dataloader_num_workers": 2}),
+    # examples/train/streaming/streaming.sh: `#N` on a stream is its first N rows (ms-swift's take(N))
+    ("streaming_n", f"sft {_C} --dataset {{self_cognition}}#20 --streaming true --model_author swift "
+                    "--model_name swift-robot",
+     {"streaming": True, "model_author": ["swift"]}),
     ("packing", f"sft {_C} --dataset {{alpaca}}#16 --packing true --max_length 512",
      {"packing": True, "max_length": 512}),
     ("padding_free", f"sft {_C} --dataset {{alpaca}}#16 --padding_free true", {"padding_free": True}),
