@@ -221,6 +221,12 @@ CASES: list[Case] = [
          more=("error: --enable_dft_loss: DFT and channel losses are not available",
                "error: --optim_args: ms-swift's optimizer plugins are not loaded", "error: unknown option --frobnicate",
                "error: --use_hf false: swiftlite downloads from the Hugging Face hub only")),
+    Case("msswift-fsdp-file-refusals", ["sft", *GOOD, *DATA, "--fsdp", "fsdp.json", "--deepspeed", "zero2"],
+         "error: --fsdp fsdp.json: auto_wrap_policy 'SIZE_BASED_WRAP': swiftlite wraps each decoder layer",
+         setup=write("fsdp.json", '{"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2, '
+                                  '"auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 1000000}}'),
+         more=("error: --fsdp fsdp.json: min_num_params 1000000: size-based wrapping is not available",
+               "error: --fsdp fsdp.json with --deepspeed zero2: ms-swift refuses FSDP with DeepSpeed too")),
     Case("msswift-rlhf-ppo", ["rlhf", *GOOD, *DATA, "--rlhf_type", "ppo", "--num_ppo_epochs", "2"],
          "error: --rlhf_type ppo: PPO is not available",
          more=("error: --num_ppo_epochs: PPO (--rlhf_type ppo) is not available",)),
