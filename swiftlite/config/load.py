@@ -329,7 +329,7 @@ def load_config(config_file: str | None, overrides: dict[str, Any], *, task: str
     # ms-swift's --fsdp/--fsdp_config name a backend and its options (config/msswift_fsdp.py); its
     # refusals are reported with the others. The flags stay as said (args.json), the result beside them.
     from swiftlite.config.msswift_fsdp import apply as fsdp_settings, said_text
-    fsdp_set, problems = fsdp_settings(values, explicit)
+    fsdp_set, problems = fsdp_settings(values, explicit, coerce)
     if values.get("fsdp"):
         values["fsdp"] = [said_text(values["fsdp"])]
     if isinstance(values.get("fsdp_config"), dict):

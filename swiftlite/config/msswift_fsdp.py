@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 #: swift/config/fsdp2.json at 3602360a, less its "_description"/"_note"/"_param_docs" comments.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -261,9 +261,11 @@ def _option(key: str, value: Any, version: int) -> dict[str, Any] | str | None:
     return "not an FSDP option swiftlite honours (docs/backends.md, \"ms-swift's --fsdp\")"
 
 
-def apply(values: dict[str, Any], explicit: frozenset[str]) -> tuple[dict[str, Any], list[str]]:
+def apply(values: dict[str, Any], explicit: frozenset[str],
+          coerce: Callable[[Any, Any, str], Any]) -> tuple[dict[str, Any], list[str]]:
     """The swiftlite fields that --fsdp/--fsdp_config set in `values` (merged flags, file, launcher
-    env), with the refusals: anything not honoured, --deepspeed, and an explicit value that disagrees."""
+    env), with the refusals: anything not honoured, --deepspeed, and an explicit value that disagrees.
+    `coerce` is config/load.py's (field spec, value, where) -> typed value, to compare like with like."""
     fsdp, fsdp_config = values.get("fsdp"), values.get("fsdp_config")
     if not fsdp:
         if fsdp_config is not None:
@@ -275,7 +277,6 @@ def apply(values: dict[str, Any], explicit: frozenset[str]) -> tuple[dict[str, A
     if values.get("deepspeed"):
         problems.append(f"--fsdp {said} with --deepspeed {values['deepspeed']}: ms-swift refuses FSDP with "
                         "DeepSpeed too: keep one")
-    from swiftlite.config.load import coerce
     from swiftlite.config.schema import field_specs
     from swiftlite.errors import UserError
     specs = field_specs()
