@@ -182,11 +182,11 @@ class ParallelConfig:
                            "JSON file (parallel/resolve.py decides; --dry-run shows the choice).",
                            aliases=("--parallelism_type", "--parallelism-type"))
     deepspeed: str | None = opt(None, "DeepSpeed JSON file or preset name (zero2, zero3, ...).")
-    fsdp: list[str] = opt(help="ms-swift's --fsdp: the preset fsdp2, a JSON file or text with \"fsdp\" and "
-                          "\"fsdp_config\" (ms-swift's or accelerate's fsdp_-prefixed keys), or HF's option words "
-                          "(full_shard, shard_grad_op, hybrid_shard, offload, auto_wrap); sets --parallelism "
-                          "fsdp/hsdp/fsdp1 and the FSDP options (docs/backends.md, \"ms-swift's --fsdp\").",
-                          factory=list)
+    fsdp: list[str] | None = opt(None, "ms-swift's --fsdp: the preset fsdp2, a JSON file or text with \"fsdp\" "
+                                 "and \"fsdp_config\" (ms-swift's or accelerate's fsdp_-prefixed keys), or HF's "
+                                 "option words (full_shard, shard_grad_op, hybrid_shard, offload, auto_wrap); sets "
+                                 "--parallelism fsdp/hsdp/fsdp1 and the FSDP options (docs/backends.md, "
+                                 "\"ms-swift's --fsdp\").")
     fsdp_config: str | None = opt(None, "HF's --fsdp_config, with --fsdp option words: a JSON file or text of "
                                   "FSDP options (fsdp_version, reshard_after_forward, activation_checkpointing, ...).")
     nproc_per_node: int | None = opt(None, "Processes per node (env NPROC_PER_NODE); >1 starts ranks (see --launcher).")
