@@ -16,7 +16,7 @@ holding the options as HF's Trainer takes them. The version defaults to 2 (FSDP2
     offload, cpu_offload, offload_params       --cpu-offload true
     activation_checkpointing true              --gradient-checkpointing true
     forward_prefetch true (v2)                 --forward-prefetch 1
-    backward_prefetch BACKWARD_PRE (v2)        --backward-prefetch 1
+    backward_prefetch BACKWARD_PRE             what runs (FSDP2's own one-layer prefetch; FSDP1's default)
     cpu_ram_efficient_loading true / false     --sharded-loading true (the default) / false
 
 `settings(values, launch)` returns the fields to set and the refusals, one line each, which
@@ -50,6 +50,8 @@ _ACCELERATE_KEYS = frozenset({
     "compute_environment", "debug", "distributed_type", "downcast_bf16", "machine_rank", "main_training_function",
     "mixed_precision", "num_machines", "num_processes", "rdzv_backend", "same_network", "tpu_env",
     "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "main_process_ip", "main_process_port", "gpu_ids"})
+#: The settings that only a sharded run uses (parallel/base.py OPTION_FLAGS, less the precision).
+OPTION_KNOBS = ("reshard_after_forward", "cpu_offload", "forward_prefetch", "backward_prefetch")
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -245,7 +247,7 @@ def _option(key: str, value: Any, version: int) -> dict[str, Any] | str | None:
             "swiftlite's fsdp1 does not prefetch forward: use fsdp_version 2 (--forward-prefetch)"
     if key == "backward_prefetch":
         if v == "BACKWARD_PRE":
-            return {"backward_prefetch": 1} if version == 2 else None  # FSDP1's default in torch
+            return None  # what runs: FSDP2's own one-layer backward prefetch; FSDP1's default in torch
         return ("FSDP2 always prefetches the previous layer in backward (BACKWARD_PRE); " if version == 2 else
                 "swiftlite's fsdp1 prefetches with BACKWARD_PRE; ") + "other values are not available"
     if key in ("use_orig_params", "sync_module_states", "limit_all_gathers"):
@@ -300,6 +302,12 @@ def apply(values: dict[str, Any], explicit: frozenset[str],
             problems.append(f"--fsdp {said} means {_flag(key)} {str(norm(key, want)).lower()}, but "
                             f"{_flag(key)} {str(got).lower()} is given: drop one")
     nproc, nnodes = values.get("nproc_per_node") or 1, values.get("nnodes") or 1
+    from swiftlite import env
+    knobs = [k for k in out if k in OPTION_KNOBS]
+    if knobs and int(nproc) * int(nnodes) == 1 and not env.inside_torchrun():
+        problems.append(f"--fsdp {said} sets {', '.join(f'{_flag(k)} {str(out[k]).lower()}' for k in knobs)}, "
+                        "which one process does not use (FSDP on one process runs as single: nothing to shard): "
+                        "start 2 or more processes (--nproc-per-node, NPROC_PER_NODE)")
     if "num_machines" in launch and str(launch["num_machines"]) != str(nnodes):
         problems.append(f"--fsdp {said}: num_machines {launch['num_machines']} but this run has {nnodes} node(s) "
                         "(--nnodes / NNODES): make them agree")

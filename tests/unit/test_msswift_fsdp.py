@@ -42,14 +42,15 @@ def _no_launcher_env(monkeypatch):
         monkeypatch.delenv(k, raising=False)
 
 
-def resolve(*argv: str):
-    config_file, values = parse_run_args([*BASE, *argv])
+def resolve(*argv: str, nproc: str | None = "2"):
+    """Resolved on 2 processes unless said otherwise (FSDP's options need a sharded run)."""
+    config_file, values = parse_run_args([*BASE, *(["--nproc-per-node", nproc] if nproc else []), *argv])
     return load_config(config_file, values, validate_paths=False)
 
 
-def refusals(*argv: str) -> list[str]:
+def refusals(*argv: str, nproc: str | None = "2") -> list[str]:
     with pytest.raises(UserError) as e:
-        resolve(*argv)
+        resolve(*argv, nproc=nproc)
     return e.value.lines if isinstance(e.value, UserErrors) else [str(e.value)]
 
 
@@ -97,7 +98,7 @@ def test_hf_option_words(argv, changed):
     ("full_shard offload", {"offload_params": False}, {}),
     ("full_shard", {"activation_checkpointing": True}, {}),
     ("full_shard", {"forward_prefetch": True}, {"forward_prefetch": 1}),
-    ("full_shard", {"backward_prefetch": "BACKWARD_PRE"}, {"backward_prefetch": 1}),
+    ("full_shard", {"backward_prefetch": "BACKWARD_PRE"}, {}),    # FSDP2's own one-layer prefetch
     ("full_shard", {"cpu_ram_efficient_loading": False}, {"sharded_loading": False}),
     ("full_shard", {"cpu_ram_efficient_loading": True, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}, {}),
     ("full_shard", {"state_dict_type": "SHARDED_STATE_DICT"}, {}),
@@ -135,12 +136,12 @@ def test_accelerate_config_files(tmp_path, monkeypatch):
     monkeypatch.setenv("NPROC_PER_NODE", "2")  # as ms-swift's scripts launch: nproc_per_node=2
     f = tmp_path / "fsdp_offload.json"
     f.write_text(json.dumps(ACCELERATE_OFFLOAD))
-    cfg = resolve("--fsdp", str(f))
-    assert knobs(cfg) == {**DEFAULT, "cpu_offload": True, "backward_prefetch": 1}
+    cfg = resolve("--fsdp", str(f), nproc=None)
+    assert knobs(cfg) == {**DEFAULT, "cpu_offload": True}
     f.write_text(json.dumps(ACCELERATE_FSDP2))
-    assert knobs(resolve("--fsdp", str(f), "--gradient_checkpointing", "true")) == DEFAULT
+    assert knobs(resolve("--fsdp", str(f), "--gradient_checkpointing", "true", nproc=None)) == DEFAULT
     monkeypatch.setenv("NPROC_PER_NODE", "4")
-    assert refusals("--fsdp", str(f)) == [
+    assert refusals("--fsdp", str(f), nproc=None) == [
         f"--fsdp {f}: num_processes 2 but this run starts 4 (--nproc-per-node / NPROC_PER_NODE x nodes): make them "
         "agree"]
 
@@ -148,7 +149,7 @@ def test_accelerate_config_files(tmp_path, monkeypatch):
 def test_config_file_keys(tmp_path):
     p = tmp_path / "run.yaml"
     p.write_text("dataset: [d.jsonl]\nfsdp: shard_grad_op\nfsdp_config: {fsdp_version: 1}\n")
-    cfg = load_config(str(p), {"model": "tiny-llama-2l"}, validate_paths=False)
+    cfg = load_config(str(p), {"model": "tiny-llama-2l", "nproc_per_node": 2}, validate_paths=False)
     assert knobs(cfg) == {**DEFAULT, "parallelism": "fsdp1", "reshard_after_forward": "false"}
     assert json.loads(cfg.parallel.fsdp_config) == {"fsdp_version": 1}
 
@@ -201,6 +202,16 @@ def test_args_json_records_what_was_said_and_the_result(tmp_path):
 def test_refusals(argv, line):
     lines = refusals(*argv)
     assert len(lines) == 1 and lines[0].startswith(line), lines
+
+
+def test_one_process_names_the_fsdp_setting():
+    """ms-swift runs FSDP on one GPU; here FSDP on one process is single, which has nothing to shard:
+    an option the translation sets is refused naming --fsdp, not a flag the user never typed."""
+    assert refusals("--fsdp", "shard_grad_op offload", nproc=None) == [
+        "--fsdp shard_grad_op offload sets --reshard-after-forward false, --cpu-offload true, which one process "
+        "does not use (FSDP on one process runs as single: nothing to shard): start 2 or more processes "
+        "(--nproc-per-node, NPROC_PER_NODE)"]
+    assert knobs(resolve("--fsdp", "fsdp2", nproc=None)) == DEFAULT  # nothing a single process lacks
 
 
 def test_agreeing_flags_are_accepted():
