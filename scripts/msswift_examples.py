@@ -23,8 +23,10 @@ relative paths in a script resolve as they do in ms-swift's repository root; the
 run at once). The table: script, class, first line of the error:
 
 - runs: every command of the script exited 0, dry run and real run (`export` has no dry run: it runs once);
-- refused: exit 2 with one `error:` line per refused flag and no traceback (the first is shown);
-- gpu: refused the same way, naming a GPU-only kernel or device (flash attention, AWQ/GPTQ, vLLM, CUDA);
+- refused: exit 2 with one `error:` line per refused flag and no traceback (the first is shown, with how many
+  more);
+- gpu: refused the same way, every line because this machine has no GPU (flash attention, Liger's Triton
+  kernels): a GPU would pass them;
 - crash: anything else (a traceback, another exit code, a timeout).
 
 Skipped, each with its reason: multimodal models or data, Megatron, files without a `swift sft|pt|rlhf|export`
@@ -192,7 +194,8 @@ def skip_reason(path: str, cmds: list[Command], launchers: list[str]) -> str | N
                 return f"multimodal dataset {v}"
     if any(a.endswith((".yaml", ".yml")) and not a.startswith("--") for c in cmds for a in c.argv[:1]):
         return "a YAML config for ms-swift's Ray launcher (use_ray: true, device_groups)"
-    if any(re.search(r"\bbert\b|bert-", v, re.I) for c in cmds for v in c.opt("model") or []):
+    if any(re.search(r"\bbert\b|bert-|_bert\b", v, re.I) for c in cmds
+           for v in (c.opt("model") or []) + (c.opt("adapters") or [])):
         return "BERT (an encoder, not a causal LM)"
     if re.search(r"multimodal|omni|mllm", path):
         return "multimodal (folder)"
@@ -383,7 +386,9 @@ def classify(rc: int, stderr: str) -> tuple[str, str]:
         return "runs", ""
     if rc == 2 and errors and "Traceback" not in stderr:
         first = errors[0][len("error:"):].strip()
-        return ("gpu" if GPU_WORDS.search(first) else "refused"), first
+        more = f" (+{len(errors) - 1} more refused)" if len(errors) > 1 else ""
+        # gpu: every refusal is for the missing GPU (a run on a GPU would pass them)
+        return ("gpu" if all(GPU_WORDS.search(e) for e in errors) else "refused"), first + more
     first = next((ln for ln in reversed(lines) if not ln.startswith(" ")), f"exit {rc}")
     return "crash", f"exit {rc}: {first[:300]}"
 
@@ -488,7 +493,13 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         group = []
         for path, cmds in members:
-            group.append((path, [(*translate(c, models, files, ckpt, port), c.sub) for c in cmds]))
+            own = None
+            if ckpt is not None and ckpt.is_dir():   # each script its own copy (an export writes <ckpt>-merged)
+                run_copy = work / "ckpts" / path.replace("/", "__")
+                shutil.rmtree(run_copy, ignore_errors=True)
+                shutil.copytree(ckpt.parent, run_copy, ignore=shutil.ignore_patterns("*-merged"))
+                own = run_copy / ckpt.name
+            group.append((path, [(*translate(c, models, files, own, port), c.sub) for c in cmds]))
         for r in run_group(group, work, args.timeout):
             results.append(r)
             print(f"{r.cls:8s} {r.seconds:6.1f}s  {r.script}  {r.error}", flush=True)

@@ -108,6 +108,7 @@ SFT = [
      {"quant_bits": 4, "quant_method": "bnb", "bnb_4bit_compute_dtype": "bf16", "bnb_4bit_quant_type": "nf4",
       "bnb_4bit_use_double_quant": True}),
     ("sdpa", f"sft {_C} --dataset {{messages}}#16 --attn_impl sdpa", {"attn_impl": "sdpa"}),
+    # peft is the only tuner backend: accepted, no field of its own
     ("tuner_backend", f"sft {_C} --dataset {{messages}}#16 --tuner_backend peft", {"train_type": "lora"}),
     ("truncation", f"sft {_C} --dataset {{messages}}#16 --max_length 128 --truncation_strategy right",
      {"truncation_strategy": "right", "max_length": 128}),
@@ -264,6 +265,8 @@ def _check(run: Path, expected: dict, argv: list[str]) -> None:
             i += 1
         assert [str(d) for d in got["dataset"]] == given
     assert got["max_steps"] == 2
+    assert got["model"] == argv[argv.index("--model") + 1]
+    assert Path(got["output_dir"]) == run
 
 
 def test_single_process_commands(world):
