@@ -5,9 +5,10 @@
 # (greedy, `swiftlite infer --metric exact_match` on demo_data/val.jsonl, 200 rows) before and after.
 #
 # The SFT checkpoint: SFT_CKPT, else one made here (SFT_STEPS=125 steps, batch 32, constant learning
-# rate 2e-3, one process): about a quarter of the held-out strings right, so that sampled groups of
-# NUM_GEN completions often hold both right and wrong answers (an all-right or all-wrong group has no
-# advantage, hence no gradient). Full fine-tuning, --beta 0 (no reference copy), temperature 0.7.
+# rate 2e-3 after 10 warm-up steps, one process): about a quarter of the held-out strings right, so
+# that sampled groups of NUM_GEN completions often hold both right and wrong answers (an all-right or
+# all-wrong group has no advantage, hence no gradient). GRPO: full fine-tuning, --beta 0 (no reference
+# copy), temperature 0.7, lr 1e-4 constant, STEPS=60 steps of 32 completions (4 prompts x 8).
 # Runs on a CPU; figures in docs/rlhf.md "The GRPO demo".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,7 @@ if [ -z "$SFT_CKPT" ]; then
   echo "== the SFT demo, stopped early (${SFT_STEPS} steps) =="
   swiftlite sft --model tiny-llama --dataset demo_data/train.jsonl --train-type full --parallelism single \
     --torch-dtype fp32 --per-device-train-batch-size 32 --learning-rate 2e-3 \
-    --lr-scheduler constant_with_warmup --warmup-ratio 0.05 --weight-decay 0.0 --max-steps "$SFT_STEPS" \
+    --lr-scheduler constant_with_warmup --warmup-steps 10 --weight-decay 0.0 --max-steps "$SFT_STEPS" \
     --logging-steps 25 --save-strategy no --gradient-checkpointing false --seed 42 \
     --output-dir "${OUT}_sft" --overwrite-output-dir
   SFT_CKPT="${OUT}_sft/checkpoint-${SFT_STEPS}/model"
