@@ -56,6 +56,18 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def loader_iter(dataset: Any, **kw: Any) -> Iterator[Any]:
+    """An iterator over a DataLoader of `dataset` (one item each, as built) that draws nothing from
+    torch's global RNG. A DataLoader iterator without a generator of its own draws its workers' base
+    seed from the global RNG, which shifts every dropout mask after it, and differently on resume (the
+    loader starts at another step): LoRA runs with workers neither equalled the inline run nor resumed
+    exactly. Building a batch draws nothing random, so the seed of its own generator is immaterial."""
+    import torch
+    from torch.utils.data import DataLoader
+    return iter(DataLoader(dataset, batch_size=None, collate_fn=_identity,
+                           generator=torch.Generator().manual_seed(0), **kw))
+
+
 class Prefetcher:
     """StepData for the steps `first, first + 1, ...` (< end) from a DataLoader with workers;
     `get(k)` builds k inline when it is not the next step the loader holds."""
@@ -69,10 +81,9 @@ class Prefetcher:
         self.end = end
         self._it: Iterator[StepData] | None = None
         if num_workers > 0 and end > first:
-            loader = DataLoader(steps, batch_size=None, sampler=range(first, end), num_workers=num_workers,
-                                collate_fn=_identity, pin_memory=bool(pin_memory and torch.cuda.is_available()),
-                                prefetch_factor=prefetch_factor, persistent_workers=False)
-            self._it = iter(loader)
+            self._it = loader_iter(steps, sampler=range(first, end), num_workers=num_workers,
+                                   pin_memory=bool(pin_memory and torch.cuda.is_available()),
+                                   prefetch_factor=prefetch_factor, persistent_workers=False)
 
     def get(self, k: int) -> StepData:
         if self._it is not None and k == self.next and k < self.end:

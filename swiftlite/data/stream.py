@@ -184,14 +184,15 @@ class StreamBatches:
         source = _StepStream(self, first, end)
         if self.num_workers > 0:
             import torch
-            from torch.utils.data import DataLoader, IterableDataset
+            from torch.utils.data import IterableDataset
+
+            from swiftlite.data.prefetch import loader_iter
 
             class _It(IterableDataset):
                 def __iter__(self_inner):
                     return iter(source)
-            self._loader_it = iter(DataLoader(_It(), batch_size=None, num_workers=1, collate_fn=lambda x: x,
-                                              pin_memory=bool(self.pin_memory and torch.cuda.is_available()),
-                                              prefetch_factor=self.prefetch_factor))
+            self._loader_it = loader_iter(_It(), num_workers=1, prefetch_factor=self.prefetch_factor,
+                                          pin_memory=bool(self.pin_memory and torch.cuda.is_available()))
             self._it = self._loader_it
         else:
             self._it = iter(source)
