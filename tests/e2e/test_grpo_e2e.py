@@ -132,15 +132,20 @@ def test_a_reward_that_raises_names_the_function_and_row_and_saves_nothing(files
 
 
 def test_resume_inside_a_generation_round_continues_the_same_losses(files, tmp_path):
-    """--num-iterations 2: steps 3 and 4 share a round; a run stopped after step 3 resumes on the round
-    its checkpoint holds (grpo_round_rank0.pt) and logs step 4 as the uninterrupted run does."""
+    """--num-iterations 2: steps 3 and 4 share a round. A run SIGKILLed in the middle of writing
+    checkpoint-4 resumes (--resume auto) from checkpoint-3, on the round that checkpoint holds
+    (grpo_round_rank0.pt), and logs step 4 as the uninterrupted run does."""
     args = ["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--external-plugins", files / "plugin.py",
-            "--reward-funcs", "length", "--num-iterations", "2", "--learning-rate", "1e-3", "--lr-scheduler", "constant"]
-    run_cli([*args, "--max-steps", "4", "--output-dir", tmp_path / "whole"], env=_env(files))
-    run_cli([*args, "--max-steps", "3", "--output-dir", tmp_path / "cut"], env=_env(files))
+            "--reward-funcs", "length", "--num-iterations", "2", "--learning-rate", "1e-3", "--lr-scheduler", "constant",
+            "--max-steps", "4", "--save-steps", "1"]
+    run_cli([*args, "--output-dir", tmp_path / "whole"], env=_env(files))
+    killed = run_cli([*args, "--output-dir", tmp_path / "cut"], check=False,
+                     env={**_env(files), "SWIFTLITE_FAULT": "step=4,phase=checkpoint,kind=kill"})
+    assert killed.returncode != 0 and not (tmp_path / "cut" / "checkpoint-4").exists()
     assert (tmp_path / "cut" / "checkpoint-3" / "grpo_round_rank0.pt").is_file()
-    proc = run_cli([*args, "--max-steps", "4", "--resume", "auto", "--output-dir", tmp_path / "cut"], env=_env(files))
+    proc = run_cli([*args, "--resume", "auto", "--output-dir", tmp_path / "cut"], env=_env(files))
     assert "resuming from checkpoint-3" in proc.stdout
     # two fresh runs with one seed agree bit for bit (steps 1-3), and so does the resumed step 4
     whole = [s["loss"] for s in _steps(tmp_path / "whole")]
-    assert whole[3] != whole[2] and [s["loss"] for s in _steps(tmp_path / "cut")] == whole
+    cut = {s["step"]: s["loss"] for s in _steps(tmp_path / "cut")}   # step 4 logged before the kill, then again
+    assert whole[3] != whole[2] and [cut[k] for k in sorted(cut)] == whole
