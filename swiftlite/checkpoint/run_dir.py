@@ -114,11 +114,31 @@ def prepare_run_dir(cfg: "RunConfig", world_is_main: bool) -> Path:
     return run_dir
 
 
+#: lock files this process holds (RunLock.acquire): a forked child closes its copies at once
+_HELD: list = []
+
+
+def _close_held_in_child() -> None:
+    """In a process forked from the lock's holder (a DataLoader worker, ...): close the inherited
+    descriptors of the lock file. flock belongs to the open file, which a fork shares, so a worker left
+    alive for a moment after its parent was killed would hold the folder and refuse the next run."""
+    for fh in _HELD:
+        try:
+            fh.close()
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_held_in_child)
+
+
 class RunLock:
     """An advisory lock (fcntl.flock) on <run>/.lock, held by rank 0 for the run's life, so a second
     run started on the same folder (a re-submitted job) stops at once instead of interleaving its
-    checkpoints with the first one's. The kernel drops the lock when its process dies, so a folder
-    whose run was killed is taken over, with a notice naming the run that left it."""
+    checkpoints with the first one's. The kernel drops the lock when its process dies (and no process
+    forked from it keeps a copy: `_close_held_in_child`), so a folder whose run was killed is taken
+    over, with a notice naming the run that left it."""
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / LOCK
@@ -151,6 +171,7 @@ class RunLock:
         fh.write(f"{os.getpid()} {socket.gethostname()}\n")
         fh.flush()
         self._fh = fh
+        _HELD.append(fh)
         return self
 
     def check(self) -> None:
@@ -181,4 +202,6 @@ class RunLock:
             self._fh.truncate()
             fcntl.flock(self._fh, fcntl.LOCK_UN)
             self._fh.close()
+            if self._fh in _HELD:
+                _HELD.remove(self._fh)
             self._fh = None
