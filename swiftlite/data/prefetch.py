@@ -64,8 +64,18 @@ def loader_iter(dataset: Any, **kw: Any) -> Iterator[Any]:
     exactly. Building a batch draws nothing random, so the seed of its own generator is immaterial."""
     import torch
     from torch.utils.data import DataLoader
-    return iter(DataLoader(dataset, batch_size=None, collate_fn=_identity,
+    return iter(DataLoader(dataset, batch_size=None, collate_fn=_identity, worker_init_fn=_worker_signals,
                            generator=torch.Generator().manual_seed(0), **kw))
+
+
+def _worker_signals(_worker_id: int) -> None:
+    """A worker ignores the stop signals: a preemption's SIGTERM (or SIGUSR1, SIGINT) sent to the whole
+    process group is the training process's to handle (finish the step, save, exit 75; train/preempt.py),
+    and a worker that died of it would fail that step instead. The training process shuts its workers
+    down, and a worker whose parent is gone exits by itself (torch's watchdog)."""
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class Prefetcher:
