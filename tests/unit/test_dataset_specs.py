@@ -168,7 +168,8 @@ def test_the_run_seed_reaches_the_sample_and_the_cache_key(tmp_path, tok, monkey
 
     def rows(seed: int) -> list:
         cfg = build_config({"model": "tiny-llama", "dataset": [f"{f}#8"], "seed": seed,
-                            "per_device_train_batch_size": 1})
+                            "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
+                            "load_from_cache_file": True})   # read the cache (ms-swift: off)
         train, _, _ = prepare_datasets(cfg, tok, 1)
         return [r["input_ids"] for r in train.rows]
 

@@ -82,6 +82,7 @@ def _ds_cfg(pure: bool, dtype: str = "bf16") -> RunConfig:
     cfg = RunConfig()
     cfg.model.torch_dtype = dtype
     cfg.parallel.pure_bf16 = pure
+    cfg.train.gradient_accumulation_steps = 1   # what config loading resolves (ms-swift's rule) for a real run
     return cfg
 
 
