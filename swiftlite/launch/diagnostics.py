@@ -78,6 +78,13 @@ def _where_stuck(stack: str) -> str:
     return "an unknown place"
 
 
+def _crash_site(stacks: dict[int, str], rank: int) -> str:
+    """Where a rank that died from a signal was, when faulthandler dumped its stack (a crash in native
+    code: the Python frame that called into it), as " (at FILE:LINE in FUNC())"; else nothing."""
+    stack = stacks.get(rank)
+    return f" (at {_where_stuck(stack)})" if stack else ""
+
+
 def _launcher_exit_codes(tail: str) -> dict[int, int]:
     """rank -> exit code from torchrun's failure summary ("rank: 1 (local_rank: 1)" / "exitcode: -9")."""
     codes: dict[int, int] = {}
@@ -129,7 +136,7 @@ def explain_failure(logs: Path, world_size: int, launcher_tail: str, ddp_timeout
             what = (f"rank{c} hung: stopped answering collectives (stuck at {_where_stuck(stacks[c])} "
                     f"when the job was stopped)")
         elif code is not None and code < 0:
-            what = f"rank{c} died from signal {-code} without reporting an error"
+            what = f"rank{c} died from signal {-code} without reporting an error{_crash_site(stacks, c)}"
         elif code is not None:
             what = f"rank{c} exited with code {code} without reporting an error"
         else:
@@ -143,7 +150,7 @@ def explain_failure(logs: Path, world_size: int, launcher_tail: str, ddp_timeout
     if codes:
         r, code = sorted(codes.items())[0]
         how = f"signal {-code}" if code < 0 else f"exit code {code}"
-        return f"rank{r} ended with {how} without reporting an error", 1
+        return f"rank{r} ended with {how} without reporting an error{_crash_site(stacks, r)}", 1
     return f"the launcher failed after {elapsed:.0f} s with no rank reporting an error (see the output above)", 0
 
 

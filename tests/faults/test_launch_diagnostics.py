@@ -47,6 +47,26 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path):
     assert msg.startswith("rank1 died from signal 9 without reporting an error; rank0 gave up:")
 
 
+SEGV = """Fatal Python error: Segmentation fault
+
+Current thread 0x00007f3ca4454b80 (most recent call first):
+  File "/x/bitsandbytes/functional.py", line 1200 in dequantize_4bit
+  File "/x/swiftlite/train/step.py", line 88 in forward
+"""
+
+
+def test_a_crashed_rank_is_named_with_where_it_crashed(tmp_path):
+    d = logs(tmp_path, rank0_stack=SEGV)
+    msg, code = explain_failure(d, 2, "", 1800, 10, codes={0: -11})
+    assert msg == ("rank0 ended with signal 11 without reporting an error "
+                   "(at functional.py:1200 in dequantize_4bit())") and code == 1
+    (tmp_path / "victim").mkdir()
+    d = logs(tmp_path / "victim", rank0_stack=SEGV, rank1_err=GLOO_CLOSED)
+    msg, _ = explain_failure(d, 2, "", 1800, 10, codes={0: -11})
+    assert msg.startswith("rank0 died from signal 11 without reporting an error (at functional.py:1200 in "
+                          "dequantize_4bit()); rank1 gave up:")
+
+
 def test_nothing_reported(tmp_path):
     msg, code = explain_failure(tmp_path / "nologs", 2, "", 1800, 3)
     assert "no rank reporting an error" in msg and code == 0
