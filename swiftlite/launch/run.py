@@ -40,11 +40,12 @@ def run_rank(cfg: RunConfig, facts: "JobFacts | None" = None) -> None:
         record_rank_failure(cfg, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", user_error=False)
         raise
     finally:
-        finish_rank_diagnostics()
         from swiftlite import profiling
         profiling.finish()  # a forked rank ends in os._exit: atexit handlers would not run
         from swiftlite.distributed import teardown
         teardown()
+        # last: a crash in native code while the process group is torn down still leaves its stack
+        finish_rank_diagnostics()
 
 
 def _pump(stream: IO[str], tail: list[str]) -> None:
