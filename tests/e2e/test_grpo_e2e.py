@@ -149,3 +149,19 @@ def test_resume_inside_a_generation_round_continues_the_same_losses(files, tmp_p
     whole = [s["loss"] for s in _steps(tmp_path / "whole")]
     cut = {s["step"]: s["loss"] for s in _steps(tmp_path / "cut")}   # step 4 logged before the kill, then again
     assert whole[3] != whole[2] and [cut[k] for k in sorted(cut)] == whole
+
+
+def test_grpo_qlora_trains_the_adapter_against_the_4bit_base(files, tmp_path):
+    """QLoRA: the policy is the 4-bit base + adapter, the reference the same base with the adapter off;
+    the adapter moves (kl > 0 at step 2) and the run checkpoints as a LoRA run does."""
+    args = ["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--external-plugins", files / "plugin.py",
+            "--train-type", "qlora", "--reward-funcs", "length", "--learning-rate", "1e-2", "--max-steps", "2",
+            "--save-steps", "2", "--output-dir", tmp_path / "q"]
+    proc = run_cli(args, env=_env(files))
+    assert "reference: the base model with the adapter disabled" in proc.stdout
+    steps = _steps(tmp_path / "q")
+    assert [s["step"] for s in steps] == [1, 2] and all(math.isfinite(s["loss"]) for s in steps)
+    assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 0.0
+    args_json = json.loads((tmp_path / "q" / "args.json").read_text())
+    assert args_json["quant"]["quant_bits"] == 4
+    assert (tmp_path / "q" / "checkpoint-2" / "trainer_state.json").is_file()
