@@ -26,7 +26,7 @@ accumulation. An engine must not rescale the loss again (DeepSpeed's own 1/gas i
 
 What a `--parallelism` value means is a `Backend` record: its engine factory, the names that select
 it, what it shards, how the planner counts its memory, its own config checks, the context models are
-built in, its checkpoint format and DeepSpeed preset. Records are registered by the backend modules
+built in, its checkpoint format, DeepSpeed preset and DPO's frozen reference copy. Records are registered by the backend modules
 (`BUILTIN_MODULES`, imported on first use; each is torch-free at import time) or by a user's
 `--external-plugins` file. Only `parallel/resolve.py` turns a run config into a record
 (`resolve_backend`); everything else asks it. Adding a backend = one module that calls
@@ -104,18 +104,21 @@ ENGINE_SURFACE = frozenset({*Engine.__annotations__, *(n for n in vars(Engine) i
 
 @dataclass(frozen=True)
 class FrozenModel:
-    """DPO's frozen reference copy as a backend lays it out (`Backend.frozen_copy`): what to call
-    and the context its forward runs in."""
+    """DPO's frozen reference copy as a backend lays it out (`Backend.frozen_copy`): what to call,
+    the context its forward runs in, and its layout in words ("a replica on cuda:0")."""
     module: Any
     autocast: Callable[[], ContextManager[Any]]
+    layout: str = ""
 
 
 #: `frozen_copy(model, cfg, world, policy_engine, choice) -> FrozenModel`: lay out a frozen, eval-mode
 #: copy of the model (no optimizer, no gradients, no gradient all-reduce) the way the backend lays out
-#: the policy; or "module:function" naming one.
+#: the policy; or "module:function" naming one. Every built-in record names its own, next to its
+#: engine factory (tests/unit/test_tasks.py).
 FrozenCopy = Callable[..., FrozenModel]
-#: The default for a record that names none: the copy laid out like the policy's torch engine (a replica
-#: under single/DDP and any plain-module engine, FSDP2 on the policy's mesh, FSDP1 as the policy).
+#: What a record that names none gets (a plugin's; `Backend.frozen_copy` None): the copy laid out like
+#: the policy's torch engine (FSDP2 on the policy's mesh, FSDP1 as the policy, else a replica). The run
+#: says so in one line (rlhf/frozen.py).
 LIKE_POLICY = "swiftlite.parallel.frozen_copy:like_policy"
 
 
@@ -157,7 +160,7 @@ class Backend:
     # models/sharded.py), "partitioned" (built inside init_context, ZeRO-3's zero.Init).
     loading: str = "whole"
     ds_preset: str | None = None               # DeepSpeed preset (swiftlite/ds_configs/<name>.json)
-    frozen_copy: FrozenCopy | str = LIKE_POLICY  # DPO's frozen reference copy (see FrozenCopy)
+    frozen_copy: FrozenCopy | str | None = None  # DPO's frozen reference copy (FrozenCopy); None: LIKE_POLICY
     # Activation checkpointing's default form (--gradient_checkpointing_kwargs sets it): reentrant, as
     # ms-swift (trainers/mixin.py) everywhere but multi-process DDP. Reentrant runs a layer's first
     # forward without autograd, so nothing the layer computes outlives it; non-reentrant keeps what an
@@ -176,8 +179,9 @@ class Backend:
 
     def frozen(self, model: Any, cfg: "RunConfig", world: World, engine: Engine,
                choice: "BackendChoice") -> FrozenModel:
-        """DPO's frozen reference copy of `model` laid out as this backend lays out the policy `engine`."""
-        return _resolve_ref(self.frozen_copy)(model, cfg, world, engine, choice)
+        """DPO's frozen reference copy of `model` laid out as this backend lays out the policy `engine`
+        (a record that names none: `LIKE_POLICY`)."""
+        return _resolve_ref(self.frozen_copy or LIKE_POLICY)(model, cfg, world, engine, choice)
 
     def model_init_context(self, cfg: "RunConfig", world: World, model_config: Callable[[], Any],
                            choice: "BackendChoice") -> Any:
@@ -360,4 +364,4 @@ def _plugin_import_error(given: str, path: Path, e: ImportError) -> str:
     return f"{where}: {what}"
 
 
-__all__ += ["BUILTIN_MODULES", "Check", "OPTION_FLAGS", "load_plugins", "parallelism_names", "unregister_backend"]
+__all__ += ["BUILTIN_MODULES", "Check", "LIKE_POLICY", "OPTION_FLAGS", "load_plugins", "parallelism_names", "unregister_backend"]

@@ -45,7 +45,7 @@ def frozen_replica(model: "torch.nn.Module", cfg: Any, world: "World", engine: A
     autocast the policy's forward uses; no optimizer, no DDP wrapper (nothing to all-reduce)."""
     from swiftlite.parallel.torch_engine import autocast_context
     model = prepare_replica(model, cfg, world)
-    return FrozenModel(model, lambda: autocast_context(model))
+    return FrozenModel(model, lambda: autocast_context(model), layout=f"a replica on {world.device}")
 
 
 def single(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, choice: Any = None) -> "TorchEngine":
@@ -60,7 +60,7 @@ def apply_ddp(model: "torch.nn.Module", world: "World") -> "DistributedDataParal
     not broadcast each forward."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = model.to(world.device)
-    ids = [world.local_rank] if world.device.startswith("cuda") else None
+    ids = [world.local_rank] if world.device_type == "cuda" else None
     return DDP(model, device_ids=ids, find_unused_parameters=False, gradient_as_bucket_view=True,
                broadcast_buffers=False)
 

@@ -458,7 +458,8 @@ def frozen_copy(model: "torch.nn.Module", cfg: "RunConfig", world: World, engine
     conf["zero_optimization"] = zero
     ds, *_ = deepspeed.initialize(model=model, config=conf, dist_init_required=None)
     ds.eval()
-    return FrozenModel(ds, contextlib.nullcontext)
+    return FrozenModel(ds, contextlib.nullcontext,
+                       layout="ZeRO-3 partitions" if zero["stage"] == 3 else "a DeepSpeed replica (stage 0)")
 
 
 def fill_partitioned(model: "torch.nn.Module", ds_config: dict[str, Any] | None, world: World,

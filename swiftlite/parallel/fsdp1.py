@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from swiftlite import dtypes
 from swiftlite.errors import UserError
-from swiftlite.parallel.base import Backend, register_backend
+from swiftlite.parallel.base import Backend, FrozenModel, register_backend
 from swiftlite.parallel.fsdp2 import (FSDP_OPTIONS, check_cpu_offload, check_one_process, check_precision,
                                       check_quantized_base, mixed_precision_dtypes, refuse_cpu_offload_without_gpu,
                                       reshard_after_forward)
@@ -156,8 +156,21 @@ def fsdp1(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, 
     return TorchEngine(wrapped, cfg, world, total_steps, clip=wrapped.clip_grad_norm_)
 
 
+def frozen_fsdp1(model: "torch.nn.Module", cfg: Any, world: "World", engine: Any, choice: Any = None) -> FrozenModel:
+    """DPO's frozen reference copy (`Backend.frozen_copy`): FullyShardedDataParallel with one unit per
+    decoder layer, resharded after forward; no optimizer, no gradient sync. The copy is a full
+    fine-tune's (every parameter frozen, of the loaded dtype): no adapter units, no master-weight cast."""
+    import contextlib
+    check_uniform_dtype(model)
+    if not cfg.parallel.cpu_offload:
+        model = model.to(world.device)
+    wrapped = apply_fsdp1(model, world, mp=mixed_precision_dtypes(cfg), reshard_after_forward=True,
+                          cpu_offload=cfg.parallel.cpu_offload)
+    return FrozenModel(wrapped, contextlib.nullcontext, layout="FSDP1 units as the policy's")
+
+
 register_backend(Backend(
     name="fsdp1", engine="fsdp1", factory=fsdp1, one_process="single", shards=(True, True, True),
-    memory_family="fsdp1", options=FSDP_OPTIONS, loading="sharded",
+    memory_family="fsdp1", options=FSDP_OPTIONS, loading="sharded", frozen_copy=frozen_fsdp1,
     checks=(check_quantized_base, check_precision, check_4bit_master, _check_reshard_bool, check_cpu_offload),
     summary="FSDP1 (FullyShardedDataParallel, one unit per decoder layer)"))

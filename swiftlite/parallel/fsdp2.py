@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from swiftlite import dtypes
 from swiftlite.errors import UserError
-from swiftlite.parallel.base import Backend, register_backend
+from swiftlite.parallel.base import Backend, FrozenModel, register_backend
 
 if TYPE_CHECKING:
     import torch
@@ -113,7 +113,7 @@ def check_precision(cfg: Any, world_size: int, choice: Any = None) -> str | None
 
 def refuse_cpu_offload_without_gpu(cfg: Any, world: "World") -> None:
     """Shared by fsdp and fsdp1: offload moves parameters off a GPU; on a CPU run it would be a no-op."""
-    if cfg.parallel.cpu_offload and not world.device.startswith("cuda"):
+    if cfg.parallel.cpu_offload and world.device_type != "cuda":
         raise UserError("--cpu-offload moves parameters from the GPU to the CPU; this run has no GPU "
                         "(everything is on the CPU already): drop --cpu-offload")
 
@@ -244,8 +244,34 @@ def fsdp2(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, 
     return fsdp2_engine(model, cfg, world, total_steps, (world.world_size,))
 
 
+def policy_mesh(root: Any) -> Any:
+    """The device mesh FSDP2 sharded the policy on (every sharded parameter is a DTensor on it)."""
+    for p in root.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            return mesh
+    raise UserError("rlhf: the policy is an FSDP2 module without sharded parameters (internal)")
+
+
+def frozen_on_mesh(model: "torch.nn.Module", cfg: Any, world: "World", mesh: Any) -> FrozenModel:
+    """A frozen copy sharded as `apply_fsdp2` shards the policy, on `mesh` (fsdp's 1-D, hsdp's 2-D),
+    resharded after forward; no optimizer, no gradient sync."""
+    if not cfg.parallel.cpu_offload:
+        model = model.to(world.device)
+    apply_fsdp2(model, mesh, mp=mixed_precision_dtypes(cfg), reshard_after_forward=True,
+                cpu_offload=cfg.parallel.cpu_offload)
+    return FrozenModel(model, contextlib.nullcontext, layout=f"FSDP2 on the policy's {mesh.ndim}-D device mesh")
+
+
+def frozen_fsdp2(model: "torch.nn.Module", cfg: Any, world: "World", engine: Any, choice: Any = None) -> FrozenModel:
+    """DPO's frozen reference copy (`Backend.frozen_copy`): fully_shard per decoder layer and the root
+    on the policy's own mesh."""
+    return frozen_on_mesh(model, cfg, world, policy_mesh(engine.root()))
+
+
 register_backend(Backend(
     name="fsdp", engine="fsdp", factory=fsdp2, aliases=("fsdp2",), one_process="single",
     shards=(True, True, True), memory_family="fsdp", options=FSDP2_OPTIONS, loading="sharded",
+    frozen_copy=frozen_fsdp2,
     checks=(check_quantized_base, check_precision, _check_fsdp2_knobs, check_cpu_offload),
     summary="FSDP2 (fully_shard per decoder layer): params, grads and optimizer state sharded"))

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from swiftlite import env as envvars
 from swiftlite.errors import UserError
-from swiftlite.parallel.base import Backend, register_backend
+from swiftlite.parallel.base import Backend, FrozenModel, register_backend
 from swiftlite.parallel.fsdp2 import (FSDP2_OPTIONS, check_cpu_offload, check_one_process, check_precision,
-                                      check_quantized_base, check_reshard_size, fsdp2_engine)
+                                      check_quantized_base, check_reshard_size, fsdp2_engine, frozen_on_mesh,
+                                      policy_mesh)
 
 if TYPE_CHECKING:
     import torch
@@ -78,9 +79,19 @@ def hsdp(model: "torch.nn.Module", cfg: Any, world: "World", total_steps: int, c
     return fsdp2_engine(model, cfg, world, total_steps, shape, ("replicate", "shard"))
 
 
+def frozen_hsdp(model: "torch.nn.Module", cfg: Any, world: "World", engine: Any, choice: Any = None) -> FrozenModel:
+    """DPO's frozen reference copy (`Backend.frozen_copy`): FSDP2 on the policy's own (replicate, shard)
+    mesh, so the copy is sharded within the shard group and replicated across, as the policy is."""
+    mesh = policy_mesh(engine.root())
+    if mesh.ndim != 2:
+        raise UserError(f"rlhf: the hsdp policy is sharded on a {mesh.ndim}-D mesh, not (replicate, shard) (internal)")
+    return frozen_on_mesh(model, cfg, world, mesh)
+
+
 register_backend(Backend(
     name="hsdp", engine="hsdp", factory=hsdp, one_process="single",
     shards=(True, True, True), memory_family="hsdp", estimate=True, loading="sharded",
+    frozen_copy=frozen_hsdp,
     options=FSDP2_OPTIONS | {"hsdp_shard_size"},
     checks=(check_quantized_base, check_precision, _check_shard_size, check_cpu_offload),
     summary="HSDP (FSDP2 on a replicate x shard mesh): sharded within --hsdp-shard-size ranks, replicated across"))

@@ -1,9 +1,9 @@
 """DPO's frozen reference copy for a full fine-tune (or `--ref_model`): loaded like the policy (in the
 backend's init context), every parameter frozen, in eval mode, and laid out by the run's backend
 record (`Backend.frozen_copy`, parallel/base.py: a replica under single/DDP, FSDP2 on the policy's
-mesh, FSDP1, DeepSpeed without optimizer; a record that names none gets the layout of its policy's
-torch engine, parallel/frozen_copy.py). A backend that cannot lay one out says so and points to
---precompute-ref-log-probs, which needs no copy.
+mesh, FSDP1, DeepSpeed without optimizer; a record that names none, a plugin's, gets the layout of its
+policy's torch engine, parallel/frozen_copy.py `like_policy`, and the run says which in one line). A
+backend that cannot lay one out says so and points to --precompute-ref-log-probs, which needs no copy.
 """
 
 from __future__ import annotations
@@ -58,7 +58,12 @@ def build_frozen(run: Any) -> Frozen:
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()
-    return run.choice.record.frozen(model, cfg, run.world, run.engine, run.choice)
+    record = run.choice.record
+    frozen = record.frozen(model, cfg, run.world, run.engine, run.choice)
+    if record.frozen_copy is None and run.world.is_main:
+        print(f"reference copy: --parallelism {record.name} names no frozen_copy (Backend.frozen_copy); laid out "
+              f"like its policy engine: {frozen.layout}", flush=True)
+    return frozen
 
 
 __all__ = ["Frozen", "build_frozen"]

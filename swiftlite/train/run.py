@@ -77,7 +77,7 @@ def smallest_gpu_memory(world: Any) -> int | None:
     """Total memory of the smallest GPU in the job (every rank must pick the same backend), or None
     on CPU."""
     import torch
-    if not world.device.startswith("cuda"):
+    if world.device_type != "cuda":
         return None
     total = torch.cuda.get_device_properties(torch.device(world.device)).total_memory
     if world.distributed:

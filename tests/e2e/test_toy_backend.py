@@ -45,8 +45,9 @@ def test_toy_backend_trains_and_resumes_through_sft(data, tmp_path):
 
 
 def test_toy_backend_trains_dpo_with_a_frozen_reference_copy(tmp_path):
-    """A full fine-tune's DPO reference is a frozen copy, laid out by the record's default (the layout of
-    its policy's engine: a replica here). It is the starting weights, so step 1's loss is ln 2."""
+    """A full fine-tune's DPO reference is a frozen copy; the toy record names none, so it gets the layout
+    of its policy's engine (parallel/frozen_copy.py like_policy: a replica here) and the run says so. It is
+    the starting weights, so step 1's loss is ln 2."""
     from swiftlite.rlhf.demo import write_preference_data
     train, _ = write_preference_data(tmp_path / "pref", n_train=32, n_val=8)
     out = tmp_path / "dpo"
@@ -56,6 +57,9 @@ def test_toy_backend_trains_dpo_with_a_frozen_reference_copy(tmp_path):
                     "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "3", "--output-dir", str(out)])
     assert "swiftlite: toy x 1 process(es)" in proc.stdout
     assert "reference: a frozen copy" in proc.stdout
+    # the record names no frozen_copy: the run says what it got instead, in one line
+    assert ("reference copy: --parallelism toy names no frozen_copy (Backend.frozen_copy); laid out like its "
+            "policy engine: a replica on cpu") in proc.stdout
     losses = read_losses(out)
     assert sorted(losses) == [1, 2, 3]
     assert losses[1] == pytest.approx(math.log(2), rel=1e-5)

@@ -12,7 +12,7 @@ from swiftlite.config import build_config
 from swiftlite.config.tasks import SPECS, task_spec
 from swiftlite.distributed import World
 from swiftlite.errors import UserError
-from swiftlite.parallel.base import LIKE_POLICY, Backend, BackendChoice, all_backends, build_engine
+from swiftlite.parallel.base import Backend, BackendChoice, all_backends, build_engine
 from swiftlite.train.tasks import TASKS, PreferenceTask, TokenTask, task_of
 
 
@@ -45,14 +45,21 @@ def test_pt_refuses_a_system_prompt_and_sft_refuses_rlhf_options():
         validate(cfg, check_paths=False)
 
 
-def test_every_builtin_record_names_a_frozen_copy():
-    names = {b.name: b.frozen_copy for b in all_backends()}
-    # single/ddp: a replica; DeepSpeed's records: deepspeed.initialize without optimizer; the FSDP records
-    # (and a plugin's) the layout of their policy engine
-    assert getattr(names["single"], "__name__", "") == "frozen_replica" == getattr(names["ddp"], "__name__", "")
-    assert all(getattr(names[n], "__name__", "") == "frozen_copy" for n in names if n.startswith("zero"))
-    assert names["fsdp"] == names["hsdp"] == names["fsdp1"] == LIKE_POLICY
-    assert Backend(name="x", engine="x", factory=lambda *a: None).frozen_copy == LIKE_POLICY
+def test_every_builtin_record_names_its_frozen_copy_next_to_its_factory():
+    """Each record shipped with swiftlite states its own copy, a function of the module that holds its
+    engine factory; none relies on the default a plugin's record gets (LIKE_POLICY)."""
+    from swiftlite.parallel.base import BUILTIN_MODULES
+    builtin = [b for b in all_backends() if getattr(b.factory, "__module__", "") in BUILTIN_MODULES]
+    assert {b.name for b in builtin} >= {"single", "ddp", "fsdp", "hsdp", "fsdp1", "zero2", "zero3"}
+    for b in builtin:
+        assert callable(b.frozen_copy), b.name
+        assert b.frozen_copy.__module__ == b.factory.__module__, (b.name, b.frozen_copy)
+    names = {b.name: b.frozen_copy.__name__ for b in builtin}
+    assert names["single"] == names["ddp"] == "frozen_replica"
+    assert (names["fsdp"], names["hsdp"], names["fsdp1"]) == ("frozen_fsdp2", "frozen_hsdp", "frozen_fsdp1")
+    assert all(names[n] == "frozen_copy" for n in names if n.startswith("zero"))
+    # a record that names none (a plugin's) gets LIKE_POLICY when its copy is built
+    assert Backend(name="x", engine="x", factory=lambda *a: None).frozen_copy is None
 
 
 def _tiny() -> torch.nn.Module:
@@ -73,6 +80,7 @@ def test_the_default_copy_of_a_plain_engine_is_a_frozen_replica():
     with torch.no_grad(), frozen.autocast():
         assert torch.equal(frozen.module(x), engine.root()(x))   # the same starting weights, called alike
     assert not any(p.requires_grad for p in frozen.module.parameters())
+    assert frozen.layout == "a replica on cpu"     # what rlhf/frozen.py prints for a record naming none
 
 
 def test_a_record_with_its_own_init_context_must_name_its_copy():
