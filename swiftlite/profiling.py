@@ -63,7 +63,7 @@ class _State:
     def __init__(self, run_dir: Path, rank: int):
         self.rank = rank
         st = env.settings()
-        self.out = Path(st.profile_dir or Path(run_dir) / "profile")
+        self.out = Path(st.profile_dir or Path(run_dir) / layout.PROFILE_DIR)
         self.window = parse_window(st.profile)
         self.stats = st.bench_stats
         self.t0 = time.perf_counter()

@@ -141,7 +141,7 @@ def link_bytes(prof_dir: str | Path, per_node: int, steps: int) -> dict[str, Any
     from swiftlite.bench.trace import collective_kinds
     per_rank = []
     for p in files:
-        trace = p.with_name(p.name.replace("collectives_rank", "trace_rank"))
+        trace = p.with_name(layout.rank_file("trace", layout.rank_of("collectives", p)))
         kinds = collective_kinds(trace) if trace.is_file() else None
         per_rank.append(rank_link_bytes(json.loads(p.read_text()), per_node, kinds))
     n = max(1, steps)

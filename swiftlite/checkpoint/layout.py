@@ -4,6 +4,7 @@
         args.json               the run's config (secrets redacted)
         logging.jsonl           one JSON record per logged step
         logs/                   per-rank files (errors, state bytes)
+        profile/                per-rank profiler traces, collectives and bench stats (swiftlite/profiling.py)
         latest                  "checkpoint-20", replaced atomically after each save
         checkpoint-20/
             dcp/                the torch backends' sharded model + optimizer (torch.distributed.checkpoint)
@@ -13,6 +14,7 @@
             scheduler.json      LR schedule state (torch backends)
             trainer_state.json  global step, backend, world size, train type, model, dtype
             rng/rank<r>.pt      RNG states per rank
+            grpo_round_rank<r>.pt   GRPO: this rank's generation round, when saved inside one (rlhf/grpo.py)
             model/ | adapter/   an HF model folder (full) or a peft adapter, for use without swiftlite
             manifest.json       every file with its size and sha256, written last
         .tmp-checkpoint-20/     a save in progress (renamed to checkpoint-20 when complete)
@@ -90,6 +92,15 @@ def step_of(path: Path) -> int:
 
 def rng_file(rank: int) -> str:
     return f"rank{rank}.pt"
+
+
+#: GRPO's generation round of one rank, in a checkpoint saved inside a round (rlhf/grpo.py): a resume
+#: there continues with it.
+ROUND_FILE = "grpo_round_rank{rank}.pt"
+
+
+def round_file(rank: int) -> str:
+    return ROUND_FILE.format(rank=rank)
 
 
 # -- per-rank files of a run folder: logs/ (what each rank measured or said) and profile/ ----------

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from swiftlite.checkpoint import layout
 from swiftlite.distributed import all_reduce_sum
 from swiftlite.errors import UserError
 from swiftlite.metrics import StepStats
@@ -37,8 +38,9 @@ from swiftlite.rlhf.grpo_loss import GrpoLoss, advantages, aggregate, clip_stats
 
 #: The completions table of --log_completions, in the run folder.
 COMPLETIONS_FILE = "completions.jsonl"
-#: Each rank's generation round in a checkpoint (a resume inside a round continues with it).
-ROUND_FILE = "grpo_round_rank{rank}.pt"
+#: Each rank's generation round in a checkpoint (a resume inside a round continues with it): named in
+#: checkpoint/layout.py with the checkpoint's other files.
+ROUND_FILE = layout.ROUND_FILE
 
 
 @dataclass
@@ -134,11 +136,11 @@ class GrpoEngine:
             torch.save({"index": cur.index, "micro": [(list(k), {n: t.cpu() for n, t in v.items()})
                                                       for k, v in cur.micro.items()],
                         "metrics": cur.metrics, "tokens": cur.tokens},
-                       Path(path) / ROUND_FILE.format(rank=self._world.rank))
+                       Path(path) / layout.round_file(self._world.rank))
 
 
 def _load_round(ckpt: Any, world: Any, rnd: int) -> Round:
-    f = ckpt / ROUND_FILE.format(rank=world.rank)
+    f = ckpt / layout.round_file(world.rank)
     if not f.is_file():
         raise UserError(f"{ckpt.name}: resuming inside GRPO generation round {rnd} needs {f.name}, which this "
                         "checkpoint lacks (saved with another number of processes?); resume with the world size "

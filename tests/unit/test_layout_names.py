@@ -51,3 +51,60 @@ def test_rank_globs_do_not_match_each_other(tmp_path):
     for kind in layout.RANK_FILES:
         found = [Path(f).read_text() for f in tmp_path.glob(layout.rank_glob(kind))]
         assert found == [kind], (kind, found)
+
+
+def test_grpo_round_file_is_a_checkpoint_name_of_layout(tmp_path):
+    from swiftlite.rlhf import grpo
+    assert grpo.ROUND_FILE is layout.ROUND_FILE
+    assert [layout.round_file(r) for r in (0, 11)] == ["grpo_round_rank0.pt", "grpo_round_rank11.pt"]
+    # not one of the run folder's per-rank kinds: a rank-file glob never picks it up
+    (tmp_path / layout.round_file(2)).write_text("x")
+    assert not [k for k in layout.RANK_FILES if list(tmp_path.glob(layout.rank_glob(k)))]
+
+
+def test_profiling_writes_under_layout_profile_dir(tmp_path, monkeypatch):
+    from swiftlite import env, profiling
+    monkeypatch.delenv(env.PROFILE_DIR, raising=False)
+    assert profiling._State(tmp_path, 0).out == tmp_path / layout.PROFILE_DIR
+
+
+def test_link_bytes_reads_the_trace_of_the_same_rank(tmp_path, monkeypatch):
+    """bench/groups.py pairs each rank's collectives file with that rank's trace, both named by layout."""
+    from swiftlite.bench import groups, trace
+    seen = []
+    monkeypatch.setattr(trace, "collective_kinds", lambda p: seen.append(Path(p).name) or None)
+    for rank in (0, 12):
+        (tmp_path / layout.rank_file("collectives", rank)).write_text("{}")
+        (tmp_path / layout.rank_file("trace", rank)).write_text("{}")
+    groups.link_bytes(tmp_path, per_node=2, steps=1)
+    assert sorted(seen) == sorted(layout.rank_file("trace", r) for r in (0, 12))
+
+
+#: Files another change still has to move onto layout's names (issue 24): bench/runner.py spells
+#: "profile" itself.
+_PENDING = {"swiftlite/bench/runner.py": {"profile"}}
+
+
+def test_no_module_spells_a_per_rank_or_profile_name_of_its_own():
+    """String literals (docstrings aside) outside checkpoint/layout.py do not spell the per-rank file
+    names or the profile folder: they ask layout."""
+    import ast
+    root = Path(__file__).resolve().parents[2]
+    stems = {spec.partition("{rank}")[0] for spec in [*layout.RANK_FILES.values(), layout.ROUND_FILE]}
+    stems = {s for s in stems if len(s) > 4}          # "rank" alone (rank{rank}.err) is too common a word
+    found = []
+    for path in sorted((root / "swiftlite").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel == "swiftlite/checkpoint/layout.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                hits = {s for s in stems if s in node.value} | ({layout.PROFILE_DIR} & {node.value})
+                hits -= _PENDING.get(rel, set())
+                if hits:
+                    found.append(f"{rel}:{node.lineno}: {node.value!r}")
+    assert not found, found
