@@ -64,12 +64,11 @@ def _dtype(name: str) -> Any:
 def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> Loaded:
     """The model and tokenizer --model (+ --adapters) name, on the GPU when there is one."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from swiftlite.config import build_config
     from swiftlite.hf_io import ADAPTER_CONFIG
     from swiftlite.models.loading import load_model, load_tokenizer, resolve_model
-    from swiftlite.models.presets import get_preset
     import warnings
 
     from transformers.utils import logging as hf_logging
@@ -80,38 +79,33 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
     arg = opts.model
     p = Path(arg).expanduser()
     tokenizer = None
-    preset = get_preset(arg)
-    if preset is not None and not p.exists():
-        cfg = build_config({"model": arg, "seed": opts.seed, "torch_dtype": dtype_name}, source="--model")
-        ms = resolve_model(arg)
-        model = load_model(cfg, ms)
-        tokenizer = load_tokenizer(cfg, ms)
-        desc = (f"{arg} (built-in, random init with seed {opts.seed})" if preset.builtin else f"{arg} ({ms.ref})")
-    elif p.is_dir() and (p / "config.json").is_file():
-        try:
-            from swiftlite.export.base_model import folder_class   # a reward model's folder: its score head
-            model = folder_class(p).from_pretrained(str(p), dtype=dtype)
-        except (OSError, ValueError) as e:
-            raise UserError(f"--model {arg}: cannot load ({str(e).splitlines()[0]})") from None
-        tokenizer = AutoTokenizer.from_pretrained(str(p))
-        desc = f"{p} (HF folder)"
-    elif p.is_dir() and (p / ADAPTER_CONFIG).is_file() and opts.adapters is None:
+    try:
+        ms = resolve_model(arg)   # preset, HF folder or hub id: the precedence every command uses
+    except UserError:
+        if not p.is_dir():
+            raise
+        ms = None   # a folder without config.json: infer's own cases, an adapter folder or a run folder
+    if ms is None and (p / ADAPTER_CONFIG).is_file() and opts.adapters is None:
         raise UserError(f"--model {arg}: an adapter folder; pass --model BASE --adapters {arg}")
-    elif p.is_dir():
+    elif ms is None:
         from swiftlite.export.reference import load_reference
         ref = load_reference(arg, log)
         model, tokenizer, desc, src = ref.model, ref.tokenizer, ref.desc, ref.source
         model = model.to(dtype) if not (src.cfg and src.cfg.quant.quant_bits) else model
-    elif p.exists():
-        raise UserError(f"--model {arg}: is a file; pass a model folder, run folder or preset name")
+    elif ms.kind == "preset":
+        cfg = build_config({"model": arg, "seed": opts.seed, "torch_dtype": dtype_name}, source="--model")
+        model = load_model(cfg, ms)
+        tokenizer = load_tokenizer(cfg, ms)
+        desc = f"{arg} (built-in, random init with seed {opts.seed})"
     else:
-        ms = resolve_model(arg)  # unknown preset / missing folder -> UserError
+        ms.check_folder()   # weights, no code of its own, not pre-quantized by another method
+        from swiftlite.export.base_model import auto_class   # a reward model's folder: its score head
         try:
-            model = AutoModelForCausalLM.from_pretrained(ms.ref, dtype=dtype)
-            tokenizer = AutoTokenizer.from_pretrained(ms.ref)
+            model = auto_class(ms.config()).from_pretrained(ms.ref, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(ms.tokenizer_ref)
         except (OSError, ValueError) as e:
             raise UserError(f"--model {arg}: cannot load ({str(e).splitlines()[0]})") from None
-        desc = ms.ref
+        desc = f"{p} (HF folder)" if ms.kind == "folder" else ms.ref if ms.preset is None else f"{arg} ({ms.ref})"
     if opts.adapters:
         model, tokenizer, desc = _with_adapter(model, tokenizer, desc, opts.adapters)
     if tokenizer is None:

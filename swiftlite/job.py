@@ -76,14 +76,12 @@ class JobFacts:
 
 
 def model_shape(cfg: "RunConfig") -> Any:
-    """The model's shape for the memory model: presets and local folders directly, a hub id from its
-    config (huggingface_hub's cache, downloaded if needed; never its weights)."""
-    from swiftlite.models.loading import model_config, resolve_model
-    from swiftlite.planner.shape import shape_from_config, shape_from_model_arg
-    source = resolve_model(cfg.model.model)
-    if source.kind in ("preset", "folder"):
-        return shape_from_model_arg(cfg.model.model)
-    return shape_from_config(model_config(cfg, source).to_dict(), cfg.model.model)
+    """The model's shape for the memory model (`ModelSource.shape`): presets and local folders from
+    their config, a hub id from its config too (huggingface_hub's cache, downloaded if needed; never
+    its weights)."""
+    from swiftlite.models.source import resolve_model
+    return resolve_model(cfg.model.model).shape(offline=False, trust_remote_code=cfg.model.trust_remote_code,
+                                                revision=cfg.model.model_revision)
 
 
 def resolve_job(cfg: "RunConfig", world_size: int, *, gpu_memory: Any, gpus_per_node: int | None) -> JobFacts:

@@ -357,16 +357,15 @@ def _exit_on_sigterm() -> None:
 def run_bench(cfg: BenchConfig, echo=print, console=None) -> dict[str, Any]:
     """Run every backend of `cfg`, write bench.json/md/png under cfg.output, print the table.
     Plugins (`cfg.external_plugins`) are loaded by the caller before `cfg.backends` is parsed."""
-    from swiftlite.models.loading import resolve_model
-    from swiftlite.planner import shape_from_model_arg
+    from swiftlite.models.source import resolve_model
     cfg.check()
-    resolve_model(cfg.model)  # an unknown preset or missing folder: one error before any run
+    source = resolve_model(cfg.model)  # an unknown preset or missing folder: one error before any run
     _exit_on_sigterm()
     out = Path(cfg.output).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     info = machine_info()
     try:
-        shape = shape_from_model_arg(cfg.model)
+        shape = source.shape()   # offline: a hub id has no parameter count here
     except UserError as e:
         echo(f"bench: no parameter count for {cfg.model} ({e}); MFU and estimates left out")
         shape = None

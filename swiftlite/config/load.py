@@ -28,7 +28,7 @@ from swiftlite.config.schema import (FALSE_WORDS, SECRET_KEY, SECTIONS, TRUE_WOR
 from swiftlite.errors import UserError, UserErrors, raise_all
 
 __all__ = ["FALSE_WORDS", "SECRET_KEY", "TRUE_WORDS", "alias_keys", "apply_env", "build_config", "canonical_key",
-           "coerce", "context_length", "gpu_torch_build", "load_args", "load_config", "model_config_dict",
+           "coerce", "context_length", "gpu_torch_build", "load_args", "load_config",
            "read_config_file", "redact_secrets", "resolve_accumulation", "resolve_light_defaults", "resolve_strategies",
            "save_args"]
 
@@ -247,21 +247,6 @@ def context_length(conf: Any) -> int | None:
     return None
 
 
-def model_config_dict(model: str) -> dict[str, Any] | None:
-    """--model's config as a dict when it can be read without importing transformers: a preset's, or a
-    local folder's config.json. None for a hub id (or anything unreadable)."""
-    from swiftlite.models.presets import get_preset
-    preset = get_preset(model)
-    if preset is not None:
-        return dict(preset.config)
-    f = Path(model).expanduser() / "config.json"
-    try:
-        data = json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def gpu_torch_build() -> bool:
     """Whether the installed torch is a CUDA or ROCm build, read from torch/version.py without
     importing torch (a CPU build can never see a GPU). Unknown: True (the safe answer)."""
@@ -282,7 +267,11 @@ def resolve_light_defaults(cfg: RunConfig) -> None:
     of torch. What is left ("auto" on a GPU build, max_length of a hub model) is resolved by
     `swiftlite.models.loading.resolve_model_defaults` once the model config and the GPU are known."""
     if cfg.data.max_length is None:
-        conf = model_config_dict(cfg.model.model)
+        from swiftlite.models.source import resolve_model   # the owner of --model's facts
+        try:
+            conf = resolve_model(cfg.model.model).config_dict()   # None for a hub id
+        except UserError:
+            conf = None   # an unknown or unreadable model: validation names it, with its own line
         if conf is not None:
             cfg.data.max_length = context_length(conf)
     if cfg.model.torch_dtype == "auto" and not gpu_torch_build():

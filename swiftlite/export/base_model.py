@@ -70,18 +70,6 @@ def base_ref(src: Source, ms: Any) -> str:
     return str(p.resolve()) if p.exists() else name
 
 
-def hub_id(src: Source, ms: Any) -> str | None:
-    """The base's hub id, when it has one (model cards name only hub models as base_model)."""
-    if ms is None or ms.kind == "preset":
-        return None
-    name = src.cfg.model.model
-    from swiftlite.models.presets import get_preset
-    pr = get_preset(name)
-    if pr is not None and pr.hub_id:
-        return pr.hub_id
-    return name if not Path(name).expanduser().exists() and name.count("/") == 1 else None
-
-
 def tokenizer_for(src: Source, ms: Any) -> Any:
     """The tokenizer the run trained with (checkpoint model/ copy, else the base's with --template)."""
     from transformers import AutoTokenizer

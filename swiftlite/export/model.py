@@ -14,7 +14,7 @@ from swiftlite.checkpoint.readers import (DCPReader, ModelReader, SafetensorsRea
                                           stream)
 from swiftlite.errors import UserError
 from swiftlite.export.adapter import check_adapter_fits, load_adapter, merge_lora
-from swiftlite.export.base_model import (base_ref, expected_tensors, hub_id, meta_model, tie_candidates, tied_names,
+from swiftlite.export.base_model import (base_ref, expected_tensors, meta_model, tie_candidates, tied_names,
                                          tokenizer_for)
 from swiftlite.export.memprobe import MemProbe
 from swiftlite.export.output import ExportResult, cast_checked, write_readme
@@ -88,7 +88,7 @@ def export_model(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_sha
         reader, base_desc = load_base_for_lora(src, ms, log)
         info["base_desc"] = base_desc
         info["base_ref"] = base_ref(src, ms)
-        info["hub_base"] = hub_id(src, ms)
+        info["hub_base"] = ms.hub_id
         info["weights_from"] = f"{base_desc_short} + adapter {adapter.origin}"
         info["what"] = f"LoRA merged into the base ({len(adapter.lora_modules())} modules)"
         log(f"base: {base_desc}")
@@ -192,7 +192,7 @@ def export_model(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_sha
     info["files"] = f"{len(shards)} safetensors shard(s), {len(weight_map)} tensors"
     if "base_ref" not in info and ms is not None:
         info["base_ref"] = base_ref(src, ms)
-        info["hub_base"] = hub_id(src, ms)
+        info["hub_base"] = ms.hub_id
     write_readme(tmp, src, info)
     total = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
     log(f"{len(weight_map)} tensors in {len(shards)} shard(s), {opts.dtype}, tie_word_embeddings={tie}, "
@@ -227,7 +227,7 @@ def export_adapter(src: Source, opts: ExportOptions, tmp: Path, out: Path) -> Ex
                       f"({src.cfg.quant.bnb_4bit_quant_type if src.cfg.quant.quant_bits == 4 else 'int8'})")
     infer_base = src.cfg.model.model + (f" --seed {src.cfg.train.seed}" if ms.kind == "preset" else "")
     info = {"kind": "adapter", "dtype": opts.dtype, "output_name": out.name, "base_desc": base_desc,
-            "final_path": str(out), "base_is_builtin": ms.kind == "preset", "hub_base": hub_id(src, ms),
+            "final_path": str(out), "base_is_builtin": ms.kind == "preset", "hub_base": ms.hub_id,
             "base_ref": base_ref(src, ms), "infer_base": infer_base,
             "weights_from": adapter.origin, "what": "LoRA adapter only (peft format, not merged)",
             "files": f"{ADAPTER_WEIGHTS} ({len(tensors)} tensors)"}

@@ -191,23 +191,15 @@ def resolve_base(src: Source) -> Any:
             msg = msg[len(f"--model {name}: "):]
         raise UserError(f"base model {name} (from {src.base_from}) is not available: {msg}; "
                         "pass --base-model PATH") from None
-    if ms.kind == "hub":
-        ms = _download_hub(ms, src)
+    if ms.kind == "hub":   # the local snapshot (downloaded when online), as a folder source
+        try:
+            ms = ms.snapshot(src.cfg.model.model_revision, ("*.json", "*.safetensors", "*.model", "*.txt",
+                                                            "*.jinja", "tokenizer*"))
+        except Exception as e:  # offline, gated, unknown id
+            raise UserError(f"base model {ms.ref} (from {src.base_from}) is not available: "
+                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; "
+                            "pass --base-model PATH") from None
     return ms
-
-
-def _download_hub(ms: Any, src: Source) -> Any:
-    """A hub id: the local snapshot (downloaded when online), as a folder source."""
-    from swiftlite.models.loading import ModelSource
-    try:
-        from huggingface_hub import snapshot_download
-        folder = snapshot_download(ms.ref, revision=src.cfg.model.model_revision,
-                                   allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja",
-                                                   "tokenizer*"])
-    except Exception as e:  # offline, gated, unknown id
-        raise UserError(f"base model {ms.ref} (from {src.base_from}) is not available: "
-                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; pass --base-model PATH") from None
-    return ModelSource("folder", folder, ms.preset)
 
 
 def model_config_for(src: Source, ms: Any) -> Any:

@@ -3,7 +3,6 @@ created: a run that fails validation leaves nothing behind and starts no rank.""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swiftlite.checkpoint.run_dir import check_output_dir
@@ -12,37 +11,6 @@ from swiftlite.errors import UserError
 
 if TYPE_CHECKING:
     from swiftlite.job import JobFacts
-
-
-def check_model_folder(cfg: RunConfig, folder: Path) -> None:
-    """A local model folder has weights, and needs no code of its own unless --trust-remote-code."""
-    import json
-    arg = cfg.model.model
-    try:
-        conf = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"--model {arg}: config.json is not valid JSON ({e})") from None
-    if not isinstance(conf, dict):
-        raise UserError(f"--model {arg}: config.json must hold a JSON object")
-    if not cfg.model.trust_remote_code:
-        from transformers import CONFIG_MAPPING
-        mtype = conf.get("model_type")
-        if mtype not in CONFIG_MAPPING:
-            extra = " and ships its own Python code (auto_map)" if conf.get("auto_map") else ""
-            raise UserError(f"--model {arg}: model_type {mtype!r} is not built into transformers{extra}; "
-                            "swiftlite runs no code from a model folder unless you pass --trust-remote-code")
-    quant = conf.get("quantization_config")
-    method = str(quant.get("quant_method", "")).lower() if isinstance(quant, dict) else ""
-    if method and method != "bitsandbytes":
-        # transformers would need that method's kernels, and the weights are not the 16-bit ones
-        # swiftlite trains or quantizes itself: say so here, not as an ImportError in every rank
-        raise UserError(f"--model {arg}: a pre-quantized {method.upper()} model (config.json quantization_config); "
-                        "swiftlite trains 16/32-bit weights (full, lora) or quantizes them itself at load time "
-                        "with bitsandbytes (--train-type qlora, or lora with --quant-bits 4|8): pass the "
-                        "original 16-bit model")
-    weights = [p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")]
-    if not weights:
-        raise UserError(f"--model {arg}: folder has config.json but no weights (*.safetensors, pytorch_model.bin)")
 
 
 def check_lora_targets(cfg: RunConfig, source: Any) -> None:
@@ -88,8 +56,7 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "JobFact
     if cfg.is_peft and cfg.lora.init_weights == "loftq" and source.kind == "preset":
         from swiftlite.models.lora import apply_loftq
         apply_loftq(None, cfg, None)   # the one-line refusal, before launch
-    if source.kind == "folder":
-        check_model_folder(cfg, Path(source.ref))
+    source.check_folder(cfg.model.trust_remote_code)   # a local folder: weights, no code of its own
     check_lora_targets(cfg, source)
     # --torch-dtype auto, the model's context length (where they need the model's config or the GPU)
     # and the backend, once (swiftlite/job.py)

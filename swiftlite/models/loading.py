@@ -1,4 +1,4 @@
-"""Resolve --model, load the tokenizer and the model, and prepare it for training.
+"""Load the tokenizer and the model, and prepare it for training.
 
 `prepare_model` is the one place that fixes the order (docs/design.md, "Model preparation"):
 load (meta or real) -> quantize (bnb) -> LoRA (peft) -> activation checkpointing -> compile (per
@@ -9,62 +9,22 @@ decoder layer). Wrapping by the backend and building the optimizer follow immedi
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from swiftlite import dtypes
 from swiftlite.errors import UserError
-from swiftlite.models.presets import Preset, get_preset
+from swiftlite.models.source import ModelSource, resolve_model
 
 if TYPE_CHECKING:
     import torch
 
     from swiftlite.config import RunConfig
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model comes from: a preset, a local folder or a hub id."""
-    kind: str  # "preset" | "folder" | "hub"
-    ref: str
-    preset: Preset | None = None
-
-    @property
-    def tokenizer_ref(self) -> str:
-        if self.preset is not None:
-            return self.preset.tokenizer or self.preset.hub_id or self.ref
-        return self.ref
-
-
-def resolve_model(arg: str) -> ModelSource:
-    """Classify --model; a missing folder or unknown preset is a UserError (no network attempt)."""
-    preset = get_preset(arg)
-    if preset is not None:
-        if preset.builtin:
-            return ModelSource("preset", arg, preset)
-        return ModelSource("hub", preset.hub_id or arg, preset)
-    p = Path(arg).expanduser()
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise UserError(f"--model {arg}: folder has no config.json (not a Hugging Face model folder)")
-        return ModelSource("folder", str(p))
-    if p.exists():
-        raise UserError(f"--model {arg}: is a file; pass the model folder that holds config.json")
-    if arg.startswith((".", "/", "~")) or arg.count("/") > 1 or os.sep in arg and not _HUB_ID.match(arg):
-        raise UserError(f"--model {arg}: model folder not found")
-    if _HUB_ID.match(arg):
-        return ModelSource("hub", arg)
-    from swiftlite.models.presets import PRESETS, suggest_preset
-    close = suggest_preset(arg)
-    hint = f"did you mean {close}? " if close else ""
-    raise UserError(f"--model {arg}: unknown preset ({hint}known: {', '.join(PRESETS)}), "
-                    "and not a local folder or hub id (org/name)")
+# ModelSource and resolve_model live in models/source.py (the owner of --model's facts); callers may
+# import them from here, where every loader takes a ModelSource.
 
 
 def torch_dtype(name: str) -> "torch.dtype":
@@ -163,16 +123,10 @@ _TOKENIZERS: dict[tuple, Any] = {}
 
 
 def model_config(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
-    """The transformers config of --model, without weights."""
-    from transformers import AutoConfig
+    """The transformers config of --model, without weights: `ModelSource.config` with the run's
+    --trust-remote-code and --model_revision."""
     src = source or resolve_model(cfg.model.model)
-    if src.preset is not None:
-        return AutoConfig.for_model(**src.preset.config)
-    try:
-        return AutoConfig.from_pretrained(src.ref, trust_remote_code=cfg.model.trust_remote_code,
-                                          revision=cfg.model.model_revision if src.kind == "hub" else None)
-    except (OSError, ValueError) as e:
-        raise UserError(f"--model {cfg.model.model}: cannot read its config ({str(e).splitlines()[0]})") from None
+    return src.config(cfg.model.trust_remote_code, cfg.model.model_revision)
 
 
 def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
@@ -303,7 +257,7 @@ def sharded_weights(cfg: "RunConfig", src: ModelSource, dtype: "torch.dtype", at
             torch.manual_seed(cfg.train.seed)   # the very weights the whole-model path builds
             full = AutoModelForCausalLM.from_config(model_config(cfg, src), dtype=dtype, **attn)
         return sharding.PresetWeights(dict(full.state_dict())), None
-    folder = Path(src.ref) if src.kind == "folder" else sharding.hub_folder(src.ref, cfg.model.model_revision)
+    folder = Path(src.snapshot(cfg.model.model_revision).ref)   # a hub model: its config and safetensors files
     why_not = sharding.safetensors_folder(folder)
     if why_not:
         return None, why_not

@@ -1,6 +1,6 @@
 """What the memory model needs to know about an architecture, from its config alone.
 
-    shape = shape_from_model_arg("llama-8b")        # a preset, or a local folder's config.json
+    shape = resolve_model("llama-8b").shape()       # --model's shape (models/source.py owns it)
     shape = shape_from_config(config_dict, "name")  # an HF config dict
 
 Llama, Mistral and Qwen2 configs are counted by a closed formula (GQA, SwiGLU, RMSNorm, Qwen2's
@@ -11,12 +11,11 @@ transformers are imported only on the meta-device path.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple
 
 from swiftlite.errors import UserError
+
 
 class Linear(NamedTuple):
     """A kind of linear layer: its leaf name (q_proj ...), in/out features, how many in the model."""
@@ -213,28 +212,4 @@ def _decoder_blocks(model, n_layers: int):
     return max(pool, key=len) if pool else None
 
 
-def shape_from_model_arg(model: str) -> ModelShape:
-    """ModelShape of `--model`: a preset name, or a local HF folder (only config.json is read)."""
-    from swiftlite.models.presets import PRESETS, get_preset
-
-    preset = get_preset(model)
-    if preset is not None:
-        return shape_from_config(preset.config, preset.name)
-    path = Path(model).expanduser()
-    if path.is_dir():
-        conf = path / "config.json"
-        if not conf.is_file():
-            raise UserError(f"--model {model}: folder has no config.json")
-        try:
-            data = json.loads(conf.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise UserError(f"--model {model}: {conf}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
-        return shape_from_config(data, str(model))
-    if path.is_file() and path.name == "config.json":
-        return shape_from_model_arg(str(path.parent))
-    raise UserError(f"--model {model}: not a preset (known: {', '.join(PRESETS)}) and not a local folder "
-                    "with config.json (estimate reads configs only; it never downloads)")
-
-
-
-__all__ = ["Linear", "ModelShape", "shape_from_config", "shape_from_model_arg"]
+__all__ = ["Linear", "ModelShape", "shape_from_config"]

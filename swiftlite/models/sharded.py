@@ -160,13 +160,6 @@ def safetensors_folder(folder: Path) -> str | None:
     return "the checkpoint has no safetensors files (pytorch_model.bin is read whole)"
 
 
-def hub_folder(repo: str, revision: str | None) -> Path:
-    """The local snapshot of a hub model's config and safetensors files (huggingface_hub's cache;
-    downloaded once, by every rank of a node into the same cache: the files are locked)."""
-    from huggingface_hub import snapshot_download
-    return Path(snapshot_download(repo, revision=revision, allow_patterns=["*.json", "*.safetensors"]))
-
-
 @contextlib.contextmanager
 def _empty_weights() -> Iterator[None]:
     """Parameters on the meta device, buffers real (accelerate's context, the one transformers uses)."""

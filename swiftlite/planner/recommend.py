@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from swiftlite.errors import UserError
+from swiftlite.models.source import resolve_model
 from swiftlite.planner.load import largest_shard_file
 from swiftlite.planner.memory import GiB, MemoryEstimate, Workload, estimate_all
-from swiftlite.planner.shape import ModelShape, shape_from_model_arg
+from swiftlite.planner.shape import ModelShape
 
 if TYPE_CHECKING:
     from swiftlite.config import RunConfig
@@ -253,7 +254,7 @@ def resolve_auto(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None
                             "on CPU)")
         return Decision("fsdp", f"{world_size} CPU processes: FSDP2 shards params, grads and optimizer "
                         "state (memory is not estimated on CPU)")
-    shape = shape or shape_from_model_arg(cfg.model.model)
+    shape = shape or resolve_model(cfg.model.model).shape()
     workload = workload_from_config(cfg, world_size, gpu_memory_bytes, gpus_per_node)
     decision = recommend(shape, workload)
     if decision.backend == "none":

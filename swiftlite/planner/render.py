@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 
 from swiftlite.errors import UserError
+from swiftlite.models.source import resolve_model
 from swiftlite.planner.memory import GiB, Workload, trainable_params
 from swiftlite.planner.load import largest_shard_file
 from swiftlite.planner.recommend import Decision, assess, recommend
-from swiftlite.planner.shape import shape_from_model_arg
 from swiftlite.sizes import parse_size
 
 
@@ -60,7 +60,7 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
         max_length, loss_impl = generation_length, "plain"
     elif rlhf_type:  # a pair is 2 sequences; the log-probs take the logits at the answer tokens
         micro_batch, loss_impl = micro_batch * 2, "plain"
-    shape = shape_from_model_arg(model)
+    shape = resolve_model(model).shape()   # offline: a preset or a local folder's config
     workload = Workload(shard_file_bytes=largest_shard_file(model), sharded_loading=sharded_loading,reference="copy" if copy else "none",
         train_type=train_type, dtype=dtype, lora_rank=lora_rank, quant_bits=quant_bits,
         max_length=max_length, micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing,

@@ -429,7 +429,7 @@ CASES: list[Case] = [
          "zero_hpz_partition_size 2 (ZeRO++ hpZ) needs ZeRO stage 3",
          setup=write("ds.json", json.dumps({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}}))),
     # -- other commands --------------------------------------------------------------------------
-    Case("estimate-unknown-model", ["estimate", "--model", "gpt-17"], "--model gpt-17: not a preset"),
+    Case("estimate-unknown-model", ["estimate", "--model", "gpt-17"], "--model gpt-17: unknown preset"),
     Case("estimate-bad-memory", ["estimate", "--gpu-memory", "lots"], "--gpu-memory: cannot read 'lots' as a size"),
     Case("estimate-zero-gpus", ["estimate", "--gpus", "0"], "--gpus must be a positive integer, got 0"),
     Case("estimate-wrong-type", ["estimate", "--max-length", "long"], "Invalid value for '--max-length'"),

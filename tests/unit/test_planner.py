@@ -303,7 +303,7 @@ def test_preset_shapes_match_param_count():
      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "tie_word_embeddings": True},
 ], ids=["llama", "qwen2-bias-tied"])
 def test_formula_matches_meta_device(cfg):
-    from swiftlite.planner.shape import _shape_from_meta
+    from swiftlite.models.shape import _shape_from_meta
     formula, meta = shape_from_config(cfg), _shape_from_meta(cfg, "")
     for f in ("n_params", "n_linear_params", "n_layer_params", "n_layer_linear_params", "largest_module_params"):
         assert getattr(formula, f) == getattr(meta, f), f
@@ -325,7 +325,7 @@ def test_shape_from_model_arg_folder(tmp_path):
 
 
 @pytest.mark.parametrize("setup, arg, words", [
-    (None, "no-such-model", ["no-such-model", "not a preset"]),
+    (None, "no-such-model", ["--model no-such-model: unknown preset"]),
     ("empty", "{tmp}", ["no config.json"]),
     ("bad-json", "{tmp}", ["invalid JSON"]),
     ("no-type", "{tmp}", ["no model_type"]),

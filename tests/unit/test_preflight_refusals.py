@@ -42,13 +42,13 @@ def test_plugin_with_a_missing_package_names_it(tmp_path):
 
 @pytest.mark.parametrize("method", ["awq", "gptq", "hqq"])
 def test_prequantized_folder_is_refused_with_what_is_supported(tmp_path, method):
-    from swiftlite.launch.preflight import check_model_folder
-    from swiftlite.models.presets import get_preset
-    conf = {**get_preset("tiny-llama-2l").config, "quantization_config": {"quant_method": method, "bits": 4}}
+    from swiftlite.models.presets import PRESETS
+    from swiftlite.models.source import resolve_model
+    conf = {**PRESETS["tiny-llama-2l"].config, "quantization_config": {"quant_method": method, "bits": 4}}
     (tmp_path / "config.json").write_text(json.dumps(conf))
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(UserError) as e:
-        check_model_folder(_cfg([]), tmp_path)
+        resolve_model(str(tmp_path)).check_folder(trust_remote_code=False)
     assert f"a pre-quantized {method.upper()} model" in str(e.value)
     assert "bitsandbytes (--train-type qlora, or lora with --quant-bits 4|8)" in str(e.value)
 
