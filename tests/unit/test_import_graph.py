@@ -145,9 +145,10 @@ def _package_graph() -> dict[str, set[str]]:
 #: The other side of each cycle is the natural direction (models use RunConfig; parallel/resolve.py
 #: asks the planner for --parallelism auto).
 KNOWN_PACKAGE_EDGES = {
-    # config/load.py reads a preset's context length and dtype from models/presets.py while
-    # settling the config's defaults; goes with the resolved-config work (issue 24, `resolve_run`).
-    ("config", "models"): "config/load.py -> models/presets.py",
+    # config/load.py asks ModelSource (models/source.py) for the model's config dict to default
+    # --max-length while settling the config; goes with the resolved-config work (issue 24,
+    # `resolve_run`), or when the presets table and ModelSource move below config/.
+    ("config", "models"): "config/load.py -> models/source.py",
     # planner/ reads the Backend records and the loss constants from parallel/; goes when the planner
     # takes rows (records as data) and the loss constants from a leaf (issue 24).
     ("planner", "parallel"): "planner/{backends,memory,activations}.py -> parallel/{base,loss,ds_config}.py",
