@@ -6,8 +6,10 @@
 The job: the tiny 2-layer Llama (seed 7, written once to DIR/model as an HF folder both read, its chat
 template ending assistant turns at the end token: see CHAT_TEMPLATE), the
 built-in preference task in TRL's conversational form (prompt / chosen / rejected messages), full
-fine-tuning, fp32, one process, batch 4 pairs, AdamW (betas 0.9/0.95, eps 1e-8, weight decay 0), a
-constant learning rate, no warm-up, gradient clipping at 1.0, no dropout. The pairs are handed to TRL
+fine-tuning, fp32, one process, batch 4 pairs, gradient accumulation 1 and no gradient checkpointing on
+both sides (pinned: swiftlite's defaults, ms-swift's, are ceil(16 / batch) and on), AdamW (betas
+0.9/0.95, eps 1e-8, weight decay 0), a constant learning rate, no warm-up, gradient clipping at 1.0, no
+dropout, --max-steps (one pass over the rows written). The pairs are handed to TRL
 in the order swiftlite's data plan takes them, and TRL reads them in that order (a sequential sampler),
 so both see the same pairs in every step. Before comparing, the script checks that TRL tokenized every
 pair to the same prompt and answer tokens as swiftlite.
@@ -17,7 +19,9 @@ SimPO runs trl.experimental.cpo's CPOTrainer with loss_type "simpo" (beta 2, gam
 CPO the same trainer with loss_type "sigmoid" (ms-swift's and TRL's defaults: beta 0.1, cpo_alpha 1.0);
 ORPO trl.experimental.orpo's ORPOTrainer (beta 0.1).
 Exit status 1 when a step differs by more than --tol (default 1e-3) in loss or rewards/margins.
-TRL runs in its own virtual environment (TRL_PYTHON, --trl-python); this file is its entry point too
+TRL runs in its own virtual environment: --trl-python, else $TRL_PYTHON, else
+$SWIFTLITE_PEERS_DIR/trl/bin/python (~/.cache/swiftlite/peers/trl, the venv scripts/bench_vs_peers.sh
+installs; DEFAULT_TRL_PYTHON, shared by every compare_*_trl.py). This file is its entry point too
 (`--trl-side`, importing nothing from swiftlite).
 """
 
@@ -31,6 +35,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Where the compare_*_trl.py scripts look for TRL's python unless --trl-python or TRL_PYTHON says: the
+#: `trl` venv under scripts/bench_vs_peers.sh's peers folder ($SWIFTLITE_PEERS_DIR, default
+#: ~/.cache/swiftlite/peers; ../shared/PEERS.md, docs/rlhf.md).
+PEERS_DIR = Path(os.environ.get("SWIFTLITE_PEERS_DIR") or Path.home() / ".cache" / "swiftlite" / "peers")
+DEFAULT_TRL_PYTHON = os.environ.get("TRL_PYTHON") or str(PEERS_DIR / "trl" / "bin" / "python")
 BATCH = 4
 LR = {"dpo": 1e-3, "simpo": 1e-3, "cpo": 1e-3, "orpo": 1e-3}
 SIMPO = {"beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.0}
@@ -170,7 +179,8 @@ def main() -> int:
     ap.add_argument("--method", choices=("dpo", "simpo", "cpo", "orpo"), default="dpo")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tol", type=float, default=1e-3)
-    ap.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/root/.cache/swiftlite/peers/trl/bin/python"))
+    ap.add_argument("--trl-python", default=DEFAULT_TRL_PYTHON,
+                    help="TRL's python (default: $TRL_PYTHON, else $SWIFTLITE_PEERS_DIR/trl/bin/python)")
     ap.add_argument("--trl-side", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)

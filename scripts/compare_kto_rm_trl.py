@@ -5,7 +5,8 @@
 
 The job is scripts/compare_dpo_trl.py's (the tiny 2-layer Llama written once as an HF folder both
 read, its chat template ending assistant turns at the end token; full fine-tuning, fp32, one process,
-batch 4, AdamW 0.9/0.95, eps 1e-8, no weight decay, constant learning rate 1e-3, clipping 1.0), on
+batch 4, accumulation 1 and no gradient checkpointing on both sides, AdamW 0.9/0.95, eps 1e-8, no
+weight decay, constant learning rate 1e-3, clipping 1.0), on
 the built-in preference task:
 
 - kto: the pairs unpaired (pair i gives its chosen answer with label true when i is even, its
@@ -19,8 +20,9 @@ the built-in preference task:
 
 The rows are handed to TRL in the order swiftlite's data plan takes them, TRL reads them in that
 order (a sequential sampler). Exit status 1 when a step's loss (kto: also kl and rewards/margins) differs by more
-than --tol, or the tokenization differs. TRL runs in its own venv (TRL_PYTHON, --trl-python); this file
-is its entry point too (`--trl-side`, importing nothing from swiftlite).
+than --tol, or the tokenization differs. TRL runs in its own venv (--trl-python, else $TRL_PYTHON,
+else compare_dpo_trl.DEFAULT_TRL_PYTHON: $SWIFTLITE_PEERS_DIR/trl/bin/python); this file is its entry
+point too (`--trl-side`, importing nothing from swiftlite).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_dpo_trl import BATCH, _prepare  # noqa: E402  (the model folder and the pairs, in plan order)
+from compare_dpo_trl import BATCH, DEFAULT_TRL_PYTHON, _prepare  # noqa: E402  (the model folder and the pairs, in plan order)
 
 LR = 1e-3
 KTO = {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.5}
@@ -86,7 +88,8 @@ def _swiftlite(out: Path, model_dir: Path, data: Path, method: str, steps: int) 
     run = out / f"swiftlite_{method}"
     args = [sys.executable, "-m", "swiftlite", "rlhf", "--rlhf-type", method, "--model", str(model_dir),
             "--dataset", str(data), "--full", "--torch-dtype", "fp32", "--parallelism", "single", "--seed", "7",
-            "--per-device-train-batch-size", str(BATCH), "--max-steps", str(steps), "--logging-steps", "1",
+            "--per-device-train-batch-size", str(BATCH), "--gradient-accumulation-steps", "1",
+            "--gradient-checkpointing", "false", "--max-steps", str(steps), "--logging-steps", "1",
             "--learning-rate", str(LR), "--lr-scheduler-type", "constant", "--warmup-ratio", "0",
             "--weight-decay", "0", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--max-grad-norm", "1.0",
             "--save-hf-model", "false", "--save-strategy", "no", "--output-dir", str(run)]
@@ -165,7 +168,8 @@ def main() -> int:
     ap.add_argument("--method", choices=("kto", "rm"), default="kto")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tol", type=float, default=1e-5)
-    ap.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", "/root/.cache/swiftlite/peers/trl/bin/python"))
+    ap.add_argument("--trl-python", default=DEFAULT_TRL_PYTHON,
+                    help="TRL's python (default: $TRL_PYTHON, else $SWIFTLITE_PEERS_DIR/trl/bin/python)")
     ap.add_argument("--trl-side", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
