@@ -19,7 +19,11 @@ Aggregation over one micro-batch (mask m: completion tokens up to and including 
     dr_grpo  sum m loss / (completions x --max_completion_length)
     dapo     sum m loss / (tokens of the generation round x GA / steps_per_generation / processes)
 and the optimizer step's loss is the mean of its micro-batches' (TRL divides by the accumulation
-steps and the backends average over ranks). rlhf/grpo.py turns that into each micro-batch's share.
+steps and the backends average over ranks). `micro_batch_loss` is each micro-batch's share, what is
+backpropagated (TRL's `_compute_loss` return value): grpo, bnpo and dr_grpo the above / GA; dapo its
+token sum over (the round's completion tokens on all processes / processes x GA / steps_per_generation),
+which already holds the accumulation, so that a step's GA micro-batches, averaged over the processes,
+make a token mean over the step's completions when every micro-batch holds as many tokens.
 """
 
 from __future__ import annotations
@@ -114,6 +118,22 @@ def aggregate(o: GrpoLoss, per_token_loss: torch.Tensor, mask: torch.Tensor, dap
     raise ValueError(f"loss_type {o.loss_type!r}")
 
 
+def micro_batch_loss(o: GrpoLoss, per_token_loss: torch.Tensor, mask: torch.Tensor, *, accumulation: int = 1,
+                     round_tokens: float | None = None, steps_per_generation: int | None = None,
+                     world_size: int = 1) -> torch.Tensor:
+    """What one micro-batch backpropagates (TRL's `_compute_loss` in training): `aggregate` / GA for
+    grpo, bnpo and dr_grpo; for dapo the token sum over round_tokens x GA / steps_per_generation /
+    world_size, `round_tokens` being the completion tokens of the whole generation round summed over
+    all processes (TRL's num_items_in_batch). Without round_tokens (one micro-batch is the round on one
+    process) dapo's normaliser is the micro-batch's own tokens."""
+    if o.loss_type == "dapo":
+        if round_tokens is None:
+            return aggregate(o, per_token_loss, mask)
+        spg = accumulation if steps_per_generation is None else steps_per_generation
+        return aggregate(o, per_token_loss, mask, dapo_tokens=float(round_tokens) * accumulation / spg / world_size)
+    return aggregate(o, per_token_loss, mask) / accumulation
+
+
 def clip_stats(o: GrpoLoss, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Masked sums of TRL's clip indicators ([B, T] -> per-completion sums of low/high/region), and the
     per-completion token counts, so that means over any set of micro-batches can be formed."""
@@ -126,4 +146,5 @@ def clip_stats(o: GrpoLoss, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.
             "tokens": m.sum(-1)}
 
 
-__all__ = ["GrpoLoss", "LOSS_TYPES", "TokenTerms", "advantages", "aggregate", "clip_stats", "nanstd", "token_terms"]
+__all__ = ["GrpoLoss", "LOSS_TYPES", "TokenTerms", "advantages", "aggregate", "clip_stats", "micro_batch_loss",
+           "nanstd", "token_terms"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swiftlite.errors import UserError
-from swiftlite.rlhf.grpo_loss import GrpoLoss, advantages, aggregate, token_terms
+from swiftlite.rlhf.grpo_loss import GrpoLoss, advantages, aggregate, micro_batch_loss, token_terms
 
 LENGTHS = [4, 2, 3, 1]          # 2 prompts x G = 2
 
@@ -26,9 +26,10 @@ def _batch():
 
 
 def _reference_loss(loss_type, logps, old, ref, adv, mask, beta, lo, hi, max_len, dapo_tokens):
-    """TRL's formulas, element by element in plain Python floats."""
-    per = [[0.0] * 4 for _ in range(4)]
-    for i in range(4):
+    """TRL's formulas, element by element in plain Python floats (any number of completions)."""
+    B = len(mask)
+    per = [[0.0] * 4 for _ in range(B)]
+    for i in range(B):
         for t in range(4):
             r = math.exp(logps[i][t] - old[i][t])
             c = min(max(r, 1 - lo), 1 + hi)
@@ -38,11 +39,11 @@ def _reference_loss(loss_type, logps, old, ref, adv, mask, beta, lo, hi, max_len
                 v += beta * (math.exp(d) - d - 1)
             per[i][t] = v * mask[i][t]
     if loss_type == "grpo":
-        return sum(sum(per[i]) / sum(mask[i]) for i in range(4)) / 4
+        return sum(sum(per[i]) / sum(mask[i]) for i in range(B)) / B
     if loss_type == "bnpo":
         return sum(map(sum, per)) / sum(map(sum, mask))
     if loss_type == "dr_grpo":
-        return sum(map(sum, per)) / (4 * max_len)
+        return sum(map(sum, per)) / (B * max_len)
     return sum(map(sum, per)) / dapo_tokens
 
 
@@ -82,6 +83,36 @@ def test_loss_types_match_trl_formulas(loss_type, beta, with_old):
         for i, n in enumerate(LENGTHS):
             d = 4 * n if norm is None else norm
             assert lp.grad[i, :n].tolist() == pytest.approx([-adv[i].item() / d] * n, abs=1e-6)
+
+    # More than one micro-batch: the 4 completions (10 tokens) are one generation round cut into
+    # micro-batches [0, 1] (6 tokens) and [2, 3] (4 tokens). What each backpropagates is TRL's
+    # _compute_loss: grpo/bnpo/dr_grpo their formula / GA; dapo its token sum over num_items_in_batch
+    # (the round's tokens on all processes) / processes x GA / steps_per_generation. bnpo's normaliser
+    # (the micro-batch's tokens x GA) would give 12 and 8 where dapo's is 10 (layout a), 5 (b, c).
+    total = float(mask.sum())
+    layouts = {"a: GA 2, S 2, 1 process": (2, 2, 1), "b: GA 1, S 1, 2 processes (one micro-batch each)": (1, 1, 2),
+               "c: GA 1, S 2, 1 process (a round serves 2 steps)": (1, 2, 1)}
+    for name, (ga, spg, procs) in layouts.items():
+        for rows in ([0, 1], [2, 3]):
+            idx = torch.tensor(rows)
+            lp = logps[idx].clone().requires_grad_(True)
+            terms = token_terms(o, lp, old[idx] if with_old else None, ref[idx] if beta else None, adv[idx])
+            got = micro_batch_loss(o, terms.per_token_loss, mask[idx], accumulation=ga, round_tokens=total,
+                                   steps_per_generation=spg, world_size=procs)
+            norm_dapo = total / procs * ga / spg
+            want = _reference_loss(loss_type, logps[idx].tolist(), (old if with_old else logps)[idx].tolist(),
+                                   ref[idx].tolist(), adv[idx].tolist(), mask[idx].tolist(), beta, 0.2, 0.28, 6,
+                                   norm_dapo)
+            if loss_type != "dapo":
+                want /= ga
+            assert float(got.detach()) == pytest.approx(want, abs=1e-7), (name, rows)
+            got.backward()
+            if not with_old and not beta:   # on-policy, no KL: -A_i / (what TRL divides the token sum by)
+                n_mb = float(mask[idx].sum())
+                for k, i in enumerate(rows):
+                    n = LENGTHS[i]
+                    d = {"grpo": 2 * n * ga, "bnpo": n_mb * ga, "dr_grpo": 2 * 6 * ga, "dapo": norm_dapo}[loss_type]
+                    assert lp.grad[k, :n].tolist() == pytest.approx([-adv[i].item() / d] * n, abs=1e-7), (name, rows)
 
 
 def test_builtin_rewards_as_ms_swift():
