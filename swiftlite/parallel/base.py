@@ -26,9 +26,9 @@ accumulation. An engine must not rescale the loss again (DeepSpeed's own 1/gas i
 
 What a `--parallelism` value means is a `Backend` record: its engine factory, the names that select
 it, what it shards, how the planner counts its memory, its own config checks, the context models are
-built in, its checkpoint format, DeepSpeed preset and DPO's frozen reference copy. Records are registered by the backend modules
-(`BUILTIN_MODULES`, imported on first use; each is torch-free at import time) or by a user's
-`--external-plugins` file. Only `parallel/resolve.py` turns a run config into a record
+built in, its checkpoint format, DeepSpeed preset and DPO's frozen reference copy. Records are
+registered by the backend modules (`BUILTIN_MODULES`, imported on first use; each is torch-free at
+import time) or by a user's `--external-plugins` file. Only `parallel/resolve.py` turns a run config into a record
 (`resolve_backend`); everything else asks it. Adding a backend = one module that calls
 `register_backend(Backend(...))`, plus its name in `BUILTIN_MODULES` when it ships with swiftlite.
 docs/design.md has the whole picture.
@@ -364,4 +364,5 @@ def _plugin_import_error(given: str, path: Path, e: ImportError) -> str:
     return f"{where}: {what}"
 
 
-__all__ += ["BUILTIN_MODULES", "Check", "LIKE_POLICY", "OPTION_FLAGS", "load_plugins", "parallelism_names", "unregister_backend"]
+__all__ += ["BUILTIN_MODULES", "Check", "LIKE_POLICY", "OPTION_FLAGS", "load_plugins", "parallelism_names",
+            "unregister_backend"]

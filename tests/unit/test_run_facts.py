@@ -136,7 +136,8 @@ def test_a_model_only_resume_refuses_only_a_change_of_the_weights_shape(tmp_path
     c, eng = _checkpoint(tmp_path), FakeEngine()
     key = name.partition(".")[2]
     if key in WEIGHT_SHAPE:
-        with pytest.raises(UserError, match=f"--resume_only_model: the weights of checkpoint-7 have another shape.*{name}"):
+        with pytest.raises(UserError, match=f"--resume_only_model: the weights of checkpoint-7 have another shape.*"
+                                            f"{name}"):
             load_training_state(eng, c, WORLD, cfg, TORCH, run_facts(cfg, data, batch))
         assert eng.calls == []
     else:
