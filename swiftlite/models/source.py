@@ -76,7 +76,8 @@ class ModelSource:
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise UserError(f"--model {self.name}: folder has no config.json (not a Hugging Face model folder)") from None
+            raise UserError(f"--model {self.name}: folder has no config.json "
+                            "(not a Hugging Face model folder)") from None
         except json.JSONDecodeError as e:
             raise UserError(f"--model {self.name}: {f}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
         except (OSError, UnicodeDecodeError) as e:
