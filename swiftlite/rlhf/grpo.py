@@ -34,7 +34,7 @@ from swiftlite.distributed import all_reduce_sum
 from swiftlite.errors import UserError
 from swiftlite.metrics import StepStats
 from swiftlite.rlhf.generate import completion_seed, gathered, sample, token_logps
-from swiftlite.rlhf.grpo_loss import GrpoLoss, advantages, aggregate, clip_stats, token_terms
+from swiftlite.rlhf.grpo_loss import GrpoLoss, advantages, clip_stats, micro_batch_loss, token_terms
 
 #: The completions table of --log_completions, in the run folder.
 COMPLETIONS_FILE = "completions.jsonl"
@@ -324,12 +324,8 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
             logps, ent = token_logps(module, t["prompt_ids"], t["prompt_mask"], t["completion_ids"], mask, temp, ctx,
                                      entropy=True)
             terms = token_terms(o, logps, t.get("old_logps"), t.get("ref_logps"), t["advantages"])
-            if o.loss_type == "dapo":
-                mb_loss = aggregate(o, terms.per_token_loss, mask, dapo_tokens=cur.tokens * ga / S / world.world_size)
-                objective = mb_loss
-            else:
-                mb_loss = aggregate(o, terms.per_token_loss, mask)
-                objective = mb_loss / ga
+            objective = micro_batch_loss(o, terms.per_token_loss, mask, accumulation=ga, round_tokens=cur.tokens,
+                                         steps_per_generation=S, world_size=world.world_size)
             engine.backward(objective)
         loss_sum += float(objective.detach())
         m = mask.float()
