@@ -62,8 +62,8 @@ def test_dry_run_preflight_and_trainer_agree(parallelism, nproc, dtype, data, tm
     argv = _argv(data, str(tmp_path / "out"), parallelism, nproc, dtype)
     cfg = load_config(*parse_run_args(argv))
     pre = _outcome(lambda: preflight(cfg, nproc, data=False).choice.name)
-    world = SimpleNamespace(device="cpu", distributed=nproc > 1, world_size=nproc, local_world_size=nproc,
-                            rank=0, is_main=False)
+    world = SimpleNamespace(device="cpu", device_type="cpu", distributed=nproc > 1, world_size=nproc,
+                            local_world_size=nproc, rank=0, is_main=False)
     run = _outcome(lambda: trainer_resolve(cfg, world).name)
     rc, out, err = _dry_run(argv)
     if pre[0] == "ok":
