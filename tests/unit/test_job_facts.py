@@ -67,7 +67,8 @@ def _argv(model, tmp_path, *extra):
 
 
 def _rank_world():
-    return SimpleNamespace(device="cuda:0", device_type="cuda", distributed=False, world_size=8, local_world_size=8, rank=0, is_main=True)
+    return SimpleNamespace(device="cuda:0", device_type="cuda",
+                           distributed=False, world_size=8, local_world_size=8, rank=0, is_main=True)
 
 
 def test_hub_id_on_an_80gb_gpu_resolves_to_one_backend_everywhere(hub_model, gpus, tmp_path, capsys):

@@ -437,7 +437,8 @@ def test_auto_in_a_run_reads_the_gpu_memory(monkeypatch, capsys):
     cfg = build_config({"model": "llama-70b", "dataset": ["x.jsonl"], "train_type": "qlora",
                         "torch_dtype": "bf16", "parallelism": "auto", "max_length": 1024,
                         "gradient_checkpointing": True})
-    world = SimpleNamespace(device="cuda:0", device_type="cuda", distributed=False, world_size=1, local_world_size=1, is_main=True)
+    world = SimpleNamespace(device="cuda:0", device_type="cuda",
+                            distributed=False, world_size=1, local_world_size=1, is_main=True)
     memory = {"total": 80 * GB}
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda dev: SimpleNamespace(total_memory=memory["total"]))
@@ -447,7 +448,8 @@ def test_auto_in_a_run_reads_the_gpu_memory(monkeypatch, capsys):
     memory["total"] = 24 * GB
     with pytest.raises(UserError, match="--parallelism auto"):
         resolve_backend(cfg, world)
-    cpu = SimpleNamespace(device="cpu", device_type="cpu", distributed=False, world_size=2, local_world_size=2, is_main=True)
+    cpu = SimpleNamespace(device="cpu", device_type="cpu",
+                          distributed=False, world_size=2, local_world_size=2, is_main=True)
     assert resolve_backend(cfg, cpu).name == "fsdp"
 
 
