@@ -34,7 +34,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from swiftlite.checkpoint import layout
 from swiftlite import dtypes, env
 from swiftlite.bench.device import child_pythonpath, datasheet_peak, loadavg, machine_info, probe_device
 from swiftlite.bench.nodes import FR_BUFFER_ENV, FR_BUFFER_SIZE, collect_links, node_commands, run_nodes
@@ -42,6 +41,7 @@ from swiftlite.bench.nodes import kill_group as _kill_group  # one process group
 from swiftlite.bench.report import render_markdown, render_table, write_chart
 from swiftlite.bench.spec import BackendSpec, BenchConfig
 from swiftlite.bench.trace import analyze_trace
+from swiftlite.checkpoint import layout
 from swiftlite.errors import UserError
 
 
@@ -243,7 +243,7 @@ def collect(cfg: BenchConfig, spec: BackendSpec, res: BackendResult, run_dir: Pa
     records = [r for r in log if "loss" in r and "step" in r]
     if records:
         res.final_loss = records[-1]["loss"]
-    prof_dir = run_dir / "profile"
+    prof_dir = run_dir / layout.PROFILE_DIR
     stats = [json.loads(p.read_text()) for p in sorted(prof_dir.glob(layout.rank_glob("stats")))]
     _step_times(cfg, res, stats, {r["step"]: r for r in records})
     if res.tokens_per_step and res.step_time_s:
