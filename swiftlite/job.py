@@ -64,15 +64,18 @@ class JobFacts:
 
     def apply(self, cfg: "RunConfig") -> None:
         """Give a rank's config the concrete dtype and max length the launcher settled (a rank that
-        parsed the command line again still has `auto` / no length), then the rules that depend on
-        them, as resolve_model_defaults runs them."""
+        parsed the command line again still has `auto` / no length), then, when the dtype changed, the
+        rules again (the dtype rule), as resolve_model_defaults runs them: a length alone changes no
+        rule's answer."""
         if cfg.model.torch_dtype == self.torch_dtype and cfg.data.max_length is not None:
             return
+        dtype_changed = cfg.model.torch_dtype != self.torch_dtype
         cfg.model.torch_dtype = self.torch_dtype
         if cfg.data.max_length is None:
             cfg.data.max_length = self.max_length
-        from swiftlite.config import validate
-        validate(cfg, check_paths=False)
+        if dtype_changed:
+            from swiftlite.config import validate
+            validate(cfg, check_paths=False)
 
 
 def model_shape(cfg: "RunConfig") -> Any:

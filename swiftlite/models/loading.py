@@ -76,14 +76,18 @@ def resolve_max_length(cfg: "RunConfig", model_config: Any) -> str | None:
 def resolve_model_defaults(cfg: "RunConfig", source: ModelSource | None = None) -> list[str]:
     """Make --torch-dtype and --max-length concrete where config.load could not without torch or
     transformers (a GPU build of torch; a hub model): reads the model's config and asks torch for a GPU,
-    only when something is still unresolved. Idempotent; returns the phrases of what it resolved. Then
-    re-runs the config rules that depend on the dtype (--bnb-4bit-compute-dtype)."""
+    only when something is still unresolved. Idempotent; returns the phrases of what it resolved. Then,
+    only when the dtype was `auto` here, re-runs the config rules (one of them compares the dtype:
+    --bnb-4bit-compute-dtype): a max length read from the model's context is positive by construction,
+    so filling it alone leaves the rules' answer as config.load had it, and they run once."""
     if cfg.model.torch_dtype != "auto" and cfg.data.max_length is not None:
         return []
     conf = model_config(cfg, source)
+    dtype_was_auto = cfg.model.torch_dtype == "auto"
     done = [_auto_dtype_here(cfg, conf), resolve_max_length(cfg, conf)]
-    from swiftlite.config import validate
-    validate(cfg, check_paths=False)
+    if dtype_was_auto:
+        from swiftlite.config import validate
+        validate(cfg, check_paths=False)
     return [d for d in done if d]
 
 

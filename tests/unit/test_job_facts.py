@@ -158,3 +158,24 @@ def test_one_sft_process_runs_the_rules_once_and_resolves_the_backend_once(tmp_p
                  "--per-device-train-batch-size", "2", "--output-dir", str(tmp_path / "out")]) == 0
     assert (rules.RUNS["count"] - runs, RESOLUTIONS["count"] - resolutions) == (1, 1)
     assert (tmp_path / "out" / "logging.jsonl").is_file()
+
+
+def test_hub_id_without_max_length_runs_the_rules_once(hub_model, tmp_path, monkeypatch):
+    """The same counter with a hub model id and no --max-length (its context is read from the config in
+    the hub cache, in preflight): the model's context is positive by construction, so the rules that
+    config.load ran are not run again; only a --torch-dtype auto that preflight makes concrete is
+    judged again (--bnb-4bit-compute-dtype)."""
+    from swiftlite.config import rules
+    from swiftlite.job import RESOLUTIONS
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NPROC_PER_NODE", "NNODES", "SWIFTLITE_JOB_FACTS"):
+        monkeypatch.delenv(k, raising=False)
+    argv = _argv(hub_model, tmp_path, "--train-type", "lora")
+    at = argv.index("--max-length")
+    argv = argv[:at] + argv[at + 2:]
+    at = argv.index("--nproc-per-node")
+    argv = argv[:at] + argv[at + 2:]
+    runs, resolutions = rules.RUNS["count"], RESOLUTIONS["count"]
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["sft", *argv, "--dry-run"]) == 0
+    assert (rules.RUNS["count"] - runs, RESOLUTIONS["count"] - resolutions) == (1, 1), out.getvalue()
