@@ -129,6 +129,17 @@ def test_builtin_rewards_as_ms_swift():
     assert fmt.name == "Format" and fmt.needs == ()
 
 
+def test_accuracy_reward_verifies_the_answer_with_math_verify():
+    """ms-swift's `accuracy`: the <answer> part (or the whole completion) parsed and verified against
+    the solution with math_verify (the `grpo` extra); equal values in other forms score 1."""
+    from swiftlite.plugin import build_rewards
+    (acc,) = build_rewards(["accuracy"], None)
+    assert acc.needs == ("solution",)
+    got = acc(["<answer>\\frac{1}{2}</answer>", "The answer is $0.5$", "no idea", "<answer>3</answer>"],
+              solution=["$\\frac{1}{2}$", "$\\frac{1}{2}$", "$2$", "<answer>$4$</answer>"])
+    assert got == [1.0, 1.0, 0.0, 0.0]
+
+
 def test_unknown_reward_and_required_columns():
     from swiftlite.plugin import build_rewards, orms
     with pytest.raises(UserError, match="--reward_funcs nope: unknown reward function"):
