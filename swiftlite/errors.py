@@ -7,6 +7,9 @@ a bug in swiftlite or an environment problem and keeps its traceback.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, Callable, ContextManager
+
 EXIT_USER_ERROR = 2
 
 
@@ -35,3 +38,58 @@ def raise_all(messages: list[str]) -> None:
         raise UserError(messages[0])
     if messages:
         raise UserErrors(messages)
+
+
+class Refusals:
+    """Every refusal one run finds, across its stages (the flags, the value rules, the plugins, the
+    preflight), reported together by `raise_all`: one line each, exit 2, before anything is written.
+
+    A stage goes on after an earlier one refused, and passes over exactly what it cannot judge: each
+    refusal is recorded with the config fields it read (`fields`), and a rule or check that reads one
+    of them (or `needs` one) is passed over, as is one that fails otherwise once something is refused
+    (it could not judge a config already refused). `watch()` is a context manager yielding the set
+    of field names read while it is open (config.schema.field_reads); without it nothing is recorded
+    and only `needs` passes a check over."""
+
+    def __init__(self, watch: Callable[[], ContextManager[set[str]]] | None = None):
+        self.lines: list[str] = []
+        self.fields: set[str] = set()
+        self.watch = watch
+
+    def __bool__(self) -> bool:
+        return bool(self.lines)
+
+    def add(self, error: Any, fields: Any = ()) -> None:
+        """A refusal (a message, a UserError or a UserErrors) and the fields it is about."""
+        lines = error.lines if isinstance(getattr(error, "lines", None), list) else [str(error)]
+        for line in (" ".join(str(m).split("\n")).strip() for m in lines):
+            if line and line not in self.lines:
+                self.lines.append(line)
+        self.fields |= set(fields)
+
+    def blocked(self, fields: Any) -> bool:
+        """Whether any of `fields` was refused (what reads them cannot be judged)."""
+        return not self.fields.isdisjoint(fields)
+
+    def check(self, fn: Callable[..., Any], *args: Any, needs: tuple[str, ...] = (), about: tuple[str, ...] = (),
+              **kwargs: Any) -> Any:
+        """Run one check; a UserError it raises is added with the fields it read (and `about`: what its
+        refusal makes unusable to later checks). Returns what `fn` returns, or None when it refused or
+        was passed over (see the class)."""
+        if self.blocked(needs):
+            return None
+        refused_before = bool(self.lines)
+        with (self.watch() if self.watch else contextlib.nullcontext(set())) as read:
+            try:
+                return fn(*args, **kwargs)
+            except UserError as e:
+                if not self.blocked(read):
+                    self.add(e, set(read) | set(about))
+                return None
+            except Exception:
+                if refused_before:
+                    return None
+                raise
+
+    def raise_all(self) -> None:
+        raise_all(self.lines)

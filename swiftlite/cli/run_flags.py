@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from swiftlite.errors import UserError
+from swiftlite.errors import Refusals, UserError
 
 IGNORED_FLAGS = {"--local_rank", "--local-rank"}  # appended by the DeepSpeed launcher
 SHORTHANDS = {"--lora": ("train_type", "lora"), "--qlora": ("train_type", "qlora"),
@@ -47,19 +47,20 @@ def _values(args: list[str], i: int, many: bool) -> tuple[list[str], int]:
     return vals, i
 
 
-def parse_run_args(args: list[str]) -> tuple[str | None, dict[str, Any]]:
+def parse_run_args(args: list[str], refusals: Refusals | None = None) -> tuple[str | None, dict[str, Any]]:
     """argv of `sft`/`pt`/`rlhf` -> (config file, flat overrides). Every refused or unknown flag of the
     command line is reported at once (one line each): ms-swift's options that swiftlite does not
     implement with their reason (config/msswift_unsupported.py), NO_MEANING values that do not fit,
-    refused values, and unknown flags (a suggestion only for a misspelling of a swiftlite flag)."""
+    refused values, and unknown flags (a suggestion only for a misspelling of a swiftlite flag).
+    Raised here, or, given `refusals` (the run's: errors.Refusals), added to them with the field each
+    names, and the flags accepted returned, so that the later stages report theirs in the same run."""
     from swiftlite.config import FALSE_WORDS, TRUE_WORDS
     from swiftlite.config.msswift import check_no_meaning, check_value
     from swiftlite.config.msswift_unsupported import misspelling_of, refusal
-    from swiftlite.errors import raise_all
     table = _flag_table()
     no_meaning = _no_meaning_table()
     values: dict[str, Any] = {}
-    problems: list[str] = []
+    problems = refusals if refusals is not None else Refusals()
     config_file = None
     i = 0
     while i < len(args):
@@ -102,7 +103,7 @@ def parse_run_args(args: list[str]) -> tuple[str | None, dict[str, Any]]:
             try:
                 check_no_meaning(entry.name, value, "flags")
             except UserError as e:
-                problems.append(str(e))
+                problems.add(e, (entry.name,))
             else:
                 values[entry.name] = value
             continue
@@ -111,10 +112,10 @@ def parse_run_args(args: list[str]) -> tuple[str | None, dict[str, Any]]:
                 _, i = _values(args, i, True)
             why = refusal(name)
             if why is not None:
-                problems.append(f"{name}: {why}")
+                problems.add(f"{name}: {why}")
                 continue
             close = misspelling_of(name, list(table) + list(no_meaning) + ["--config", *SHORTHANDS])
-            problems.append(f"unknown option {name}" + (f" (did you mean {close}?)" if close else ""))
+            problems.add(f"unknown option {name}" + (f" (did you mean {close}?)" if close else ""))
             continue
         if spec.is_switch:
             if eq:
@@ -135,9 +136,10 @@ def parse_run_args(args: list[str]) -> tuple[str | None, dict[str, Any]]:
             try:
                 check_value(spec.name, vals[0], "flags")  # --train_type adalora, --rlhf_type kto
             except UserError as e:
-                problems.append(str(e))
+                problems.add(e, (spec.name,))
                 del values[spec.name]
-    raise_all(problems)
+    if refusals is None:
+        problems.raise_all()
     return config_file, values
 
 

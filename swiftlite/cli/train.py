@@ -18,25 +18,31 @@ def run_command(task: str, args: list[str]) -> int:
         print(run_help(task))
         return 0
     from swiftlite import env
-    from swiftlite.config import load_config
-    config_file, values = parse_run_args(args)
-    cfg = load_config(config_file, values, task=task)
+    from swiftlite.config import field_reads, load_config
+    from swiftlite.errors import Refusals
+    # Every refusal of the run, from the flags to the preflight, is reported at once (errors.Refusals):
+    # each stage judges what the earlier refusals leave it, and nothing is written before they are raised.
+    refused = Refusals(watch=field_reads)
+    config_file, values = parse_run_args(args, refused)
+    cfg = load_config(config_file, values, task=task, refusals=refused)
     env.drop_platform_node_vars()  # read into --nnodes / --node-rank (PAI-DLC, Kubeflow); not this process's rank
     from swiftlite.checkpoint.run_dir import apply_add_version
-    apply_add_version(cfg)   # --add_version: this run's <output-dir>/vN-<time> folder, the same in every rank
+    # --add_version: this run's <output-dir>/vN-<time> folder, the same in every rank
+    refused.check(apply_add_version, cfg, about=("output_dir",))
     from swiftlite.parallel.base import load_plugins
-    load_plugins(cfg.parallel.external_plugins)
+    refused.check(lambda: load_plugins(cfg.parallel.external_plugins), about=("external_plugins",))
     from swiftlite.launch import plan_launch, preflight, resolve_for_launch, run_forked, run_launched, run_rank
-    plan = plan_launch(cfg, [task, *args])
-    world = env.world_vars().world_size if env.inside_launcher() else plan.world_size
+    plan = refused.check(plan_launch, cfg, [task, *args])
+    world = env.world_vars().world_size if env.inside_launcher() else plan.world_size if plan else None
     # Everything that can be checked without a process group is checked here, once, before any
     # folder is created or any rank starts: a run that fails validation leaves nothing behind.
     # The job's facts (backend, dtype, max length: swiftlite/job.py) are resolved here once and handed
     # to the ranks this process starts.
     if not env.settings().preflight_done:
-        facts = preflight(cfg, world, data=not cfg.parallel.dry_run and not env.inside_launcher())
+        facts = preflight(cfg, world, data=not cfg.parallel.dry_run and not env.inside_launcher(), refusals=refused)
     else:
         facts = None
+    refused.raise_all()
     if cfg.parallel.dry_run:
         print_plan(cfg, plan, (facts or resolve_for_launch(cfg, world)).choice)
         return 0

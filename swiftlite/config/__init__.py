@@ -16,14 +16,15 @@ from swiftlite.config.load import (FALSE_WORDS, SECRET_KEY, TRUE_WORDS, alias_ke
 from swiftlite.config.rules import RULES, Rule, rule, validate
 from swiftlite.config.schema import (DTYPES, SCHEDULERS, SECTIONS, STRATEGIES, TRAIN_TYPES, TRUNCATION,
                                      CheckpointConfig, DataConfig, FieldSpec, LoraConfig, ModelConfig,
-                                     OptimConfig, ParallelConfig, QuantConfig, RlhfConfig, RunConfig, TrainConfig, field_specs,
-                                     opt, section_classes)
+                                     OptimConfig, ParallelConfig, QuantConfig, RlhfConfig, RunConfig, TrainConfig,
+                                     field_reads, field_specs, opt, section_classes)
 from swiftlite.errors import UserError
 
 __all__ = [
     "CheckpointConfig", "DTYPES", "DataConfig", "FALSE_WORDS", "FieldSpec", "LoraConfig", "ModelConfig",
     "OptimConfig", "ParallelConfig", "QuantConfig", "RULES", "RlhfConfig", "Rule", "RunConfig", "SCHEDULERS", "SECRET_KEY",
     "SECTIONS", "STRATEGIES", "TRAIN_TYPES", "TRUE_WORDS", "TRUNCATION", "TrainConfig", "UserError", "alias_keys",
-    "apply_env", "build_config", "coerce", "context_length", "field_specs", "load_args", "load_config", "opt",
+    "apply_env", "build_config", "coerce", "context_length", "field_reads", "field_specs", "load_args", "load_config",
+    "opt",
     "read_config_file", "redact_secrets", "resolve_strategies", "rule", "save_args", "section_classes", "validate",
 ]

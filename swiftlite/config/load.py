@@ -24,8 +24,8 @@ from swiftlite.config.msswift import NO_MEANING, check_no_meaning, check_value
 from swiftlite.config.msswift_unsupported import misspelling_of, refusal
 from swiftlite.config.rules import validate
 from swiftlite.config.schema import (FALSE_WORDS, SECRET_KEY, SECTIONS, TRUE_WORDS, FieldSpec, RunConfig,
-                                     field_specs, section_classes)
-from swiftlite.errors import UserError, UserErrors, raise_all
+                                     field_reads, field_specs, section_classes)
+from swiftlite.errors import Refusals, UserError, UserErrors
 
 __all__ = ["FALSE_WORDS", "SECRET_KEY", "TRUE_WORDS", "alias_keys", "apply_env", "build_config", "canonical_key",
            "coerce", "context_length", "gpu_torch_build", "load_args", "load_config",
@@ -153,22 +153,36 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
 
 def build_config(values: dict[str, Any], *, source: str = "config", task: str = "sft") -> RunConfig:
     """Build a RunConfig from flat values; unknown keys are an error naming the key."""
+    found = Refusals()
+    cfg = _build(values, source, task, found)
+    found.raise_all()
+    return cfg
+
+
+def _build(values: dict[str, Any], source: str, task: str, found: Refusals) -> RunConfig:
+    """The RunConfig of the keys accepted; every refused or unknown key is added to `found`, with the
+    field it names, and leaves its field at the default (which the rules that read it pass over)."""
     specs = field_specs()
     aliases = alias_keys()
     sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-    problems: list[str] = []  # every refused or unknown key, reported together
     for raw, value in values.items():
+        key = canonical_key(raw, aliases)
         try:
-            _put(sections, specs, canonical_key(raw, aliases), raw, value, source)
+            _put(sections, specs, key, raw, value, source)
         except UserError as e:
-            problems.append(str(e))
-    raise_all(problems)
+            found.add(e, (key,))
     classes = section_classes()
     cfg = RunConfig(**{s: classes[s](**sections[s]) for s in SECTIONS}, task=task)
     # QLoRA means a 4-bit base unless --quant-bits 8 says otherwise (RunConfig.quant_bits).
     cfg.quant.quant_bits = cfg.quant_bits
     resolve_light_defaults(cfg)
     resolve_accumulation(cfg)
+    # a value derived from a refused one (not given itself) is as unusable as the refused one
+    for derived, sources in (("quant_bits", ("train_type",)),
+                             ("gradient_accumulation_steps", ("per_device_train_batch_size", "rlhf_type",
+                                                              "nproc_per_node", "nnodes"))):
+        if found.blocked(sources) and derived not in sections[specs[derived].section]:
+            found.fields.add(derived)
     return cfg
 
 
@@ -291,51 +305,63 @@ def resolve_strategies(cfg: RunConfig, steps_per_epoch: int) -> None:
         t.eval_steps = steps_per_epoch
 
 
-def apply_env(values: dict[str, Any]) -> dict[str, Any]:
-    """ms-swift's launcher env vars fill launch options the user did not set."""
+def apply_env(values: dict[str, Any], found: Refusals | None = None) -> dict[str, Any]:
+    """ms-swift's launcher env vars fill launch options the user did not set. A bad value is refused
+    (raised, or added to `found` with its field, which then keeps its default)."""
     from swiftlite import env
     out = dict(values)
     specs = field_specs()
     for key, value in env.launcher_values().items():
         if out.get(key) is None:
             # checked here so that a bad value names the variable, not a flag the user never typed
-            out[key] = coerce(specs[key], value, f"environment variable {env.launcher_var_for(key)}")
+            where = f"environment variable {env.launcher_var_for(key)}"
+            if found is None:
+                out[key] = coerce(specs[key], value, where)
+            else:
+                v = found.check(coerce, specs[key], value, where, about=(key,))
+                if v is not None:
+                    out[key] = v
     return out
 
 
 def load_config(config_file: str | None, overrides: dict[str, Any], *, task: str = "sft",
-                validate_paths: bool = True) -> RunConfig:
-    """File values, then flags (flags win), then env defaults; then validated."""
+                validate_paths: bool = True, refusals: Refusals | None = None) -> RunConfig:
+    """File values, then flags (flags win), then env defaults; then validated. Every refusal (of a key,
+    a value, a rule) is reported at once: raised here, or, given `refusals` (the run's: errors.Refusals),
+    added to them and the config of what was accepted returned, for the later stages to judge what
+    the refusals leave them."""
+    found = refusals if refusals is not None else Refusals(watch=field_reads)
     values: dict[str, Any] = {}
     if config_file:
-        values.update(read_config_file(config_file))
-        build_config(values, source=str(config_file), task=task)  # name the file for its own errors
+        file_values = found.check(read_config_file, config_file, about=("config",))
+        if file_values is not None:
+            file_found = Refusals()
+            _build(file_values, str(config_file), task, file_found)  # name the file for its own errors
+            found.add(file_found, file_found.fields)
+            values.update({k: v for k, v in file_values.items() if k not in file_found.fields})
     aliases = alias_keys()
     given = {canonical_key(k, aliases): v for k, v in overrides.items() if v is not None}
     values.update(given)
     explicit = frozenset(k for k in values if k not in NO_MEANING)
-    values = apply_env(values)
+    values = apply_env(values, found)
     # ms-swift's --fsdp/--fsdp_config name a backend and its options (config/msswift_fsdp.py); its
     # refusals are reported with the others. The flags stay as said (args.json), the result beside them.
     from swiftlite.config.msswift_fsdp import apply as fsdp_settings, said_text
     fsdp_set, problems = fsdp_settings(values, explicit, coerce)
+    if problems:   # what the translation set (the backend, its options) is as unusable as the file
+        found.add(UserErrors(problems), ("fsdp", "fsdp_config", *fsdp_set))
     if values.get("fsdp"):
         values["fsdp"] = [said_text(values["fsdp"])]
     if isinstance(values.get("fsdp_config"), dict):
         values["fsdp_config"] = json.dumps(values["fsdp_config"])
     values.update(fsdp_set)
-    try:
-        cfg = build_config(values, source="flags", task=task)
-        cfg.explicit = explicit | frozenset(fsdp_set)
-        validate(cfg, check_paths=validate_paths)
-    except UserErrors as e:
-        raise_all(problems + e.lines)
-    except UserError as e:
-        raise_all(problems + [str(e)])
-    raise_all(problems)
+    cfg = _build(values, "flags", task, found)
+    cfg.explicit = (explicit | frozenset(fsdp_set)) - frozenset(found.fields)   # what was given and accepted
+    if not found.blocked(("config",)):   # an unreadable config file: its values are unknown
+        validate(cfg, check_paths=validate_paths, refusals=found)
+    if refusals is None:
+        found.raise_all()
     return cfg
-
-
 
 
 def redact_secrets(data: Any) -> Any:

@@ -1,7 +1,7 @@
 """The validation rules: one table of generic checks on a `RunConfig`.
 
 Each rule (registered with `@rule(name)` into `RULES`) returns an error message or None; `validate`
-runs them in order and raises the first failure as a UserError. The rules here are generic: value
+runs them all and refuses with every failure at once (one line each). The rules here are generic: value
 ranges, required options, and combinations that no backend can run. Backend-specific combinations
 (what one backend refuses) live in the backend records under `swiftlite/parallel/` and are checked
 by `swiftlite.parallel.resolve.resolve_backend`, which preflight runs before any process starts.
@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from swiftlite.config.schema import RunConfig
+from swiftlite.config.schema import RunConfig, field_reads
 from swiftlite.config.tasks import task_spec
-from swiftlite.errors import UserError, raise_all
+from swiftlite.errors import Refusals, UserError
 
 
 Rule = Callable[[RunConfig], "str | None"]
@@ -458,26 +458,39 @@ def _data_loading(c: RunConfig):
 RUNS = {"count": 0}
 
 
-def validate(cfg: RunConfig, *, check_paths: bool = True) -> None:
+def validate(cfg: RunConfig, *, check_paths: bool = True, refusals: Refusals | None = None) -> None:
     """Run every rule and refuse with all their reasons at once (one line each: errors.raise_all). A
     rule that cannot judge a config another rule already refused (a value it divides by, say) is
-    passed over: the refusals found stand, and the user fixes those first."""
+    passed over: the refusals found stand, and the user fixes those first.
+
+    `refusals`: the run's refusals so far (config.load's flag refusals; errors.Refusals): the rules'
+    are added to them, and nothing is raised here. A rule that reads a field refused before the rules
+    ran is passed over (it would judge the default standing in for the refused value); each rule's
+    refusal records the fields it read, which the later stages (preflight) then pass over."""
     RUNS["count"] += 1
-    found: list[str] = []
+    found = refusals if refusals is not None else Refusals(watch=field_reads)
+    before = set(found.fields)   # the rules judge each other independently: their own refusals block
+    judged: set[str] = set()     # only the later stages
     for _name, fn in RULES:
-        try:
-            msg = fn(cfg)
-        except UserError as e:
-            msg = str(e)
-        except Exception:
-            if found:
-                continue
-            raise
-        if msg and msg not in found:
-            found.append(msg)
-    raise_all(found)
-    if check_paths and cfg.model.template and not Path(cfg.model.template).is_file():
-        raise UserError(f"--template: file not found: {cfg.model.template}")
+        with field_reads() as read:
+            try:
+                msg = fn(cfg)
+            except UserError as e:
+                msg = str(e)
+            except Exception:
+                if found:
+                    continue
+                raise
+        if msg and before.isdisjoint(read):
+            found.add(msg)
+            judged |= read
+    found.fields |= judged
+    if check_paths and cfg.model.template and not found.blocked(("template",)) \
+            and not Path(cfg.model.template).is_file():
+        found.add(f"--template: file not found: {cfg.model.template}", ("template",))
     sysp = cfg.data.system
-    if check_paths and sysp and sysp.endswith(".txt") and not Path(sysp).expanduser().is_file():
-        raise UserError(f"--system {sysp}: file not found (a value ending in .txt names a file, as in ms-swift)")
+    if check_paths and sysp and sysp.endswith(".txt") and not found.blocked(("system",)) \
+            and not Path(sysp).expanduser().is_file():
+        found.add(f"--system {sysp}: file not found (a value ending in .txt names a file, as in ms-swift)", ("system",))
+    if refusals is None:
+        found.raise_all()

@@ -12,12 +12,13 @@ Reading files, flags and env vars into a `RunConfig` is `load.py`; the validatio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 from swiftlite.dtypes import NAMES as _DTYPE_NAMES
 from swiftlite.dtypes import normalize as _dtype_name
@@ -501,6 +502,35 @@ def section_classes() -> dict[str, type]:
     """Section name -> its dataclass (ModelConfig, LoraConfig, ...)."""
     hints = typing.get_type_hints(RunConfig)
     return {s: hints[s] for s in SECTIONS}
+
+
+_READS: list[set[str]] = []   # the open field_reads() sets, innermost last
+
+
+@contextlib.contextmanager
+def field_reads() -> Iterator[set[str]]:
+    """The set of RunConfig field names read (any section of any config) while the block runs: what a
+    rule or a preflight check judged, so that a refusal of one field passes over the judgements that
+    read it (errors.Refusals). The section classes watch their reads only while a block is open."""
+    read: set[str] = set()
+    if not _READS:
+        names = {f.name for c in section_classes().values() for f in dataclasses.fields(c)}
+
+        def watched(self: Any, name: str) -> Any:
+            if name in names:
+                for r in _READS:
+                    r.add(name)
+            return object.__getattribute__(self, name)
+        for c in section_classes().values():
+            c.__getattribute__ = watched
+    _READS.append(read)
+    try:
+        yield read
+    finally:
+        _READS.remove(read)
+        if not _READS:
+            for c in section_classes().values():
+                del c.__getattribute__
 
 
 @dataclass(frozen=True)

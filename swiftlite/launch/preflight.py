@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from swiftlite.checkpoint.run_dir import check_output_dir
 from swiftlite.config import RunConfig
-from swiftlite.errors import UserError
+from swiftlite.errors import Refusals, UserError
 
 if TYPE_CHECKING:
     from swiftlite.job import JobFacts
@@ -34,48 +34,61 @@ def resolve_for_launch(cfg: RunConfig, world_size: int) -> "JobFacts":
     return resolve_job(cfg, world_size, gpu_memory=local_gpu_memory, gpus_per_node=cfg.parallel.nproc_per_node)
 
 
-def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "JobFacts":
+def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
+              refusals: Refusals | None = None) -> "JobFacts | None":
     """Validate everything a run can get wrong before any process starts or any file is written:
     output folder, resume checkpoint (intact and free of unsafe pickles), model, DeepSpeed config,
     and (data=True) the datasets themselves: every row read, converted and tokenized (which fills the
     tokenization cache the ranks then read), the usable-row count against one global batch.
-    Raises a one-line UserError; creates nothing but cache files. Returns the job's facts (the
-    backend choice among them), which the launcher hands to the ranks."""
+    Creates nothing but cache files. Returns the job's facts (the backend choice among them), which
+    the launcher hands to the ranks.
+
+    Every check runs, and all their refusals are raised together, with the run's earlier ones
+    (`refusals`: the flags' and the rules', errors.Refusals), one line each: a check whose input was
+    refused (a field it reads, the model folder, the output folder, the world size) is passed over.
+    The datasets are read only when nothing was refused (their reading depends on most of the config,
+    and it writes the tokenization cache)."""
     from swiftlite.checkpoint.run_dir import resume_point
+    from swiftlite.config import field_reads
     from swiftlite.data.sources import check_spec
-    run_dir = check_output_dir(cfg)
+    found = refusals if refusals is not None else Refusals(watch=field_reads)
+    run_dir = found.check(check_output_dir, cfg)
     from swiftlite.parallel.loss import check_loss_options
-    check_loss_options(cfg)
-    resume = resume_point(cfg, run_dir, log=lambda *_: None)
+    found.check(check_loss_options, cfg)
+    resume = found.check(resume_point, cfg, run_dir, log=lambda *_: None) if run_dir is not None else None
     for spec in cfg.data.dataset:
-        check_spec(spec, "--dataset")
+        found.check(check_spec, spec, "--dataset")
     for spec in cfg.data.val_dataset:
-        check_spec(spec, "--val-dataset")
+        found.check(check_spec, spec, "--val-dataset")
     from swiftlite.models.loading import check_attn_impl, resolve_model
-    source = resolve_model(cfg.model.model)
-    if cfg.is_peft and cfg.lora.init_weights == "loftq" and source.kind == "preset":
-        from swiftlite.models.lora import apply_loftq
-        apply_loftq(None, cfg, None)   # the one-line refusal, before launch
-    source.check_folder(cfg.model.trust_remote_code)   # a local folder: weights, no code of its own
-    check_lora_targets(cfg, source)
+    source = None if found.blocked(("model",)) else found.check(resolve_model, cfg.model.model, about=("model",))
+    if source is not None:
+        if cfg.is_peft and cfg.lora.init_weights == "loftq" and source.kind == "preset":
+            from swiftlite.models.lora import apply_loftq
+            found.check(apply_loftq, None, cfg, None)   # the one-line refusal, before launch
+        # a local folder: weights, no code of its own
+        if found.check(lambda: source.check_folder(cfg.model.trust_remote_code) or True, about=("model",)):
+            found.check(check_lora_targets, cfg, source)
     # --torch-dtype auto, the model's context length (where they need the model's config or the GPU)
-    # and the backend, once (swiftlite/job.py)
-    facts = resolve_for_launch(cfg, world_size)
-    check_attn_impl(cfg)
-    from swiftlite.train.run import skeleton_mode
-    skeleton_mode(cfg, facts.choice)   # refuses an adapter peft computes from weights a skeleton lacks
-    from swiftlite.optim import optim_problem
-    why = optim_problem(cfg, facts.choice)
-    if why:
-        raise UserError(why)
-    from swiftlite.checkpoint.state import weights_only_problem
-    why = weights_only_problem(resume, cfg, facts.choice)   # a --save_only_model checkpoint, another format
-    if why:
-        raise UserError(why)
+    # and the backend, once (swiftlite/job.py); a backend may come from a plugin
+    facts = None
+    if world_size is not None and source is not None:
+        facts = found.check(resolve_for_launch, cfg, world_size, needs=("external_plugins",))
+    found.check(check_attn_impl, cfg)
+    if facts is not None:
+        from swiftlite.train.run import skeleton_mode
+        found.check(skeleton_mode, cfg, facts.choice)   # refuses an adapter peft computes from weights a skeleton lacks
+        from swiftlite.optim import optim_problem
+        found.check(_refuse, optim_problem, cfg, facts.choice)
+        if resume is not None:
+            from swiftlite.checkpoint.state import weights_only_problem
+            # a --save_only_model checkpoint, another format
+            found.check(_refuse, weights_only_problem, resume, cfg, facts.choice)
     from swiftlite.metrics import check_report_to
     from swiftlite.optim import check_scheduler
-    check_report_to(cfg)
-    check_scheduler(cfg)
+    found.check(check_report_to, cfg)
+    found.check(check_scheduler, cfg)
+    found.raise_all()
     if not data:
         return facts
     from swiftlite.models.loading import load_tokenizer
@@ -83,3 +96,10 @@ def preflight(cfg: RunConfig, world_size: int, *, data: bool = True) -> "JobFact
     tokenizer = load_tokenizer(cfg, source)
     task_of(cfg).prepare_data(cfg, tokenizer, world_size)   # sft/pt: data.pipeline.prepare_datasets
     return facts
+
+
+def _refuse(problem: Any, *args: Any) -> None:
+    """A check that returns its refusal (or None) as one that raises it."""
+    why = problem(*args)
+    if why:
+        raise UserError(why)

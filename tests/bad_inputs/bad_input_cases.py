@@ -239,6 +239,30 @@ CASES: list[Case] = [
          "error: --model awq: a pre-quantized AWQ model (config.json quantization_config)",
          setup=both(write("awq/config.json", json.dumps({"model_type": "llama", "quantization_config": {
              "quant_method": "awq", "bits": 4}})), write("awq/model.safetensors", ""))),
+    # Issue 22, acceptance 5: the refusals of every stage (flags, value rules, plugins, preflight) in one run;
+    # a stage passes over only what an earlier refusal made unusable.
+    Case("stages-flag-and-rule", ["sft", *GOOD, *DATA, "--optimizer", "lorap", "--temperature", "0.7"],
+         "error: --optimizer lorap: give --lorap_lr_ratio",
+         more=("error: --temperature is an option of `swiftlite rlhf`",)),
+    Case("stages-rule-plugin-and-target", ["sft", *GOOD, *DATA, "--learning_rate", "-1", "--external_plugins",
+                                           "plugin.py", "--target_modules", "foo"],
+         "error: --learning-rate must be > 0, got -1.0",
+         setup=write("plugin.py", "from swift.rewards import ORM, orms\n"),
+         more=("error: --external_plugins plugin.py:1: `from swift.rewards import ORM, orms` failed",
+               "error: --target-modules foo: foo is not a module of tiny-llama-2l")),
+    Case("stages-rule-and-target", ["sft", *GOOD, *DATA, "--warmup_ratio", "2", "--target_modules", "q_proj", "norm"],
+         "error: --warmup-ratio must be in [0, 1), got 2.0",
+         more=("norm is a LlamaRMSNorm, which LoRA cannot adapt",)),
+    # a refused --train_type: the rule on --quant_method bnb, which depends on it, is not run
+    Case("stages-refused-flag-not-judged", ["sft", *GOOD, *DATA, "--train_type", "adalora", "--quant_method", "bnb"],
+         "error: --train_type adalora: swiftlite trains full, lora or qlora"),
+    # a refused model folder is not inspected for --target_modules; the value rule is still judged
+    Case("stages-refused-folder-not-inspected", ["sft", "--model", "awq", "--max-steps", "2", *DATA,
+                                                 "--target_modules", "foo", "--weight_decay", "-1"],
+         "error: --weight-decay must be >= 0, got -1.0",
+         setup=both(write("awq/config.json", json.dumps({"model_type": "llama", "quantization_config": {
+             "quant_method": "awq", "bits": 4}})), write("awq/model.safetensors", "")),
+         more=("error: --model awq: a pre-quantized AWQ model (config.json quantization_config)",)),
     Case("msswift-target-not-adaptable", ["sft", *GOOD, *DATA, "--target_modules", "q_proj", "norm"],
          "norm is a LlamaRMSNorm, which LoRA cannot adapt"),
     Case("msswift-truncation-split", ["sft", *GOOD, *DATA, "--truncation_strategy", "split"],
@@ -347,9 +371,10 @@ CASES: list[Case] = [
          "not a usable checkpoint (no manifest.json", setup=old_run),
     # -- config files ----------------------------------------------------------------------------
     Case("config-unknown-key", ["sft", "--config", "run.yaml"], "run.yaml: unknown option 'lerning_rate'",
-         setup=write("run.yaml", "model: tiny-llama-2l\nlerning_rate: 1e-4\n")),
+         setup=write("run.yaml", "model: tiny-llama-2l\nlerning_rate: 1e-4\n"),
+         more=("error: --dataset is required",)),   # the file's other mistake, in the same run
     Case("config-unknown-key-nested", ["sft", "--config", "run.yaml"], "run.yaml: unknown option 'warp_speed'",
-         setup=write("run.yaml", "train:\n  max_steps: 2\n  warp_speed: 9\n")),
+         setup=write("run.yaml", "train:\n  max_steps: 2\n  warp_speed: 9\n"), more=("error: --dataset is required",)),
     Case("config-bad-yaml", ["sft", "--config", "run.yaml"], "run.yaml:4:10: invalid YAML",
          setup=write("run.yaml", "model: tiny-llama-2l\ndataset:\n  - [data/train.jsonl\nmax_steps: 2\n")),
     Case("config-bad-json", ["sft", "--config", "run.json"], "run.json:3:1: invalid JSON",

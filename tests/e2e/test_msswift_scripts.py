@@ -185,7 +185,7 @@ REFUSED = {
 }
 
 #: Refused by a later check (a value's choices, the value rules, the preflight of the machine): each its own
-#: line, exit 2, but not in the same run as REFUSED's (one stage's refusals are listed before the next runs).
+#: line, exit 2, alone and in the same run as REFUSED["sft"]'s (every stage's refusals are listed together).
 REFUSED_LATER = [
     ("--loss_type loss_scale", "loss_type"), ("--init_weights lora-ga", "lora-ga"),
     ("--template default", "template"), ("--attn_impl flash_attn", "GPU"), ("--use_liger_kernel true", "GPU"),
@@ -334,9 +334,10 @@ def test_export_merge_lora(world):
 
 @pytest.mark.parametrize("sub", sorted(REFUSED))
 def test_refused_flags_all_in_one_run(world, sub, tmp_path):
-    """Every refused flag of the scripts, given together: one `error:` line each, exit 2, nothing written."""
+    """Every refused flag of the scripts, given together: one `error:` line each, exit 2, nothing written
+    (sft: with the refusals of the later stages, REFUSED_LATER, in the same run)."""
     root, model, files = world
-    rows = REFUSED[sub]
+    rows = REFUSED[sub] + (REFUSED_LATER if sub == "sft" else [])
     out = tmp_path / "out"
     if sub == "export":
         argv = ["export", "--adapters", str(tmp_path / "missing-ckpt"), "--output_dir", str(out)]

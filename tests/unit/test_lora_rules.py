@@ -96,10 +96,19 @@ def test_deepspeed_json_with_param_offload_is_read(tmp_path):
     cfg_from(["--qlora", "--parallelism", str(p)])  # optimizer offload only
 
 
+def _train_file(folder):
+    """DATA's train.jsonl in `folder` (the run's working directory): a missing dataset would be a
+    refusal of its own, reported in the same run."""
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]}
+    (folder / "train.jsonl").write_text(json.dumps(row) + "\n")
+    return folder
+
+
 def test_cli_bad_quant_bits_is_one_line_exit_2(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "swiftlite", "sft", *DATA, "--qlora", "--quant-bits", "3",
-                           "--output-dir", str(out)], capture_output=True, text=True, env=cli_env(), timeout=120)
+                           "--output-dir", str(out)], capture_output=True, text=True, env=cli_env(), timeout=120,
+                          cwd=_train_file(tmp_path))
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --quant-bits must be 4 or 8"), proc.stderr
@@ -109,7 +118,7 @@ def test_cli_bad_quant_bits_is_one_line_exit_2(tmp_path):
 def test_cli_qlora_with_offload_is_one_line_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "swiftlite", "sft", *DATA, "--qlora", "--parallelism", "fsdp",
                            "--cpu-offload", "--nproc-per-node", "2", "--output-dir", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=cli_env(), timeout=120)
+                          capture_output=True, text=True, env=cli_env(), timeout=120, cwd=_train_file(tmp_path))
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "--cpu-offload with a bitsandbytes" in proc.stderr
 
