@@ -27,6 +27,7 @@ RlhfConfig (the cosine_*, repetition_*, soft_* options), as ms-swift builds them
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import math
 import re
@@ -49,12 +50,14 @@ class MathAccuracy(ORM):
     """1.0 when the answer (inside <answer>...</answer> if tagged) verifies against `solution` with
     math_verify, else 0.0 (ms-swift's `accuracy`)."""
 
+    #: the package it needs and the refusal without it (check_reward_funcs, before launch)
+    requires = ("math_verify", "--reward_funcs accuracy needs the math_verify package (pip install math-verify, or "
+                "swiftlite's grpo extra), as in ms-swift")
+
     def __init__(self, args: Any = None, **kwargs: Any):
         super().__init__(args, **kwargs)
-        import importlib.util
-        if importlib.util.find_spec("math_verify") is None:
-            raise UserError("--reward_funcs accuracy needs the math_verify package (pip install math-verify), "
-                            "as in ms-swift")
+        if importlib.util.find_spec(self.requires[0]) is None:
+            raise UserError(self.requires[1])
 
     def __call__(self, completions: list[str], solution: list[str], **kwargs: Any) -> list[float]:
         from latex2sympy2_extended import NormalizationConfig
@@ -190,14 +193,29 @@ def _required(fn: Callable) -> tuple[str, ...]:
                  and p.name not in PASSED and p.name != "self")
 
 
+def check_reward_funcs(names: list[str]) -> None:
+    """What `build_rewards` would refuse, without building anything (preflight and --dry-run, after
+    --external_plugins registered theirs): an unknown name, or a built-in whose package is missing."""
+    for key in names:
+        if key not in orms:
+            raise UserError(_unknown(key))
+        missing = getattr(orms[key], "requires", None)
+        if missing and importlib.util.find_spec(missing[0]) is None:
+            raise UserError(missing[1])
+
+
+def _unknown(key: str) -> str:
+    return (f"--reward_funcs {key}: unknown reward function (registered: {', '.join(sorted(orms))}; "
+            "add your own with --external_plugins FILE, which sets orms['name'])")
+
+
 def build_rewards(names: list[str], args: Any) -> list[Reward]:
     """--reward_funcs -> built rewards (classes instantiated with `args=` the RlhfConfig). An unknown
     name is a UserError listing what is registered (built-ins and --external_plugins)."""
     out = []
     for key in names:
         if key not in orms:
-            raise UserError(f"--reward_funcs {key}: unknown reward function (registered: {', '.join(sorted(orms))}; "
-                            "add your own with --external_plugins FILE, which sets orms['name'])")
+            raise UserError(_unknown(key))
         obj = orms[key]
         if inspect.isclass(obj):
             fn = obj(args=args)
@@ -212,5 +230,5 @@ def build_rewards(names: list[str], args: Any) -> list[Reward]:
     return out
 
 
-__all__ = ["CosineReward", "Format", "MathAccuracy", "ORM", "PASSED", "RepetitionPenalty", "Reward",
-           "SoftOverlong", "build_rewards", "orms"]
+__all__ = ["CosineReward", "Format", "MathAccuracy", "ORM", "PASSED", "RepetitionPenalty", "Reward", "SoftOverlong",
+           "build_rewards", "check_reward_funcs", "orms"]

@@ -88,11 +88,12 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
     from swiftlite.optim import check_scheduler
     found.check(check_report_to, cfg)
     found.check(check_scheduler, cfg)
+    from swiftlite.train.tasks import task_of
+    found.check(task_of(cfg).check, cfg, needs=("external_plugins",))   # GRPO: reward names (plugins register theirs)
     found.raise_all()
     if not data:
         return facts
     from swiftlite.models.loading import load_tokenizer
-    from swiftlite.train.tasks import task_of
     tokenizer = load_tokenizer(cfg, source)
     task_of(cfg).prepare_data(cfg, tokenizer, world_size)   # sft/pt: data.pipeline.prepare_datasets
     return facts

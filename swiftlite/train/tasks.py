@@ -49,6 +49,10 @@ class Task:
     def sequences_per_sample(self) -> int:
         return self.spec.sequences_per_sample
 
+    def check(self, cfg: Any) -> None:
+        """The task's own checks that need neither the data nor a process group (preflight runs them,
+        --dry-run included); a UserError refuses the run."""
+
     def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
                      progress: Callable[[str, int], Any] | None = None) -> Any:
         """(train, validation or None, BatchPlan), with every check a run needs before it starts."""
@@ -209,6 +213,10 @@ class RewardTask(PreferenceTask):
 class GrpoTask(Task):
     """rlhf --rlhf_type grpo: online RL on prompts (rlhf/grpo.py): each step's completions are sampled
     from the policy and scored by --reward_funcs; a sample is a completion (the global batch counts them)."""
+
+    def check(self, cfg: Any) -> None:
+        from swiftlite.plugin import check_reward_funcs
+        check_reward_funcs(cfg.rlhf.reward_funcs)
 
     def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
                      progress: Callable[[str, int], Any] | None = None) -> Any:

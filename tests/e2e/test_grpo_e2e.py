@@ -99,6 +99,7 @@ def test_grpo_lora_run_logs_trl_metrics_and_completions(files, tmp_path):
 
 @pytest.mark.parametrize("extra,words", [
     (["--reward-funcs", "nope"], "--reward_funcs nope: unknown reward function"),
+    (["--reward-funcs", "nope", "--dry-run"], "--reward_funcs nope: unknown reward function"),   # before launch
     (["--reward-funcs", "exact", "--num-generations", "1"], "--num-generations 1: GRPO needs at least 2"),
     (["--reward-funcs", "exact", "--num-generations", "3"], "does not divide into groups of 3"),
     (["--reward-funcs", "exact", "--dataset", "NOSOL"], "no 'solution' column, which reward function exact"),

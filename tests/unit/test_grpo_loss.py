@@ -141,9 +141,21 @@ def test_accuracy_reward_verifies_the_answer_with_math_verify():
 
 
 def test_unknown_reward_and_required_columns():
-    from swiftlite.plugin import build_rewards, orms
+    from swiftlite.plugin import ORM, build_rewards, check_reward_funcs, orms
     with pytest.raises(UserError, match="--reward_funcs nope: unknown reward function"):
         build_rewards(["nope"], None)
+    with pytest.raises(UserError, match="--reward_funcs nope: unknown reward function"):
+        check_reward_funcs(["format", "nope"])      # what preflight and --dry-run run, building nothing
+
+    class NeedsPackage(ORM):
+        requires = ("swiftlite_no_such_package", "--reward_funcs needs_pkg needs swiftlite_no_such_package")
+    orms["needs_pkg"] = NeedsPackage
+    try:
+        with pytest.raises(UserError, match="needs swiftlite_no_such_package"):
+            check_reward_funcs(["needs_pkg"])
+    finally:
+        del orms["needs_pkg"]
+    check_reward_funcs(["format", "accuracy"])      # math_verify is installed (the dev extra)
 
     def exact(completions, solution, hint=None, **kwargs):
         return [float(c == s) for c, s in zip(completions, solution)]
