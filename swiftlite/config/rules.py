@@ -341,7 +341,7 @@ def _rlhf(c: RunConfig):
     if task_spec(c.task).own_options != "rlhf":
         if given:   # every one named at once
             return (f"{', '.join(map(_flag, given))} {'is an option' if len(given) == 1 else 'are options'} "
-                    f"of `swiftlite rlhf` (preference training), not of {c.task}")
+                    f"of `swiftlite rlhf` (preference and RL training), not of {c.task}")
         return None
     foreign = [k for k in given if k != "rlhf_type" and k not in RLHF_USES[r.rlhf_type]]
     if foreign:
