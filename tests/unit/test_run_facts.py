@@ -13,6 +13,7 @@ import pytest
 from swiftlite.checkpoint.state import WEIGHT_SHAPE, compare_run_facts, load_training_state, run_facts
 from swiftlite.config import build_config
 from swiftlite.errors import UserError
+from tests.unit.test_resume_only_model import TORCH, WORLD, FakeEngine   # the same stand-ins
 
 
 def rows(*seqs: list[int], labels: list[list[int]] | None = None) -> SimpleNamespace:
@@ -77,16 +78,6 @@ def test_compare_names_each_difference_data_without_values_shape_with_them():
 
 # -- which difference refuses which resume ---------------------------------------------------------
 
-class FakeEngine:
-    def __init__(self):
-        self.calls = []
-
-    def load(self, path, model_only=False):
-        self.calls.append((Path(path).name, model_only))
-
-
-WORLD = SimpleNamespace(world_size=1, rank=0)
-TORCH = SimpleNamespace(key="torch")
 LORA = {"train_type": "lora", "dataset": ["a.jsonl"], "max_length": 64}
 #: One change per recorded fact: (config values, training data, global batch).
 CHANGES = {
