@@ -86,10 +86,12 @@ class BackendResult:
     link_kinds_from: str = ""                       # "trace" or "flight recorder" (bench/groups.py)
 
 
-def planner_family(spec: BackendSpec, world: int) -> str:
-    """The planner family of a column (the registry and the resolver decide, as for the run itself)."""
+def planner_family(spec: BackendSpec, world: int) -> str | None:
+    """The planner family of a column (the registry and the resolver decide, as for the run itself);
+    None when it cannot be read (a plugin record without one, an unreadable DeepSpeed JSON): the
+    column then has no estimate, and says so, rather than another family's."""
     from swiftlite.parallel.resolve import memory_family_for
-    return memory_family_for(spec.parallelism, world) or "zero3"
+    return memory_family_for(spec.parallelism, world)
 
 
 def _workload(cfg: BenchConfig, world: int, dtype: str, gpu_memory: int | None):
@@ -198,6 +200,9 @@ def _estimates(cfg: BenchConfig, spec: BackendSpec, res: BackendResult, world: i
     if shape is None:
         return
     key = planner_family(spec, world)
+    if key is None:
+        res.error = res.error or f"estimate: --parallelism {spec.parallelism} has no memory model (no planner family)"
+        return
     try:
         w = _workload(cfg, world, dtype, gpu_memory)
         if key in plan.SHARDING:

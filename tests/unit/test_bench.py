@@ -29,6 +29,19 @@ def test_parse_backends_json(tmp_path):
     assert bench.planner_family(spec, 2) == "zero3"
 
 
+def test_a_column_without_a_planner_family_gets_no_estimate_and_says_so():
+    """A column whose family cannot be read (here a record name no registry knows) is not estimated as
+    another family's (it was zero3's): its result says why it has no estimate."""
+    from swiftlite.bench.runner import BackendResult, _estimates
+    from swiftlite.planner import shape_from_model_arg
+    spec = bench.BackendSpec(label="mine", parallelism="no-such-backend")
+    assert bench.planner_family(spec, 2) is None
+    res = BackendResult(label="mine", parallelism="no-such-backend")
+    cfg = bench.BenchConfig(model="tiny-llama-2l")
+    _estimates(cfg, spec, res, 2, "fp32", shape_from_model_arg("tiny-llama-2l"), None)
+    assert res.state_bytes_estimate is None and "no memory model" in res.error
+
+
 def test_config_needs_timed_steps():
     cfg = bench.BenchConfig(backends=bench.parse_backends("ddp"), steps=5, warmup_steps=1, profile_steps=2)
     with pytest.raises(UserError, match="--steps 5"):
