@@ -103,6 +103,12 @@ def round_file(rank: int) -> str:
     return ROUND_FILE.format(rank=rank)
 
 
+#: --precompute_ref_log_probs: the reference log-probs table, in every checkpoint (rlhf/reference.py).
+REF_LOGPS_FILE = "ref_logps.safetensors"
+#: GRPO's --log_completions table, in the run folder (rlhf/grpo.py).
+COMPLETIONS_FILE = "completions.jsonl"
+
+
 # -- per-rank files of a run folder: logs/ (what each rank measured or said) and profile/ ----------
 PROFILE_DIR = "profile"
 #: kind -> file name with {rank}: each writer and each reader asks `rank_file` / `rank_glob`

@@ -36,11 +36,9 @@ from swiftlite.metrics import StepStats
 from swiftlite.rlhf.generate import completion_seed, gathered, sample, token_logps
 from swiftlite.rlhf.grpo_loss import GrpoLoss, advantages, clip_stats, micro_batch_loss, token_terms
 
-#: The completions table of --log_completions, in the run folder.
-COMPLETIONS_FILE = "completions.jsonl"
-#: Each rank's generation round in a checkpoint (a resume inside a round continues with it): named in
-#: checkpoint/layout.py with the checkpoint's other files.
-ROUND_FILE = layout.ROUND_FILE
+#: The completions table of --log_completions and each rank's generation round in a checkpoint (a
+#: resume inside a round continues with it): named in checkpoint/layout.py with the run's other files.
+COMPLETIONS_FILE, ROUND_FILE = layout.COMPLETIONS_FILE, layout.ROUND_FILE
 
 
 @dataclass

@@ -26,11 +26,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from swiftlite.checkpoint import layout
 from swiftlite.data.tokenize import IGNORE
 from swiftlite.errors import UserError
 
-#: The file of a checkpoint that holds the precomputed reference log-probs.
-REF_LOGPS_FILE = "ref_logps.safetensors"
+#: The file of a checkpoint that holds the precomputed reference log-probs (named in checkpoint/layout.py).
+REF_LOGPS_FILE = layout.REF_LOGPS_FILE
 
 
 def root_module(engine: Any) -> tuple[Any, Any]:

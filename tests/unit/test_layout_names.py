@@ -55,7 +55,9 @@ def test_rank_globs_do_not_match_each_other(tmp_path):
 
 def test_grpo_round_file_is_a_checkpoint_name_of_layout(tmp_path):
     from swiftlite.rlhf import grpo
-    assert grpo.ROUND_FILE is layout.ROUND_FILE
+    assert grpo.ROUND_FILE is layout.ROUND_FILE and grpo.COMPLETIONS_FILE is layout.COMPLETIONS_FILE
+    from swiftlite.rlhf import reference
+    assert reference.REF_LOGPS_FILE is layout.REF_LOGPS_FILE
     assert [layout.round_file(r) for r in (0, 11)] == ["grpo_round_rank0.pt", "grpo_round_rank11.pt"]
     # not one of the run folder's per-rank kinds: a rank-file glob never picks it up
     (tmp_path / layout.round_file(2)).write_text("x")
