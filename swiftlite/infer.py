@@ -43,6 +43,7 @@ class InferOptions:
     seed: int = 42
     dtype: str = "auto"
     show: int = 3
+    model_revision: str | None = None   # a hub model id's branch, tag or commit (ms-swift's --model_revision)
 
 
 @dataclass
@@ -79,12 +80,16 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
     arg = opts.model
     p = Path(arg).expanduser()
     tokenizer = None
+    rev = opts.model_revision
     try:
         ms = resolve_model(arg)   # preset, HF folder or hub id: the precedence every command uses
     except UserError:
         if not p.is_dir():
             raise
         ms = None   # a folder without config.json: infer's own cases, an adapter folder or a run folder
+    if rev and (ms is None or ms.kind != "hub"):
+        raise UserError(f"--model_revision {rev}: applies to a hub model id; --model {arg} is a "
+                        f"{'local folder' if ms is None or ms.kind == 'folder' else 'built-in preset'}")
     if ms is None and (p / ADAPTER_CONFIG).is_file() and opts.adapters is None:
         raise UserError(f"--model {arg}: an adapter folder; pass --model BASE --adapters {arg}")
     elif ms is None:
@@ -101,8 +106,8 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
         ms.check_folder()   # weights, no code of its own, not pre-quantized by another method
         from swiftlite.export.base_model import auto_class   # a reward model's folder: its score head
         try:
-            model = auto_class(ms.config()).from_pretrained(ms.ref, dtype=dtype)
-            tokenizer = AutoTokenizer.from_pretrained(ms.tokenizer_ref)
+            model = auto_class(ms.config(revision=rev)).from_pretrained(ms.ref, dtype=dtype, revision=rev)
+            tokenizer = AutoTokenizer.from_pretrained(ms.tokenizer_ref, revision=rev)
         except (OSError, ValueError) as e:
             raise UserError(f"--model {arg}: cannot load ({str(e).splitlines()[0]})") from None
         desc = f"{p} (HF folder)" if ms.kind == "folder" else ms.ref if ms.preset is None else f"{arg} ({ms.ref})"

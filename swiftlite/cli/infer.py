@@ -32,13 +32,16 @@ def infer_cmd(
     dtype: str = typer.Option("auto", "--dtype", "--torch-dtype", "--torch_dtype",
                               help="auto (bf16 on GPU, fp32 on CPU), bf16, fp16, fp32."),
     show: int = typer.Option(3, "--show", help="With --dataset: print this many predictions to stderr."),
+    model_revision: Optional[str] = typer.Option(None, "--model-revision", "--model_revision",
+                                                 help="A hub model id's branch, tag or commit."),
 ) -> None:
     """Greedy generation: one prompt, a chat loop, or exact-match accuracy on a dataset; a reward model
     (rlhf --rlhf_type rm) prints rewards instead."""
     from swiftlite.infer import InferOptions, run
     raise typer.Exit(run(InferOptions(model=model, adapters=adapters, prompt=prompt, system=system,
                                       max_new_tokens=max_new_tokens, dataset=dataset, limit=limit, metric=metric,
-                                      batch_size=batch_size, seed=seed, dtype=dtype.lower(), show=show)))
+                                      batch_size=batch_size, seed=seed, dtype=dtype.lower(), show=show,
+                                      model_revision=model_revision)))
 
 
 def register(app: typer.Typer) -> None:

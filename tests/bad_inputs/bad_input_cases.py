@@ -486,6 +486,8 @@ CASES: list[Case] = [
          "bad.jsonl:2: not valid JSON", setup=write("bad.jsonl", CHAT + "\n{oops\n")),
     Case("infer-negative-tokens", ["infer", "--model", "tiny-llama-2l", "--prompt", "hi", "--max-new-tokens", "-3"],
          "--max-new-tokens must be > 0, got -3"),
+    Case("infer-revision-of-a-preset", ["infer", "--model", "tiny-llama-2l", "--prompt", "hi", "--model_revision", "v2"],
+         "--model_revision v2: applies to a hub model id; --model tiny-llama-2l is a built-in preset"),
     Case("infer-bad-dtype", ["infer", "--model", "tiny-llama-2l", "--prompt", "hi", "--dtype", "fp7"],
          "--dtype fp7: choose auto, bf16, fp16 or fp32"),
     Case("infer-wrong-type", ["infer", "--model", "tiny-llama-2l", "--prompt", "hi", "--max-new-tokens", "many"],
