@@ -20,38 +20,6 @@ def _resuming(cfg: "RunConfig") -> bool:
     return cfg.checkpoint.resume != "false" or bool(cfg.checkpoint.resume_from)
 
 
-def apply_add_version(cfg: "RunConfig") -> None:
-    """--add_version (ms-swift's `<output_dir>/v<N>-<YYYYMMDD-HHMMSS>` run folders): point
-    cfg.train.output_dir at this run's version folder, chosen once by the launching process and handed to
-    its ranks (env.RUN_VERSION). N is one more than the highest vN-* there, as ms-swift's
-    `add_version_to_work_dir`. With --resume true/auto (and no --resume-from) the newest version folder
-    is this run's again, so a requeued command resumes where it stopped; `--resume-from` starts a new
-    version, as in ms-swift. Only a name is chosen here; the trainer creates the folder."""
-    import re
-    import time
-
-    from swiftlite import env
-    if not cfg.train.add_version:
-        return
-    base = Path(cfg.train.output_dir).expanduser().resolve()
-    known = env.get(env.RUN_VERSION) or ""
-    b, _, sub = known.partition("\t")
-    if sub and b == str(base.parent) and base.name == sub:
-        return                                     # already applied (a rank of this job)
-    if not (sub and b == str(base)):
-        if (cfg.parallel.nnodes or 1) > 1:
-            raise UserError("--add_version with --nnodes > 1: the nodes cannot agree on a version folder before "
-                            "they connect; give the run its own --output-dir and --add_version false")
-        versions = sorted(((int(m.group(1)), p.name) for p in (base.iterdir() if base.is_dir() else [])
-                           if p.is_dir() and (m := re.match(r"v(\d+)", p.name))), reverse=True)
-        if versions and cfg.checkpoint.resume != "false" and not cfg.checkpoint.resume_from:
-            sub = versions[0][1]
-        else:
-            sub = f"v{versions[0][0] + 1 if versions else 0}-{time.strftime('%Y%m%d-%H%M%S')}"
-        env.update({env.RUN_VERSION: f"{base}\t{sub}"})
-    cfg.train.output_dir = str(base / sub)
-
-
 def check_output_dir(cfg: "RunConfig") -> Path:
     """The resolved --output-dir, checked without creating anything: not a file, not an old run's
     checkpoints (unless --resume / --overwrite-output-dir), and creatable (nearest existing parent is
@@ -99,7 +67,7 @@ def prepare_run_dir(cfg: "RunConfig", world_is_main: bool) -> Path:
     """Create the run folder (rank 0; the others only resolve its path): checked as the preflight
     checks it, emptied of an old run's checkpoints with --overwrite-output-dir, interrupted saves and
     deletes removed."""
-    apply_add_version(cfg)   # a no-op when the launching process applied it (cli/train.py)
+    # --add_version's vN-<time> folder is already in cfg.train.output_dir (config/load.apply_add_version)
     run_dir = Path(cfg.train.output_dir).expanduser().resolve()
     if world_is_main:
         check_output_dir(cfg)

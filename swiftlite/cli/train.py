@@ -26,9 +26,6 @@ def run_command(task: str, args: list[str]) -> int:
     config_file, values = parse_run_args(args, refused)
     cfg = load_config(config_file, values, task=task, refusals=refused)
     env.drop_platform_node_vars()  # read into --nnodes / --node-rank (PAI-DLC, Kubeflow); not this process's rank
-    from swiftlite.checkpoint.run_dir import apply_add_version
-    # --add_version: this run's <output-dir>/vN-<time> folder, the same in every rank
-    refused.check(apply_add_version, cfg, about=("output_dir",))
     from swiftlite.parallel.base import load_plugins
     refused.check(lambda: load_plugins(cfg.parallel.external_plugins), about=("external_plugins",))
     from swiftlite.launch import plan_launch, preflight, resolve_for_launch, run_forked, run_launched, run_rank
@@ -36,15 +33,16 @@ def run_command(task: str, args: list[str]) -> int:
     world = env.world_vars().world_size if env.inside_launcher() else plan.world_size if plan else None
     # Everything that can be checked without a process group is checked here, once, before any
     # folder is created or any rank starts: a run that fails validation leaves nothing behind.
-    # The job's facts (backend, dtype, max length: swiftlite/job.py) are resolved here once and handed
-    # to the ranks this process starts.
+    # The run (backend, dtype, max length: swiftlite/job.py) is resolved here once and handed to the
+    # ranks this process starts; `cfg` stays what the user said.
     if not env.settings().preflight_done:
         facts = preflight(cfg, world, data=not cfg.parallel.dry_run and not env.inside_launcher(), refusals=refused)
     else:
         facts = None
     refused.raise_all()
     if cfg.parallel.dry_run:
-        print_plan(cfg, plan, (facts or resolve_for_launch(cfg, world)).choice)
+        resolved = facts or resolve_for_launch(cfg, world)
+        print_plan(resolved.config, plan, resolved.choice)
         return 0
     import time
     started = time.time()

@@ -29,7 +29,7 @@ from swiftlite.errors import Refusals, UserError, UserErrors
 
 __all__ = ["FALSE_WORDS", "SECRET_KEY", "TRUE_WORDS", "alias_keys", "apply_env", "build_config", "canonical_key",
            "coerce", "context_length", "gpu_torch_build", "load_args", "load_config",
-           "read_config_file", "redact_secrets", "resolve_accumulation", "resolve_light_defaults", "resolve_strategies",
+           "read_config_file", "redact_secrets", "resolve_accumulation", "resolve_light_defaults", "apply_add_version",
            "save_args"]
 
 
@@ -186,6 +186,37 @@ def _build(values: dict[str, Any], source: str, task: str, found: Refusals) -> R
     return cfg
 
 
+def apply_add_version(cfg: "RunConfig") -> None:
+    """--add_version (ms-swift's `<output_dir>/v<N>-<YYYYMMDD-HHMMSS>` run folders): point
+    cfg.train.output_dir at this run's version folder, chosen once by the launching process and handed to
+    its ranks (env.RUN_VERSION). N is one more than the highest vN-* there, as ms-swift's
+    `add_version_to_work_dir`. With --resume true/auto (and no --resume-from) the newest version folder
+    is this run's again, so a requeued command resumes where it stopped; `--resume-from` starts a new
+    version, as in ms-swift. Only a name is chosen here; the trainer creates the folder."""
+    import time
+
+    from swiftlite import env
+    if not cfg.train.add_version:
+        return
+    base = Path(cfg.train.output_dir).expanduser().resolve()
+    known = env.get(env.RUN_VERSION) or ""
+    b, _, sub = known.partition("\t")
+    if sub and b == str(base.parent) and base.name == sub:
+        return                                     # already applied (a rank of this job)
+    if not (sub and b == str(base)):
+        if (cfg.parallel.nnodes or 1) > 1:
+            raise UserError("--add_version with --nnodes > 1: the nodes cannot agree on a version folder before "
+                            "they connect; give the run its own --output-dir and --add_version false")
+        versions = sorted(((int(m.group(1)), p.name) for p in (base.iterdir() if base.is_dir() else [])
+                           if p.is_dir() and (m := re.match(r"v(\d+)", p.name))), reverse=True)
+        if versions and cfg.checkpoint.resume != "false" and not cfg.checkpoint.resume_from:
+            sub = versions[0][1]
+        else:
+            sub = f"v{versions[0][0] + 1 if versions else 0}-{time.strftime('%Y%m%d-%H%M%S')}"
+        env.update({env.RUN_VERSION: f"{base}\t{sub}"})
+    cfg.train.output_dir = str(base / sub)
+
+
 def config_world_size(cfg: RunConfig) -> int:
     """The job's process count as the config says it (--nproc-per-node x --nnodes, which the launcher
     variables fill); inside a rank started by a launcher, its WORLD_SIZE."""
@@ -278,8 +309,9 @@ def gpu_torch_build() -> bool:
 def resolve_light_defaults(cfg: RunConfig) -> None:
     """Fill what needs neither torch nor transformers: --max-length from the model's context when the
     model's config is a preset or a local config.json, and --torch-dtype auto -> fp32 on a CPU build
-    of torch. What is left ("auto" on a GPU build, max_length of a hub model) is resolved by
-    `swiftlite.models.loading.resolve_model_defaults` once the model config and the GPU are known."""
+    of torch. What is left ("auto" on a GPU build, max_length of a hub model) is settled by
+    swiftlite/job.py `resolve_run` (models/loading.model_defaults) in the run's concrete copy of the config,
+    once the model config and the GPU are known; the user's config keeps `auto` / no length."""
     if cfg.data.max_length is None:
         from swiftlite.models.source import resolve_model   # the owner of --model's facts
         try:
@@ -290,19 +322,6 @@ def resolve_light_defaults(cfg: RunConfig) -> None:
             cfg.data.max_length = context_length(conf)
     if cfg.model.torch_dtype == "auto" and not gpu_torch_build():
         cfg.model.torch_dtype = "fp32"
-
-
-def resolve_strategies(cfg: RunConfig, steps_per_epoch: int) -> None:
-    """--save-strategy / --eval-strategy as step intervals, once the steps per epoch are known (called
-    where the batch plan is made, data.pipeline.prepare_datasets): epoch = every steps_per_epoch, no =
-    no intermediate checkpoint (the last step is always saved). Idempotent."""
-    c, t = cfg.checkpoint, cfg.train
-    if c.save_strategy == "epoch":
-        c.save_steps = steps_per_epoch
-    elif c.save_strategy == "no":
-        c.save_steps = None
-    if t.eval_strategy == "epoch":
-        t.eval_steps = steps_per_epoch
 
 
 def apply_env(values: dict[str, Any], found: Refusals | None = None) -> dict[str, Any]:
@@ -359,6 +378,9 @@ def load_config(config_file: str | None, overrides: dict[str, Any], *, task: str
     cfg.explicit = (explicit | frozenset(fsdp_set)) - frozenset(found.fields)   # what was given and accepted
     if not found.blocked(("config",)):   # an unreadable config file: its values are unknown
         validate(cfg, check_paths=validate_paths, refusals=found)
+    # --add_version: this run's <output-dir>/vN-<time> folder, the same in every rank; the last value
+    # the loader fills (after it, nothing writes the user's config: swiftlite/job.py)
+    found.check(apply_add_version, cfg, about=("output_dir",))
     if refusals is None:
         found.raise_all()
     return cfg
@@ -375,12 +397,18 @@ def redact_secrets(data: Any) -> Any:
     return data
 
 
-def save_args(cfg: RunConfig, path: str | os.PathLike) -> None:
-    """Write the resolved config (nested) atomically. No secret is written: RunConfig holds none
-    today, and any field named like one (hub_token, ...) is redacted should one be added."""
+def save_args(cfg: RunConfig, path: str | os.PathLike, **applied: Any) -> None:
+    """Write the run's resolved config (nested) atomically, with `applied` flat values the run derived
+    later (its save/eval cadence: job.Resolved.cadence), so args.json says what the run did. No secret
+    is written: RunConfig holds none today, and any field named like one (hub_token, ...) is redacted
+    should one be added."""
     p = Path(path)
+    data = cfg.to_dict()
+    specs = field_specs()
+    for k, v in applied.items():
+        data[specs[k].section][k] = v
     tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(redact_secrets(cfg.to_dict()), indent=2, sort_keys=False) + "\n")
+    tmp.write_text(json.dumps(redact_secrets(data), indent=2, sort_keys=False) + "\n")
     os.replace(tmp, p)
 
 

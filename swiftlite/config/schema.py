@@ -12,14 +12,14 @@ Reading files, flags and env vars into a `RunConfig` is `load.py`; the validatio
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar
 
+from swiftlite.config.access import Sealable, field_reads
 from swiftlite.dtypes import NAMES as _DTYPE_NAMES
 from swiftlite.dtypes import normalize as _dtype_name
 
@@ -77,7 +77,7 @@ GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(Sealable):
     model: str = opt("tiny-llama", "Preset name (see `swiftlite models`), local HF folder or hub id.")
     torch_dtype: str = opt("auto", "Parameter and compute dtype (also bfloat16, float16, float32). auto, as in "
                            "ms-swift: the model config's torch_dtype on a GPU (bf16 for current models; bf16 "
@@ -96,7 +96,7 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class LoraConfig:
+class LoraConfig(Sealable):
     lora_rank: int = opt(8, "LoRA rank r.", aliases=("--lora-r",))
     lora_alpha: int = opt(32, "LoRA alpha.")
     lora_dropout: float = opt(0.05, "LoRA dropout.")
@@ -122,7 +122,7 @@ class LoraConfig:
 
 
 @dataclass(kw_only=True)
-class QuantConfig:
+class QuantConfig(Sealable):
     quant_method: str | None = opt(None, "How the base is quantized at load time: bnb (bitsandbytes) is the only "
                                    "method; --quant-bits alone means bnb too.", choices=("bnb",))
     quant_bits: int | None = opt(None, "Quantize the base with bitsandbytes (4 or 8). --qlora implies 4.")
@@ -136,7 +136,7 @@ class QuantConfig:
 
 
 @dataclass(kw_only=True)
-class DataConfig:
+class DataConfig(Sealable):
     dataset: list[str] = opt(help="Training data: files or HF dataset folders; `path#N` takes N rows.",
                              factory=list)
     val_dataset: list[str] = opt(help="Validation data (same forms as --dataset).", factory=list)
@@ -177,7 +177,7 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class ParallelConfig:
+class ParallelConfig(Sealable):
     parallelism: str = opt("auto", "How to spread the model: auto, single, ddp, fsdp (FSDP2), hsdp, fsdp1, "
                            "zero2, zero2_offload, zero3, zero3pp, zero3_offload, zero3_offload_nvme, or a DeepSpeed "
                            "JSON file (parallel/resolve.py decides; --dry-run shows the choice).",
@@ -245,7 +245,7 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True)
-class OptimConfig:
+class OptimConfig(Sealable):
     learning_rate: float | None = opt(None, "Peak learning rate (default 1e-4 for LoRA, 1e-5 for full).",
                                       aliases=("--lr",))
     weight_decay: float = opt(0.1, "AdamW weight decay.")
@@ -272,7 +272,7 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(Sealable):
     train_type: str = opt("lora", "full, lora or qlora (--full / --lora / --qlora are shorthands); lora as in "
                           "ms-swift.",
                           aliases=("--tuner_type", "--tuner-type"), choices=TRAIN_TYPES)
@@ -358,7 +358,7 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
-class CheckpointConfig:
+class CheckpointConfig(Sealable):
     save_strategy: str = opt("steps", "When to save: steps (every --save-steps), epoch, or no (the final "
                              "checkpoint only). The last step is always saved.", choices=STRATEGIES)
     save_steps: int | None = opt(500, "Save a checkpoint every N steps (always at the end); 500 as in ms-swift.")
@@ -383,7 +383,7 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
-class RlhfConfig:
+class RlhfConfig(Sealable):
     """`swiftlite rlhf` only (ms-swift's flag names); a sft/pt run that sets one is refused (rules.py)."""
     rlhf_type: str = opt("dpo", "Preference method: dpo or kto (unpaired rows with a label; both with a reference "
                          "model), orpo, simpo or cpo (none); rm (a reward model: a score head on the pairs); "
@@ -448,7 +448,7 @@ class RlhfConfig:
 
 
 @dataclass(kw_only=True)
-class RunConfig:
+class RunConfig(Sealable):
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
@@ -463,6 +463,34 @@ class RunConfig:
     #: The flat keys the user set (config file or flags), as load_config saw them; not a field, so
     #: args.json does not hold it. Rules use it for "given explicitly" (LoRA flags on a full run).
     explicit: ClassVar[frozenset[str]] = frozenset()
+
+    def seal(self) -> "RunConfig":
+        """Make this config and its sections read-only (job.resolve_run's output); returns it."""
+        for sec in SECTIONS:
+            getattr(self, sec).__dict__["_sealed"] = True
+        self.__dict__["_sealed"] = True
+        return self
+
+    @property
+    def sealed(self) -> bool:
+        return bool(self.__dict__.get("_sealed"))
+
+    def with_values(self, **flat: Any) -> "RunConfig":
+        """A copy with these flat fields replaced (a derived config: the reference model's, a resolved
+        run's), as sealed as this one. Sections not named are shared, which is safe once sealed."""
+        specs = field_specs()
+        if not self.sealed:   # an open config: a deep copy, so that no section is shared with a writer
+            import copy
+            new = copy.deepcopy(self)
+            for k, v in flat.items():
+                setattr(getattr(new, specs[k].section), k, v)
+            return new
+        changes: dict[str, dict[str, Any]] = {}
+        for k, v in flat.items():
+            changes.setdefault(specs[k].section, {})[k] = v
+        new = dataclasses.replace(self, **{s: dataclasses.replace(getattr(self, s), **c) for s, c in changes.items()})
+        new.explicit = self.explicit
+        return new.seal() if self.sealed else new
 
     def to_dict(self) -> dict[str, Any]:
         """Nested plain dict (what args.json holds)."""
@@ -502,35 +530,6 @@ def section_classes() -> dict[str, type]:
     """Section name -> its dataclass (ModelConfig, LoraConfig, ...)."""
     hints = typing.get_type_hints(RunConfig)
     return {s: hints[s] for s in SECTIONS}
-
-
-_READS: list[set[str]] = []   # the open field_reads() sets, innermost last
-
-
-@contextlib.contextmanager
-def field_reads() -> Iterator[set[str]]:
-    """The set of RunConfig field names read (any section of any config) while the block runs: what a
-    rule or a preflight check judged, so that a refusal of one field passes over the judgements that
-    read it (errors.Refusals). The section classes watch their reads only while a block is open."""
-    read: set[str] = set()
-    if not _READS:
-        names = {f.name for c in section_classes().values() for f in dataclasses.fields(c)}
-
-        def watched(self: Any, name: str) -> Any:
-            if name in names:
-                for r in _READS:
-                    r.add(name)
-            return object.__getattribute__(self, name)
-        for c in section_classes().values():
-            c.__getattribute__ = watched
-    _READS.append(read)
-    try:
-        yield read
-    finally:
-        _READS.remove(read)
-        if not _READS:
-            for c in section_classes().values():
-                del c.__getattribute__
 
 
 @dataclass(frozen=True)

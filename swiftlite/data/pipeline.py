@@ -288,12 +288,10 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
     """--dataset / --val-dataset / --split-dataset-ratio -> (train, validation or None, BatchPlan),
     with the checks a run needs before it starts: some usable rows, and at least one global batch
     (per-device x world size x accumulation) of them. UserErrors name the culprit."""
-    from swiftlite.config import resolve_strategies
     from swiftlite.data.loader import BatchPlan
     from swiftlite.data.tokenize import system_prompt
     d, t = cfg.data, cfg.train
-    # --max-length from a hub model's config (config.load reads local configs only) is settled by the
-    # caller, TokenTask.prepare_data (train/tasks.py): the model loader is not data's to call.
+    # `cfg` is the run's resolved config (swiftlite/job.py): --max-length is concrete here.
     system = system_prompt(d.system) if task_spec(cfg.task).chat else None
     from swiftlite.data.self_cognition import from_config
     sc = from_config(d)   # --model_name / --model_author (data/self_cognition.py)
@@ -339,6 +337,5 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
         raise UserError(f"--dataset has {len(train.rows)} usable rows{held}, fewer than one global batch of "
                         f"{plan.global_batch} (per-device {plan.per_device} x {plan.world_size} processes x "
                         f"accumulation {plan.accumulation})")
-    resolve_strategies(cfg, plan.steps_per_epoch)  # --save-strategy/--eval-strategy epoch: now known
     return train, val, plan
 

@@ -166,7 +166,7 @@ def inspect_source(arg: str, base_model: str | None, log: Callable[[str], None],
         src.weights = "hf"
         src.cfg = build_config({"model": str(path)}, source="--ckpt")
     if base_model is not None and form != "hf":
-        src.cfg.model.model = base_model
+        src.cfg = src.cfg.with_values(model=base_model)   # the run's config, on another base
         if src.base_from != ADAPTER_CONFIG:
             src.base_from = "--base-model"
     return src

@@ -20,7 +20,7 @@ from swiftlite.launch.preflight import resolve_for_launch
 from swiftlite.launch.run import run_rank
 
 if TYPE_CHECKING:
-    from swiftlite.job import JobFacts
+    from swiftlite.job import Resolved
     from swiftlite.parallel.base import BackendChoice
 
 #: What every rank imports; paid once before forking instead of once per rank.
@@ -59,7 +59,7 @@ def warm_imports(cfg: RunConfig, choice: "BackendChoice") -> None:
             pass
 
 
-def rank_vars(plan: LaunchPlan, local_rank: int, facts: "JobFacts | None" = None) -> dict[str, str]:
+def rank_vars(plan: LaunchPlan, local_rank: int, facts: "Resolved | None" = None) -> dict[str, str]:
     """The environment torchrun would give rank `local_rank` of this one-node job, and the job's
     facts this process resolved (swiftlite/job.py)."""
     out = {"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "GROUP_RANK": "0",
@@ -72,7 +72,7 @@ def rank_vars(plan: LaunchPlan, local_rank: int, facts: "JobFacts | None" = None
 
 
 def _forked_rank(local_rank: int, cfg: RunConfig, plan: LaunchPlan, threads: int,
-                 facts: "JobFacts | None" = None) -> None:
+                 facts: "Resolved | None" = None) -> None:
     """Entry point of a forked rank: the environment torchrun would have given it, then the rank."""
     env.update(rank_vars(plan, local_rank, facts))
     import torch
@@ -85,7 +85,7 @@ def _forked_rank(local_rank: int, cfg: RunConfig, plan: LaunchPlan, threads: int
         sys.exit(1)
 
 
-def run_forked(plan: LaunchPlan, cfg: RunConfig, facts: "JobFacts | None" = None) -> int:
+def run_forked(plan: LaunchPlan, cfg: RunConfig, facts: "Resolved | None" = None) -> int:
     """Fork the ranks of a one-node job from this process and wait for them; on failure, stop the
     others (STOP_SIGNAL: a hung rank dumps its stack) and name the rank that caused it. Preemption
     signals are forwarded to the ranks, which save and end (train/preempt.py)."""

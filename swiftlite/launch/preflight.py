@@ -10,7 +10,7 @@ from swiftlite.config import RunConfig
 from swiftlite.errors import Refusals, UserError
 
 if TYPE_CHECKING:
-    from swiftlite.job import JobFacts
+    from swiftlite.job import Resolved
 
 
 def check_lora_targets(cfg: RunConfig, source: Any) -> None:
@@ -26,16 +26,16 @@ def check_lora_targets(cfg: RunConfig, source: Any) -> None:
     check_targets(_empty_model(model_config(cfg, source), torch.float32, {}), cfg)
 
 
-def resolve_for_launch(cfg: RunConfig, world_size: int) -> "JobFacts":
-    """The job's facts, resolved in the launching process (swiftlite/job.py): its GPUs stand for the
-    job's; a rank resolves again only if the smallest GPU of the whole job differs (mixed machines)."""
-    from swiftlite.job import resolve_job
+def resolve_for_launch(cfg: RunConfig, world_size: int) -> "Resolved":
+    """The run, resolved in the launching process (swiftlite/job.py): its GPUs stand for the job's; a
+    rank resolves again only if the smallest GPU of the whole job differs (mixed machines)."""
+    from swiftlite.job import resolve_run
     from swiftlite.parallel.resolve import local_gpu_memory
-    return resolve_job(cfg, world_size, gpu_memory=local_gpu_memory, gpus_per_node=cfg.parallel.nproc_per_node)
+    return resolve_run(cfg, world_size, gpu_memory=local_gpu_memory, gpus_per_node=cfg.parallel.nproc_per_node)
 
 
 def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
-              refusals: Refusals | None = None) -> "JobFacts | None":
+              refusals: Refusals | None = None) -> "Resolved | None":
     """Validate everything a run can get wrong before any process starts or any file is written:
     output folder, resume checkpoint (intact and free of unsafe pickles), model, DeepSpeed config,
     and (data=True) the datasets themselves: every row read, converted and tokenized (which fills the
@@ -74,28 +74,29 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
     facts = None
     if world_size is not None and source is not None:
         facts = found.check(resolve_for_launch, cfg, world_size, needs=("external_plugins",))
-    found.check(check_attn_impl, cfg)
+    run_cfg = facts.config if facts is not None else cfg   # the concrete config, once resolved
+    found.check(check_attn_impl, run_cfg)
     if facts is not None:
         from swiftlite.train.run import skeleton_mode
-        found.check(skeleton_mode, cfg, facts.choice)   # refuses an adapter peft computes from weights a skeleton lacks
+        found.check(skeleton_mode, run_cfg, facts.choice)   # refuses an adapter peft computes from weights a skeleton lacks
         from swiftlite.optim import optim_problem
-        found.check(_refuse, optim_problem, cfg, facts.choice)
+        found.check(_refuse, optim_problem, run_cfg, facts.choice)
         if resume is not None:
             from swiftlite.checkpoint.state import weights_only_problem
             # a --save_only_model checkpoint, another format
-            found.check(_refuse, weights_only_problem, resume, cfg, facts.choice)
+            found.check(_refuse, weights_only_problem, resume, run_cfg, facts.choice)
     from swiftlite.metrics import check_report_to
     from swiftlite.optim import check_scheduler
-    found.check(check_report_to, cfg)
-    found.check(check_scheduler, cfg)
+    found.check(check_report_to, run_cfg)
+    found.check(check_scheduler, run_cfg)
     from swiftlite.train.tasks import task_of
-    found.check(task_of(cfg).check, cfg, needs=("external_plugins",))   # GRPO: reward names (plugins register theirs)
+    found.check(task_of(run_cfg).check, run_cfg, needs=("external_plugins",))   # GRPO: reward names (plugins register theirs)
     found.raise_all()
     if not data:
         return facts
     from swiftlite.models.loading import load_tokenizer
-    tokenizer = load_tokenizer(cfg, source)
-    task_of(cfg).prepare_data(cfg, tokenizer, world_size)   # sft/pt: data.pipeline.prepare_datasets
+    tokenizer = load_tokenizer(run_cfg, source)
+    task_of(run_cfg).prepare_data(run_cfg, tokenizer, world_size)   # sft/pt: data.pipeline.prepare_datasets
     return facts
 
 

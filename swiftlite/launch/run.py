@@ -18,13 +18,13 @@ from swiftlite.launch.diagnostics import (clear_rank_logs, explain_failure, fini
 from swiftlite.launch.plan import LaunchPlan
 
 if TYPE_CHECKING:
-    from swiftlite.job import JobFacts
+    from swiftlite.job import Resolved
 
 #: Lines of the launcher's stderr kept to read its failure summary.
 TAIL_LINES = 200
 
 
-def run_rank(cfg: RunConfig, facts: "JobFacts | None" = None) -> None:
+def run_rank(cfg: RunConfig, facts: "Resolved | None" = None) -> None:
     """The body of one rank (or of a single-process run): train, and on failure leave the rank's
     error where the launcher looks for it. `facts`: the job's facts when this process resolved them
     (a single-process run); a launched rank reads them from its environment (swiftlite/job.py)."""
@@ -57,7 +57,7 @@ def _pump(stream: IO[str], tail: list[str]) -> None:
         del tail[:-TAIL_LINES]
 
 
-def run_launched(plan: LaunchPlan, cfg: RunConfig, facts: "JobFacts | None" = None) -> int:
+def run_launched(plan: LaunchPlan, cfg: RunConfig, facts: "Resolved | None" = None) -> int:
     """Run the launcher; on failure name the rank that caused it (see `explain_failure`)."""
     assert plan.command is not None
     print("launching: " + shlex.join(redact_argv(plan.command)), flush=True)

@@ -34,34 +34,32 @@ def torch_dtype(name: str) -> "torch.dtype":
 
 # -- ms-swift's defaults that come from the model: --torch-dtype auto, --max-length ---------------------
 
-def resolve_auto_dtype(cfg: "RunConfig", model_config: Any, has_cuda: bool, *, bf16_ok: bool = True) -> str | None:
-    """--torch-dtype auto -> a concrete name, as ms-swift: on a GPU the model config's 16-bit dtype, which
-    is bf16 for current models (bfloat16, float32 or none declared -> bf16); a float16 model trains in bf16
-    too where the GPU has it (fp16 needs loss scaling, which only DeepSpeed has here); on a GPU without
-    bf16, and on CPU, fp32 (what every backend runs; pass --torch-dtype fp16 with --deepspeed for fp16). Sets cfg.model.torch_dtype and returns a phrase saying
-    why ("auto: bf16 on a GPU (the model's dtype)"), or None when it was not auto. Needs no torch import
-    (the caller says whether there is a GPU and whether it has bf16)."""
+def auto_dtype(cfg: "RunConfig", model_config: Any, has_cuda: bool, *, bf16_ok: bool = True) -> tuple[str, str] | None:
+    """--torch-dtype auto -> (a concrete name, a phrase saying why), as ms-swift: on a GPU the model
+    config's 16-bit dtype, which is bf16 for current models (bfloat16, float32 or none declared -> bf16);
+    a float16 model trains in bf16 too where the GPU has it (fp16 needs loss scaling, which only
+    DeepSpeed has here); on a GPU without bf16, and on CPU, fp32 (what every backend runs; pass
+    --torch-dtype fp16 with --deepspeed for fp16). None when it was not auto. Needs no torch import
+    (the caller says whether there is a GPU and whether it has bf16); writes nothing (job.resolve_run
+    puts the answer into the run's config)."""
     if cfg.model.torch_dtype != "auto":
         return None
     if not has_cuda:
-        cfg.model.torch_dtype = "fp32"
-        return "auto: fp32 on CPU"
+        return "fp32", "auto: fp32 on CPU"
     get = model_config.get if isinstance(model_config, dict) else lambda k: getattr(model_config, k, None)
     declared = get("dtype") or get("torch_dtype")
     name = dtypes.normalize(declared) if declared is not None else None
     if not bf16_ok:
-        cfg.model.torch_dtype = "fp32"
-        why = "this GPU has no bf16, and fp16 needs loss scaling: --torch-dtype fp16 with --deepspeed"
-    else:
-        cfg.model.torch_dtype = "bf16"
-        why = {"bf16": "the model's dtype", "fp16": "the model declares float16; bf16 needs no loss scaling"}.get(
-            name, "the model declares no 16-bit dtype")
-    return f"auto: {cfg.model.torch_dtype} on a GPU ({why})"
+        return "fp32", ("auto: fp32 on a GPU (this GPU has no bf16, and fp16 needs loss scaling: --torch-dtype "
+                        "fp16 with --deepspeed)")
+    why = {"bf16": "the model's dtype", "fp16": "the model declares float16; bf16 needs no loss scaling"}.get(
+        name, "the model declares no 16-bit dtype")
+    return "bf16", f"auto: bf16 on a GPU ({why})"
 
 
-def resolve_max_length(cfg: "RunConfig", model_config: Any) -> str | None:
-    """--max-length unset -> the model's context (max_position_embeddings), as ms-swift. Returns a
-    phrase, or None when it was set; a config that declares no context length is a UserError."""
+def context_max_length(cfg: "RunConfig", model_config: Any) -> tuple[int, str] | None:
+    """--max-length unset -> (the model's context (max_position_embeddings), a phrase), as ms-swift; None
+    when it was set. A config that declares no context length is a UserError. Writes nothing."""
     from swiftlite.config import context_length
     if cfg.data.max_length is not None:
         return None
@@ -69,35 +67,36 @@ def resolve_max_length(cfg: "RunConfig", model_config: Any) -> str | None:
     if n is None:
         raise UserError(f"--model {cfg.model.model}: its config declares no context length "
                         "(max_position_embeddings); pass --max-length")
-    cfg.data.max_length = n
-    return f"max length {n}: the model's context"
+    return n, f"max length {n}: the model's context"
 
 
-def resolve_model_defaults(cfg: "RunConfig", source: ModelSource | None = None) -> list[str]:
-    """Make --torch-dtype and --max-length concrete where config.load could not without torch or
-    transformers (a GPU build of torch; a hub model): reads the model's config and asks torch for a GPU,
-    only when something is still unresolved. Idempotent; returns the phrases of what it resolved. Then,
-    only when the dtype was `auto` here, re-runs the config rules (one of them compares the dtype:
-    --bnb-4bit-compute-dtype): a max length read from the model's context is positive by construction,
-    so filling it alone leaves the rules' answer as config.load had it, and they run once."""
+def model_defaults(cfg: "RunConfig", source: ModelSource | None = None) -> tuple[str, int | None, list[str]]:
+    """(torch dtype, max length, phrases of what was settled here): --torch-dtype and --max-length made
+    concrete where config.load could not without torch or transformers (a GPU build of torch; a hub
+    model). Reads the model's config and asks torch for a GPU only when something is still unresolved.
+    Writes nothing: job.resolve_run is the one writer of the run's concrete config."""
     if cfg.model.torch_dtype != "auto" and cfg.data.max_length is not None:
-        return []
+        return cfg.model.torch_dtype, cfg.data.max_length, []
     conf = model_config(cfg, source)
-    dtype_was_auto = cfg.model.torch_dtype == "auto"
-    done = [_auto_dtype_here(cfg, conf), resolve_max_length(cfg, conf)]
-    if dtype_was_auto:
-        from swiftlite.config import validate
-        validate(cfg, check_paths=False)
-    return [d for d in done if d]
+    dtype, length = cfg.model.torch_dtype, cfg.data.max_length
+    phrases = []
+    if dtype == "auto":
+        dtype = _auto_dtype_here(cfg, conf, phrases)
+    got = context_max_length(cfg, conf)
+    if got is not None:
+        length, why = got
+        phrases.append(why)
+    return dtype, length, phrases
 
 
-def _auto_dtype_here(cfg: "RunConfig", conf: Any) -> str | None:
-    """resolve_auto_dtype with this process's GPU (torch asked only when the dtype is still auto)."""
-    if cfg.model.torch_dtype != "auto":
-        return None
+def _auto_dtype_here(cfg: "RunConfig", conf: Any, phrases: list[str] | None = None) -> str:
+    """`auto_dtype` with this process's GPU (torch asked only here)."""
     import torch
     cuda = torch.cuda.is_available()
-    return resolve_auto_dtype(cfg, conf, cuda, bf16_ok=not cuda or torch.cuda.is_bf16_supported())
+    name, why = auto_dtype(cfg, conf, cuda, bf16_ok=not cuda or torch.cuda.is_bf16_supported())
+    if phrases is not None:
+        phrases.append(why)
+    return name
 
 
 def load_tokenizer(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
@@ -164,8 +163,8 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
     # from the same bf16 weights DeepSpeed's do (it builds its fp32 master from the bf16 module).
     # Loading in fp32 instead left the torch backends' masters off the bf16 grid and their lr-1e-5
     # curves 2% below ZeRO-3's after 8 steps (docs/backends.md, "Precision").
-    if cfg.model.torch_dtype == "auto":  # a config built without it (export, infer): resolved here
-        _auto_dtype_here(cfg, model_config(cfg, src))
+    if cfg.model.torch_dtype == "auto":  # a config built without a resolution (export, infer): a concrete copy
+        cfg = cfg.with_values(torch_dtype=_auto_dtype_here(cfg, model_config(cfg, src)))
     dtype = torch_dtype(cfg.model.torch_dtype)
     quant = None
     if cfg.quant.quant_bits:

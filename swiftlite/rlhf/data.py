@@ -190,12 +190,8 @@ def prepare_pairs(cfg: Any, tokenizer: Any, world_size: int, *,
                   progress: Callable[[str, int], Any] | None = None) -> tuple[PairData, PairData | None, Any]:
     """data.pipeline.prepare_datasets for `swiftlite rlhf`: the same checks (some usable pairs, at least
     one global batch of pairs), with pairs as the samples."""
-    from swiftlite.config import resolve_strategies
     from swiftlite.data.loader import BatchPlan
     d, t = cfg.data, cfg.train
-    if d.max_length is None:
-        from swiftlite.models.loading import resolve_model_defaults
-        resolve_model_defaults(cfg)
     system = system_prompt(d.system)
 
     def tok(specs: list[str]) -> PairData:
@@ -215,7 +211,6 @@ def prepare_pairs(cfg: Any, tokenizer: Any, world_size: int, *,
         raise UserError(f"--dataset has {len(train.rows)} usable pairs, fewer than one global batch of "
                         f"{plan.global_batch} (per-device {plan.per_device} x {plan.world_size} processes x "
                         f"accumulation {plan.accumulation})")
-    resolve_strategies(cfg, plan.steps_per_epoch)
     return train, val, plan
 
 

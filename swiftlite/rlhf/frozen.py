@@ -9,7 +9,6 @@ backend that cannot lay one out says so and points to --precompute-ref-log-probs
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import Any
 
 from swiftlite.parallel.base import FrozenModel
@@ -22,14 +21,8 @@ Frozen = FrozenModel
 def _ref_config(cfg: Any) -> Any:
     """The run's config for loading the reference: its model (or --ref_model), full weights, no
     activation checkpointing (no backward) and no compile."""
-    ref = copy.deepcopy(cfg)
-    if cfg.rlhf.ref_model:
-        ref.model.model = cfg.rlhf.ref_model
-    ref.train.train_type = "full"
-    ref.quant.quant_bits = None
-    ref.train.gradient_checkpointing = False
-    ref.parallel.compile = False
-    return ref
+    return cfg.with_values(model=cfg.rlhf.ref_model or cfg.model.model, train_type="full", quant_bits=None,
+                           gradient_checkpointing=False, compile=False)
 
 
 @contextlib.contextmanager

@@ -178,7 +178,6 @@ def prepare_prompts(cfg: Any, tokenizer: Any, world_size: int, *,
                     progress: Callable[[str, int], Any] | None = None) -> tuple[PromptData, None, GrpoPlan]:
     """The GRPO task's `prepare_data`: prompts, no validation split, the plan; every check of the
     module docstring."""
-    from swiftlite.config import resolve_strategies
     from swiftlite.data.pipeline import train_and_validation
     from swiftlite.plugin import build_rewards
     d, t, r = cfg.data, cfg.train, cfg.rlhf
@@ -192,9 +191,6 @@ def prepare_prompts(cfg: Any, tokenizer: Any, world_size: int, *,
         raise UserError(f"--num-generations {r.num_generations}: the generation round of {per_round} completions "
                         f"(per-device {t.per_device_train_batch_size} x {world_size} processes x steps per generation "
                         f"{S}) does not divide into groups of {r.num_generations}")
-    if d.max_length is None:
-        from swiftlite.models.loading import resolve_model_defaults
-        resolve_model_defaults(cfg)
     truncation = d.truncation_strategy if "truncation_strategy" in cfg.explicit else "left"
 
     def tok(specs: list[str]) -> PromptData:
@@ -208,7 +204,6 @@ def prepare_prompts(cfg: Any, tokenizer: Any, world_size: int, *,
     if plan.steps_per_epoch == 0:
         raise UserError(f"--dataset has {len(train.rows)} usable prompts, fewer than one generation round of "
                         f"{plan.round_prompts} prompts ({per_round} completions / --num-generations {r.num_generations})")
-    resolve_strategies(cfg, plan.steps_per_epoch)
     return train, None, plan
 
 

@@ -138,12 +138,8 @@ def prepare_unpaired(cfg: Any, tokenizer: Any, world_size: int, *,
     (the KL estimate pairs each row with another row's completion)."""
     import numpy as np
 
-    from swiftlite.config import resolve_strategies
     from swiftlite.data.loader import BatchPlan
     d, t = cfg.data, cfg.train
-    if d.max_length is None:
-        from swiftlite.models.loading import resolve_model_defaults
-        resolve_model_defaults(cfg)
     system = system_prompt(d.system)
 
     def tok(specs: list[str]) -> UnpairedData:
@@ -168,7 +164,6 @@ def prepare_unpaired(cfg: Any, tokenizer: Any, world_size: int, *,
         raise UserError(f"--dataset has {len(train.rows)} usable rows, fewer than one global batch of "
                         f"{plan.global_batch} (per-device {plan.per_device} x {plan.world_size} processes x "
                         f"accumulation {plan.accumulation})")
-    resolve_strategies(cfg, plan.steps_per_epoch)
     return train, val, plan
 
 

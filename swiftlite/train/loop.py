@@ -78,6 +78,8 @@ class Checkpointer:
     def __init__(self, run: Any, preempt: Any, best: Any = None):
         self.run, self.preempt, self.best = run, preempt, best
         self.last: Path | None = run.resume_path
+        # --save-steps / --eval-steps as this run applies them (--save-strategy epoch: every epoch)
+        self.cadence = run.resolved.cadence(run.batches.plan.steps_per_epoch)
 
     def save(self, step: int) -> Path:
         from swiftlite.checkpoint.state import save_training_state
@@ -93,7 +95,7 @@ class Checkpointer:
 
     def maybe_save(self, done: int) -> bool:
         """Save when --save-steps says so; True when it did."""
-        every = self.run.cfg.checkpoint.save_steps
+        every = self.cadence.save_steps
         if every and done % every == 0:
             self.save(done)
             return True
@@ -109,7 +111,8 @@ def _start_logging(run: Any) -> Any:
     log = RunLogger(run.run_dir, enabled=world.is_main, total_steps=run.total_steps,
                     report_to=cfg.train.report_to, start_step=run.start_step)
     if world.is_main:
-        save_args(cfg, run.run_dir / layout.ARGS)
+        cadence = run.resolved.cadence(run.batches.plan.steps_per_epoch)
+        save_args(cfg, run.run_dir / layout.ARGS, save_steps=cadence.save_steps, eval_steps=cadence.eval_steps)
         log.print(_first_line(run))
         skipped = run.train_data.stats.skipped
         for msg in skipped[:5]:
@@ -136,7 +139,7 @@ def _loop(run: Any, probe: Any, preempt: Any) -> TrainResult:
     best = BestMetric(cfg, run.resume_path)   # best_metric, and --early_stop_interval (train/best.py)
     ckpt = Checkpointer(run, preempt, best)
     guard = NonFiniteGuard(cfg.train.nan_policy, cfg.train.max_skipped_steps, engine, log)
-    eval_every = cfg.train.eval_steps or cfg.checkpoint.save_steps
+    eval_every = ckpt.cadence.eval_steps or ckpt.cadence.save_steps
     # --ignore-data-skip (HF's meaning): a resumed run restarts the data order at its first batch
     # instead of skipping the batches the checkpoint already trained on.
     data_offset = start if cfg.train.ignore_data_skip else 0

@@ -39,18 +39,20 @@ class Run:
     facts: dict                    # checkpoint/state.run_facts: what a resume must agree with
     lock: Any = None               # checkpoint/run_dir.RunLock held by rank 0
     task: Any = None               # train/tasks.Task: the command's data, step, validation, setup
+    resolved: Any = None           # job.Resolved: the run as resolved (cfg is its config); cadence()
 
 
-def resolve_backend(cfg: RunConfig, world: Any, facts: Any = None) -> Any:
-    """The backend this rank builds, from the job's facts (swiftlite/job.py `rank_facts`): those its
-    launcher handed over (`facts`, or the environment) when the smallest GPU of the whole job is the
-    one they were resolved with, else resolved here by the same function (every rank must pick the
-    same backend, so the job's smallest GPU decides)."""
-    from swiftlite.job import rank_facts
-    choice = rank_facts(cfg, world, facts, job_gpu_memory=lambda: smallest_gpu_memory(world)).choice
+def resolve_run_here(cfg: RunConfig, world: Any, facts: Any = None) -> Any:
+    """The run this rank builds (swiftlite/job.py `rank_resolved`): the resolution its launcher handed
+    over (`facts`, or the environment) when the smallest GPU of the whole job is the one it was made
+    with, else resolved here by the same function (every rank must pick the same backend, so the job's
+    smallest GPU decides). Its `config` is what every later stage reads."""
+    from swiftlite.job import rank_resolved
+    resolved = rank_resolved(cfg, world, facts, job_gpu_memory=lambda: smallest_gpu_memory(world))
+    choice = resolved.choice
     if world.is_main and choice.requested == "auto":
         print(f"--parallelism auto: {choice.name} ({choice.reason})", flush=True)
-    return choice
+    return resolved
 
 
 def skeleton_mode(cfg: RunConfig, choice: Any) -> str | None:
@@ -144,9 +146,11 @@ def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> t
     from swiftlite.train.library_warnings import keep_library_warnings
     library_warnings = keep_library_warnings()   # to <run>/logs/warnings_rank<r>.log, not the console
     world = init_distributed(cfg.parallel.ddp_timeout)
-    # The job's facts: handed over by the launcher (dtype, max length, backend), or resolved here
-    # by the same function when this rank was started by an external launcher.
-    choice = resolve_backend(cfg, world, facts)
+    # The run: handed over by the launcher (dtype, max length, backend), or resolved here by the same
+    # function when this rank was started by an external launcher. From here on `cfg` is the run's
+    # concrete, sealed config (swiftlite/job.py), not the user's.
+    resolved = resolve_run_here(cfg, world, facts)
+    cfg, choice = resolved.config, resolved.choice
     try:
         run_dir = prepare_run_dir(cfg, world.is_main)
     except BaseException:
@@ -191,7 +195,7 @@ def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> t
         run = Run(cfg=cfg, world=world, choice=choice, run_dir=run_dir, resume_path=resume_path,
                   tokenizer=tokenizer, train_data=train_data, val_data=val_data, batches=batches,
                   total_steps=steps, model=model, engine=engine, start_step=start_step, t0=t0, facts=facts,
-                  lock=lock, task=task)
+                  lock=lock, task=task, resolved=resolved)
         run.engine = task.setup_engine(run)   # rlhf: the reference (after the state it may read)
     except BaseException:
         if lock is not None:

@@ -89,9 +89,6 @@ class TokenTask(Task):
     def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
                      progress: Callable[[str, int], Any] | None = None) -> Any:
         from swiftlite.data.pipeline import prepare_datasets
-        if cfg.data.max_length is None:  # a hub model (config.load reads local configs only): ms-swift's default
-            from swiftlite.models.loading import resolve_model_defaults
-            resolve_model_defaults(cfg)
         return prepare_datasets(cfg, tokenizer, world_size, progress=progress)
 
     def make_batches(self, cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> Any:

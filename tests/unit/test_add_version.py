@@ -9,7 +9,7 @@ import pytest
 
 from swiftlite import env
 from swiftlite.checkpoint import layout
-from swiftlite.checkpoint.run_dir import apply_add_version
+from swiftlite.config.load import apply_add_version
 from swiftlite.config import load_config
 from swiftlite.errors import UserError
 
@@ -23,7 +23,7 @@ def _command(tmp_path, data, monkeypatch, **extra):
               "output_dir": str(tmp_path / "out"), "dataloader_num_workers": 0,
               "gradient_checkpointing": False, **extra}
     cfg = load_config(None, values, task="sft")
-    apply_add_version(cfg)     # what cli/train.py does right after loading the config
+    apply_add_version(cfg)     # load_config applied it already: again, a no-op
     return cfg, train(cfg)
 
 
@@ -56,10 +56,9 @@ def test_default_is_the_output_dir_itself_and_multi_node_is_refused(tmp_path, mo
     assert cfg.train.add_version is False
     apply_add_version(cfg)
     assert cfg.train.output_dir == str(tmp_path / "o")
-    cfg = load_config(None, {"dataset": ["d.jsonl"], "output_dir": str(tmp_path / "o"), "add_version": True,
-                             "nnodes": 2, "master_addr": "10.0.0.1"}, task="sft", validate_paths=False)
-    with pytest.raises(UserError, match=r"--add_version with --nnodes > 1"):
-        apply_add_version(cfg)
+    with pytest.raises(UserError, match=r"--add_version with --nnodes > 1"):   # refused as the config loads
+        load_config(None, {"dataset": ["d.jsonl"], "output_dir": str(tmp_path / "o"), "add_version": True,
+                           "nnodes": 2, "master_addr": "10.0.0.1"}, task="sft", validate_paths=False)
 
 
 def test_the_cli_applies_it_before_the_plan(tmp_path, demo_data):

@@ -14,7 +14,13 @@ from swiftlite.config import load_config
 from swiftlite.errors import UserError
 from swiftlite.launch import preflight
 from swiftlite.parallel.base import parallelism_names
-from swiftlite.train.run import resolve_backend as trainer_resolve
+
+
+def trainer_resolve(*args, **kwargs):
+    """The backend a rank builds (train/run.resolve_run_here: the run it resolves, or is handed)."""
+    from swiftlite.train.run import resolve_run_here
+    return resolve_run_here(*args, **kwargs).choice
+
 
 VALUES = [n for n in parallelism_names() if n != "deepspeed"] + ["deepspeed"]
 DTYPES = ["fp32", "bf16", "fp16"]

@@ -20,6 +20,13 @@ import pytest
 from swiftlite.cli import main, parse_run_args
 from swiftlite.config import load_config
 
+
+def rank_resolve(*args, **kwargs):
+    """The backend a rank builds (train/run.resolve_run_here: the run it resolves, or is handed)."""
+    from swiftlite.train.run import resolve_run_here
+    return resolve_run_here(*args, **kwargs).choice
+
+
 GB = 10**9
 REPO = "acme/llama-8b-like"
 #: Llama-3-8B's shape (what the memory model reads from config.json)
@@ -74,7 +81,6 @@ def _rank_world():
 def test_hub_id_on_an_80gb_gpu_resolves_to_one_backend_everywhere(hub_model, gpus, tmp_path, capsys):
     from swiftlite.job import RESOLUTIONS
     from swiftlite.launch import preflight
-    from swiftlite.train.run import resolve_backend as rank_resolve
     argv = _argv(hub_model, tmp_path, "--train-type", "full")
     out = io.StringIO()
     with redirect_stdout(out):
@@ -96,13 +102,12 @@ def test_hub_id_on_an_80gb_gpu_resolves_to_one_backend_everywhere(hub_model, gpu
 
 def test_handed_facts_survive_the_environment_and_yield_to_a_smaller_job_gpu(hub_model, gpus, tmp_path, monkeypatch):
     from swiftlite import env
-    from swiftlite.job import RESOLUTIONS, JobFacts, handed_facts
+    from swiftlite.job import RESOLUTIONS, Resolved, handed_facts
     from swiftlite.launch import preflight
-    from swiftlite.train.run import resolve_backend as rank_resolve
     argv = _argv(hub_model, tmp_path, "--train-type", "full")
     facts = preflight(load_config(*parse_run_args(argv)), 8, data=False)
     monkeypatch.setenv(env.JOB_FACTS, facts.to_json())          # what forked and torchrun ranks get
-    assert handed_facts() == facts == JobFacts.from_json(facts.to_json())
+    assert handed_facts() == facts == Resolved.from_json(facts.to_json())
     before = RESOLUTIONS["count"]
     assert rank_resolve(load_config(*parse_run_args(argv)), _rank_world()).name == facts.choice.name
     assert RESOLUTIONS["count"] == before
@@ -124,7 +129,6 @@ def test_rank_applies_the_launchers_max_length(hub_model, gpus, tmp_path):
     from its config); the handed facts give it the one the launcher resolved (8192), without the rank
     reading the model's config again."""
     from swiftlite.launch import preflight
-    from swiftlite.train.run import resolve_backend as rank_resolve
     argv = _argv(hub_model, tmp_path, "--train-type", "lora")
     at = argv.index("--max-length")
     argv = argv[:at] + argv[at + 2:]
@@ -137,10 +141,12 @@ def test_rank_applies_the_launchers_max_length(hub_model, gpus, tmp_path):
     original = loading.model_config
     loading.model_config = lambda *a, **k: read.append(a) or original(*a, **k)
     try:
-        rank_resolve(rank_cfg, _rank_world(), facts)
+        from swiftlite.train.run import resolve_run_here
+        run_cfg = resolve_run_here(rank_cfg, _rank_world(), facts).config
     finally:
         loading.model_config = original
-    assert rank_cfg.data.max_length == 8192 and rank_cfg.model.torch_dtype == "bf16" and not read
+    assert run_cfg.data.max_length == 8192 and run_cfg.model.torch_dtype == "bf16" and not read
+    assert rank_cfg.data.max_length is None   # the user's config stays what the command line said
 
 
 def test_one_sft_process_runs_the_rules_once_and_resolves_the_backend_once(tmp_path, monkeypatch):

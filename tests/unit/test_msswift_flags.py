@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from swiftlite.cli import parse_run_args
-from swiftlite.config import field_specs, load_config, resolve_strategies
+from swiftlite.config import field_specs, load_config
 from swiftlite.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -348,38 +348,40 @@ def test_every_new_field_has_both_spellings():
 ])
 def test_auto_dtype(declared, cuda, bf16_ok, want):
     from swiftlite.config import build_config
-    from swiftlite.models.loading import resolve_auto_dtype
+    from swiftlite.models.loading import auto_dtype
     cfg = build_config({"model": "tiny-llama-2l"})
     cfg.model.torch_dtype = "auto"  # as on a GPU build of torch, where config.load leaves it
-    why = resolve_auto_dtype(cfg, {"torch_dtype": declared} if declared else {}, cuda, bf16_ok=bf16_ok)
-    assert cfg.model.torch_dtype == want and why.startswith(f"auto: {want}")
-    assert resolve_auto_dtype(cfg, {}, cuda) is None  # concrete now: left alone
+    name, why = auto_dtype(cfg, {"torch_dtype": declared} if declared else {}, cuda, bf16_ok=bf16_ok)
+    assert name == want and why.startswith(f"auto: {want}")
+    assert cfg.model.torch_dtype == "auto"   # the answer goes into the run's copy (job.resolve_run), not here
+    assert auto_dtype(build_config({"model": "tiny-llama-2l", "torch_dtype": "bf16"}), {}, cuda) is None
 
 
 def test_max_length_from_the_model(tmp_path):
     from types import SimpleNamespace
 
     from swiftlite.config import build_config
-    from swiftlite.models.loading import resolve_max_length
+    from swiftlite.models.loading import context_max_length
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 4096}))
     assert build_config({"model": str(tmp_path)}).data.max_length == 4096      # a local folder, read as JSON
     assert build_config({"model": "llama-8b"}).data.max_length == 131072       # a preset
     cfg = build_config({"model": "org/hub-model"})
     assert cfg.data.max_length is None                                          # a hub id: left for later
-    assert resolve_max_length(cfg, SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=8192)))
-    assert cfg.data.max_length == 8192
-    cfg.data.max_length = None
+    n, _ = context_max_length(cfg, SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=8192)))
+    assert n == 8192 and cfg.data.max_length is None
     with pytest.raises(UserError, match="declares no context length"):
-        resolve_max_length(cfg, {})
+        context_max_length(cfg, {})
 
 
 def test_strategies_become_steps():
+    from swiftlite.job import resolve_run
     cfg = resolve(["--save_strategy", "epoch", "--eval_strategy", "epoch", "--split_dataset_ratio", "0.1"])
-    resolve_strategies(cfg, 7)
-    assert cfg.checkpoint.save_steps == 7 and cfg.train.eval_steps == 7
+    cad = resolve_run(cfg, 1, gpu_memory=None, gpus_per_node=1).cadence(7)
+    assert (cad.save_steps, cad.eval_steps) == (7, 7)
     cfg = resolve(["--save_strategy", "no"])
-    resolve_strategies(cfg, 7)
-    assert cfg.checkpoint.save_steps is None
+    assert resolve_run(cfg, 1, gpu_memory=None, gpus_per_node=1).cadence(7).save_steps is None
+    cfg = resolve(["--save_steps", "3"])
+    assert resolve_run(cfg, 1, gpu_memory=None, gpus_per_node=1).cadence(7).save_steps == 3
 
 
 # -- truncation strategies and --system in tokenization --------------------------------------------
@@ -499,18 +501,20 @@ def test_no_meaning_table_is_consistent():
 
 def test_on_a_gpu_build_auto_waits_for_the_model_and_the_device(monkeypatch):
     """A CUDA build of torch: config.load cannot know whether a GPU is usable without importing torch, so
-    `auto` stays until models.loading.resolve_model_defaults (or load_model) asks torch and reads the
-    model's config; here torch sees no GPU, so fp32."""
+    `auto` stays until job.resolve_run (models.loading.model_defaults), or load_model, asks torch and reads
+    the model's config; here torch sees no GPU, so fp32."""
     import swiftlite.config.load as load
-    from swiftlite.models.loading import load_model, resolve_model_defaults
+    from swiftlite.job import resolve_run
+    from swiftlite.models.loading import load_model, model_defaults
     monkeypatch.setattr(load, "gpu_torch_build", lambda: True)
     cfg = resolve(["--quant_bits", "4", "--bnb_4bit_compute_dtype", "bfloat16"])
     assert cfg.model.torch_dtype == "auto"
     with pytest.raises(UserError, match="--bnb-4bit-compute-dtype bf16 differs from --torch-dtype fp32"):
-        resolve_model_defaults(cfg)  # the rules that depend on the dtype run again once it is known
+        resolve_run(cfg, 1, gpu_memory=None, gpus_per_node=1)  # the dtype rules run again once it is known
     cfg = resolve([])
-    assert resolve_model_defaults(cfg) == ["auto: fp32 on CPU"] and cfg.model.torch_dtype == "fp32"
-    assert resolve_model_defaults(cfg) == []  # nothing left: no model config read, no torch asked
-    cfg = resolve([])
-    load_model(cfg)  # export/infer build configs without resolving: the loader does it
-    assert cfg.model.torch_dtype == "fp32"
+    assert model_defaults(cfg)[0::2] == ("fp32", ["auto: fp32 on CPU"]) and cfg.model.torch_dtype == "auto"
+    run = resolve_run(cfg, 1, gpu_memory=None, gpus_per_node=1).config
+    assert run.model.torch_dtype == "fp32" and run.sealed and not cfg.sealed
+    assert model_defaults(run)[2] == []  # nothing left: no model config read, no torch asked
+    model = load_model(cfg)  # export/infer build configs without resolving: the loader settles it
+    assert next(model.parameters()).dtype == __import__("torch").float32 and cfg.model.torch_dtype == "auto"

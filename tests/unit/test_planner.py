@@ -433,7 +433,10 @@ def test_auto_in_a_run_reads_the_gpu_memory(monkeypatch, capsys):
     import torch
 
     from swiftlite.config import build_config
-    from swiftlite.train.run import resolve_backend
+    from swiftlite.train.run import resolve_run_here
+
+    def resolve_backend(cfg, world):
+        return resolve_run_here(cfg, world).choice
     cfg = build_config({"model": "llama-70b", "dataset": ["x.jsonl"], "train_type": "qlora",
                         "torch_dtype": "bf16", "parallelism": "auto", "max_length": 1024,
                         "gradient_checkpointing": True})
