@@ -447,8 +447,6 @@ def _data_loading(c: RunConfig):
         if d.split_dataset_ratio > 0:
             return ("--streaming with --split-dataset-ratio: a stream cannot hold rows out; give --val-dataset "
                     "instead")
-        if d.packing:
-            return "--streaming with --packing: packs are cut from the whole tokenized set; drop one of them"
         for flag, v in (("--save-strategy", c.checkpoint.save_strategy), ("--eval-strategy", t.eval_strategy)):
             if v == "epoch":
                 return f"{flag} epoch with --streaming: a stream has no epochs; use steps"

@@ -167,9 +167,10 @@ class DataConfig(Sealable):
     streaming: bool = opt(False, "Read and tokenize the training rows as training consumes them, in file order, "
                           "restarted at the end (JSONL and .txt files line by line, never whole in memory; other "
                           "formats are loaded, then streamed). "
-                          "ms-swift's rules: --max-steps is required, no `#N` sampling, no "
+                          "ms-swift's rules: --max-steps is required, `path#N` is the file's first N rows, no "
                           "--split-dataset-ratio (give --val-dataset); resume re-reads the stream to the "
-                          "resumed position.")
+                          "resumed position. With --packing the rows are packed as they are read, in order, "
+                          "into packs of at most --max-length tokens.")
     padding_free: bool | None = opt(None, "Concatenate each micro-batch's rows into one sequence (position ids "
                                     "restart per row, no attention mask, no pad tokens; same samples and loss "
                                     "as padded batches). Default: on where the model's attention isolates rows "

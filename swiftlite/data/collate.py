@@ -17,7 +17,7 @@ Two batch forms compute the same samples and the same loss (docs/usage.md, "Batc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -82,19 +82,24 @@ def pack_rows(rows: Sequence[dict], max_length: int) -> list[dict]:
     (`concat_rows`), they keep each row's attention inside the row, so a packed row computes what it
     computes alone.
     """
-    packs: list[dict] = []
+    return list(iter_packs(rows, max_length))
+
+
+def iter_packs(rows: Iterable[dict], max_length: int) -> Iterator[dict]:
+    """`pack_rows` as rows arrive (--streaming --packing: data/stream.py): next-fit in order, so it holds
+    one open pack (at most max_length tokens) and yields each pack as soon as the next row does not fit
+    (ms-swift's `packing_strategy sequential`); the last, open pack when `rows` ends."""
     cur: list[dict] = []
     size = 0
     for r in rows:
         k = len(r["input_ids"])
         if cur and size + k > max_length:
-            packs.append(_pack(cur))
+            yield _pack(cur)
             cur, size = [], 0
         cur.append(r)
         size += k
     if cur:
-        packs.append(_pack(cur))
-    return packs
+        yield _pack(cur)
 
 
 def _pack(rows: list[dict]) -> dict:

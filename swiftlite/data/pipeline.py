@@ -316,7 +316,8 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
         return tok(specs)
     if d.streaming:   # data/stream.py: nothing read up front but the first usable row
         from swiftlite.data.stream import StreamPlan, stream_tokenized
-        train = stream_tokenized(d.dataset, encode, skip_bad_rows=d.skip_bad_rows, transform=sc)
+        train = stream_tokenized(d.dataset, encode, skip_bad_rows=d.skip_bad_rows, transform=sc,
+                                 pack_length=d.max_length if d.packing else None)
         val = tok(d.val_dataset) if d.val_dataset else None
         if sc is not None:
             sc.check_used([*d.dataset, *d.val_dataset], train.stats.self_cognition

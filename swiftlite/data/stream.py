@@ -16,6 +16,15 @@ Resume reads the stream again from its start up to the resumed step's rows (toke
 time of that many rows, said in the log) and continues exactly where the checkpoint left off.
 With --dataloader-num-workers > 0 one DataLoader worker reads the stream ahead (it is sequential;
 more workers would read the same rows).
+
+--packing (ms-swift's IterablePackingDataset): the usable rows are packed as they are read, whole and in
+order, into packs of at most --max-length tokens (data/collate.iter_packs, the function the
+non-streaming --packing runs; ms-swift's `--packing_strategy sequential`: its default binpack reorders
+the rows of a 128-row buffer), and the stream's items are the packs: step k takes the next global batch
+of packs, cut by rank as above, each pack one padding-free row with position ids restarting at each
+packed row. A row over --max-length is cut or (truncation "delete") dropped before packing, as ms-swift
+does, never split across packs. Resume is as exact as without packing (the packs are a function of the
+stream).
 """
 
 from __future__ import annotations
@@ -80,27 +89,41 @@ def _file_rows(spec: str, skip_bad_rows: bool, skipped: list[str]) -> Iterator[t
 
 
 class TokenStream:
-    """The usable tokenized rows of the specs, forever (the specs restart when they end)."""
+    """The usable tokenized rows of the specs, forever (the specs restart when they end); with
+    `pack_length` (--packing: its --max-length), their packs instead: data/collate.iter_packs over each
+    pass of the specs, the rows in stream order, whole, next-fit into packs of at most pack_length
+    tokens (one open pack held: the buffer is bounded by pack_length tokens), the last pack of a pass
+    closed at the pass's end, so a pass gives exactly the packs the non-streaming --packing cuts from
+    the same rows in the same order."""
 
     def __init__(self, specs: list[str], encode: Callable[[list[tuple[dict, str]]], tuple[list[dict], DataStats]],
-                 skip_bad_rows: bool, transform: Callable[[Any], Any] | None = None):
+                 skip_bad_rows: bool, transform: Callable[[Any], Any] | None = None, pack_length: int | None = None):
         self.specs, self.encode, self.skip_bad_rows, self.transform = specs, encode, skip_bad_rows, transform
+        self.pack_length = pack_length
         self.stats = DataStats()
 
+    def _pass(self, n_pass: int) -> Iterator[dict]:
+        """The usable rows of one pass over the specs."""
+        skipped = self.stats.skipped if n_pass == 0 else []   # a bad line is reported once, not per pass
+        for spec in self.specs:
+            for row, where in _raw_rows(spec, self.skip_bad_rows, skipped):
+                if self.transform is not None:
+                    row = self.transform.stream_row(row)
+                part, st = self.encode([(row, where)])
+                if n_pass == 0:
+                    self.stats.add(st)
+                if part:
+                    yield part[0]
+
     def rows(self) -> Iterator[dict]:
+        """The stream's items: tokenized rows, or packs with `pack_length`."""
+        from swiftlite.data.collate import iter_packs
         for n_pass in itertools.count():
             found = False
-            skipped = self.stats.skipped if n_pass == 0 else []   # a bad line is reported once, not per pass
-            for spec in self.specs:
-                for row, where in _raw_rows(spec, self.skip_bad_rows, skipped):
-                    if self.transform is not None:
-                        row = self.transform.stream_row(row)
-                    part, st = self.encode([(row, where)])
-                    if n_pass == 0:
-                        self.stats.add(st)
-                    if part:
-                        found = True
-                        yield part[0]
+            items = self._pass(n_pass)
+            for item in (iter_packs(items, self.pack_length) if self.pack_length else items):
+                found = True
+                yield item
             if not found:
                 raise UserError(f"--dataset {' '.join(self.specs)}: no usable rows in the stream "
                                 f"({self.stats.unusable()})")
@@ -127,11 +150,12 @@ class StreamData(Tokenized):
 
 
 def stream_tokenized(specs: list[str], encode: Callable[[list[tuple[dict, str]]], Any], *, skip_bad_rows: bool,
-                     transform: Any = None) -> StreamData:
-    """The stream of `specs`; `encode` is the eager pipeline's row encoder (pipeline.prepare_datasets)."""
+                     transform: Any = None, pack_length: int | None = None) -> StreamData:
+    """The stream of `specs`; `encode` is the eager pipeline's row encoder (pipeline.prepare_datasets);
+    `pack_length` (--packing): the stream's items are packs of at most that many tokens."""
     probe = TokenStream(specs, encode, skip_bad_rows, transform)
     first = next(probe.rows())      # a stream with no usable row fails here, before launch
-    data = StreamData(TokenStream(specs, encode, skip_bad_rows, transform), first)
+    data = StreamData(TokenStream(specs, encode, skip_bad_rows, transform, pack_length), first)
     if transform is not None:       # --model_name/--model_author: a source whose first row has the columns
         from swiftlite.data.self_cognition import COLUMNS
         for spec in specs:
@@ -179,7 +203,8 @@ class StreamBatches:
         self.close()
         self.next, self.end = first, end
         if first > 0 and self.world.is_main:
-            print(f"streaming: re-reading the stream to step {first} ({first * self.plan.global_batch} rows) "
+            unit = "packs" if self.data.stream.pack_length else "rows"
+            print(f"streaming: re-reading the stream to step {first} ({first * self.plan.global_batch} {unit}) "
                   "to resume exactly", flush=True)
         source = _StepStream(self, first, end)
         if self.num_workers > 0:

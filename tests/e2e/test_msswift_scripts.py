@@ -121,6 +121,10 @@ SFT = [
      {"train_type": "full", "packing": True, "max_length": 512}),
     ("pt_streaming", f"pt {_C} --tuner_type full --dataset {{text}} --streaming true",
      {"streaming": True, "train_type": "full"}),
+    # examples/train/pretrain/train.sh, full/qwen2_5_32b.sh: a stream packed as it is read
+    ("pt_streaming_packing", f"pt {_C} --tuner_type full --dataset {{text}} --streaming true --packing true "
+                             "--max_length 512 --dataloader_num_workers 4 --save_only_model true",
+     {"streaming": True, "packing": True, "max_length": 512, "train_type": "full"}),
     ("pt_truncation", f"pt {_C} --dataset {{text}}#16 --max_length 96 --truncation_strategy right",
      {"truncation_strategy": "right", "max_length": 96}),
     ("dpo_lora", f"rlhf --rlhf_type dpo {_C} {_LORA} --dataset {{preference}}#16 --rpo_alpha 0.1 "

@@ -218,13 +218,19 @@ def test_streaming_trains_in_file_order_and_resumes_exactly(tmp_path, demo_data,
 @pytest.mark.parametrize("extra,msg", [
     ({"max_steps": -1}, "--streaming needs --max-steps"),
     ({"split_dataset_ratio": 0.1}, "--streaming with --split-dataset-ratio: a stream cannot hold rows out"),
-    ({"packing": True}, "--streaming with --packing"),
     ({"save_strategy": "epoch"}, "--save-strategy epoch with --streaming"),
 ])
 def test_streaming_refusals(extra, msg):
     values = {"dataset": ["d.jsonl"], "streaming": True, "max_steps": 10, **extra}
     with pytest.raises(UserError, match=msg.replace("(", r"\(")):
         load_config(None, values, task="sft", validate_paths=False)
+
+
+def test_streaming_with_packing_is_accepted():
+    """ms-swift packs a stream (IterablePackingDataset; tests/unit/test_stream_packing.py): not refused."""
+    cfg = load_config(None, {"dataset": ["d.jsonl"], "streaming": True, "packing": True, "max_steps": 10},
+                      task="sft", validate_paths=False)
+    assert cfg.data.streaming and cfg.data.packing
 
 
 def test_streaming_path_n_is_the_first_n_rows(tmp_path):

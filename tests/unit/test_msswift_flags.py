@@ -105,6 +105,7 @@ TABLE = [
     ("--padding_free true", ("padding_free", True)),
     ("--streaming true --max_steps 10", ("streaming", True)),
     ("--streaming", "--streaming needs --max-steps"),
+    ("--streaming true --packing true --max_steps 10", ("packing", True)),   # ms-swift's pretrain/train.sh
     ("--lazy_tokenize true", ("lazy_tokenize", True)),
     ("--lazy_tokenize false", ACCEPTED),
     ("--load_from_cache_file true", ("load_from_cache_file", True)),
