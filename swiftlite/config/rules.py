@@ -334,6 +334,17 @@ RLHF_USES = {"dpo": {"beta", "loss_type", "rpo_alpha", "label_smoothing", "ref_m
              "grpo": {"beta", "loss_type", "ref_model", *GRPO_KEYS}}
 
 
+#: rlhf types that take neither --packing nor --padding-free true, and why (dpo, orpo, simpo and cpo take
+#: both: rlhf/packing.py).
+PACKED_RLHF_REFUSED = {
+    "kto": "not available in swiftlite (KTO's rows and their mismatched KL rows are scored in padded batches); "
+           "drop the flag",
+    "rm": "ms-swift does not support it for reward modelling (the score is read at each row's last token); drop "
+          "the flag",
+    "grpo": "not available in swiftlite (completions are generated and scored in padded batches); drop the flag",
+}
+
+
 @rule("preference options")
 def _rlhf(c: RunConfig):
     r = c.rlhf
@@ -359,10 +370,11 @@ def _rlhf(c: RunConfig):
     for k in ("desirable_weight", "undesirable_weight"):
         if not getattr(r, k) > 0:
             return f"{_flag(k)} must be > 0, got {getattr(r, k)}"
-    if c.data.packing:
-        return "--packing does not apply to rlhf: the chosen and rejected answers of a pair are scored as separate rows"
-    if c.data.padding_free and "padding_free" in c.explicit:
-        return "--padding-free true does not apply to rlhf: pairs are scored in padded micro-batches"
+    if c.data.packing or (c.data.padding_free and "padding_free" in c.explicit):
+        flag = "--packing" if c.data.packing else "--padding-free true"
+        why = PACKED_RLHF_REFUSED.get(r.rlhf_type)
+        if why:
+            return f"{flag} with --rlhf-type {r.rlhf_type}: {why}"
     if c.train.loss_impl != "chunked" and "loss_impl" in c.explicit:
         return (f"--loss-impl {c.train.loss_impl} does not apply to rlhf: its log-probs come from the model's "
                 "logits at the answer tokens")

@@ -147,7 +147,8 @@ class DataConfig(Sealable):
                                    "(keep the end) or right (keep the start).", choices=TRUNCATION)
     system: str | None = opt(None, "Default system prompt (text or a .txt file) for sft rows that have none; a "
                              "row's own system turn wins.")
-    packing: bool = opt(False, "Pack several rows into each sequence of --max-length tokens.")
+    packing: bool = opt(False, "Pack several rows into each sequence of --max-length tokens (rlhf dpo, orpo, "
+                        "simpo, cpo: whole pairs, chosen and rejected together; a pack is one sample of the batch).")
     skip_bad_rows: bool = opt(False, "Skip (and count) rows that are not valid instead of stopping.")
     dataset_num_proc: int = opt(1, "Processes for dataset preprocessing.")
     model_name: list[str] | None = opt(None, "Self-cognition data (ms-swift's): fills {{NAME}} in the query and "
@@ -174,7 +175,8 @@ class DataConfig(Sealable):
     padding_free: bool | None = opt(None, "Concatenate each micro-batch's rows into one sequence (position ids "
                                     "restart per row, no attention mask, no pad tokens; same samples and loss "
                                     "as padded batches). Default: on where the model's attention isolates rows "
-                                    "by position ids (the run's first line says which, and why not); false pads.")
+                                    "by position ids (the run's first line says which, and why not); false pads. "
+                                    "rlhf: padded unless true (dpo, orpo, simpo, cpo; ms-swift's default).")
 
 
 @dataclass(kw_only=True)

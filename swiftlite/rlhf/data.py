@@ -158,7 +158,10 @@ def encode_pairs(items: list[tuple[dict, str]], tokenizer: Any, max_length: int,
 
 
 class PairData(Tokenized):
-    """Tokenized pairs; `targets(i)` counts the chosen answer's target tokens (the NLL terms' unit)."""
+    """Tokenized pairs; `targets(i)` counts the chosen answer's target tokens (the NLL terms' unit).
+    `packs` (--packing, set by prepare_pairs): the pair indices of each pack (rlhf/packing.py)."""
+
+    packs: list[list[int]] | None = None
 
     def targets(self, i: int) -> int:
         return sum(1 for x in self.rows[i]["chosen_labels"][1:] if x != IGNORE)
@@ -205,22 +208,33 @@ def prepare_pairs(cfg: Any, tokenizer: Any, world_size: int, *,
                                                   system=system, seed=t.seed, progress=progress),
                       kind=PairData, load_from_cache_file=d.load_from_cache_file)
     train, val = train_and_validation(d, tok, t.seed, unit="pair")
-    plan = BatchPlan(len(train.rows), t.per_device_train_batch_size, world_size,
+    samples, unit = len(train.rows), "pairs"
+    if d.packing:   # whole pairs packed into --max-length sequences; a pack is the plan's sample
+        from swiftlite.rlhf.packing import pack_pairs
+        for data in (train, val):
+            if data is not None:
+                data.packs = pack_pairs(data.rows, d.max_length)
+        samples, unit = len(train.packs), f"packs of pairs ({len(train.rows)} pairs)"
+    plan = BatchPlan(samples, t.per_device_train_batch_size, world_size,
                      t.gradient_accumulation_steps, t.seed, drop_last=t.dataloader_drop_last)
     if plan.steps_per_epoch == 0:
-        raise UserError(f"--dataset has {len(train.rows)} usable pairs, fewer than one global batch of "
+        raise UserError(f"--dataset has {samples} usable {unit}, fewer than one global batch of "
                         f"{plan.global_batch} (per-device {plan.per_device} x {plan.world_size} processes x "
                         f"accumulation {plan.accumulation})")
+    if d.packing:
+        from swiftlite.rlhf.packing import PackedPlan
+        plan = PackedPlan(plan, train.packs)
     return train, val, plan
 
 
-def collate_pairs(rows: list[dict], pad_id: int) -> dict:
-    """n pairs -> one right-padded batch of 2n sequences: the n chosen, then the n rejected (a pair's
-    two sides always share a micro-batch and a forward)."""
-    from swiftlite.data.collate import pad_batch
+def collate_pairs(rows: list[dict], pad_id: int, padding_free: bool = False) -> dict:
+    """n pairs -> one batch of 2n sequences: the n chosen, then the n rejected (a pair's two sides
+    always share a micro-batch and a forward), right-padded, or (padding_free) concatenated into one
+    sequence with position ids restarting per sequence (data/collate.concat_rows; rlhf/packing.py)."""
+    from swiftlite.data.collate import concat_rows, pad_batch
     seqs = [{"input_ids": r["chosen_ids"], "labels": r["chosen_labels"]} for r in rows] + \
            [{"input_ids": r["rejected_ids"], "labels": r["rejected_labels"]} for r in rows]
-    return pad_batch(seqs, pad_id)
+    return concat_rows(seqs) if padding_free else pad_batch(seqs, pad_id)
 
 
 __all__ = ["Pair", "PairData", "collate_pairs", "encode_pairs", "encode_side", "prepare_pairs", "to_pair",

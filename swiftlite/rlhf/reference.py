@@ -42,16 +42,26 @@ def root_module(engine: Any) -> tuple[Any, Any]:
 
 def module_logps(module: Any, batch: dict[str, torch.Tensor], ctx: Any = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed target log-probs [rows], target counts [rows]) of a padded batch, through `module`."""
+    """(summed target log-probs [rows], target counts [rows]) of a batch through `module`: padded
+    (a row per sequence, an attention mask) or padding-free (rlhf/packing.py: one 1 x N sequence, no
+    mask, a row per segment of position ids restarting at 0; the first label of each segment after
+    the first is IGNORE, so every target is predicted from inside its own row)."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
     with ctx if ctx is not None else contextlib.nullcontext():
-        out = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        out = module(**inputs, use_cache=False)
     logits = out.logits if hasattr(out, "logits") else out[0]
     labels = batch["labels"][:, 1:]
     keep = labels != IGNORE
     tok = -F.cross_entropy(logits[:, :-1][keep].float(), labels[keep], reduction="none")
-    rows = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(labels)[keep]
-    logps = torch.zeros(labels.shape[0], dtype=torch.float32, device=tok.device).index_add(0, rows, tok)
-    return logps, keep.sum(dim=1)
+    if "attention_mask" not in batch and "position_ids" in batch:   # padding-free: rows are segments
+        seg = (batch["position_ids"][0] == 0).long().cumsum(0) - 1
+        n = int(seg[-1]) + 1
+        rows = seg[1:][keep[0]]
+    else:
+        n = labels.shape[0]
+        rows = torch.arange(n, device=labels.device).unsqueeze(1).expand_as(labels)[keep]
+    logps = torch.zeros(n, dtype=torch.float32, device=tok.device).index_add(0, rows, tok)
+    return logps, torch.bincount(rows, minlength=n)
 
 
 def sequence_logps(engine: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,22 +152,25 @@ class PrecomputedReference:
         return torch.cat([t[:, 0], t[:, 1]])
 
 
-def precompute(reference: Any, rows: list[dict], pad_id: int, per_device: int, world: Any) -> torch.Tensor:
+def precompute(reference: Any, rows: list[dict], pad_id: int, per_device: int, world: Any,
+               padding_free: bool = False, units: list[list[int]] | None = None) -> torch.Tensor:
     """[pairs, 2] reference log-probs of `rows` with `reference` (every rank the same number of forwards,
-    its share of the pairs; the table is summed over ranks)."""
+    its share of the units: pairs, or under --packing the packs `units`; the table is summed over ranks)."""
     import math
 
     import torch.distributed as dist
 
     from swiftlite.rlhf.data import collate_pairs
     n = len(rows)
+    units = units if units is not None else [[i] for i in range(n)]
     table = torch.zeros(n, 2, dtype=torch.float64, device=world.device)
-    mine = list(range(world.rank, n, world.world_size))
-    batches = math.ceil(math.ceil(n / world.world_size) / per_device)
+    mine = list(range(world.rank, len(units), world.world_size))
+    batches = math.ceil(math.ceil(len(units) / world.world_size) / per_device)
     for b in range(batches):
-        idx = mine[b * per_device:(b + 1) * per_device]
+        idx = [p for u in mine[b * per_device:(b + 1) * per_device] for p in units[u]]
         use = idx or [0]               # a rank that ran out still joins every collective
-        batch = {k: v.to(world.device) for k, v in collate_pairs([rows[i] for i in use], pad_id).items()}
+        batch = {k: v.to(world.device)
+                 for k, v in collate_pairs([rows[i] for i in use], pad_id, padding_free).items()}
         lp = reference.logps(batch).double()
         if idx:
             k = len(idx)
@@ -225,11 +238,14 @@ def setup(run: Any) -> Any:
             live = ModuleReference(build_frozen(run))
         else:
             live = AdapterReference(engine) if cfg.is_peft else PolicyReference(engine)
+        from swiftlite.rlhf.packing import units
         pad, bs = run.batches.pad_id, cfg.train.per_device_train_batch_size
+        free = run.batches.padding_free
         engine.eval()
-        tables = {"train": precompute(live, run.batches.rows, pad, bs, world)}
+        tables = {"train": precompute(live, run.batches.rows, pad, bs, world, free, units(run.train_data))}
         if run.val_data is not None:
-            tables["val"] = precompute(live, run.val_data.rows, pad, cfg.train.per_device_eval_batch_size, world)
+            tables["val"] = precompute(live, run.val_data.rows, pad, cfg.train.per_device_eval_batch_size, world,
+                                       free, units(run.val_data))
         engine.train()
         if world.is_main:
             print(f"reference log-probs: precomputed for {len(run.batches.rows)} pairs ({live.kind})", flush=True)

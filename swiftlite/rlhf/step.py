@@ -2,8 +2,11 @@
 
 A sample is a pair; each global batch is `per-device x world x accumulation` pairs, the same pairs in
 the same step whatever the world size (data/loader.BatchPlan over pairs). A micro-batch of n pairs is
-one padded batch of 2n sequences (the n chosen, then the n rejected: a pair never straddles two
-micro-batches or ranks), one reference forward (no_grad) and one policy forward + backward.
+one batch of 2n sequences (the n chosen, then the n rejected: a pair never straddles two
+micro-batches or ranks), padded, or with `--padding_free true` / `--packing` concatenated into one
+sequence (rlhf/packing.py; under --packing a micro-batch is `per-device` packs of whole pairs and G
+below is the number of pairs in the step's packs), one reference forward (no_grad) and one policy
+forward + backward.
 
 Normalisation: the objective is
 
@@ -42,22 +45,31 @@ class PairBatches:
     method: Method
     chosen_targets: list[int] = field(default_factory=list)   # target tokens of each pair's chosen answer
     reference: Any = None             # rlhf/reference.py (None: ORPO, SimPO)
-    form: Any = None                  # always padded (config/rules.py refuses --padding-free true)
+    form: Any = None                  # data.collate.BatchForm (rlhf/packing.pair_form); None = padded
+
+    @property
+    def padding_free(self) -> bool:
+        return bool(self.form is not None and self.form.padding_free)
 
     def global_chosen_targets(self, step: int) -> int:
         return sum(self.chosen_targets[i] for mb in self.plan.all_micro_batches(step) for i in mb)
 
+    def global_pairs(self, step: int) -> int:
+        """Pairs in global batch `step`: the plan's global batch, or under --packing those of its packs."""
+        return sum(len(mb) for mb in self.plan.all_micro_batches(step))
+
 
 def pair_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> PairBatches:
+    from swiftlite.rlhf.packing import pair_form
     return PairBatches(train.rows, plan, tokenizer.pad_token_id, world, method_of(cfg),
-                       [train.targets(i) for i in range(len(train.rows))])
+                       [train.targets(i) for i in range(len(train.rows))], form=pair_form(cfg))
 
 
 def pair_forward(engine: Any, batches: Any, rows: list[dict], idx: list[int], split: str = "train"
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """(per-pair loss terms, per-pair metrics, chosen answers' summed NLL) of one micro-batch."""
     world, m = batches.world, batches.method
-    batch = {k: v.to(world.device) for k, v in collate_pairs(rows, batches.pad_id).items()}
+    batch = {k: v.to(world.device) for k, v in collate_pairs(rows, batches.pad_id, batches.padding_free).items()}
     n = len(rows)
     ref = None
     if m.needs_reference:
@@ -73,7 +85,7 @@ def preference_step(engine: Any, batches: PairBatches, step: int, *, data_step: 
     """Optimizer step `step` (0-based) on the pairs of global batch `data_step` (default: `step`)."""
     world, m = batches.world, batches.method
     k = step if data_step is None else data_step
-    pairs = batches.plan.global_batch
+    pairs = batches.global_pairs(k)
     chosen_tokens = max(1, batches.global_chosen_targets(k)) if m.nll_weight else 1
     micro = batches.plan.micro_batches(k, world.rank)
     pair_sum, nll_sum, tokens = 0.0, 0.0, 0
@@ -107,20 +119,23 @@ def preference_step(engine: Any, batches: PairBatches, step: int, *, data_step: 
 
 def evaluate_pairs(run: Any) -> dict[str, float]:
     """Validation: the pair-mean loss and metrics over every validation pair (each rank its share, every
-    rank the same number of forwards), logged as eval_loss, eval_rewards/accuracies, ..."""
+    rank the same number of forwards; under --packing `per_device_eval_batch_size` packs a forward),
+    logged as eval_loss, eval_rewards/accuracies, ..."""
     import math
+
+    from swiftlite.rlhf.packing import units
     batches, world, val = run.batches, run.world, run.val_data
     m = batches.method
     bs = run.cfg.train.per_device_eval_batch_size
-    n = len(val.rows)
-    mine = list(range(world.rank, n, world.world_size))
-    rounds = math.ceil(math.ceil(n / world.world_size) / bs)
+    groups = units(val)
+    mine = list(range(world.rank, len(groups), world.world_size))
+    rounds = math.ceil(math.ceil(len(groups) / world.world_size) / bs)
     pair_sum, nll_sum, chosen_tokens, count = 0.0, 0.0, 0, 0
     sums: dict[str, float] = {}
     run.engine.eval()
     with torch.no_grad():
         for b in range(rounds):
-            idx = mine[b * bs:(b + 1) * bs]
+            idx = [p for u in mine[b * bs:(b + 1) * bs] for p in groups[u]]
             use = idx or [0]
             terms, metrics, nll = pair_forward(run.engine, batches, select(val.rows, use), use, "val")
             for name in metrics:

@@ -133,8 +133,10 @@ class PreferenceTask(Task):
         """'dpo (sigmoid, beta 0.1, reference: ...), '."""
         m, ref = run.batches.method, run.batches.reference
         what = f"{m.loss_type}, " if m.kind == "dpo" else ""
+        packs = getattr(run.train_data, "packs", None)
         return (f"{m.kind} ({what}beta {m.beta:g}"
-                + (f", reference: {ref.kind}" if ref is not None else "") + "), ")
+                + (f", reference: {ref.kind}" if ref is not None else "") + "), "
+                + (f"{len(packs)} packs of whole pairs (the global batch counts packs), " if packs is not None else ""))
 
     def dry_run_lines(self, cfg: Any) -> list[str]:
         from swiftlite.rlhf.loss import method_of

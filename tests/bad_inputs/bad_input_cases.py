@@ -230,6 +230,11 @@ CASES: list[Case] = [
     Case("msswift-rlhf-ppo", ["rlhf", *GOOD, *DATA, "--rlhf_type", "ppo", "--num_ppo_epochs", "2"],
          "error: --rlhf_type ppo: PPO is not available",
          more=("error: --num_ppo_epochs: PPO (--rlhf_type ppo) is not available",)),
+    # --packing / --padding_free true: dpo, orpo, simpo, cpo take them; the other rlhf types name themselves
+    Case("rlhf-kto-packing", ["rlhf", *GOOD, *DATA, "--rlhf_type", "kto", "--packing", "true"],
+         "error: --packing with --rlhf-type kto: not available in swiftlite"),
+    Case("rlhf-rm-padding-free", ["rlhf", *GOOD, *DATA, "--rlhf_type", "rm", "--padding_free", "true"],
+         "error: --padding-free true with --rlhf-type rm: ms-swift does not support it for reward modelling"),
     Case("msswift-export-push-to-hub", ["export", "--ckpt", "runs/x", "--push_to_hub", "true"],
          "error: --push_to_hub: nothing is uploaded: upload the exported folder yourself"),
     Case("msswift-plugin-file", ["sft", *GOOD, *DATA, "--external_plugins", "plugin.py", "--dry-run"],

@@ -135,6 +135,13 @@ SFT = [
                  "--learning_rate 1e-5 --per_device_eval_batch_size 4",
      {"rlhf_type": "dpo", "train_type": "full", "per_device_eval_batch_size": 4}),
     ("dpo_rpo0", f"rlhf --rlhf_type dpo {_C} --dataset {{preference}}#16 --rpo_alpha 0.0", {"rpo_alpha": 0.0}),
+    # examples/train/packing/dpo.sh (whole pairs packed, a pack per micro-batch) and rlhf/dpo/full.sh
+    ("dpo_packing", f"rlhf --rlhf_type dpo {_C} --tuner_type full --dataset {{preference}}#16 --torch_dtype bfloat16 "
+                    "--rpo_alpha 0.1 --split_dataset_ratio 0.2 --per_device_eval_batch_size 1 --packing true",
+     {"rlhf_type": "dpo", "packing": True, "rpo_alpha": 0.1}),
+    ("dpo_padding_free", f"rlhf --rlhf_type dpo {_C} --tuner_type full --dataset {{preference}}#16 "
+                         "--per_device_eval_batch_size 4 --rpo_alpha 0.1 --padding_free true",
+     {"rlhf_type": "dpo", "padding_free": True}),
     ("orpo", f"rlhf --rlhf_type orpo {_C} {_LORA} --dataset {{preference}}#16 --learning_rate 1e-4",
      {"rlhf_type": "orpo", "learning_rate": 1e-4}),
     ("simpo", f"rlhf --rlhf_type simpo {_C} {_LORA} --dataset {{preference}}#16",

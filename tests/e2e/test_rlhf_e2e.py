@@ -75,6 +75,46 @@ def test_cpo_full_run_logs_its_terms_and_writes_a_checkpoint(pairs, tmp_path):
     assert (run / "checkpoint-2").is_dir()
 
 
+def test_dpo_packed_trains_the_loss_of_the_same_pairs_padded(pairs, tmp_path):
+    """ms-swift's examples/train/packing/dpo.sh flags (--packing true, --rpo_alpha, a batch of 1 pack):
+    the 12 pairs fit one pack of 1024 tokens, so each step trains on all of them, as a padded run with
+    a batch of 12 pairs does; the losses and validation agree (the packed run's reference precomputed
+    over the packs, the padded run's a frozen copy: the same starting weights)."""
+    train, val = pairs
+    base = COMMON[:COMMON.index("--per-device-train-batch-size")]
+    common = [*base, "--gradient-accumulation-steps", "1", "--logging-steps", "1", "--full", "--dataset", train, "--val-dataset", val, "--max-steps", "3",
+              "--eval-steps", "3", "--max-length", "1024", "--rpo_alpha", "0.1", "--learning-rate", "1e-3",
+              "--save-hf-model", "false"]
+    packed, padded = tmp_path / "packed", tmp_path / "padded"
+    proc = run_cli(["rlhf", "--rlhf_type", "dpo", *common, "--packing", "true", "--per-device-train-batch-size", "1",
+                    "--per-device-eval-batch-size", "1", "--precompute-ref-log-probs", "true", "--output-dir", packed])
+    assert "1 packs of whole pairs" in proc.stdout and "packed to 1024 tokens" in proc.stdout
+    assert json.loads((packed / "args.json").read_text())["data"]["packing"] is True
+    proc = run_cli(["rlhf", "--rlhf_type", "dpo", *common, "--per-device-train-batch-size", "12",
+                    "--per-device-eval-batch-size", "4", "--output-dir", padded])
+    assert "padded batches" in proc.stdout
+    a, b = _records(packed), _records(padded)
+    la = {r["step"]: r for r in a if "loss" in r}
+    lb = {r["step"]: r for r in b if "loss" in r}
+    assert sorted(la) == sorted(lb) == [1, 2, 3]
+    assert la[3]["loss"] < la[1]["loss"] - 1e-3      # it trains
+    for k in (1, 2, 3):
+        for name in ("loss", "nll_loss", "rewards/margins", "logps/chosen"):
+            assert la[k][name] == pytest.approx(lb[k][name], abs=2e-5), (k, name)
+    ea, eb = [r for r in a if "eval_loss" in r][-1], [r for r in b if "eval_loss" in r][-1]
+    assert ea["eval_loss"] == pytest.approx(eb["eval_loss"], abs=2e-5)
+
+
+def test_orpo_padding_free_trains(pairs, tmp_path):
+    train, _ = pairs
+    run = tmp_path / "orpo_pf"
+    proc = run_cli(["rlhf", *COMMON, "--rlhf-type", "orpo", "--lora", "--padding_free", "true", "--dataset", train,
+                    "--max-steps", "2", "--save-hf-model", "false", "--output-dir", run])
+    assert "padding-free batches (--padding_free true)" in proc.stdout
+    recs = [r for r in _records(run) if "loss" in r]
+    assert [r["step"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+
+
 def _kto_rows(pairs_file, path):
     """The demo pairs unpaired: even rows their right answer (label true), odd rows the wrong one."""
     rows = []

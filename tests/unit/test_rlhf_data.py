@@ -119,7 +119,8 @@ def test_rlhf_options_are_refused_elsewhere_and_per_method():
                           ({"rlhf_type": "dpo", "simpo_gamma": 0.5}, "--simpo-gamma does not apply"),
                           ({"label_smoothing": 0.6}, "--label-smoothing must be in [0, 0.5)"),
                           ({"loss_type": "hinge", "label_smoothing": 0.1}, "applies to the sigmoid loss"),
-                          ({"packing": True}, "--packing does not apply to rlhf")):
+                          ({"rlhf_type": "kto", "packing": True}, "--packing with --rlhf-type kto: not available"),
+                          ({"rlhf_type": "rm", "padding_free": True}, "--padding-free true with --rlhf-type rm:")):
         cfg = build_config({**base, **values}, task="rlhf")
         cfg.explicit = frozenset(values) | {"model", "dataset"}
         with pytest.raises(UserError, match=words.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
