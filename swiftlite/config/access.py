@@ -27,6 +27,11 @@ class Sealable:
         object.__setattr__(self, name, value)
 
 
+class Section(Sealable):
+    """The base of RunConfig's sections (ModelConfig, LoraConfig, ...): the classes whose field reads
+    `field_reads` watches."""
+
+
 _READS: list[set[str]] = []   # the open field_reads() sets, innermost last
 
 
@@ -37,14 +42,14 @@ def field_reads() -> Iterator[set[str]]:
     read it (errors.Refusals). The section classes watch their reads only while a block is open."""
     read: set[str] = set()
     if not _READS:
-        names = {f.name for c in _section_classes().values() for f in dataclasses.fields(c)}
+        names = {f.name for c in Section.__subclasses__() for f in dataclasses.fields(c)}
 
         def watched(self: Any, name: str) -> Any:
             if name in names:
                 for r in _READS:
                     r.add(name)
             return object.__getattribute__(self, name)
-        for c in _section_classes().values():
+        for c in Section.__subclasses__():
             c.__getattribute__ = watched
     _READS.append(read)
     try:
@@ -52,13 +57,8 @@ def field_reads() -> Iterator[set[str]]:
     finally:
         _READS.remove(read)
         if not _READS:
-            for c in _section_classes().values():
+            for c in Section.__subclasses__():
                 del c.__getattribute__
 
 
-def _section_classes() -> dict[str, type]:
-    from swiftlite.config.schema import section_classes   # schema imports this module: resolved at call time
-    return section_classes()
-
-
-__all__ = ["Sealable", "field_reads"]
+__all__ = ["Sealable", "Section", "field_reads"]

@@ -281,7 +281,7 @@ def _gc_kwargs(c: RunConfig):
 @rule("save and eval strategies")
 def _strategies(c: RunConfig):
     ck, t, d = c.checkpoint, c.train, c.data
-    # given steps, not the ones resolve_strategies derives from a strategy
+    # given steps, not the ones job.Resolved.cadence derives from a strategy
     if ck.save_strategy != "steps" and "save_steps" in c.explicit:
         return (f"--save-steps with --save-strategy {ck.save_strategy}: the strategy decides when to save; "
                 "drop one of them")

@@ -19,7 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-from swiftlite.config.access import Sealable, field_reads
+from swiftlite.config.access import Sealable, Section, field_reads
 from swiftlite.dtypes import NAMES as _DTYPE_NAMES
 from swiftlite.dtypes import normalize as _dtype_name
 
@@ -77,7 +77,7 @@ GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 @dataclass(kw_only=True)
-class ModelConfig(Sealable):
+class ModelConfig(Section):
     model: str = opt("tiny-llama", "Preset name (see `swiftlite models`), local HF folder or hub id.")
     torch_dtype: str = opt("auto", "Parameter and compute dtype (also bfloat16, float16, float32). auto, as in "
                            "ms-swift: the model config's torch_dtype on a GPU (bf16 for current models; bf16 "
@@ -96,7 +96,7 @@ class ModelConfig(Sealable):
 
 
 @dataclass(kw_only=True)
-class LoraConfig(Sealable):
+class LoraConfig(Section):
     lora_rank: int = opt(8, "LoRA rank r.", aliases=("--lora-r",))
     lora_alpha: int = opt(32, "LoRA alpha.")
     lora_dropout: float = opt(0.05, "LoRA dropout.")
@@ -122,7 +122,7 @@ class LoraConfig(Sealable):
 
 
 @dataclass(kw_only=True)
-class QuantConfig(Sealable):
+class QuantConfig(Section):
     quant_method: str | None = opt(None, "How the base is quantized at load time: bnb (bitsandbytes) is the only "
                                    "method; --quant-bits alone means bnb too.", choices=("bnb",))
     quant_bits: int | None = opt(None, "Quantize the base with bitsandbytes (4 or 8). --qlora implies 4.")
@@ -136,7 +136,7 @@ class QuantConfig(Sealable):
 
 
 @dataclass(kw_only=True)
-class DataConfig(Sealable):
+class DataConfig(Section):
     dataset: list[str] = opt(help="Training data: files or HF dataset folders; `path#N` takes N rows.",
                              factory=list)
     val_dataset: list[str] = opt(help="Validation data (same forms as --dataset).", factory=list)
@@ -180,7 +180,7 @@ class DataConfig(Sealable):
 
 
 @dataclass(kw_only=True)
-class ParallelConfig(Sealable):
+class ParallelConfig(Section):
     parallelism: str = opt("auto", "How to spread the model: auto, single, ddp, fsdp (FSDP2), hsdp, fsdp1, "
                            "zero2, zero2_offload, zero3, zero3pp, zero3_offload, zero3_offload_nvme, or a DeepSpeed "
                            "JSON file (parallel/resolve.py decides; --dry-run shows the choice).",
@@ -248,7 +248,7 @@ class ParallelConfig(Sealable):
 
 
 @dataclass(kw_only=True)
-class OptimConfig(Sealable):
+class OptimConfig(Section):
     learning_rate: float | None = opt(None, "Peak learning rate (default 1e-4 for LoRA, 1e-5 for full).",
                                       aliases=("--lr",))
     weight_decay: float = opt(0.1, "AdamW weight decay.")
@@ -275,7 +275,7 @@ class OptimConfig(Sealable):
 
 
 @dataclass(kw_only=True)
-class TrainConfig(Sealable):
+class TrainConfig(Section):
     train_type: str = opt("lora", "full, lora or qlora (--full / --lora / --qlora are shorthands); lora as in "
                           "ms-swift.",
                           aliases=("--tuner_type", "--tuner-type"), choices=TRAIN_TYPES)
@@ -361,7 +361,7 @@ class TrainConfig(Sealable):
 
 
 @dataclass(kw_only=True)
-class CheckpointConfig(Sealable):
+class CheckpointConfig(Section):
     save_strategy: str = opt("steps", "When to save: steps (every --save-steps), epoch, or no (the final "
                              "checkpoint only). The last step is always saved.", choices=STRATEGIES)
     save_steps: int | None = opt(500, "Save a checkpoint every N steps (always at the end); 500 as in ms-swift.")
@@ -386,7 +386,7 @@ class CheckpointConfig(Sealable):
 
 
 @dataclass(kw_only=True)
-class RlhfConfig(Sealable):
+class RlhfConfig(Section):
     """`swiftlite rlhf` only (ms-swift's flag names); a sft/pt run that sets one is refused (rules.py)."""
     rlhf_type: str = opt("dpo", "Preference method: dpo or kto (unpaired rows with a label; both with a reference "
                          "model), orpo, simpo or cpo (none); rm (a reward model: a score head on the pairs); "
