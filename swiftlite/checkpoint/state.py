@@ -250,12 +250,12 @@ def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", c
     if cross and getattr(engine, "load_universal", None) is None:  # an engine of the older Protocol
         raise UserError(f"--resume: {path} holds a {state.get('backend')} checkpoint; resume it with a "
                         f"{'DeepSpeed' if saved is layout.CheckpointFormat.DS else 'torch'} backend")
+    why = weights_only_problem(path, cfg, choice, state) if state.get("save_only_model") else None
+    if why:
+        raise UserError(why)
     if state.get("save_only_model") and not model_only:
         # --save_only_model checkpoint: the weights and the position (step, data order) are there; the
         # optimizer, schedule and RNG states are not (ms-swift/HF resume such a checkpoint likewise)
-        why = weights_only_problem(path, cfg, choice, state)
-        if why:
-            raise UserError(why)
         _load_engine(engine, path, world, state, cross, model_only=True, log=log, choice=choice)
         log(f"notice: {path.name} was saved with --save_only_model: restored the weights and the data position "
             f"(step {state.get('global_step')}); not restored: the optimizer state (AdamW moments start at zero), "
@@ -284,7 +284,7 @@ def weights_only_problem(path: Path | None, cfg: "RunConfig", choice: Any, state
     """Why this run cannot resume `path`, a --save_only_model checkpoint (None when it can, or when
     `path` is no such checkpoint): across formats the weights are read only through the universal
     conversion, which needs the optimizer state. Preflight asks before launch; the rank again."""
-    if path is None or getattr(cfg.checkpoint, "resume_only_model", False):
+    if path is None:
         return None
     if state is None:
         f = path / layout.TRAINER_STATE
@@ -292,6 +292,13 @@ def weights_only_problem(path: Path | None, cfg: "RunConfig", choice: Any, state
     if not state.get("save_only_model"):
         return None
     saved = saved_format(state)
+    folder = layout.ADAPTER_DIR if state.get("train_type") in ("lora", "qlora") else layout.MODEL_DIR
+    if saved is layout.CheckpointFormat.DS:   # parallel/deepspeed.py: its weights are the HF folder alone
+        return (f"--resume: {path.name} was saved with --save_only_model under DeepSpeed: it holds the weights "
+                f"only as its {folder}/ folder, no ZeRO state to resume from (weights, optimizer, schedule); "
+                f"start a new run from {path / folder}, or resume a checkpoint saved without --save_only_model")
+    if getattr(cfg.checkpoint, "resume_only_model", False):
+        return None
     if saved == _format_of(choice):
         return None
     return (f"--resume: {path.name} holds only the weights (--save_only_model), in a "

@@ -222,9 +222,14 @@ class DeepSpeedEngine:
         return self.ds
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def save(self, path: str) -> None:
-        """Sharded training state (module, ZeRO optimizer partitions, scheduler) under path/ds/."""
-        self.ds.save_checkpoint(path, tag=CKPT_TAG)
+    def save(self, path: str, *, model_only: bool = False) -> None:
+        """Sharded training state (module, ZeRO optimizer partitions, scheduler) under path/ds/.
+        model_only (--save_only_model): nothing here. ZeRO keeps the fp32 weights inside the optimizer's
+        partitions, so DeepSpeed has no weights-only form of its own; the checkpoint's weights are its
+        model/ or adapter/ folder (checkpoint/state.export_weights, gathered from the partitions), which
+        is what ms-swift's save_only_model keeps under DeepSpeed too."""
+        if not model_only:
+            self.ds.save_checkpoint(path, tag=CKPT_TAG)
 
     def load(self, path: str, *, model_only: bool = False) -> bool:
         """Restore the training state from path/ds/. model_only (--resume_only_model): DeepSpeed's
@@ -501,10 +506,10 @@ def check_config(cfg: "RunConfig", world_size: int, choice: BackendChoice) -> st
     problem = precision_problem(cfg)
     if problem:
         return problem
-    if cfg.checkpoint.save_only_model:
-        return ("--save_only_model: a DeepSpeed checkpoint keeps the weights inside its ZeRO optimizer partitions "
-                "and cannot be written without them; every checkpoint already holds the weights alone as "
-                "model/ or adapter/ (--save-hf-model), or use a torch backend (--parallelism fsdp/ddp/single)")
+    if cfg.checkpoint.save_only_model and not cfg.checkpoint.save_hf_model:
+        return ("--save_only_model with --save-hf-model false: under DeepSpeed a weights-only checkpoint is its "
+                "model/ or adapter/ folder (the ZeRO partitions hold the optimizer state with the weights), so "
+                "nothing would be saved; drop --save-hf-model false")
     src = ds_source(cfg, choice)
     param_dev = offload_devices(load_ds_config(src))[1]
     if cfg.quant_bits is not None and param_dev != "none":

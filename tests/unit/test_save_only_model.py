@@ -78,9 +78,34 @@ def test_resume_refused_where_the_weights_need_the_optimizer_state(tmp_path):
         load_training_state(engine, c, SimpleNamespace(world_size=1, rank=0), cfg, zero2, None)
 
 
-def test_deepspeed_refuses_save_only_model_before_launch():
+def test_deepspeed_refuses_save_only_model_only_without_its_model_folder():
     from swiftlite.parallel.deepspeed import check_config
+    choice = SimpleNamespace(key="deepspeed", name="zero2", deepspeed_source="zero2")
+    cfg = load_config(None, {"dataset": ["d.jsonl"], "save_only_model": True, "torch_dtype": "fp32",
+                             "save_hf_model": False}, task="sft", validate_paths=False)
+    assert check_config(cfg, 1, choice).startswith("--save_only_model with --save-hf-model false: under DeepSpeed")
     cfg = load_config(None, {"dataset": ["d.jsonl"], "save_only_model": True, "torch_dtype": "fp32"}, task="sft",
                       validate_paths=False)
-    msg = check_config(cfg, 1, SimpleNamespace(key="deepspeed", name="zero2"))
-    assert msg.startswith("--save_only_model: a DeepSpeed checkpoint keeps the weights inside its ZeRO optimizer")
+    assert check_config(cfg, 1, choice) is None
+
+
+def test_deepspeed_weights_only_checkpoint_is_its_model_folder_and_resume_says_so(tmp_path, demo_data):
+    """Under DeepSpeed, --save_only_model writes no ZeRO partitions (they hold the optimizer state with the
+    weights): the checkpoint's weights are its model/ folder, equal to a full checkpoint's; --resume of it
+    is refused in one line that names the folder to start from."""
+    from safetensors.torch import load_file
+
+    from swiftlite.train.loop import train
+    data = demo_data[0]
+    common = {"parallelism": "zero2", "max_steps": 2}
+    full = train(_cfg(tmp_path, data, "ds_full", **common))
+    light = train(_cfg(tmp_path, data, "ds_light", save_only_model=True, **common))
+    assert light.losses == full.losses
+    ck, ref = tmp_path / "ds_light" / "checkpoint-2", tmp_path / "ds_full" / "checkpoint-2"
+    assert (ref / "ds").is_dir() and not (ck / "ds").exists() and not (ck / layout.RNG_DIR).exists()
+    got, want = load_file(str(ck / "model" / "model.safetensors")), load_file(str(ref / "model" / "model.safetensors"))
+    assert got.keys() == want.keys() and all(bool((got[k] == want[k]).all()) for k in want)
+    with pytest.raises(UserError, match=r"--resume: checkpoint-2 was saved with --save_only_model under DeepSpeed: "
+                                         r"it holds the weights only as its model/ folder"):
+        train(_cfg(tmp_path, data, "ds_light", save_only_model=True, resume="true", max_steps=4,
+                   parallelism="zero2"))
