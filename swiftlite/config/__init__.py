@@ -2,7 +2,7 @@
 
 - `schema.py`: the dataclasses (`RunConfig` and its sections (`SECTIONS`)), the constants, `field_specs()`.
 - `load.py`: files, flags and env vars into a `RunConfig` (`load_config`, `build_config`, `coerce`),
-  with ms-swift's derived defaults (accumulation, a local model's context, --add_version's folder),
+  with ms-swift's derived defaults (accumulation, fp32 on a CPU build, --add_version's folder),
   `args.json` (`save_args`/`load_args`) and secret redaction. After `load_config` the user's config is
   never written: the run's concrete, sealed copy is swiftlite/job.py's `Resolved.config`.
 - `msswift.py`: ms-swift flags and values that mean nothing here, each with what to use instead.

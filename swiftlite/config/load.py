@@ -307,19 +307,11 @@ def gpu_torch_build() -> bool:
 
 
 def resolve_light_defaults(cfg: RunConfig) -> None:
-    """Fill what needs neither torch nor transformers: --max-length from the model's context when the
-    model's config is a preset or a local config.json, and --torch-dtype auto -> fp32 on a CPU build
-    of torch. What is left ("auto" on a GPU build, max_length of a hub model) is settled by
-    swiftlite/job.py `resolve_run` (models/loading.model_defaults) in the run's concrete copy of the config,
-    once the model config and the GPU are known; the user's config keeps `auto` / no length."""
-    if cfg.data.max_length is None:
-        from swiftlite.models.source import resolve_model   # the owner of --model's facts
-        try:
-            conf = resolve_model(cfg.model.model).config_dict()   # None for a hub id
-        except UserError:
-            conf = None   # an unknown or unreadable model: validation names it, with its own line
-        if conf is not None:
-            cfg.data.max_length = context_length(conf)
+    """Fill what needs neither torch nor the model: --torch-dtype auto -> fp32 on a CPU build of torch
+    (every backend runs fp32 on CPU). What depends on the model or the GPU (`auto` on a GPU build, an
+    unset --max-length: the model's context) is settled by swiftlite/job.py `resolve_run`
+    (models/loading.model_defaults) in the run's concrete copy of the config; the user's config keeps
+    `auto` / no length, and config/ never asks models/ (no package cycle)."""
     if cfg.model.torch_dtype == "auto" and not gpu_torch_build():
         cfg.model.torch_dtype = "fp32"
 

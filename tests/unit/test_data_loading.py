@@ -13,6 +13,7 @@ from swiftlite.data.loader import BatchPlan
 from swiftlite.data.prefetch import Prefetcher, StepBatches
 from swiftlite.data.tokenize import IGNORE
 from swiftlite.errors import UserError
+from swiftlite.launch.preflight import resolve_for_launch
 
 ROWS = [{"input_ids": list(range(5, 5 + n)), "labels": [IGNORE] + list(range(6, 5 + n))} for n in
         (3, 7, 4, 9, 5, 6, 8, 2, 5, 7, 3, 4)]
@@ -154,9 +155,10 @@ def test_lazy_tokenize_tokenizes_at_batch_time_and_gives_the_eager_batches(tmp_p
     data = demo_data[0]
     cfg = _cfg(tmp_path, data, "lz", lazy_tokenize=True, split_dataset_ratio=0.1)
     tok = load_tokenizer(cfg, resolve_model(cfg.model.model))
-    lazy, val, _ = prepare_datasets(cfg, tok, 1)
+    lazy, val, _ = prepare_datasets(resolve_for_launch(cfg, 1).config, tok, 1)
     assert isinstance(lazy.rows, LazyRows) and not lazy.rows.memo      # nothing tokenized before training
-    eager, eval_eager, _ = prepare_datasets(_cfg(tmp_path, data, "eg", split_dataset_ratio=0.1), tok, 1)
+    eager, eval_eager, _ = prepare_datasets(resolve_for_launch(_cfg(tmp_path, data, "eg", split_dataset_ratio=0.1), 1).config,
+                                            tok, 1)
     assert len(lazy.rows) == len(eager.rows) and val.rows == eval_eager.rows
     assert [lazy.rows[i] for i in range(len(eager.rows))] == eager.rows   # row for row the eager rows
     losses = train(_cfg(tmp_path, data, "e2", dataloader_num_workers=0)).losses
@@ -192,6 +194,7 @@ def test_streaming_trains_in_file_order_and_resumes_exactly(tmp_path, demo_data,
     cfg = _stream_cfg(tmp_path, data, "s0", dataloader_num_workers=0)
     tok = load_tokenizer(cfg, resolve_model(cfg.model.model))
     calls = _count_encodes(monkeypatch)
+    cfg = resolve_for_launch(cfg, 1).config   # the run's concrete config: the preset's context as max length
     train_data, _, plan = prepare_datasets(cfg, tok, 1)
     assert isinstance(train_data, StreamData) and sum(calls) == 1    # one row read before launch
     # step k is rows 4k..4k+3 of the file in order (global batch 2 x 1 x 2), wrapping around at the end

@@ -16,6 +16,7 @@ from swiftlite.data.formats import detect_format, to_messages
 from swiftlite.data.pipeline import tokenize_specs
 from swiftlite.data.sources import check_spec, load_rows, parse_source, sample_indices
 from swiftlite.errors import UserError
+from swiftlite.launch.preflight import resolve_for_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -170,7 +171,7 @@ def test_the_run_seed_reaches_the_sample_and_the_cache_key(tmp_path, tok, monkey
         cfg = build_config({"model": "tiny-llama", "dataset": [f"{f}#8"], "seed": seed,
                             "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
                             "load_from_cache_file": True})   # read the cache (ms-swift: off)
-        train, _, _ = prepare_datasets(cfg, tok, 1)
+        train, _, _ = prepare_datasets(resolve_for_launch(cfg, 1).config, tok, 1)
         return [r["input_ids"] for r in train.rows]
 
     a, b, a2 = rows(1), rows(2), rows(1)                              # the 3rd is read from the cache

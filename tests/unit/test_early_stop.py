@@ -11,6 +11,7 @@ import pytest
 from swiftlite.cli import parse_run_args
 from swiftlite.config import load_config
 from swiftlite.errors import UserError
+from swiftlite.launch.preflight import resolve_for_launch
 from tests.conftest import run_cli
 
 
@@ -105,7 +106,7 @@ def test_drop_last_flag_reaches_the_plan(demo_data):
     for flag in ("true", "false"):
         config_file, values = parse_run_args([*argv, "--dataloader_drop_last", flag])
         cfg = load_config(config_file, values)
-        plans[flag] = prepare_datasets(cfg, load_tokenizer(cfg), 1)[2]
+        plans[flag] = prepare_datasets(resolve_for_launch(cfg, 1).config, load_tokenizer(cfg), 1)[2]
     assert plans["true"].steps_per_epoch == 2 and plans["false"].steps_per_epoch == 3
 
 

@@ -145,10 +145,6 @@ def _package_graph() -> dict[str, set[str]]:
 #: The other side of each cycle is the natural direction (models use RunConfig; parallel/resolve.py
 #: asks the planner for --parallelism auto).
 KNOWN_PACKAGE_EDGES = {
-    # config/load.py asks ModelSource (models/source.py) for the model's config dict to default
-    # --max-length while settling the config; goes with the resolved-config work (issue 24,
-    # `resolve_run`), or when the presets table and ModelSource move below config/.
-    ("config", "models"): "config/load.py -> models/source.py",
     # planner/ reads the Backend records and the loss constants from parallel/; goes when the planner
     # takes rows (records as data) and the loss constants from a leaf (issue 24).
     ("planner", "parallel"): "planner/{backends,memory,activations}.py -> parallel/{base,loss,ds_config}.py",
@@ -157,7 +153,7 @@ KNOWN_PACKAGE_EDGES = {
 
 def test_package_graph_sees_cycles():
     g = _package_graph()
-    assert "models" in g["config"] or "config" in g["models"]          # the parser found package edges
+    assert "config" in g["models"]          # the parser found package edges (models use RunConfig)
     for a, b in KNOWN_PACKAGE_EDGES:
         assert b in g[a], f"{a} -> {b} is gone: remove it from KNOWN_PACKAGE_EDGES"
 

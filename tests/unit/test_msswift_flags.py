@@ -210,6 +210,16 @@ def _field(cfg, name):
     return cfg.flat()[name]
 
 
+def _run_field(cfg, name: str):
+    """The value the run uses: the user's, or, where the user said nothing, the one the run settles
+    (job.resolve_run: the model's context for --max_length)."""
+    got = _field(cfg, name)
+    if got is None and name == "max_length":
+        from swiftlite.job import resolve_run
+        got = _field(resolve_run(cfg, 1, gpu_memory=None, gpus_per_node=1).config, name)
+    return got
+
+
 @pytest.mark.parametrize("flags,expected", TABLE, ids=[t[0] for t in TABLE])
 def test_msswift_flag(flags, expected):
     argv = shlex.split(flags)
@@ -224,7 +234,7 @@ def test_msswift_flag(flags, expected):
         assert cfg.to_dict() == resolve([]).to_dict()  # nothing to set
         return
     name, value = expected
-    got = _field(cfg, name)
+    got = _run_field(cfg, name)
     assert got == value and type(got) is type(value), (name, got)
 
 
@@ -275,7 +285,7 @@ def test_doc_table_row(flag, example, expect):
         assert cfg.to_dict() == resolve([]).to_dict()
         return
     name, _, value = expect.partition("=")
-    got, want = _field(cfg, name), _value(value)
+    got, want = _run_field(cfg, name), _value(value)
     assert got == want, (name, got, want)
 
 
@@ -364,10 +374,20 @@ def test_max_length_from_the_model(tmp_path):
     from swiftlite.config import build_config
     from swiftlite.models.loading import context_max_length
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 4096}))
-    assert build_config({"model": str(tmp_path)}).data.max_length == 4096      # a local folder, read as JSON
-    assert build_config({"model": "llama-8b"}).data.max_length == 131072       # a preset
+    from swiftlite.job import resolve_run
+
+    def resolved_length(model):
+        said = build_config({"model": model})
+        assert said.data.max_length is None      # the user's config keeps what was said: nothing
+        return resolve_run(said, 1, gpu_memory=None, gpus_per_node=1).max_length
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 4096,
+                                                      "hidden_size": 64, "num_attention_heads": 4,
+                                                      "num_hidden_layers": 1, "intermediate_size": 128,
+                                                      "vocab_size": 256}))
+    assert resolved_length(str(tmp_path)) == 4096                               # a local folder
+    assert resolved_length("llama-8b") == 131072                                # a preset
     cfg = build_config({"model": "org/hub-model"})
-    assert cfg.data.max_length is None                                          # a hub id: left for later
+    assert cfg.data.max_length is None                                          # a hub id: its config, later
     n, _ = context_max_length(cfg, SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=8192)))
     assert n == 8192 and cfg.data.max_length is None
     with pytest.raises(UserError, match="declares no context length"):
@@ -513,7 +533,8 @@ def test_on_a_gpu_build_auto_waits_for_the_model_and_the_device(monkeypatch):
     with pytest.raises(UserError, match="--bnb-4bit-compute-dtype bf16 differs from --torch-dtype fp32"):
         resolve_run(cfg, 1, gpu_memory=None, gpus_per_node=1)  # the dtype rules run again once it is known
     cfg = resolve([])
-    assert model_defaults(cfg)[0::2] == ("fp32", ["auto: fp32 on CPU"]) and cfg.model.torch_dtype == "auto"
+    assert model_defaults(cfg) == ("fp32", 2048, ["auto: fp32 on CPU", "max length 2048: the model's context"])
+    assert cfg.model.torch_dtype == "auto" and cfg.data.max_length is None
     run = resolve_run(cfg, 1, gpu_memory=None, gpus_per_node=1).config
     assert run.model.torch_dtype == "fp32" and run.sealed and not cfg.sealed
     assert model_defaults(run)[2] == []  # nothing left: no model config read, no torch asked

@@ -399,17 +399,19 @@ def test_run_estimate_errors():
 
 def test_resolve_auto():
     from swiftlite.config import build_config
-    cfg = build_config({"model": "tiny-llama", "dataset": ["x.jsonl"]})
+    # max_length as the run settles it (job.resolve_run: the model's context) when the user gives none
+    cfg = build_config({"model": "tiny-llama", "dataset": ["x.jsonl"], "max_length": 2048})
     assert resolve_auto(cfg, 1, None).backend == "single"
     cpu = resolve_auto(cfg, 2, None)
     assert cpu.backend == "fsdp" and "CPU" in cpu.reason
     assert resolve_auto(cfg, 1, 80 * GB).backend == "single"
     assert resolve_auto(cfg, 4, 80 * GB).backend == "ddp"
-    big = build_config({"model": "llama-70b", "dataset": ["x.jsonl"], "torch_dtype": "bf16"})
+    big = build_config({"model": "llama-70b", "dataset": ["x.jsonl"], "torch_dtype": "bf16", "max_length": 131072})
     with pytest.raises(UserError, match="--parallelism auto"):
         resolve_auto(big, 1, 1 * GiB)
     # across nodes: hsdp on CPU; on GPU the topology comes from --nnodes / --nproc-per-node
-    nodes = build_config({"model": "tiny-llama", "dataset": ["x.jsonl"], "nnodes": 2, "nproc_per_node": 2})
+    nodes = build_config({"model": "tiny-llama", "dataset": ["x.jsonl"], "nnodes": 2, "nproc_per_node": 2,
+                          "max_length": 2048})
     assert resolve_auto(nodes, 4, None).backend == "hsdp"
     big_nodes = {"model": "llama-70b", "dataset": ["x.jsonl"], "torch_dtype": "bf16", "nnodes": 4,
                  "nproc_per_node": 8, "gradient_checkpointing": True, "max_length": 2048}

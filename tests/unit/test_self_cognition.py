@@ -10,6 +10,7 @@ import pytest
 
 from swiftlite.config import load_config
 from swiftlite.errors import UserError
+from swiftlite.launch.preflight import resolve_for_launch
 
 ROWS = [{"query": "你是谁？", "response": "我是{{NAME}}，由{{AUTHOR}}训练的人工智能助手。", "tag": "zh"},
         {"query": "who are you?", "response": "I am {{NAME}}, an AI assistant trained by {{AUTHOR}}.", "tag": "en"},
@@ -30,7 +31,7 @@ def _prepare(tmp_path, datasets, **extra):
     cfg = load_config(None, {"model": "tiny-llama-2l", "dataset": [str(d) for d in datasets],
                              "output_dir": str(tmp_path / "o"), "gradient_accumulation_steps": 1, **extra}, task="sft")
     tok = load_tokenizer(cfg, resolve_model(cfg.model.model))
-    train, _, _ = prepare_datasets(cfg, tok, 1)
+    train, _, _ = prepare_datasets(resolve_for_launch(cfg, 1).config, tok, 1)
     if hasattr(train.rows, "items"):   # lazy
         rows = [train.rows[i] for i in range(len(train.rows))]
     else:
@@ -78,7 +79,7 @@ def test_streamed_rows_are_filled_too(tmp_path):
                              "gradient_accumulation_steps": 1, "streaming": True, "max_steps": 3,
                              "model_name": ["小黄", "Xiao Huang"]}, task="sft")
     tok = load_tokenizer(cfg, resolve_model(cfg.model.model))
-    train, _, plan = prepare_datasets(cfg, tok, 1)
+    train, _, plan = prepare_datasets(resolve_for_launch(cfg, 1).config, tok, 1)
     b = StreamBatches(train, plan, tok.pad_token_id, World(), None, 0, True, None)
     texts = [tok.decode(b.step_data(k).micro[0]["input_ids"][0]) for k in range(3)]
     b.close()

@@ -16,6 +16,7 @@ from swiftlite.data.collate import collate, count_targets, pack_rows
 from swiftlite.data.rows import DataStats
 from swiftlite.data.stream import TokenStream
 from swiftlite.data.tokenize import IGNORE
+from swiftlite.launch.preflight import resolve_for_launch
 
 LENGTHS = [3, 7, 4, 9, 5, 6, 8, 2, 5, 7, 3, 4, 12, 1, 11]
 MAX = 12
@@ -98,7 +99,7 @@ def test_each_rank_takes_its_own_packs_of_the_step_and_resume_is_exact(tmp_path,
     packs = tokenize_specs([str(rows_file)], tok, task="sft", max_length=128, packing=True, skip_bad_rows=False,
                            use_cache=False).rows    # the non-streaming packs of the same rows, in file order
     assert len(packs) == 4 and all(len(p["input_ids"]) <= 128 for p in packs)
-    train, _, plan = prepare_datasets(cfg, tok, 2)
+    train, _, plan = prepare_datasets(resolve_for_launch(cfg, 2).config, tok, 2)
     assert plan.global_batch == 4        # 1 per device x 2 ranks x accumulation 2: 4 packs a step
     form = batch_form(cfg)
     assert form.padding_free
