@@ -103,9 +103,9 @@ def export_model(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_sha
             reader = ZeroReader(src.path, exclude_frozen=False)
             info["weights_from"] = (f"{src.path.name}/{layout.DS_TAG} (ZeRO-{reader.stage} fp32 master weights of "
                                     f"{reader.world} ranks)")
-        elif src.weights == "hf":
-            reader = SafetensorsReader(src.path)
-            info["weights_from"] = f"{src.path} (safetensors)"
+        elif src.hf_dir is not None:   # an HF folder, or a checkpoint's model/ alone
+            reader = SafetensorsReader(src.hf_dir)
+            info["weights_from"] = f"{src.hf_dir} (safetensors)"
         else:
             raise UserError(f"--ckpt {src.arg}: no full weights to export")
         info["what"] = "full weights"

@@ -41,8 +41,11 @@ class Source:
     run_dir: Path | None = None
     cfg: Any = None                  # RunConfig of the run (args.json), base possibly overridden
     base_from: str = layout.ARGS     # where the base model name came from (for messages)
-    # a checkpoint's sharded state (layout.CheckpointFormat), or "adapter" / "hf" (a peft or HF folder)
-    weights: "layout.CheckpointFormat | str" = "hf"
+    #: The checkpoint's sharded state that holds the weights (checkpoint/layout.CheckpointFormat, the one
+    #: vocabulary of records, trainer_state.json and export); None when the weights are a folder of
+    #: their own: an HF folder, a peft adapter, or a checkpoint's model/ or adapter/ alone (a DeepSpeed
+    #: --save_only_model checkpoint, or one whose dcp/ was removed). `form` says what `path` is.
+    weights: "layout.CheckpointFormat | None" = None
 
     @property
     def is_peft(self) -> bool:
@@ -132,12 +135,12 @@ def inspect_source(arg: str, base_model: str | None, log: Callable[[str], None],
         src.run_dir = path.parent
         if (path / layout.DCP_DIR / layout.DCP_METADATA).is_file():
             src.weights = layout.CheckpointFormat.DCP
-        elif (path / layout.DS_TAG).is_dir() or layout.CheckpointFormat.of_state(state) is layout.CheckpointFormat.DS:
+        elif (path / layout.DS_TAG).is_dir():
             src.weights = layout.CheckpointFormat.DS
-        elif src.adapter_dir is not None:
-            src.weights = "adapter"
-        else:
-            raise UserError(f"{flag} {arg}: {path.name} holds no model weights (no dcp/, ds/ or adapter/)")
+        elif src.adapter_dir is None and (src.is_peft or src.hf_dir is None):
+            raise UserError(f"{flag} {arg}: {path.name} holds no model weights (no dcp/, ds/, "
+                            f"{layout.ADAPTER_DIR if src.is_peft else layout.MODEL_DIR}/)")
+        # else: the weights are its model/ or adapter/ folder alone (--save_only_model under DeepSpeed)
         args_file = path.parent / layout.ARGS
         if args_file.is_file():
             try:
@@ -154,7 +157,6 @@ def inspect_source(arg: str, base_model: str | None, log: Callable[[str], None],
                     f"for base model {values['model']}")
     elif form == "adapter":
         src.train_type = "lora"
-        src.weights = "adapter"
         if base_model is None:
             conf = json.loads((path / ADAPTER_CONFIG).read_text())
             base_model = conf.get("base_model_name_or_path")
@@ -163,7 +165,6 @@ def inspect_source(arg: str, base_model: str | None, log: Callable[[str], None],
             src.base_from = ADAPTER_CONFIG
         src.cfg = build_config({"train_type": "lora", "model": base_model}, source="--base-model")
     else:
-        src.weights = "hf"
         src.cfg = build_config({"model": str(path)}, source="--ckpt")
     if base_model is not None and form != "hf":
         src.cfg = src.cfg.with_values(model=base_model)   # the run's config, on another base

@@ -105,6 +105,11 @@ def test_deepspeed_weights_only_checkpoint_is_its_model_folder_and_resume_says_s
     assert (ref / "ds").is_dir() and not (ck / "ds").exists() and not (ck / layout.RNG_DIR).exists()
     got, want = load_file(str(ck / "model" / "model.safetensors")), load_file(str(ref / "model" / "model.safetensors"))
     assert got.keys() == want.keys() and all(bool((got[k] == want[k]).all()) for k in want)
+    # export reads such a checkpoint's weights from its model/ folder (no ds/ to read)
+    import swiftlite.export as ex
+    res = ex.export(ex.ExportOptions(ckpt=str(ck), output=str(tmp_path / "exported"), log=lambda *_: None))
+    out = load_file(str(res.output / "model.safetensors"))
+    assert out.keys() <= want.keys() and all(bool((out[k] == want[k].to(out[k].dtype)).all()) for k in out)
     with pytest.raises(UserError, match=r"--resume: checkpoint-2 was saved with --save_only_model under DeepSpeed: "
                                          r"it holds the weights only as its model/ folder"):
         train(_cfg(tmp_path, data, "ds_light", save_only_model=True, resume="true", max_steps=4,
