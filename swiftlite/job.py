@@ -133,7 +133,7 @@ def resolve_run(cfg: "RunConfig", world_size: int, *, gpu_memory: Any, gpus_per_
     """The run resolved from these inputs (the same function in the launcher and in a rank); `cfg` is
     left as it is. `gpu_memory`: bytes of the smallest GPU, None on CPU, or a function giving either."""
     from swiftlite.models.loading import model_defaults
-    from swiftlite.parallel.resolve import resolve_backend
+    from swiftlite.planner import choose_backend
     torch_dtype, max_length, _ = model_defaults(cfg)
     run = concrete_config(cfg, torch_dtype, max_length)
     mem = gpu_memory() if callable(gpu_memory) else gpu_memory
@@ -143,7 +143,7 @@ def resolve_run(cfg: "RunConfig", world_size: int, *, gpu_memory: Any, gpus_per_
         shapes.append(model_shape(run))
         return shapes[-1]
     RESOLUTIONS["count"] += 1
-    choice = resolve_backend(run, world_size, mem, shape=shape, gpus_per_node=gpus_per_node)
+    choice = choose_backend(run, world_size, mem, shape=shape, gpus_per_node=gpus_per_node)
     return Resolved(world_size=world_size, gpu_memory=mem, gpus_per_node=gpus_per_node,
                     torch_dtype=run.model.torch_dtype, max_length=run.data.max_length,
                     # through JSON once, so the facts equal what a rank reads back (tuples -> lists)

@@ -154,12 +154,12 @@ def first_step_s(records: list[dict]) -> float | None:
 def ran_as(run_dir: Path, world: int, gpu_memory: int | None) -> str:
     """The backend the run resolved to: its args.json through the resolver the trainer uses."""
     from swiftlite.config import load_args
-    from swiftlite.parallel.resolve import resolve_backend
+    from swiftlite.planner import choose_backend
     args = run_dir / layout.ARGS
     if not args.is_file():
         return ""
     try:
-        return resolve_backend(load_args(args), world, gpu_memory).name
+        return choose_backend(load_args(args), world, gpu_memory).name
     except (UserError, OSError, ValueError, KeyError, TypeError):
         return ""
 

@@ -1,11 +1,14 @@
 """`--parallelism` -> the backend a run uses: the only reader of that flag.
 
-    choice = resolve_backend(cfg, world_size, gpu_memory=None)   # BackendChoice(name, reason, ...)
+    choice = resolve_backend(cfg, world_size, gpu_memory=None, auto=decide)   # BackendChoice(name, reason, ...)
 
-Dry-run, preflight, the trainer, model loading, the planner and bench all call this one function, so
-what `--dry-run` prints is what runs. The steps, in order:
+Dry-run, preflight, the trainer, model loading, the planner and bench all call this one function
+(through `planner.choose_backend`, which hands it the planner's decision for `auto`), so what
+`--dry-run` prints is what runs. The steps, in order:
 
-1. `auto` asks the planner (planner/recommend.py: memory per GPU on CUDA, simple rules on CPU);
+1. `auto` asks `auto(cfg, world_size, gpu_memory, shape=, gpus_per_node=)`, the planner's
+   `resolve_auto` (memory per GPU on CUDA, simple rules on CPU), handed in by the caller: the planner
+   reads the backend records, so parallel/ does not import the planner (no package cycle).
    `--deepspeed FILE` alone means DeepSpeed; a `.json` value is a DeepSpeed config file.
 2. The named record (or alias) is looked up in the registry (parallel/base.py).
 3. Its checks run: the options it honours (`--mixed-precision`, `--cpu-offload`), fp16 without loss
@@ -106,16 +109,18 @@ def _all() -> list[Backend]:
 
 
 def resolve_backend(cfg: "RunConfig", world_size: int, gpu_memory: Any = None, *, shape: Any = None,
-                    gpus_per_node: int | None = None) -> BackendChoice:
-    """The backend this run uses on `world_size` processes (see the module docstring)."""
+                    gpus_per_node: int | None = None, auto: Any = None) -> BackendChoice:
+    """The backend this run uses on `world_size` processes (see the module docstring). `auto`: the
+    decision for `--parallelism auto` (planner.recommend.resolve_auto; planner.choose_backend passes it)."""
     name = requested(cfg)
     reason = ""
     if name == "auto":
-        from swiftlite.planner.recommend import resolve_auto
+        if auto is None:
+            raise TypeError("--parallelism auto needs the planner's decision: call planner.choose_backend")
         mem = gpu_memory() if callable(gpu_memory) else gpu_memory
         if callable(shape):  # the model's shape matters only to the memory model, on GPUs
             shape = shape() if mem is not None else None
-        decision = resolve_auto(cfg, world_size, mem, shape=shape, gpus_per_node=gpus_per_node)
+        decision = auto(cfg, world_size, mem, shape=shape, gpus_per_node=gpus_per_node)
         name, reason = decision.backend, decision.reason
     rec, ds_source = _lookup(name, cfg)
     try:

@@ -26,8 +26,8 @@ from swiftlite.planner.memory import (
     GiB, MemoryEstimate, Workload, activation_bytes, base_bits, comm_bytes_per_step, estimate, estimate_all,
     model_state_bytes, quantized_bytes, temp_buffer_bytes, trainable_params, unavailable_reason,
 )
-from swiftlite.planner.recommend import (RULES, Decision, Rule, assess, fmt_gb, recommend, resolve_auto,
-                                         workload_from_config)
+from swiftlite.planner.recommend import (RULES, Decision, Rule, assess, choose_backend, fmt_gb, recommend,
+                                         resolve_auto, workload_from_config)
 from swiftlite.planner.render import run_estimate, to_json  # not `render`: that name is the module
 from swiftlite.planner.shape import Linear, ModelShape, shape_from_config, shape_from_model_arg
 from swiftlite.planner.memory import LinkBytes, comm_per_link
@@ -35,7 +35,7 @@ from swiftlite.planner.memory import LinkBytes, comm_per_link
 __all__ = [
     "FAMILIES", "RULES", "SHARDING", "Decision", "GiB", "Linear", "LinkBytes", "LoadPhase", "MemoryEstimate",
     "ModelShape", "Rule", "Workload", "activation_bytes", "assess", "autocast_copy_bytes", "backend_record",
-    "base_bits", "comm_bytes_per_step", "comm_per_link", "ds_config_family", "estimate", "host_step_transient_bytes",
+    "base_bits", "choose_backend", "comm_bytes_per_step", "comm_per_link", "ds_config_family", "estimate", "host_step_transient_bytes",
     "largest_shard_file", "load_phase", "step_transient_bytes",
     "estimate_all", "fmt_gb", "model_state_bytes", "quantized_bytes", "recommend", "resolve_auto",
     "run_estimate", "shape_from_config", "shape_from_model_arg", "table_backends", "temp_buffer_bytes",

@@ -12,7 +12,7 @@ rule that names it. docs/estimate.md lists the rules.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from swiftlite.errors import UserError
 from swiftlite.models.source import resolve_model
@@ -230,6 +230,15 @@ def _has_fsdp2() -> bool:
     except ImportError:
         return False
     return True
+
+
+def choose_backend(cfg: "RunConfig", world_size: int, gpu_memory: Any = None, *, shape: Any = None,
+                   gpus_per_node: int | None = None) -> Any:
+    """The backend a run uses: parallel/resolve.resolve_backend (the only reader of --parallelism) with
+    this module's `resolve_auto` as its decision for `auto`. The callers that resolve a run (job.py,
+    bench) come through here, so parallel/ never imports the planner."""
+    from swiftlite.parallel.resolve import resolve_backend
+    return resolve_backend(cfg, world_size, gpu_memory, shape=shape, gpus_per_node=gpus_per_node, auto=resolve_auto)
 
 
 def resolve_auto(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None, *,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from swiftlite.parallel.resolve import resolve_backend
+from swiftlite.planner import choose_backend as resolve_backend
 from swiftlite.cli import parse_run_args
 from swiftlite.config import load_args, load_config, save_args
 from swiftlite.errors import UserError

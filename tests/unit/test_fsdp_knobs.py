@@ -17,7 +17,7 @@ from swiftlite.parallel import hsdp as hsdp_mod
 from swiftlite.parallel.deepspeed import quantized_comm_problem
 from swiftlite.parallel.ds_config import PRESET_DIR, resolve_ds_config
 from swiftlite.parallel.fsdp2 import check_cpu_offload, reshard_after_forward
-from swiftlite.parallel.resolve import resolve_backend
+from swiftlite.planner import choose_backend as resolve_backend
 
 DATA = ["--dataset", "train.jsonl", "--model", "tiny-llama-2l", "--train-type", "full", "--torch-dtype", "fp32"]
 

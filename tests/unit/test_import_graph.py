@@ -141,25 +141,16 @@ def _package_graph() -> dict[str, set[str]]:
     return out
 
 
-#: Package edges that close a cycle today, each with the edge that should go and why it is still there.
-#: The other side of each cycle is the natural direction (models use RunConfig; parallel/resolve.py
-#: asks the planner for --parallelism auto).
-KNOWN_PACKAGE_EDGES = {
-    # planner/ reads the Backend records and the loss constants from parallel/; goes when the planner
-    # takes rows (records as data) and the loss constants from a leaf (issue 24).
-    ("planner", "parallel"): "planner/{backends,memory,activations}.py -> parallel/{base,loss,ds_config}.py",
-}
-
-
-def test_package_graph_sees_cycles():
+def test_package_graph_sees_the_edges_that_used_to_close_cycles():
+    """The edges of the two former package cycles, in their natural direction: models use RunConfig,
+    the planner reads the backend records; and not the other way (config/ settles no model fact,
+    parallel/ takes the planner's `auto` decision from its caller: planner.choose_backend)."""
     g = _package_graph()
-    assert "config" in g["models"]          # the parser found package edges (models use RunConfig)
-    for a, b in KNOWN_PACKAGE_EDGES:
-        assert b in g[a], f"{a} -> {b} is gone: remove it from KNOWN_PACKAGE_EDGES"
+    assert "config" in g["models"] and "parallel" in g["planner"]
+    assert "models" not in g["config"] and "planner" not in g["parallel"]
 
 
 def test_no_package_cycle():
     """No two packages import each other, directly or around a loop (every import statement counts, as
-    for modules), once the known edges are set aside."""
-    g = {a: {b for b in deps if (a, b) not in KNOWN_PACKAGE_EDGES} for a, deps in _package_graph().items()}
-    assert _cycles(g) == []
+    for modules)."""
+    assert _cycles(_package_graph()) == []

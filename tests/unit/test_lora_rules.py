@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from swiftlite.parallel.resolve import resolve_backend
+from swiftlite.planner import choose_backend as resolve_backend
 from swiftlite.cli import parse_run_args
 from swiftlite.config import load_config
 from swiftlite.errors import UserError

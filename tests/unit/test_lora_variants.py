@@ -136,7 +136,7 @@ def test_init_weights_refusals():
 def test_base_reading_adapters_on_a_skeleton(argv, expect):
     """DoRA's magnitude is the norm of the base weight: on a skeleton (meta weights) it is refused,
     naming the way out; the whole-model paths build it."""
-    from swiftlite.parallel.resolve import resolve_backend
+    from swiftlite.planner import choose_backend as resolve_backend
     from swiftlite.train.run import skeleton_mode
     cfg = cfg_of("--use_dora", "true", *argv)
     choice = resolve_backend(cfg, cfg.parallel.nproc_per_node or 1)

@@ -233,7 +233,7 @@ def test_every_refusal_is_reported_at_once(tmp_path):
 
 
 def test_the_backend_resolves_and_the_dry_run_line():
-    from swiftlite.parallel.resolve import resolve_backend
+    from swiftlite.planner import choose_backend as resolve_backend
     assert resolve_backend(resolve("--fsdp", "fsdp2"), 2).name == "fsdp"
     assert resolve_backend(resolve("--fsdp", "full_shard", "--fsdp_config", '{"fsdp_version": 1}'), 2).name == "fsdp1"
     assert resolve_backend(resolve("--fsdp", "fsdp2"), 1).name == "single"  # nothing to shard on one process

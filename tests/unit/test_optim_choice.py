@@ -78,7 +78,7 @@ def test_sgd_step_is_plain_sgd():
 ])
 def test_whole_matrix_optimizers_refused_where_they_cannot_work(argv, msg):
     from swiftlite.optim import optim_problem
-    from swiftlite.parallel.resolve import resolve_backend
+    from swiftlite.planner import choose_backend as resolve_backend
     cfg = cfg_of(*argv)
     assert optim_problem(cfg, resolve_backend(cfg, cfg.parallel.nproc_per_node or 1)).startswith(msg)
 
@@ -88,7 +88,7 @@ def test_whole_matrix_optimizers_refused_where_they_cannot_work(argv, msg):
                                   ["--optim", "adafactor", "--parallelism", "ddp", "--nproc_per_node", "2"]])
 def test_elementwise_optimizers_run_on_sharding_backends(argv):
     from swiftlite.optim import optim_problem
-    from swiftlite.parallel.resolve import resolve_backend
+    from swiftlite.planner import choose_backend as resolve_backend
     cfg = cfg_of(*argv)
     assert optim_problem(cfg, resolve_backend(cfg, 2)) is None
 

@@ -12,7 +12,7 @@ from swiftlite.cli import parse_run_args
 from swiftlite.config import RunConfig, field_specs, load_config
 from swiftlite.errors import UserError
 from swiftlite.parallel.ds_config import resolve_ds_config
-from swiftlite.parallel.resolve import resolve_backend
+from swiftlite.planner import choose_backend as resolve_backend
 
 DATA = ["--dataset", "train.jsonl", "--model", "tiny-llama-2l"]
 
