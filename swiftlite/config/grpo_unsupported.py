@@ -25,7 +25,6 @@ GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
              "enable_flattened_weight_sync")),
     ("the generation round is per-device x processes x --steps-per-generation completions: set "
      "--steps-per-generation instead", ("generation_batch_size",)),
-    (f"--importance-sampling-level {_VARIANT}", ("importance_sampling_level",)),
     (f"this {_VARIANT}",
      ("delta", "off_policy_sequence_mask_delta", "rollout_importance_sampling_mode",
       "rollout_importance_sampling_threshold", "log_rollout_offpolicy_metrics", "top_entropy_quantile",

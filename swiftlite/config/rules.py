@@ -316,7 +316,8 @@ def _resume(c: RunConfig):
 
 #: GRPO's own RlhfConfig keys (schema.py), besides beta and loss_type.
 GRPO_KEYS = ("reward_funcs", "reward_weights", "num_generations", "max_completion_length", "temperature", "top_p",
-             "top_k", "epsilon", "epsilon_high", "num_iterations", "scale_rewards", "log_completions",
+             "top_k", "epsilon", "epsilon_high", "num_iterations", "importance_sampling_level", "scale_rewards",
+             "log_completions",
              "steps_per_generation", "use_vllm", "vllm_mode", "cosine_min_len_value_wrong",
              "cosine_max_len_value_wrong", "cosine_min_len_value_correct", "cosine_max_len_value_correct",
              "cosine_max_len", "repetition_n_grams", "repetition_max_penalty", "soft_max_length", "soft_cache_length")

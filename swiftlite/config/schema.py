@@ -426,6 +426,10 @@ class RlhfConfig(Section):
     epsilon_high: float | None = opt(None, "GRPO: upper clipping range (1 + epsilon_high; DAPO's clip-higher). "
                                      "Default: --epsilon.")
     num_iterations: int = opt(1, "GRPO: optimizer passes over each generation round (mu in the GRPO paper).")
+    importance_sampling_level: str = opt("token", "GRPO: the importance ratio per token (token), per completion "
+                                         "(sequence: GSPO, the mean token log-ratio), or GSPO-token (sequence_token: "
+                                         "the completion's ratio with each token's gradient).",
+                                         choices=("token", "sequence", "sequence_token"))
     scale_rewards: str | None = opt(None, "GRPO: divide the advantages by the reward std of the group (group, "
                                     "the default), of the whole generation batch (batch), or not at all (none).",
                                     choices=("group", "batch", "none"))

@@ -80,7 +80,7 @@ def grpo_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) ->
     r = cfg.rlhf
     beta = 0.04 if r.beta is None else r.beta
     loss = GrpoLoss(r.loss_type or "grpo", beta, r.epsilon, r.epsilon if r.epsilon_high is None else r.epsilon_high,
-                    r.max_completion_length)
+                    r.max_completion_length, r.importance_sampling_level)
     return GrpoBatches(train.rows, plan, tokenizer.pad_token_id, world, build_rewards(r.reward_funcs, r), loss,
                        options=r, tokenizer=tokenizer)
 
@@ -312,7 +312,7 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     temp = b.options.temperature
     micro = b.plan.micro_batches(j, world.rank)
     loss_sum, tokens, comp_tokens = 0.0, 0, 0
-    sums = {"kl": 0.0, "entropy": 0.0, "low": 0.0, "high": 0.0, "region": 0.0}
+    sums = {"kl": 0.0, "entropy": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "clip_n": 0.0}
     from swiftlite.rlhf.reference import root_module
     for i, mb in enumerate(micro):
         t = cur.micro[tuple(mb)]
@@ -321,7 +321,7 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
             module, ctx = root_module(engine)
             logps, ent = token_logps(module, t["prompt_ids"], t["prompt_mask"], t["completion_ids"], mask, temp, ctx,
                                      entropy=True)
-            terms = token_terms(o, logps, t.get("old_logps"), t.get("ref_logps"), t["advantages"])
+            terms = token_terms(o, logps, t.get("old_logps"), t.get("ref_logps"), t["advantages"], mask)
             objective = micro_batch_loss(o, terms.per_token_loss, mask, accumulation=ga, round_tokens=cur.tokens,
                                          steps_per_generation=S, world_size=world.world_size)
             engine.backward(objective)
@@ -335,6 +335,7 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
         cs = clip_stats(o, terms.ratio.detach(), t["advantages"], mask)
         for name in ("low", "high", "region"):
             sums[name] += float(cs[name].sum())
+        sums["clip_n"] += float(cs["tokens"].sum())   # tokens, or completions for a sequence-level ratio
     if before_optimizer is not None:
         before_optimizer(engine)
     grad_norm = engine.step()
@@ -347,9 +348,10 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     if o.beta != 0.0:
         out["kl"] = agg["kl"] / denom
     out["entropy"] = agg["entropy"] / denom
-    out["clip_ratio/low_mean"] = agg["low"] / denom
-    out["clip_ratio/high_mean"] = agg["high"] / denom
-    out["clip_ratio/region_mean"] = agg["region"] / denom
+    clip_n = max(1.0, agg["clip_n"])
+    out["clip_ratio/low_mean"] = agg["low"] / clip_n
+    out["clip_ratio/high_mean"] = agg["high"] / clip_n
+    out["clip_ratio/region_mean"] = agg["region"] / clip_n
     # loss: the sum over ranks of what each backpropagated, over the ranks (the backends' average): the
     # mean micro-batch loss (grpo, bnpo, dr_grpo), dapo's token sum over its normalizer
     tables, b.table = ({"completions": b.table} if b.table is not None else {}), None

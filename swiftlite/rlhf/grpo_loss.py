@@ -12,6 +12,13 @@ reference l_ref; logits divided by --temperature before the log-softmax, as TRL)
     ratio = exp(l - l_old);  clipped = clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     loss_it = -min(ratio A_i, clipped A_i) + beta (exp(l_ref - l) - (l_ref - l) - 1)    (k3 KL)
 l_old is l itself, detached, when each round is used by one optimizer step (ratio 1, TRL's shortcut).
+--importance_sampling_level (ms-swift's and TRL's, GSPO, arXiv 2507.18071) sets what `ratio` is:
+    token           exp(l_t - l_old_t), per token (the above)
+    sequence        exp(mean_t m (l - l_old)), one ratio per completion, the same for all its tokens
+    sequence_token  GSPO-token: exp(l_t - sg(l_t) + sg(mean_t m (l - l_old))), the sequence ratio's value
+                    with each token's own gradient
+and the clip metrics are token means for token, completion means for the sequence levels (ms-swift's
+masked_batch_mean).
 
 Aggregation over one micro-batch (mask m: completion tokens up to and including the first EOS), as TRL:
     grpo     mean over completions of (sum_t m loss / sum_t m)
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+IMPORTANCE_LEVELS = ("token", "sequence", "sequence_token")
 
 
 def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -76,6 +84,7 @@ class GrpoLoss:
     epsilon: float = 0.2
     epsilon_high: float = 0.2
     max_completion_length: int = 512
+    importance_sampling_level: str = "token"
 
 
 @dataclass
@@ -86,11 +95,21 @@ class TokenTerms:
 
 
 def token_terms(o: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
-                adv: torch.Tensor) -> TokenTerms:
-    """Per-token clipped surrogate plus beta x k3 KL ([B, T] each; adv is [B])."""
+                adv: torch.Tensor, mask: torch.Tensor | None = None) -> TokenTerms:
+    """Per-token clipped surrogate plus beta x k3 KL ([B, T] each; adv is [B]). `mask` (the completion
+    tokens) is needed by the sequence importance levels; their `ratio` is [B, 1]."""
     old = logps.detach() if old_logps is None else old_logps
     a = adv.unsqueeze(1)
-    ratio = torch.exp(logps - old)
+    log_ratio = logps - old
+    if o.importance_sampling_level == "token":
+        ratio = torch.exp(log_ratio)
+    elif o.importance_sampling_level in ("sequence", "sequence_token"):
+        m = mask.to(log_ratio.dtype)
+        seq = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        ratio = torch.exp(seq) if o.importance_sampling_level == "sequence" else \
+            torch.exp(logps - logps.detach() + seq.detach())
+    else:
+        raise ValueError(f"importance_sampling_level {o.importance_sampling_level!r}")
     clipped = torch.clamp(ratio, 1 - o.epsilon, 1 + o.epsilon_high)
     loss = -torch.min(ratio * a, clipped * a)
     kl = None
@@ -98,7 +117,7 @@ def token_terms(o: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor | None
         d = ref_logps - logps
         kl = torch.exp(d) - d - 1
         loss = loss + o.beta * kl
-    return TokenTerms(loss, ratio, kl)
+    return TokenTerms(loss.expand_as(logps) if loss.shape != logps.shape else loss, ratio, kl)
 
 
 def aggregate(o: GrpoLoss, per_token_loss: torch.Tensor, mask: torch.Tensor, dapo_tokens: float | None = None
@@ -138,13 +157,15 @@ def clip_stats(o: GrpoLoss, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.
     """Masked sums of TRL's clip indicators ([B, T] -> per-completion sums of low/high/region), and the
     per-completion token counts, so that means over any set of micro-batches can be formed."""
     a = adv.unsqueeze(1)
-    m = mask.to(ratio.dtype)
     low = ((ratio < 1 - o.epsilon) & (a < 0)).to(ratio.dtype)
     high = ((ratio > 1 + o.epsilon_high) & (a > 0)).to(ratio.dtype)
     region = ((low + high) > 0).to(ratio.dtype)
+    if ratio.shape[-1] == 1:   # a sequence-level ratio: each completion counts once
+        return {"low": low[:, 0], "high": high[:, 0], "region": region[:, 0], "tokens": torch.ones_like(low[:, 0])}
+    m = mask.to(ratio.dtype)
     return {"low": (low * m).sum(-1), "high": (high * m).sum(-1), "region": (region * m).sum(-1),
             "tokens": m.sum(-1)}
 
 
-__all__ = ["GrpoLoss", "LOSS_TYPES", "TokenTerms", "advantages", "aggregate", "clip_stats", "micro_batch_loss",
+__all__ = ["GrpoLoss", "IMPORTANCE_LEVELS", "LOSS_TYPES", "TokenTerms", "advantages", "aggregate", "clip_stats", "micro_batch_loss",
            "nanstd", "token_terms"]

@@ -166,3 +166,19 @@ def test_grpo_qlora_trains_the_adapter_against_the_4bit_base(files, tmp_path):
     args_json = json.loads((tmp_path / "q" / "args.json").read_text())
     assert args_json["quant"]["quant_bits"] == 4
     assert (tmp_path / "q" / "checkpoint-2" / "trainer_state.json").is_file()
+
+
+def test_gspo_sequence_level_ratio_trains_over_two_passes(files, tmp_path):
+    """--importance_sampling_level sequence (GSPO) with --num_iterations 2: the second pass over a round
+    has a ratio off 1 per completion; the run trains and records its level."""
+    args = ["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--external-plugins", files / "plugin.py",
+            "--reward-funcs", "exact", "length", "--importance_sampling_level", "sequence", "--num_iterations", "2",
+            "--epsilon", "3e-4", "--epsilon_high", "4e-4", "--beta", "0", "--learning-rate", "1e-3",
+            "--max-steps", "2"]
+    run_cli([*args, "--output-dir", tmp_path / "g"], env=_env(files))
+    steps = _steps(tmp_path / "g")
+    assert [s["step"] for s in steps] == [1, 2] and all(math.isfinite(s["loss"]) for s in steps)
+    # pass 1 of the round is on-policy (ratio 1); pass 2 follows an update of lr 1e-3, far outside GSPO's
+    # 3e-4 / 4e-4 clip range for some completions (a completion-level fraction)
+    assert steps[0]["clip_ratio/region_mean"] == 0.0 and 0.0 < steps[1]["clip_ratio/region_mean"] <= 1.0
+    assert json.loads((tmp_path / "g" / "args.json").read_text())["rlhf"]["importance_sampling_level"] == "sequence"

@@ -25,13 +25,15 @@ def _batch():
     return logps, old, ref, mask
 
 
-def _reference_loss(loss_type, logps, old, ref, adv, mask, beta, lo, hi, max_len, dapo_tokens):
-    """TRL's formulas, element by element in plain Python floats (any number of completions)."""
+def _reference_loss(loss_type, logps, old, ref, adv, mask, beta, lo, hi, max_len, dapo_tokens, level="token"):
+    """TRL's formulas, element by element in plain Python floats (any number of completions); `level`
+    sequence: ms-swift's GSPO ratio, exp of the completion's mean token log-ratio."""
     B = len(mask)
     per = [[0.0] * 4 for _ in range(B)]
     for i in range(B):
+        seq = sum((logps[i][t] - old[i][t]) * mask[i][t] for t in range(4)) / max(1.0, sum(mask[i]))
         for t in range(4):
-            r = math.exp(logps[i][t] - old[i][t])
+            r = math.exp(logps[i][t] - old[i][t]) if level == "token" else math.exp(seq)
             c = min(max(r, 1 - lo), 1 + hi)
             v = -min(r * adv[i], c * adv[i])
             if beta:
@@ -165,3 +167,46 @@ def test_unknown_reward_and_required_columns():
         assert r.needs == ("solution",) and r.name == "exact" and r(["a", "b"], solution=["a", "c"]) == [1.0, 0.0]
     finally:
         del orms["exact_test"]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_sequence_importance_levels_match_msswift_formulas(loss_type, beta):
+    """GSPO (--importance_sampling_level sequence): one ratio per completion, exp of its mean token
+    log-ratio; sequence_token has the same value with each token's own gradient."""
+    logps, old, ref, mask = _batch()
+    adv = torch.tensor([0.9, -0.9, 0.3, -0.3])
+    got = {}
+    for level in ("sequence", "sequence_token"):
+        o = GrpoLoss(loss_type, beta, 0.2, 0.28, 6, level)
+        lp = logps.clone().requires_grad_(True)
+        terms = token_terms(o, lp, old, ref if beta else None, adv, mask)
+        loss = aggregate(o, terms.per_token_loss, mask, dapo_tokens=7.5)
+        loss.backward()
+        got[level] = (float(loss.detach()), lp.grad.clone(), terms.ratio.detach())
+    want = _reference_loss(loss_type, logps.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), beta,
+                           0.2, 0.28, 6, 7.5, level="sequence")
+    assert got["sequence"][0] == pytest.approx(want, abs=1e-6)
+    assert got["sequence_token"][0] == pytest.approx(want, abs=1e-6)
+    ratio = got["sequence"][2]
+    assert ratio.shape == (4, 1)
+    seq = ((logps - old) * mask).sum(-1) / mask.sum(-1)
+    assert ratio[:, 0].tolist() == pytest.approx(torch.exp(seq).tolist(), abs=1e-6)
+    # with one advantage per completion (GRPO's), GSPO-token's gradient is GSPO's (the GSPO paper, 4.3)
+    g_seq, g_tok = got["sequence"][1], got["sequence_token"][1]
+    assert (g_seq[mask == 0] == 0).all() and torch.allclose(g_seq, g_tok, atol=1e-7)
+    if not beta:   # no KL: every kept token of a completion gets the same gradient
+        assert torch.allclose(g_seq[0, :4], g_seq[0, 0].expand(4))
+    # the clip metrics count completions, not tokens
+    from swiftlite.rlhf.grpo_loss import clip_stats
+    cs = clip_stats(GrpoLoss(loss_type, beta, 0.2, 0.28, 6, "sequence"), ratio, adv, mask)
+    assert cs["tokens"].tolist() == [1.0] * 4 and set(cs["region"].tolist()) <= {0.0, 1.0}
+
+
+def test_token_level_is_unchanged_by_the_mask_argument():
+    logps, old, ref, mask = _batch()
+    adv = torch.tensor([0.9, -0.9, 0.3, -0.3])
+    o = GrpoLoss("grpo", 0.04, 0.2, 0.28, 6)
+    a = token_terms(o, logps, old, ref, adv).per_token_loss
+    b = token_terms(o, logps, old, ref, adv, mask).per_token_loss
+    assert torch.equal(a, b)
