@@ -42,8 +42,8 @@ _RAY = "Ray is not used: processes are started by torchrun or forked (--nproc-pe
 _TP = "tensor parallelism is not available: shard the model with --parallelism fsdp or zero3"
 _FREEZE = ("freezing or training parameters by name is not available: --train-type full trains every parameter; "
            "with LoRA, --target-modules picks the adapted layers and --modules-to-save trains modules in full")
-_DATA_MAP = ("columns are read by the row formats in docs/data.md (messages, conversations, query/response, "
-             "instruction/input/output, prompt/chosen/rejected, text): rename the columns in your files")
+_DATA_MAP = ("columns are read by the row formats in docs/usage.md, \"Data\" (messages, conversations, query/response, "
+             "instruction/input/output, prompt/chosen/rejected, text); --columns '{\"old\": \"new\"}' renames them")
 _PREC = "the dtype is --torch-dtype (bfloat16, float16, float32) for training and validation alike"
 
 #: (reason, names): one reason for each group of ms-swift options.
@@ -84,8 +84,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("shuffle_buffer_size",)),
     ("nothing is downloaded for datasets: --dataset takes local files or saved HF dataset folders",
      ("download_mode",)),
-    (_DATA_MAP, ("columns", "remove_unused_columns", "disable_auto_column_mapping")),
-    ("ms-swift's dataset registry is not used: pass the files to --dataset (docs/data.md)", ("custom_dataset_info",)),
+    (_DATA_MAP, ("remove_unused_columns", "disable_auto_column_mapping")),
+    ("ms-swift's dataset registry is not used: pass the files to --dataset (docs/usage.md, \"Data\")", ("custom_dataset_info",)),
     # template_args.py: TemplateArguments
     (_TEMPLATE, ("agent_template", "norm_bbox", "use_chat_template", "template_backend", "response_prefix",
                  "enable_thinking", "preserve_thinking", "add_non_thinking_prefix", "disable_ignore_empty_think")),

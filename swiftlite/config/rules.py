@@ -42,6 +42,16 @@ def _max_len(c: RunConfig):
         return f"--max-length must be > 0, got {c.data.max_length}"
 
 
+@rule("column map")
+def _columns(c: RunConfig):
+    cols = c.data.columns or {}
+    bad = next(((k, v) for k, v in cols.items() if not isinstance(v, str) or not v or not k), None)
+    if bad is not None:
+        return f"--columns: {bad[0]!r} -> {bad[1]!r}: each column maps to a new column name (a non-empty string)"
+    if len(set(cols.values())) < len(cols):
+        return f"--columns {cols}: two columns renamed to the same name"
+
+
 def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 

@@ -150,6 +150,9 @@ class DataConfig(Section):
     packing: bool = opt(False, "Pack several rows into each sequence of --max-length tokens (rlhf dpo, orpo, "
                         "simpo, cpo: whole pairs, chosen and rejected together; a pack is one sample of the batch).")
     skip_bad_rows: bool = opt(False, "Skip (and count) rows that are not valid instead of stopping.")
+    columns: dict[str, str] | None = opt(None, "Rename dataset columns before the row formats read them, as ms-swift: "
+                                         "a JSON object old -> new, e.g. '{\"answer\": \"solution\"}' (every "
+                                         "--dataset and --val-dataset row).")
     dataset_num_proc: int = opt(1, "Processes for dataset preprocessing.")
     model_name: list[str] | None = opt(None, "Self-cognition data (ms-swift's): fills {{NAME}} in the query and "
                                        "response of every row of a source in that format (query, response and tag "

@@ -84,8 +84,8 @@ class LazyTokenized(Tokenized):
 
 
 def lazy_tokenized(specs: list[str], encode: Callable[[list[tuple[dict, str]]], Any], tokenizer: Any, *,
-                   task: str, skip_bad_rows: bool, seed: int, transform: Callable[[Any], Any] | None = None
-                   ) -> LazyTokenized:
+                   task: str, skip_bad_rows: bool, seed: int, transform: Callable[[Any], Any] | None = None,
+                   columns: dict[str, str] | None = None) -> LazyTokenized:
     """Read and format-check every row of `specs` (as eager: `#N` with one RandomState over the specs);
     tokenize nothing yet. `encode`: the eager pipeline's row encoder (pipeline.prepare_datasets)."""
     import numpy as np
@@ -98,7 +98,7 @@ def lazy_tokenized(specs: list[str], encode: Callable[[list[tuple[dict, str]]], 
     plain = task_spec(task).plain_text
     rng = np.random.RandomState(seed)
     for spec in specs:
-        src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng)
+        src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng, columns=columns)
         if transform is not None:
             before = transform.matched
             src = transform(src)

@@ -207,7 +207,8 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
                    skip_bad_rows: bool, use_cache: bool = True, num_proc: int = 1,
                    progress: Callable[[str, int], Any] | None = None, truncation_strategy: str = "right",
                    system: str | None = None, seed: int = 42, load_from_cache_file: bool = True,
-                   transform: Callable[[Any], Any] | None = None, key_extra: dict | None = None) -> Tokenized:
+                   transform: Callable[[Any], Any] | None = None, key_extra: dict | None = None,
+                   columns: dict[str, str] | None = None) -> Tokenized:
     """Load, convert and tokenize every spec; rows with no target token are dropped and counted, and
     rows over max_length are cut or (truncation_strategy "delete") dropped and counted. `system` is the
     system turn of sft rows that have none. `num_proc` > 1 (--dataset-num-proc) tokenizes in that many
@@ -215,17 +216,18 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
     `path#N` specs draw their rows with `seed` (one RandomState over the specs in order, as ms-swift),
     then the specs are concatenated. `transform` rewrites each source's rows before tokenization
     (--model-name/--model-author: data/self_cognition.py; its inputs go into `key_extra`, the cache
-    key); `load_from_cache_file`: see `cached`."""
+    key); `load_from_cache_file`: see `cached`; `columns`: --columns, renamed as each source is read."""
     key = _fingerprint(specs, tokenizer, {"task": task, "max_length": max_length, "packing": packing,
                                           "skip": skip_bad_rows, "truncation": truncation_strategy,
-                                          "system": system, "seed": seed, **(key_extra or {})})
+                                          "system": system, "seed": seed, **({"columns": columns} if columns else {}),
+                                          **(key_extra or {})})
 
     def build() -> Tokenized:
         stats = DataStats()
         rows: list[dict] = []
         rng = np.random.RandomState(seed)
         for spec in specs:
-            src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng)
+            src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng, columns=columns)
             if transform is not None:
                 before = transform.matched
                 src = transform(src)
@@ -301,7 +303,7 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
                               skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress,
                               truncation_strategy=d.truncation_strategy, system=system, seed=t.seed,
                               load_from_cache_file=d.load_from_cache_file, transform=sc,
-                              key_extra={"self_cognition": sc.key()} if sc else None)
+                              key_extra={"self_cognition": sc.key()} if sc else None, columns=d.columns)
 
     def encode(items: list[tuple[dict, str]]) -> tuple[list[dict], DataStats]:
         """(row, where) items -> their usable tokenized rows and stats (lazy and streamed rows)."""
@@ -312,12 +314,12 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
         if d.lazy_tokenize and specs is d.dataset:   # validation rows stay eager
             from swiftlite.data.lazy import lazy_tokenized
             return lazy_tokenized(specs, encode, tokenizer, task=cfg.task, skip_bad_rows=d.skip_bad_rows,
-                                  seed=t.seed, transform=sc)
+                                  seed=t.seed, transform=sc, columns=d.columns)
         return tok(specs)
     if d.streaming:   # data/stream.py: nothing read up front but the first usable row
         from swiftlite.data.stream import StreamPlan, stream_tokenized
         train = stream_tokenized(d.dataset, encode, skip_bad_rows=d.skip_bad_rows, transform=sc,
-                                 pack_length=d.max_length if d.packing else None)
+                                 pack_length=d.max_length if d.packing else None, columns=d.columns)
         val = tok(d.val_dataset) if d.val_dataset else None
         if sc is not None:
             sc.check_used([*d.dataset, *d.val_dataset], train.stats.self_cognition

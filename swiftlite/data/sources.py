@@ -171,10 +171,18 @@ def _load_json_array(path: Path) -> list[dict]:
     return data
 
 
+def rename_columns(row: dict, columns: dict[str, str] | None) -> dict:
+    """--columns (ms-swift's): the row with its keys old -> new renamed, the others kept."""
+    if not columns:
+        return row
+    return {columns.get(k, k): v for k, v in row.items()}
+
+
 def load_rows(spec: str, *, skip_bad_rows: bool = False,
-              seed: "int | np.random.RandomState" = DEFAULT_SEED) -> Rows:
+              seed: "int | np.random.RandomState" = DEFAULT_SEED, columns: dict[str, str] | None = None) -> Rows:
     """Read one dataset spec into memory as plain dict rows; `#N` draws N of them with `seed` (an
-    int, or a RandomState shared by several specs, as ms-swift shares one over its datasets)."""
+    int, or a RandomState shared by several specs, as ms-swift shares one over its datasets);
+    `columns` (--columns) renames keys before any row format reads them."""
     s = parse_source(spec)
     if s.hub == "ms":
         raise _ms_error(spec, "--dataset", s.path)
@@ -219,6 +227,8 @@ def load_rows(spec: str, *, skip_bad_rows: bool = False,
         rng = seed if isinstance(seed, np.random.RandomState) else np.random.RandomState(seed)
         idx = sample_indices(len(rows), limit, rng)
         rows, where = [rows[i] for i in idx], [where[i] for i in idx]
+    if columns:
+        rows = [rename_columns(r, columns) for r in rows]
     return Rows(spec, rows, where, skipped)
 
 

@@ -61,13 +61,15 @@ class StreamPlan:
         return [chunks[m * self.world_size + rank] for m in range(self.accumulation)]
 
 
-def _raw_rows(spec: str, skip_bad_rows: bool, skipped: list[str]) -> Iterator[tuple[dict, str]]:
+def _raw_rows(spec: str, skip_bad_rows: bool, skipped: list[str],
+              columns: dict[str, str] | None = None) -> Iterator[tuple[dict, str]]:
     """The rows of one spec in file order; `path#N`: its first N rows (ms-swift's `take(N)` on a stream:
-    no shuffle, and no repetition when the file is shorter)."""
-    from swiftlite.data.sources import parse_source
+    no shuffle, and no repetition when the file is shorter); `columns` (--columns) renamed."""
+    from swiftlite.data.sources import parse_source, rename_columns
     s = parse_source(spec)
     rows = _file_rows(spec[:spec.rindex("#")] if s.count else spec, skip_bad_rows, skipped)
-    yield from (itertools.islice(rows, s.count) if s.count else rows)
+    for row, where in (itertools.islice(rows, s.count) if s.count else rows):
+        yield (rename_columns(row, columns) if isinstance(row, dict) else row), where
 
 
 def _file_rows(spec: str, skip_bad_rows: bool, skipped: list[str]) -> Iterator[tuple[dict, str]]:
@@ -97,16 +99,17 @@ class TokenStream:
     the same rows in the same order."""
 
     def __init__(self, specs: list[str], encode: Callable[[list[tuple[dict, str]]], tuple[list[dict], DataStats]],
-                 skip_bad_rows: bool, transform: Callable[[Any], Any] | None = None, pack_length: int | None = None):
+                 skip_bad_rows: bool, transform: Callable[[Any], Any] | None = None, pack_length: int | None = None,
+                 columns: dict[str, str] | None = None):
         self.specs, self.encode, self.skip_bad_rows, self.transform = specs, encode, skip_bad_rows, transform
-        self.pack_length = pack_length
+        self.pack_length, self.columns = pack_length, columns
         self.stats = DataStats()
 
     def _pass(self, n_pass: int) -> Iterator[dict]:
         """The usable rows of one pass over the specs."""
         skipped = self.stats.skipped if n_pass == 0 else []   # a bad line is reported once, not per pass
         for spec in self.specs:
-            for row, where in _raw_rows(spec, self.skip_bad_rows, skipped):
+            for row, where in _raw_rows(spec, self.skip_bad_rows, skipped, self.columns):
                 if self.transform is not None:
                     row = self.transform.stream_row(row)
                 part, st = self.encode([(row, where)])
@@ -150,16 +153,17 @@ class StreamData(Tokenized):
 
 
 def stream_tokenized(specs: list[str], encode: Callable[[list[tuple[dict, str]]], Any], *, skip_bad_rows: bool,
-                     transform: Any = None, pack_length: int | None = None) -> StreamData:
+                     transform: Any = None, pack_length: int | None = None,
+                     columns: dict[str, str] | None = None) -> StreamData:
     """The stream of `specs`; `encode` is the eager pipeline's row encoder (pipeline.prepare_datasets);
     `pack_length` (--packing): the stream's items are packs of at most that many tokens."""
-    probe = TokenStream(specs, encode, skip_bad_rows, transform)
+    probe = TokenStream(specs, encode, skip_bad_rows, transform, columns=columns)
     first = next(probe.rows())      # a stream with no usable row fails here, before launch
-    data = StreamData(TokenStream(specs, encode, skip_bad_rows, transform, pack_length), first)
+    data = StreamData(TokenStream(specs, encode, skip_bad_rows, transform, pack_length, columns), first)
     if transform is not None:       # --model_name/--model_author: a source whose first row has the columns
         from swiftlite.data.self_cognition import COLUMNS
         for spec in specs:
-            row = next((r for r, _ in _raw_rows(spec, True, [])), None)
+            row = next((r for r, _ in _raw_rows(spec, True, [], columns)), None)
             data.stats.self_cognition += int(isinstance(row, dict) and all(c in row for c in COLUMNS))
     return data
 

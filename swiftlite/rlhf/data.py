@@ -173,13 +173,14 @@ class PairData(Tokenized):
 
 
 def tokenize_pairs(specs: list[str], tokenizer: Any, *, max_length: int, truncation: str, skip_bad_rows: bool,
-                   system: str | None, seed: int, progress: Callable[[str, int], Any] | None = None) -> PairData:
+                   system: str | None, seed: int, progress: Callable[[str, int], Any] | None = None,
+                   columns: dict[str, str] | None = None) -> PairData:
     import numpy as np
     stats = DataStats()
     rows: list[dict] = []
     rng = np.random.RandomState(seed)
     for spec in specs:
-        src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng)
+        src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng, columns=columns)
         stats.skipped += src.skipped
         items = list(zip(src.rows, src.where))
         it = progress(f"tokenizing {spec}", len(items))(items) if progress is not None else items
@@ -202,10 +203,11 @@ def prepare_pairs(cfg: Any, tokenizer: Any, world_size: int, *,
         from swiftlite.data.pipeline import _fingerprint, cached
         key = _fingerprint(specs, tokenizer, {"task": "rlhf-pairs", "max_length": d.max_length, "system": system,
                                               "truncation": d.truncation_strategy, "skip": d.skip_bad_rows,
-                                              "seed": t.seed})
+                                              "seed": t.seed, **({"columns": d.columns} if d.columns else {})})
         return cached(key, lambda: tokenize_pairs(specs, tokenizer, max_length=d.max_length,
                                                   truncation=d.truncation_strategy, skip_bad_rows=d.skip_bad_rows,
-                                                  system=system, seed=t.seed, progress=progress),
+                                                  system=system, seed=t.seed, progress=progress,
+                                                  columns=d.columns),
                       kind=PairData, load_from_cache_file=d.load_from_cache_file)
     train, val = train_and_validation(d, tok, t.seed, unit="pair")
     samples, unit = len(train.rows), "pairs"

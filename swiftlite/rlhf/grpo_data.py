@@ -69,13 +69,14 @@ class PromptData(Tokenized):
 
 
 def tokenize_prompts(specs: list[str], tokenizer: Any, *, max_length: int, truncation: str, skip_bad_rows: bool,
-                     system: str | None, seed: int, progress: Callable[[str, int], Any] | None = None) -> PromptData:
+                     system: str | None, seed: int, progress: Callable[[str, int], Any] | None = None,
+                     columns: dict[str, str] | None = None) -> PromptData:
     import numpy as np
     stats = DataStats()
     rows: list[dict] = []
     rng = np.random.RandomState(seed)
     for spec in specs:
-        src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng)
+        src = load_rows(spec, skip_bad_rows=skip_bad_rows, seed=rng, columns=columns)
         stats.skipped += src.skipped
         items = list(zip(src.rows, src.where))
         it = progress(f"tokenizing {spec}", len(items))(items) if progress is not None else items
@@ -196,7 +197,7 @@ def prepare_prompts(cfg: Any, tokenizer: Any, world_size: int, *,
     def tok(specs: list[str]) -> PromptData:
         return tokenize_prompts(specs, tokenizer, max_length=d.max_length, truncation=truncation,
                                 skip_bad_rows=d.skip_bad_rows, system=system_prompt(d.system), seed=t.seed,
-                                progress=progress)
+                                progress=progress, columns=d.columns)
     train, _ = train_and_validation(d, tok, t.seed, unit="prompt")
     check_rewards(rewards, train, "--reward_funcs")
     plan = GrpoPlan(len(train.rows), t.per_device_train_batch_size, world_size, t.gradient_accumulation_steps,

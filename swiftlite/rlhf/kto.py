@@ -146,7 +146,7 @@ def prepare_unpaired(cfg: Any, tokenizer: Any, world_size: int, *,
         stats, rows = DataStats(), []
         rng = np.random.RandomState(t.seed)
         for spec in specs:
-            src = load_rows(spec, skip_bad_rows=d.skip_bad_rows, seed=rng)
+            src = load_rows(spec, skip_bad_rows=d.skip_bad_rows, seed=rng, columns=d.columns)
             stats.skipped += src.skipped
             items = list(zip(src.rows, src.where))
             it = progress(f"tokenizing {spec}", len(items))(items) if progress is not None else items

@@ -219,3 +219,37 @@ def test_new_formats_tokenize_like_messages(tmp_path, tok):
     out = tokenize_specs([str(p)], tok, task="sft", max_length=64, packing=False, skip_bad_rows=False,
                          use_cache=False)
     assert len(out.rows) == 4 and all(r == out.rows[0] for r in out.rows)
+
+
+def test_columns_renames_before_the_row_formats_read_them(tmp_path):
+    """--columns (ms-swift's): '{"q": "query", "a": "response"}' makes a query/response source of rows
+    that name them otherwise; applied to eager, streamed and GRPO rows alike, and part of the cache key."""
+    from swiftlite.data.sources import load_rows
+    from swiftlite.data.stream import _raw_rows
+    f = tmp_path / "odd.jsonl"
+    f.write_text("".join(json.dumps({"q": f"say {i}", "a": f"ok {i}", "keep": i}) + "\n" for i in range(3)))
+    cols = {"q": "query", "a": "response"}
+    rows = load_rows(str(f), columns=cols).rows
+    assert rows[0] == {"query": "say 0", "response": "ok 0", "keep": 0}
+    assert [r for r, _ in _raw_rows(str(f), False, [], cols)] == rows
+    assert load_rows(str(f)).rows[0] == {"q": "say 0", "a": "ok 0", "keep": 0}   # without the flag: as written
+
+
+def test_columns_flag_trains_and_bad_maps_are_refused(tmp_path):
+    from swiftlite.config import build_config
+    from swiftlite.data.pipeline import prepare_datasets
+    from swiftlite.models.loading import load_tokenizer
+    f = tmp_path / "odd.jsonl"
+    f.write_text("".join(json.dumps({"q": f"say {i}", "a": f"ok {i}"}) + "\n" for i in range(8)))
+    values = {"model": "tiny-llama", "dataset": [str(f)], "per_device_train_batch_size": 1,
+              "gradient_accumulation_steps": 1, "columns": '{"q": "query", "a": "response"}'}
+    cfg = build_config(values)
+    assert cfg.data.columns == {"q": "query", "a": "response"}
+    train, _, _ = prepare_datasets(resolve_for_launch(cfg, 1).config, load_tokenizer(cfg), 1)
+    assert len(train.rows) == 8
+    with pytest.raises(UserError, match="no usable rows|query|messages"):   # the same file without the map
+        prepare_datasets(resolve_for_launch(build_config({**values, "columns": None}), 1).config,
+                         load_tokenizer(cfg), 1)
+    from swiftlite.config import load_config
+    with pytest.raises(UserError, match="two columns renamed to the same name"):
+        load_config(None, {**values, "columns": '{"q": "query", "a": "query"}'}, task="sft")
