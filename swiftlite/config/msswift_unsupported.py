@@ -88,7 +88,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ms-swift's dataset registry is not used: pass the files to --dataset (docs/usage.md, \"Data\")", ("custom_dataset_info",)),
     # template_args.py: TemplateArguments
     (_TEMPLATE, ("agent_template", "norm_bbox", "use_chat_template", "template_backend", "response_prefix",
-                 "enable_thinking", "preserve_thinking", "add_non_thinking_prefix", "disable_ignore_empty_think")),
+                 "preserve_thinking", "add_non_thinking_prefix", "disable_ignore_empty_think")),
     ("the loss is on every assistant turn of sft rows and every token for pt; loss scales are not available: "
      "drop the flag",
      ("is_binary_loss_scale",)),

@@ -84,6 +84,10 @@ class ModelConfig(Section):
                            "for float16 ones too where the GPU has it), fp32 on CPU.", aliases=("--dtype",), choices=(*DTYPES, "auto"), normalize=_dtype_name)
     template: str | None = opt(None, "Chat template: a Jinja file; default the tokenizer's own (ms-swift "
                                "template names such as qwen2_5 do not apply).")
+    enable_thinking: bool | None = opt(None, "Hybrid-thinking models (Qwen3's chat template): render with the "
+                                       "template's enable_thinking switch set (false: no thinking block). "
+                                       "Default: the template's own default. A template without the switch: a "
+                                       "one-line notice, nothing changes.")
     trust_remote_code: bool = opt(False, "Allow the model folder's own Python code (off by default).")
     model_revision: str | None = opt(None, "Hub revision (branch, tag or commit) for hub ids.")
     attn_impl: str | None = opt(None, "Attention kernel (transformers' attn_implementation): sdpa, eager, "

@@ -103,7 +103,8 @@ def load_tokenizer(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
     """The model's tokenizer, with the chat template from --template when given."""
     from transformers import AutoTokenizer
     src = source or resolve_model(cfg.model.model)
-    key = (src.tokenizer_ref, cfg.model.template, cfg.model.trust_remote_code, cfg.model.model_revision, cfg.task)
+    key = (src.tokenizer_ref, cfg.model.template, cfg.model.trust_remote_code, cfg.model.model_revision, cfg.task,
+           cfg.model.enable_thinking)
     if key in _TOKENIZERS:  # preflight and the trainer share one process on single-process runs
         return _TOKENIZERS[key]
     try:
@@ -113,6 +114,8 @@ def load_tokenizer(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
         raise UserError(f"--model {cfg.model.model}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
     if cfg.model.template:
         tok.chat_template = Path(cfg.model.template).read_text(encoding="utf-8")
+    if cfg.model.enable_thinking is not None:
+        with_thinking_switch(tok, cfg.model.enable_thinking)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     from swiftlite.config.tasks import task_spec
@@ -123,6 +126,22 @@ def load_tokenizer(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
 
 
 _TOKENIZERS: dict[tuple, Any] = {}
+
+
+def with_thinking_switch(tok: Any, enabled: bool) -> None:
+    """--enable_thinking: the template's own `enable_thinking` switch set at its top, so every rendering of
+    this run (training rows, GRPO prompts, infer) and the tokenization cache key (the template's text)
+    carry it, as `apply_chat_template(..., enable_thinking=...)` would for one call. A template without
+    the switch renders the same either way: said in one line (ms-swift's non-thinking templates ignore
+    the flag too)."""
+    from swiftlite import env
+    template = getattr(tok, "chat_template", None)
+    if not isinstance(template, str) or "enable_thinking" not in template:
+        if (env.rank() or "0") == "0":
+            print(f"--enable_thinking {str(enabled).lower()}: this chat template has no enable_thinking switch "
+                  "(not a hybrid-thinking model); it changes nothing here", flush=True)
+        return
+    tok.chat_template = "{%- set enable_thinking = " + ("true" if enabled else "false") + " -%}\n" + template
 
 
 def model_config(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
