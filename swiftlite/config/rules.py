@@ -404,6 +404,9 @@ def _vllm(c: RunConfig) -> str | None:
     for k, ok in checks:
         if not ok:
             return f"{_flag(k)} {getattr(r, k)}: out of range"
+    if r.offload_model and (c.parallel.parallelism in ("fsdp", "hsdp", "fsdp1") or c.parallel.fsdp):
+        return (f"--offload-model with --parallelism {c.parallel.parallelism if not c.parallel.fsdp else 'fsdp'}: "
+                "FSDP's sharded parameters are not moved to CPU by swiftlite; use single, ddp or --deepspeed")
     if c.lora.use_dora and c.is_peft:
         return ("--use-vllm with --use-dora: the weight sync hands vLLM base + B@A x scale, which leaves out DoRA's "
                 "magnitude; drop one of them")

@@ -110,6 +110,11 @@ def setup(run: Any) -> Any:
     if cfg.rlhf.use_vllm:
         from swiftlite.models.loading import torch_dtype
         from swiftlite.rlhf.vllm_gen import VllmGenerator
+        if cfg.rlhf.offload_model:
+            from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+            if any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in engine.root().modules()):
+                raise UserError("--offload_model: this run shards the policy with FSDP, whose parameters swiftlite "
+                                "does not move to CPU; use --parallelism ddp or --deepspeed, or drop the flag")
         b.vllm = VllmGenerator(cfg.rlhf, dtype=str(torch_dtype(cfg.model.torch_dtype)).removeprefix("torch."),
                                world=run.world, per_device=b.plan.per_device,
                                steps_per_generation=b.plan.steps_per_generation)

@@ -185,6 +185,15 @@ def vllm_model_dir(model: Any) -> str:
     return str(d)
 
 
+def _sync_gather(root: Any, gather: Any) -> Any:
+    """The weights whole for the sync: `gather` (parallel/gather.py), except FSDP1, whose round gather
+    holds only its root unit: its every unit is summoned (TRL gathers FSDP1 unit by unit)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    if isinstance(root, FSDP1):
+        return FSDP1.summon_full_params(root, writeback=False, recurse=True)
+    return gather(root)
+
+
 class VllmGenerator:
     """This process's colocated engine and its generation rounds (module docstring)."""
 
@@ -243,7 +252,7 @@ class VllmGenerator:
         sleeping = self.o.sleep_level > 0
         if sleeping:
             self.llm.wake_up(tags=["weights"])
-        with gather(root):
+        with _sync_gather(root, gather):
             self.sync(model)
         eos_ids = list(eos_id) if isinstance(eos_id, list) else [eos_id]
         prompts = [p for mb in micro_prompts for p in mb]

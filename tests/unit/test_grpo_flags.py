@@ -57,6 +57,8 @@ def test_every_msswift_grpo_option_is_a_flag_or_refused_with_its_reason():
     (["--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "1.5"],
      "--vllm-gpu-memory-utilization 1.5: out of range"),
     (["--use_vllm", "true", "--vllm_mode", "colocate", "--use_dora", "true"], "--use-vllm with --use-dora"),
+    (["--use_vllm", "true", "--vllm_mode", "colocate", "--offload_model", "true", "--parallelism", "fsdp"],
+     "--offload-model with --parallelism fsdp: FSDP's sharded parameters are not moved"),
     (["--vllm_mode", "colocate"], "--vllm-mode needs --use-vllm true"),
     (["--vllm_gpu_memory_utilization", "0.5"], "--vllm-gpu-memory-utilization applies to --use-vllm true"),
     (["--vllm_server_host", "127.0.0.1"], "--vllm_server_host: this is an option of --vllm-mode server"),
