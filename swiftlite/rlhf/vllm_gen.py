@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -181,6 +180,9 @@ def vllm_model_dir(model: Any) -> str:
     conf.pop("quantization_config", None)
     conf["architectures"] = conf.get("architectures") or [type(base).__name__]
     d = Path(tempfile.mkdtemp(prefix="swiftlite-vllm-"))
+    import atexit
+    import shutil
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
     (d / "config.json").write_text(json.dumps(conf, indent=1, default=str))
     return str(d)
 
@@ -212,14 +214,15 @@ class VllmGenerator:
         if tp > 1:
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
                 [list(range(i * tp, (i + 1) * tp)) for i in range(w.world_size // tp)])
+        from swiftlite import env           # vLLM's external_launcher reads torchrun's variables
         for k, v in (("RANK", w.rank), ("LOCAL_RANK", w.local_rank), ("WORLD_SIZE", w.world_size),
                      ("MASTER_ADDR", "127.0.0.1")):
-            os.environ.setdefault(k, str(v))
-        if "MASTER_PORT" not in os.environ:
+            env.set_default(k, str(v))
+        if not env.has("MASTER_PORT"):      # one process without torchrun: a free port
             import socket
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+                env.set_default("MASTER_PORT", str(s.getsockname()[1]))
         kw = engine_kwargs(self.o, model_dir=vllm_model_dir(model), dtype=self.dtype, rank=w.rank,
                            per_device=self.per_device, steps_per_generation=self.spg)
         self.llm = vllm.LLM(**kw)
@@ -251,6 +254,8 @@ class VllmGenerator:
             self._build(model)
         sleeping = self.o.sleep_level > 0
         if sleeping:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()        # TRL: waking after training's allocations can OOM without it
             self.llm.wake_up(tags=["weights"])
         with _sync_gather(root, gather):
             self.sync(model)

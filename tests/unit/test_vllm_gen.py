@@ -329,3 +329,41 @@ def test_grpo_step_on_vllm_completions_equals_sample_on_the_same(fake_vllm, monk
     for k in b.current.micro:
         for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages"):
             assert torch.equal(b.current.micro[k][name], b2.current.micro[k][name]), name
+
+
+def test_qlora_policy_sends_dequantized_merged_weights(fake_vllm):
+    """A 4-bit base (bitsandbytes on CPU): vLLM gets the dense model, dequant(base) + B@A x scale for
+    the adapted layers, dequant(base) for the other 4-bit ones, the rest as they are."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import bitsandbytes.functional as bnbf
+    from peft import LoraConfig, get_peft_model
+    base = _model()
+    names = [n for n, _ in base.named_parameters()]
+    for layer in base.model.layers:
+        for parent, attr in ((layer.self_attn, "q_proj"), (layer.self_attn, "k_proj"), (layer.self_attn, "v_proj")):
+            lin = getattr(parent, attr)
+            q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.float32,
+                                  quant_type="nf4")
+            q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False, quant_type="nf4")
+            setattr(parent, attr, q.to("cpu"))
+    base.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}   # as loaded 4-bit
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    gen = vllm_gen.VllmGenerator(_options(), dtype="float32", world=WORLD, per_device=2, steps_per_generation=2)
+    _round(gen, peft)
+    loaded = dict(FakeLLM.built[0].model.loaded)
+    assert sorted(loaded) == sorted(names)
+    attn = peft.base_model.model.model.layers[1].self_attn
+    w = attn.q_proj.base_layer.weight
+    want = bnbf.dequantize_4bit(w.data, w.quant_state).float() + \
+        attn.q_proj.lora_B["default"].weight @ attn.q_proj.lora_A["default"].weight * 2.0
+    torch.testing.assert_close(loaded["model.layers.1.self_attn.q_proj.weight"], want.detach())
+    k = attn.k_proj.weight
+    assert loaded["model.layers.1.self_attn.k_proj.weight"].dtype == torch.float32
+    assert torch.equal(loaded["model.layers.1.self_attn.k_proj.weight"], bnbf.dequantize_4bit(k.data, k.quant_state))
+    assert type(attn.q_proj.base_layer.weight).__name__ == "Params4bit" and not attn.q_proj.merged
+    assert json.loads((Path(FakeLLM.built[0].kw["model"]) / "config.json").read_text()).get("quantization_config") \
+        is None
