@@ -16,17 +16,16 @@ _ROLLOUT = "multi-turn, tool and gym rollouts are not available: one completion 
 
 #: (reason, names), as config/msswift_unsupported.GROUPS.
 GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (f"this {_SERVER}", ("vllm_server_base_url", "vllm_server_group_port", "vllm_server_host", "vllm_server_pass_dataset",
-                         "vllm_server_port", "vllm_server_timeout", "vllm_data_parallel_size", "async_generate",
+    (f"this {_SERVER}", ("vllm_server_base_url", "vllm_server_group_port", "vllm_server_host",
+                         "vllm_server_pass_dataset", "vllm_server_port", "vllm_server_timeout", "vllm_data_parallel_size", "async_generate",
                          "enable_flattened_weight_sync")),
     (f"this vLLM option {_ENGINE}",
-     ("vllm_disable_cascade_attn", "vllm_disable_custom_all_reduce", "vllm_enable_expert_parallel", "vllm_engine_kwargs",
+     ("vllm_disable_cascade_attn", "vllm_disable_custom_all_reduce", "vllm_enable_expert_parallel",
+      "vllm_engine_kwargs",
       "vllm_limit_mm_per_prompt", "vllm_mm_processor_cache_gb", "vllm_pipeline_parallel_size", "vllm_quantization",
       "vllm_reasoning_parser", "vllm_speculative_config", "vllm_use_async_engine")),
     ("vLLM gets the merged weights every round (base + B@A x scale), no LoRA adapter inside vLLM: drop the flag",
      ("vllm_max_lora_rank",)),
-    ("the weights are gathered once per round and handed to vLLM one tensor at a time, with no batched move: drop "
-     "the flag", ("move_model_batches",)),
     ("the generation round is per-device x processes x --steps-per-generation completions: set "
      "--steps-per-generation instead", ("generation_batch_size",)),
     (f"--importance-sampling-level {_VARIANT}", ("importance_sampling_level",)),

@@ -400,11 +400,16 @@ def _vllm(c: RunConfig) -> str | None:
               ("vllm_tensor_parallel_size", r.vllm_tensor_parallel_size >= 1),
               ("vllm_max_model_len", r.vllm_max_model_len is None or r.vllm_max_model_len >= 1),
               ("vllm_max_num_seqs", r.vllm_max_num_seqs is None or r.vllm_max_num_seqs >= 1),
-              ("sleep_level", r.sleep_level in (0, 1, 2))]
+              ("sleep_level", r.sleep_level in (0, 1, 2)),
+              ("move_model_batches", r.move_model_batches is None or r.move_model_batches >= 1)]
     for k, ok in checks:
         if not ok:
             return f"{_flag(k)} {getattr(r, k)}: out of range"
-    if r.offload_model and (c.parallel.parallelism in ("fsdp", "hsdp", "fsdp1") or c.parallel.fsdp):
+    fsdp = c.parallel.parallelism in ("fsdp", "hsdp", "fsdp1") or c.parallel.fsdp
+    if r.move_model_batches and fsdp:
+        return ("--move-model-batches with FSDP: swiftlite's sync unshards every FSDP unit at once; use --deepspeed "
+                "zero3 for a batched sync, or drop the flag")
+    if r.offload_model and fsdp:
         return (f"--offload-model with --parallelism {c.parallel.parallelism if not c.parallel.fsdp else 'fsdp'}: "
                 "FSDP's sharded parameters are not moved to CPU by swiftlite; use single, ddp or --deepspeed")
     if c.lora.use_dora and c.is_peft:

@@ -30,13 +30,17 @@ class VllmOptions(Section):
     sleep_level: int = opt(0, "GRPO vLLM: release the engine's GPU memory between generation rounds: 0 keep it, "
                            "1 free the KV cache and move its weights to CPU, 2 free both (the weights are synced "
                            "every round anyway).")
+    move_model_batches: int | None = opt(None, "GRPO vLLM under ZeRO-3: sync the weights to vLLM in this many "
+                                         "batches of decoder layers, each gathered on its own, instead of the "
+                                         "whole model at once (other backends hold whole weights: no effect).")
     offload_model: bool = opt(False, "GRPO vLLM: move the policy's weights to CPU memory while vLLM generates.")
     offload_optimizer: bool = opt(False, "GRPO vLLM: move the optimizer state to CPU memory while vLLM generates.")
 
 
 #: The keys above (config/rules.py lists them among GRPO's own).
 VLLM_KEYS = ("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_max_model_len", "vllm_max_num_seqs",
-             "vllm_enable_prefix_caching", "vllm_enforce_eager", "vllm_enable_lora", "sleep_level", "offload_model",
+             "vllm_enable_prefix_caching", "vllm_enforce_eager", "vllm_enable_lora", "sleep_level",
+             "move_model_batches", "offload_model",
              "offload_optimizer")
 
 __all__ = ["VLLM_KEYS", "VllmOptions"]

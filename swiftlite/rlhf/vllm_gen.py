@@ -76,24 +76,25 @@ def _fix(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
-def policy_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_weights(model: Any, only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every weight vLLM's model holds, from the policy `model` (module docstring):
     a LoRA layer's weight is base + the active adapters' delta (peft's get_delta_weight), the policy
-    untouched. Call with the weights gathered (parallel/gather.py)."""
+    untouched. Call with the weights gathered (parallel/gather.py); `only`: the parameters (names in
+    `weight_batches`'s terms) of one batch of --move_model_batches."""
     from swiftlite.rlhf.reference import peft_model
     peft = peft_model(model)
     if peft is None:
         seen: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=True):
-            if id(p) in seen:
+            if id(p) in seen or (only is not None and name not in only):
                 continue
             seen.add(id(p))
             yield _fix(name), (p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data)
         return
     merged: dict[str, torch.Tensor] = {}                   # "<layer>.base_layer.weight" -> merged
     for mname, mod in peft.named_modules():
-        if hasattr(mod, "get_delta_weight") and hasattr(mod, "base_layer") and not getattr(mod, "disable_adapters",
-                                                                                           False):
+        if hasattr(mod, "get_delta_weight") and hasattr(mod, "base_layer") and not getattr(
+                mod, "disable_adapters", False) and (only is None or f"{mname}.base_layer.weight" in only):
             base = _dense(mod.base_layer)
             w = base.float()
             for a in mod.active_adapters:
@@ -102,7 +103,7 @@ def policy_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
             merged[f"{mname}.base_layer.weight"] = w.to(base.dtype)   # a 4-bit base: its compute dtype
     modules = dict(peft.named_modules())
     for name, p in peft.named_parameters():
-        if peft.prefix in name or "original_module" in name:
+        if peft.prefix in name or "original_module" in name or (only is not None and name not in only):
             continue                                       # lora_A/B (merged above), modules_to_save's original
         if name in merged:
             data = merged[name]
@@ -112,6 +113,33 @@ def policy_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
             data = p.data.full_tensor() if hasattr(p.data, "full_tensor") else p.data
         out = name.removeprefix("base_model.model.").replace(".base_layer", "").replace("modules_to_save.default.", "")
         yield _fix(out), data
+
+
+def weight_batches(model: Any, n: int) -> list[set[str]]:
+    """--move_model_batches n: the policy's parameter names (the PeftModel's for LoRA) in batches: the
+    decoder layers in n contiguous groups, everything else (embeddings, norm, head) one more batch; a
+    layer's base weight and its adapter always share a batch (ms-swift's split_batches)."""
+    import re
+    from swiftlite.rlhf.reference import peft_model
+    names = [nm for nm, _ in (peft_model(model) or model).named_parameters()]
+    layer_of = {nm: (int(m.group(1)) if (m := re.search(r"\.layers\.(\d+)\.", nm)) else None) for nm in names}
+    layers = sorted({v for v in layer_of.values() if v is not None})
+    k = max(1, min(n, len(layers)))
+    groups: list[set[str]] = [set() for _ in range(k)]
+    for nm, v in layer_of.items():
+        if v is not None:
+            groups[layers.index(v) * k // len(layers)].add(nm)
+    rest = {nm for nm, v in layer_of.items() if v is None}
+    return [g for g in [*groups, rest] if g]
+
+
+def _zero3(model: Any) -> bool:
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def _zero3_gather(params: list[Any]) -> Any:
+    import deepspeed
+    return deepspeed.zero.GatheredParameters(params)
 
 
 def completion_layout(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int, eos_ids: list[int],
@@ -232,13 +260,19 @@ class VllmGenerator:
     def _vllm_model(self) -> Any:
         return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
 
-    def sync(self, model: Any) -> int:
-        """Hand the policy's weights to the engine; returns how many tensors."""
+    def sync(self, model: Any, batches: list[set[str]] | None = None) -> int:
+        """Hand the policy's weights to the engine (ZeRO-3 with --move_model_batches: `batches` of
+        parameters gathered one after the other); returns how many tensors."""
+        from swiftlite.rlhf.reference import peft_model
         target = self._vllm_model()
         n = 0
-        for name, t in policy_weights(model):
-            target.load_weights([(name, t)])
-            n += 1
+        params = dict((peft_model(model) or model).named_parameters())
+        for only in batches or [None]:
+            ctx = _zero3_gather([params[x] for x in sorted(only)]) if only is not None else contextlib.nullcontext()
+            with ctx:
+                for name, t in policy_weights(model, only):
+                    target.load_weights([(name, t)])
+                    n += 1
         self.llm.reset_prefix_cache()
         self.syncs += 1
         return n
@@ -257,8 +291,11 @@ class VllmGenerator:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()        # TRL: waking after training's allocations can OOM without it
             self.llm.wake_up(tags=["weights"])
-        with _sync_gather(root, gather):
-            self.sync(model)
+        if self.o.move_model_batches and _zero3(model):       # the model whole batch by batch, not at once
+            self.sync(model, weight_batches(model, self.o.move_model_batches))
+        else:
+            with _sync_gather(root, gather):
+                self.sync(model)
         eos_ids = list(eos_id) if isinstance(eos_id, list) else [eos_id]
         prompts = [p for mb in micro_prompts for p in mb]
         seeds = [s for mb in micro_seeds for s in mb]
@@ -300,4 +337,4 @@ class VllmGenerator:
 
 
 __all__ = ["VllmGenerator", "completion_layout", "engine_kwargs", "offloaded", "policy_weights", "sampling_params",
-           "vllm_model_dir"]
+           "vllm_model_dir", "weight_batches"]

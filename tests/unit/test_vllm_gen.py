@@ -108,8 +108,8 @@ def _model(seed=0):
 def _options(**kw):
     o = dict(vllm_gpu_memory_utilization=0.5, vllm_tensor_parallel_size=1, vllm_max_model_len=96,
              vllm_max_num_seqs=None, vllm_enable_prefix_caching=True, vllm_enforce_eager=True, sleep_level=0,
-             offload_model=False, offload_optimizer=False, max_completion_length=6, temperature=0.7, top_p=0.9,
-             top_k=5, reward_weights=None, scale_rewards=None, log_completions=False)
+             move_model_batches=None, offload_model=False, offload_optimizer=False, max_completion_length=6,
+             temperature=0.7, top_p=0.9, top_k=5, reward_weights=None, scale_rewards=None, log_completions=False)
     o.update(kw)
     return SimpleNamespace(**o)
 
@@ -367,3 +367,51 @@ def test_qlora_policy_sends_dequantized_merged_weights(fake_vllm):
     assert type(attn.q_proj.base_layer.weight).__name__ == "Params4bit" and not attn.q_proj.merged
     assert json.loads((Path(FakeLLM.built[0].kw["model"]) / "config.json").read_text()).get("quantization_config") \
         is None
+
+
+def test_move_model_batches_gathers_layer_groups_one_after_another(fake_vllm, monkeypatch):
+    """ZeRO-3 + --move_model_batches (ZeRO-3 itself needs a GPU here: its gather is replaced by a
+    recorder): each batch's parameters are gathered on their own, every weight is loaded inside the
+    gather of its own parameters (a LoRA layer's base and adapter together), and the weights are the
+    same as one whole-model sync."""
+    from peft import LoraConfig, get_peft_model
+    peft = get_peft_model(_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                               lora_dropout=0.0))
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    batches = vllm_gen.weight_batches(peft, 2)
+    names = {n for n, _ in peft.named_parameters()}
+    assert len(batches) == 3 and set().union(*batches) == names and sum(map(len, batches)) == len(names)
+    assert all(".layers.0." in n for n in batches[0]) and all(".layers.1." in n for n in batches[1])
+    held: list[set[int]] = []
+    loads: list[tuple[str, bool]] = []
+    import contextlib
+
+    @contextlib.contextmanager
+    def gather(params):
+        held.append({id(p) for p in params})
+        yield
+        held.pop()
+    monkeypatch.setattr(vllm_gen, "_zero3_gather", gather)
+    monkeypatch.setattr(vllm_gen, "_zero3", lambda m: True)
+    gen = vllm_gen.VllmGenerator(_options(move_model_batches=2), dtype="float32", world=WORLD, per_device=2,
+                                 steps_per_generation=2)
+    gen._build(peft)
+    model = FakeLLM.built[0].model
+    params = dict(peft.named_parameters())
+    real = model.load_weights
+
+    def load(weights):
+        for name, _ in weights:
+            lora = [n for n in params if n.startswith(f"base_model.model.{name.rsplit('.', 1)[0]}.") or
+                    n == f"base_model.model.{name}"]
+            loads.append((name, len(held) == 1 and all(id(params[n]) in held[0] for n in lora)))
+        real(weights)
+    model.load_weights = load
+    _round(gen, peft)
+    assert loads and all(ok for _, ok in loads), [n for n, ok in loads if not ok]
+    batched = dict(model.loaded)
+    whole = dict(vllm_gen.policy_weights(peft))
+    assert sorted(batched) == sorted(whole) and all(torch.equal(batched[n], whole[n]) for n in whole)
