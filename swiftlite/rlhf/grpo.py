@@ -4,7 +4,8 @@ every rank; docs/rlhf.md "GRPO").
 
 A round (rlhf/grpo_data.py's plan) runs when a step needs one that is not in memory: each rank samples
 the completions of its own micro-batches (rlhf/generate.py, one `generate` call per micro-batch, the
-weights gathered once for the round), scores them with every reward function, and the
+weights gathered once for the round; with --use_vllm, rlhf/vllm_gen.py: one call to a colocated vLLM
+engine, the weights synced to it for the round), scores them with every reward function, and the
 [completions x functions] table is summed over ranks so that every rank forms the same group
 advantages (rlhf/grpo_loss.py). The round also keeps, per micro-batch, the reference's per-token
 log-probs (--beta > 0: the adapter disabled for LoRA, else the frozen copy of rlhf/frozen.py) and the
