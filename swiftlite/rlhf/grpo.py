@@ -288,8 +288,9 @@ def _sample_round(engine: Any, b: GrpoBatches, rnd: int) -> list[tuple[torch.Ten
     kw = dict(pad_id=b.pad_id, eos_id=b.tokenizer.eos_token_id, max_new_tokens=o.max_completion_length,
               temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, device=world.device)
     if b.vllm is not None:
-        return b.vllm.generate_round(b.model, engine.root(), gathered, ids, seeds,
-                                     optimizer=getattr(engine, "optimizer", None), **kw)
+        from swiftlite.parallel.offload import offloaded
+        off = offloaded(engine, model=o.offload_model, optim=o.offload_optimizer, device=world.device)
+        return b.vllm.generate_round(b.model, engine.root(), gathered, ids, seeds, offload=off, **kw)
     with gathered(engine.root()):            # the wrapper (FSDP1's root, the DeepSpeed engine) or the model
         return [sample(b.model, p, s, autocast=engine.autocast(), **kw) for p, s in zip(ids, seeds)]
 

@@ -8,7 +8,8 @@ Each round: (--sleep_level > 0: wake the engine's weights) -> the policy's weigh
 engine's `load_weights` (gathered as for `generate`, swiftlite/parallel/gather.py) -> (wake the KV
 cache) -> one `generate` call for all of this process's completions of the round -> (sleep again at
 --sleep_level). --offload_model / --offload_optimizer move the policy's parameters / the optimizer
-state to CPU memory while vLLM generates and back after (ms-swift's offload_context).
+state to CPU memory while vLLM generates and back after (ms-swift's offload_context;
+parallel/offload.py, the caller's context).
 
 The weights: a full policy's parameters under the names the model class has (FSDP/checkpoint
 wrappers' prefixes taken off; tied weights once). A LoRA/QLoRA policy's are the merged weights,
@@ -164,41 +165,6 @@ def completion_layout(prompts: list[list[int]], completions: list[list[int]], *,
     return ids.to(device), mask.to(device), cids.to(device), cmask.to(device)
 
 
-def _to(t: torch.Tensor, device: Any) -> torch.Tensor:
-    return t.to(device, non_blocking=True)
-
-
-@contextlib.contextmanager
-def offloaded(root: Any, optimizer: Any, *, model: bool, optim: bool, device: Any) -> Iterator[None]:
-    """ms-swift's offload_context: the policy's parameters and buffers (a ZeRO-3 parameter's partition)
-    and/or the optimizer's state tensors in CPU memory inside, back on `device` after."""
-    def move(dev: Any) -> None:
-        with torch.no_grad():
-            if model:
-                for p in root.parameters():
-                    if hasattr(p, "ds_tensor"):
-                        p.ds_tensor.data = _to(p.ds_tensor.data, dev)
-                    else:
-                        p.data = _to(p.data, dev)
-                for b in root.buffers():
-                    b.data = _to(b.data, dev)
-            if optim and optimizer is not None:
-                for state in list(getattr(optimizer, "state", {}).values()):
-                    for k, v in list(state.items()):
-                        if isinstance(v, torch.Tensor):
-                            state[k] = _to(v, dev)
-        if dev == "cpu" and torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    if not (model or optim):
-        yield
-        return
-    move("cpu")
-    try:
-        yield
-    finally:
-        move(device)
-
-
 def vllm_model_dir(model: Any) -> str:
     """A folder with the policy's config.json (its base's, dense: no quantization_config) for vLLM."""
     from swiftlite.rlhf.reference import peft_model
@@ -258,7 +224,9 @@ class VllmGenerator:
             self.llm.sleep(level=self.o.sleep_level)
 
     def _vllm_model(self) -> Any:
-        return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        """The model inside vLLM's in-process worker (TRL's path to its load_weights)."""
+        llm_eng = self.llm.llm_engine        # vLLM's engine (not a swiftlite Engine)
+        return llm_eng.model_executor.driver_worker.model_runner.model
 
     def sync(self, model: Any, batches: list[set[str]] | None = None) -> int:
         """Hand the policy's weights to the engine (ZeRO-3 with --move_model_batches: `batches` of
@@ -279,10 +247,11 @@ class VllmGenerator:
 
     def generate_round(self, model: Any, root: Any, gather: Any, micro_prompts: list[list[list[int]]],
                        micro_seeds: list[list[int]], *, pad_id: int, eos_id: int | list[int], max_new_tokens: int,
-                       temperature: float, top_p: float, top_k: int, device: Any, optimizer: Any = None
+                       temperature: float, top_p: float, top_k: int, device: Any, offload: Any = None
                        ) -> list[tuple[torch.Tensor, ...]]:
         """This process's micro-batches of a round: one (prompt_ids, prompt_mask, completion_ids,
-        completion_mask) per micro-batch, as `generate.sample` returns them."""
+        completion_mask) per micro-batch, as `generate.sample` returns them. `offload`: a context
+        (parallel/offload.py) held while vLLM generates."""
         from vllm import SamplingParams
         if self.llm is None:
             self._build(model)
@@ -313,7 +282,7 @@ class VllmGenerator:
         else:
             all_prompts, mine = prompts, 0
         o = self.o
-        with offloaded(root, optimizer, model=o.offload_model, optim=o.offload_optimizer, device=device):
+        with offload if offload is not None else contextlib.nullcontext():
             if sleeping:
                 self.llm.wake_up(tags=["kv_cache"])
             outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sampling_params=params,
@@ -336,5 +305,5 @@ class VllmGenerator:
         return result
 
 
-__all__ = ["VllmGenerator", "completion_layout", "engine_kwargs", "offloaded", "policy_weights", "sampling_params",
+__all__ = ["VllmGenerator", "completion_layout", "engine_kwargs", "policy_weights", "sampling_params",
            "vllm_model_dir", "weight_batches"]

@@ -215,8 +215,9 @@ class _Replay(torch.nn.Module):
 
 
 def test_sleep_level_and_offload_order(fake_vllm, monkeypatch):
+    from swiftlite.parallel import offload
     moved = []
-    monkeypatch.setattr(vllm_gen, "_to", lambda t, dev: (moved.append(str(dev)), t)[1])
+    monkeypatch.setattr(offload, "_to", lambda t, dev: (moved.append(str(dev)), t)[1])
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
     model(torch.tensor([[3, 4]])).logits.sum().backward()
@@ -229,7 +230,8 @@ def test_sleep_level_and_offload_order(fake_vllm, monkeypatch):
         state["moved"] = list(moved)
     gen._build(model)
     FakeLLM.built[0].on_generate = during
-    _round(gen, model, optimizer=opt)
+    _round(gen, model, offload=offload.offloaded(SimpleNamespace(root=lambda: model, optimizer=opt), model=True,
+                                                  optim=True, device="cpu"))
     llm = FakeLLM.built[0]
     assert llm.kw["enable_sleep_mode"] is True
     kinds = [c[0] if c[0] != "wake_up" else c for c in llm.calls]
