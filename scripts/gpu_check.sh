@@ -241,6 +241,23 @@ for tt in full qlora; do
     --dataset "$DATA/train.jsonl" --output-dir "$WORK/load_$tt"
 done
 
+# -- 3c. GRPO with a colocated vLLM engine (--use_vllm true --vllm_mode colocate), 2 steps, LoRA and full ------
+# (docs/rlhf.md "vLLM"); only where vllm is importable and a GPU is present (never installed here: it
+# pulls its own CUDA torch). Its log lines (rewards, completion lengths) are in gpu_check.log.
+if [[ "$DRYRUN" != 1 ]] && "$PY" -c "import vllm, torch; assert torch.cuda.is_available()" >/dev/null 2>&1; then
+  step grpo-data 60 "$PY" -m swiftlite.rlhf.grpo_demo data "$WORK/grpo_data"
+  for tt in lora full; do
+    step "grpo-vllm-$tt" "$RUN_LIMIT" "$PY" -m swiftlite rlhf --rlhf_type grpo --model "$MODEL" --train-type "$tt" \
+      --dataset "$WORK/grpo_data/grpo_train.jsonl" --external_plugins "$REPO/scripts/grpo_exact_reward.py" \
+      --reward_funcs exact --num_generations 4 --per_device_train_batch_size 4 --max_completion_length 16 \
+      --use_vllm true --vllm_mode colocate --vllm_gpu_memory_utilization 0.3 --vllm_max_model_len 1024 \
+      --sleep_level 1 --torch-dtype "$DTYPE" --max-steps 2 --logging-steps 1 --save-strategy no \
+      --log_completions true --output-dir "$WORK/grpo_vllm_$tt"
+  done
+else
+  say "grpo-vllm skipped: no vllm package or no CUDA GPU here"
+fi
+
 # -- 4. results to $OUT ------------------------------------------------------------------------------
 for f in bench.json bench.md bench.png; do
   [[ -f "$WORK/bench/$f" ]] && cp "$WORK/bench/$f" "$OUT/$f"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 class Sealable:
@@ -30,6 +30,17 @@ class Sealable:
 class Section(Sealable):
     """The base of RunConfig's sections (ModelConfig, LoraConfig, ...): the classes whose field reads
     `field_reads` watches."""
+
+
+def opt(default: Any = None, help: str = "", *, aliases: tuple[str, ...] = (), choices: tuple = (),
+        factory: Callable | None = None, cli: bool = True, normalize: Callable[[Any], Any] | None = None) -> Any:
+    """A dataclass field with its CLI metadata (help text, extra flag names, allowed values, and a
+    `normalize` that folds other accepted spellings of a value: bfloat16 -> bf16). Schema.py's
+    sections and config/vllm_options.py declare their fields with it."""
+    meta = {"help": help, "aliases": aliases, "choices": choices, "cli": cli, "normalize": normalize}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
 
 
 _READS: list[set[str]] = []   # the open field_reads() sets, innermost last
@@ -61,4 +72,4 @@ def field_reads() -> Iterator[set[str]]:
                 del c.__getattribute__
 
 
-__all__ = ["Sealable", "Section", "field_reads"]
+__all__ = ["Sealable", "Section", "field_reads", "opt"]

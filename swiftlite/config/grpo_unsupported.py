@@ -6,23 +6,26 @@ swiftlite has are RlhfConfig fields, schema.py, and shadow these rows). Import-l
 
 from __future__ import annotations
 
-_VLLM = ("vLLM is not used: GRPO generates with transformers' generate in the training processes, the weights "
-         "gathered once per round (docs/rlhf.md): drop the flag")
+_SERVER = ("is an option of --vllm-mode server (ms-swift's `swift rollout` server), which swiftlite does not have: "
+           "it runs vLLM colocated (--use-vllm true --vllm-mode colocate; docs/rlhf.md \"vLLM\"): drop the flag")
+_ENGINE = ("is not passed to swiftlite's colocated vLLM engine (the options it takes: docs/rlhf.md \"vLLM\"): drop "
+           "the flag")
 _VARIANT = ("is an option of a GRPO variant swiftlite does not have (its GRPO: --loss-type grpo, bnpo, dr_grpo or "
             "dapo, token-level ratios, group advantages; docs/rlhf.md): drop the flag")
 _ROLLOUT = "multi-turn, tool and gym rollouts are not available: one completion per prompt and sample, scored by --reward-funcs"
 
 #: (reason, names), as config/msswift_unsupported.GROUPS.
 GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (_VLLM, ("vllm_data_parallel_size", "vllm_disable_cascade_attn", "vllm_disable_custom_all_reduce",
-             "vllm_enable_expert_parallel", "vllm_enable_lora", "vllm_enable_prefix_caching", "vllm_enforce_eager",
-             "vllm_engine_kwargs", "vllm_gpu_memory_utilization", "vllm_limit_mm_per_prompt", "vllm_max_lora_rank",
-             "vllm_max_model_len", "vllm_max_num_seqs", "vllm_mm_processor_cache_gb", "vllm_pipeline_parallel_size",
-             "vllm_quantization", "vllm_reasoning_parser", "vllm_server_base_url", "vllm_server_group_port",
-             "vllm_server_host", "vllm_server_pass_dataset", "vllm_server_port", "vllm_server_timeout",
-             "vllm_speculative_config", "vllm_tensor_parallel_size", "vllm_use_async_engine", "async_generate",
-             "sleep_level", "offload_model", "offload_optimizer", "move_model_batches",
-             "enable_flattened_weight_sync")),
+    (f"this {_SERVER}", ("vllm_server_base_url", "vllm_server_group_port", "vllm_server_host",
+                         "vllm_server_pass_dataset", "vllm_server_port", "vllm_server_timeout", "vllm_data_parallel_size", "async_generate",
+                         "enable_flattened_weight_sync")),
+    (f"this vLLM option {_ENGINE}",
+     ("vllm_disable_cascade_attn", "vllm_disable_custom_all_reduce", "vllm_enable_expert_parallel",
+      "vllm_engine_kwargs",
+      "vllm_limit_mm_per_prompt", "vllm_mm_processor_cache_gb", "vllm_pipeline_parallel_size", "vllm_quantization",
+      "vllm_reasoning_parser", "vllm_speculative_config", "vllm_use_async_engine")),
+    ("vLLM gets the merged weights every round (base + B@A x scale), no LoRA adapter inside vLLM: drop the flag",
+     ("vllm_max_lora_rank",)),
     ("the generation round is per-device x processes x --steps-per-generation completions: set "
      "--steps-per-generation instead", ("generation_batch_size",)),
     (f"this {_VARIANT}",

@@ -19,19 +19,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-from swiftlite.config.access import Sealable, Section, field_reads
+from swiftlite.config.access import Sealable, Section, field_reads, opt
+from swiftlite.config.vllm_options import VllmOptions
 from swiftlite.dtypes import NAMES as _DTYPE_NAMES
 from swiftlite.dtypes import normalize as _dtype_name
-
-
-def opt(default: Any = None, help: str = "", *, aliases: tuple[str, ...] = (), choices: tuple = (),
-        factory: Callable | None = None, cli: bool = True, normalize: Callable[[Any], Any] | None = None) -> Any:
-    """A dataclass field with its CLI metadata (help text, extra flag names, allowed values, and a
-    `normalize` that folds other accepted spellings of a value: bfloat16 -> bf16)."""
-    meta = {"help": help, "aliases": aliases, "choices": choices, "cli": cli, "normalize": normalize}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 def _reshard_value(value: Any) -> str:
@@ -393,7 +384,7 @@ class CheckpointConfig(Section):
 
 
 @dataclass(kw_only=True)
-class RlhfConfig(Section):
+class RlhfConfig(VllmOptions, Section):   # GRPO's vLLM options: config/vllm_options.py
     """`swiftlite rlhf` only (ms-swift's flag names); a sft/pt run that sets one is refused (rules.py)."""
     rlhf_type: str = opt("dpo", "Preference method: dpo or kto (unpaired rows with a label; both with a reference "
                          "model), orpo, simpo or cpo (none); rm (a reward model: a score head on the pairs); "

@@ -4,7 +4,8 @@ every rank; docs/rlhf.md "GRPO").
 
 A round (rlhf/grpo_data.py's plan) runs when a step needs one that is not in memory: each rank samples
 the completions of its own micro-batches (rlhf/generate.py, one `generate` call per micro-batch, the
-weights gathered once for the round), scores them with every reward function, and the
+weights gathered once for the round; with --use_vllm, rlhf/vllm_gen.py: one call to a colocated vLLM
+engine, the weights synced to it for the round), scores them with every reward function, and the
 [completions x functions] table is summed over ranks so that every rank forms the same group
 advantages (rlhf/grpo_loss.py). The round also keeps, per micro-batch, the reference's per-token
 log-probs (--beta > 0: the adapter disabled for LoRA, else the frozen copy of rlhf/frozen.py) and the
@@ -67,6 +68,7 @@ class GrpoBatches:
     reference_kind: str = ""
     options: Any = None                # cfg.rlhf
     log_path: Any = None               # completions.jsonl (main rank, --log_completions)
+    vllm: Any = None                   # rlhf/vllm_gen.VllmGenerator (--use_vllm), else generate's sampling
     current: Round | None = None
     table: Any = None                  # the round's completions table, until its first step returns it
 
@@ -106,6 +108,17 @@ def setup(run: Any) -> Any:
                     return token_logps(module, *t, temp, ctx)[0]
             b.reference = ref
             b.reference_kind = "the base model with the adapter disabled"
+    if cfg.rlhf.use_vllm:
+        from swiftlite.models.loading import torch_dtype
+        from swiftlite.rlhf.vllm_gen import VllmGenerator
+        if cfg.rlhf.offload_model:
+            from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+            if any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in engine.root().modules()):
+                raise UserError("--offload_model: this run shards the policy with FSDP, whose parameters swiftlite "
+                                "does not move to CPU; use --parallelism ddp or --deepspeed, or drop the flag")
+        b.vllm = VllmGenerator(cfg.rlhf, dtype=str(torch_dtype(cfg.model.torch_dtype)).removeprefix("torch."),
+                               world=run.world, per_device=b.plan.per_device,
+                               steps_per_generation=b.plan.steps_per_generation)
     if cfg.rlhf.log_completions and run.world.is_main:
         b.log_path = run.run_dir / COMPLETIONS_FILE
     if run.resume_path is not None and not cfg.checkpoint.resume_only_model \
@@ -203,20 +216,14 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     truncated: dict[int, float] = {}
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     mine = plan.rank_micro_batches(world.rank)
-    with gathered(engine.root()):            # the wrapper (FSDP1's root, the DeepSpeed engine) or the model
-        for mb in mine:
-            rows = [b.rows[prompts[c // G]] for c in mb]
-            p_ids, p_mask, c_ids, c_mask = sample(
-                b.model, [r["input_ids"] for r in rows], [completion_seed(plan.seed, rnd, c) for c in mb],
-                pad_id=b.pad_id, eos_id=eos, max_new_tokens=o.max_completion_length, temperature=o.temperature,
-                top_p=o.top_p, top_k=o.top_k, device=world.device, autocast=engine.autocast())
-            micro[tuple(mb)] = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids,
-                                "completion_mask": c_mask}
-            for j, c in enumerate(mb):
-                n = int(c_mask[j].sum())
-                lengths[c] = n
-                truncated[c] = float(n == 0 or int(c_ids[j, n - 1]) not in eos_ids)   # no EOS: cut at the limit
-                texts[c] = tok.decode(c_ids[j, :n].tolist(), skip_special_tokens=True)
+    for mb, (p_ids, p_mask, c_ids, c_mask) in zip(mine, _sample_round(engine, b, rnd)):
+        micro[tuple(mb)] = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids,
+                            "completion_mask": c_mask}
+        for j, c in enumerate(mb):
+            n = int(c_mask[j].sum())
+            lengths[c] = n
+            truncated[c] = float(n == 0 or int(c_ids[j, n - 1]) not in eos_ids)   # no EOS: cut at the limit
+            texts[c] = tok.decode(c_ids[j, :n].tolist(), skip_special_tokens=True)
     # rewards of this rank's completions, then the whole round's table on every rank
     N, F = plan.round_completions, len(b.rewards)
     mine_c = [c for mb in mine for c in mb]
@@ -267,6 +274,25 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     if o.log_completions:
         _log_completions(b, step, prompts, mine_c, comps, rpf, adv, world)
     return Round(rnd, micro, metrics, float(lens.sum()))
+
+
+def _sample_round(engine: Any, b: GrpoBatches, rnd: int) -> list[tuple[torch.Tensor, ...]]:
+    """(prompt_ids, prompt_mask, completion_ids, completion_mask) of each of this rank's micro-batches of
+    round `rnd`: transformers' generate per micro-batch on the gathered weights, or (--use_vllm) one
+    call to the colocated vLLM engine, the weights synced to it for the round (rlhf/vllm_gen.py)."""
+    plan, world, o = b.plan, b.world, b.options
+    prompts, G = plan.prompts(rnd), plan.num_generations
+    mine = plan.rank_micro_batches(world.rank)
+    ids = [[b.rows[prompts[c // G]]["input_ids"] for c in mb] for mb in mine]
+    seeds = [[completion_seed(plan.seed, rnd, c) for c in mb] for mb in mine]
+    kw = dict(pad_id=b.pad_id, eos_id=b.tokenizer.eos_token_id, max_new_tokens=o.max_completion_length,
+              temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, device=world.device)
+    if b.vllm is not None:
+        from swiftlite.parallel.offload import offloaded
+        off = offloaded(engine, model=o.offload_model, optim=o.offload_optimizer, device=world.device)
+        return b.vllm.generate_round(b.model, engine.root(), gathered, ids, seeds, offload=off, **kw)
+    with gathered(engine.root()):            # the wrapper (FSDP1's root, the DeepSpeed engine) or the model
+        return [sample(b.model, p, s, autocast=engine.autocast(), **kw) for p, s in zip(ids, seeds)]
 
 
 def _completion_ids(micro: dict, c: int) -> list[int]:

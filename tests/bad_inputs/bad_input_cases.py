@@ -230,6 +230,14 @@ CASES: list[Case] = [
     Case("msswift-rlhf-ppo", ["rlhf", *GOOD, *DATA, "--rlhf_type", "ppo", "--num_ppo_epochs", "2"],
          "error: --rlhf_type ppo: PPO is not available",
          more=("error: --num_ppo_epochs: PPO (--rlhf_type ppo) is not available",)),
+    # GRPO with vLLM: colocate needs a CUDA GPU and the vllm package (neither here); server mode is not available
+    Case("grpo-vllm-no-gpu", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format", "--use_vllm",
+                              "true", "--vllm_mode", "colocate"],
+         "error: --use-vllm needs a CUDA GPU and the vllm package (pip install vllm)"),
+    Case("grpo-vllm-server", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format", "--use_vllm",
+                              "true", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1"],
+         "error: --vllm_server_host: this is an option of --vllm-mode server",
+         more=("error: --vllm-mode server: the `swift rollout` server client is not available",)),
     # --packing / --padding_free true: dpo, orpo, simpo, cpo take them; the other rlhf types name themselves
     Case("rlhf-kto-packing", ["rlhf", *GOOD, *DATA, "--rlhf_type", "kto", "--packing", "true"],
          "error: --packing with --rlhf-type kto: not available in swiftlite"),

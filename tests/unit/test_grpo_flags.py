@@ -50,8 +50,21 @@ def test_every_msswift_grpo_option_is_a_flag_or_refused_with_its_reason():
 @pytest.mark.parametrize("argv,words", [
     (["--num_generations", "1"], "--num-generations 1: GRPO needs at least 2"),
     (["--reward_weights", "1", "2"], "--reward-weights has 2 values for 1 --reward-funcs"),
-    (["--use_vllm", "true"], "--use-vllm: vllm is not installed"),
+    (["--use_vllm", "true"], "--use-vllm true needs --vllm-mode colocate"),
+    (["--use_vllm", "true", "--vllm_mode", "colocate"], "--use-vllm needs a CUDA GPU and the vllm package"),
+    (["--use_vllm", "true", "--vllm_mode", "server"], "--vllm-mode server: the `swift rollout` server client is not"),
+    (["--use_vllm", "true", "--vllm_mode", "colocate", "--sleep_level", "3"], "--sleep-level 3: out of range"),
+    (["--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "1.5"],
+     "--vllm-gpu-memory-utilization 1.5: out of range"),
+    (["--use_vllm", "true", "--vllm_mode", "colocate", "--use_dora", "true"], "--use-vllm with --use-dora"),
+    (["--use_vllm", "true", "--vllm_mode", "colocate", "--offload_model", "true", "--parallelism", "fsdp"],
+     "--offload-model with --parallelism fsdp: FSDP's sharded parameters are not moved"),
     (["--vllm_mode", "colocate"], "--vllm-mode needs --use-vllm true"),
+    (["--vllm_gpu_memory_utilization", "0.5"], "--vllm-gpu-memory-utilization applies to --use-vllm true"),
+    (["--vllm_server_host", "127.0.0.1"], "--vllm_server_host: this is an option of --vllm-mode server"),
+    (["--move_model_batches", "4"], "--move-model-batches applies to --use-vllm true"),
+    (["--use_vllm", "true", "--vllm_mode", "colocate", "--move_model_batches", "4", "--parallelism", "fsdp"],
+     "--move-model-batches with FSDP"),
     (["--loss_type", "sigmoid"], "--loss-type sigmoid does not apply to GRPO"),
     (["--steps_per_generation", "3", "--gradient_accumulation_steps", "2"], "is not a multiple of"),
     (["--reward_funcs", "soft_overlong"], "the soft_overlong reward needs --soft-cache-length"),
@@ -62,6 +75,27 @@ def test_refused_in_one_line(argv, words):
     with pytest.raises(UserError) as e:
         _cfg(argv)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_vllm_options_are_msswifts():
+    d = _cfg([]).rlhf      # defaults (ms-swift's VllmArguments / RolloutTrainerArgumentsMixin)
+    assert (d.vllm_gpu_memory_utilization, d.vllm_tensor_parallel_size, d.vllm_max_model_len, d.vllm_max_num_seqs,
+            d.vllm_enable_prefix_caching, d.vllm_enforce_eager, d.vllm_enable_lora, d.sleep_level, d.offload_model,
+            d.offload_optimizer) == (0.9, 1, None, None, True, False, False, 0, False, False)
+
+
+def test_use_vllm_without_a_gpu_is_refused_before_launch(tmp_path):
+    """The CLI on this machine (no CUDA GPU, no vllm): exit 2, one line, before anything starts."""
+    import subprocess
+    import sys
+    (tmp_path / "d.jsonl").write_text('{"messages": [{"role": "user", "content": "1+1?"}], "solution": "2"}\n')
+    p = subprocess.run([sys.executable, "-m", "swiftlite", "rlhf", *BASE, "--dataset", str(tmp_path / "d.jsonl"),
+                        "--use_vllm", "true", "--vllm_mode", "colocate", "--output_dir", str(tmp_path / "out")],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1 and "needs a CUDA GPU" in err[0], p.stderr
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_grpo_options_are_refused_on_dpo_and_grpo_losses_too():
