@@ -33,7 +33,8 @@ def _first_line(run) -> str:
     from swiftlite.data.collate import PADDED
     st = run.train_data.stats
     cfg, task = run.cfg, run.task
-    unit = f"{task.unit}s"
+    # sft/pt --packing: the samples are packs of whole rows (the row counts are in the parentheses)
+    unit = "packs of rows" if cfg.data.packing and task.unit == "row" else f"{task.unit}s"
     return (f"swiftlite: {run.choice.name} x {run.world.world_size} process(es) on {run.world.device}, "
             + task.describe(run)
             + (f"streamed train {unit} (so far: " if getattr(run.train_data, "stream", None) is not None

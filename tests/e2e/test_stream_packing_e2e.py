@@ -21,6 +21,7 @@ def test_sft_streaming_packing_trains_and_records_both_flags(demo_data, tmp_path
     args = json.loads((out / layout.ARGS).read_text())
     assert args["data"]["streaming"] is True and args["data"]["packing"] is True
     assert "packed to 128 tokens" in proc.stdout + proc.stderr
+    assert "streamed train packs of rows" in proc.stdout    # the samples are packs, said as such
     assert sorted(read_losses(out)) == [1, 2]
 
 
