@@ -27,6 +27,7 @@ CONFIG_JSON_ELSEWHERE = {
     "hf_io.py": "writes an exported or checkpointed model folder's config.json",
     "export/source.py": "tells a checkpoint's HF folder (model/) and an HF export input from other forms",
     "export/verify.py": "re-reads the config.json export has just written",
+    "rlhf/vllm_gen.py": "writes the policy's config.json for the vLLM engine it builds (no weights, no --model)",
 }
 REPO = "acme/tiny-llama-like"
 

@@ -28,7 +28,8 @@ def test_reference_copy_bytes_per_backend():
 def test_workload_from_an_rlhf_config():
     from swiftlite.config import build_config
     from swiftlite.planner.recommend import workload_from_config
-    base = {"model": "tiny-llama", "dataset": ["x.jsonl"], "per_device_train_batch_size": 3}
+    # max_length as the run settles it (job.resolve_run: the model's context) when the user gives none
+    base = {"model": "tiny-llama", "dataset": ["x.jsonl"], "per_device_train_batch_size": 3, "max_length": 2048}
     full = workload_from_config(build_config({**base, "train_type": "full"}, task="rlhf"), 2, None)
     assert full.reference == "copy" and full.micro_batch == 6 and full.loss_impl == "plain"
     pre = build_config({**base, "train_type": "full", "precompute_ref_log_probs": True}, task="rlhf")
