@@ -82,11 +82,6 @@ def test_link_bytes_reads_the_trace_of_the_same_rank(tmp_path, monkeypatch):
     assert sorted(seen) == sorted(layout.rank_file("trace", r) for r in (0, 12))
 
 
-#: Files another change still has to move onto layout's names (issue 24): bench/runner.py spells
-#: "profile" itself.
-_PENDING: dict[str, set[str]] = {}
-
-
 def test_no_module_spells_a_per_rank_or_profile_name_of_its_own():
     """String literals (docstrings aside) outside checkpoint/layout.py do not spell the per-rank file
     names or the profile folder: they ask layout."""
@@ -106,7 +101,6 @@ def test_no_module_spells_a_per_rank_or_profile_name_of_its_own():
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
                 hits = {s for s in stems if s in node.value} | ({layout.PROFILE_DIR} & {node.value})
-                hits -= _PENDING.get(rel, set())
                 if hits:
                     found.append(f"{rel}:{node.lineno}: {node.value!r}")
     assert not found, found
