@@ -25,8 +25,8 @@ class VllmOptions(Section):
                                            "G completions of a prompt share it).")
     vllm_enforce_eager: bool = opt(False, "GRPO vLLM: no CUDA graphs (less memory, slower decoding).")
     vllm_enable_lora: bool = opt(False, "GRPO vLLM with LoRA/QLoRA: accepted for ms-swift's scripts; swiftlite "
-                                 "always hands vLLM the merged weights (base + B@A x scale), which is what this "
-                                 "flag speeds up in ms-swift, so it changes nothing here.")
+                                 "always hands vLLM the merged weights (base + B@A x scale), and says so in one line; "
+                                 "the completions are the same as with a LoRA inside vLLM.")
     sleep_level: int = opt(0, "GRPO vLLM: release the engine's GPU memory between generation rounds: 0 keep it, "
                            "1 free the KV cache and move its weights to CPU, 2 free both (the weights are synced "
                            "every round anyway).")

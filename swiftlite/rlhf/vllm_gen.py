@@ -220,6 +220,9 @@ class VllmGenerator:
         kw = engine_kwargs(self.o, model_dir=vllm_model_dir(model), dtype=self.dtype, rank=w.rank,
                            per_device=self.per_device, steps_per_generation=self.spg)
         self.llm = vllm.LLM(**kw)
+        if self.o.vllm_enable_lora and w.is_main:   # accepted for ms-swift's scripts: say what happens instead
+            print("--vllm_enable_lora true: vLLM gets the merged weights (base + B@A x scale) every round, not a "
+                  "LoRA adapter; the completions are the same", flush=True)
         if self.o.sleep_level > 0:
             self.llm.sleep(level=self.o.sleep_level)
 

@@ -107,7 +107,7 @@ def _model(seed=0):
 
 def _options(**kw):
     o = dict(vllm_gpu_memory_utilization=0.5, vllm_tensor_parallel_size=1, vllm_max_model_len=96,
-             vllm_max_num_seqs=None, vllm_enable_prefix_caching=True, vllm_enforce_eager=True, sleep_level=0,
+             vllm_max_num_seqs=None, vllm_enable_prefix_caching=True, vllm_enforce_eager=True, vllm_enable_lora=False, sleep_level=0,
              move_model_batches=None, offload_model=False, offload_optimizer=False, max_completion_length=6,
              temperature=0.7, top_p=0.9, top_k=5, reward_weights=None, scale_rewards=None, log_completions=False)
     o.update(kw)
@@ -155,6 +155,13 @@ def test_sampling_params_mapping():
                                   eos_ids=[2, 7])
     assert [p.kw for p in ps] == [dict(n=1, temperature=0.7, top_p=0.9, top_k=5, max_tokens=6, stop_token_ids=[2, 7],
                                        seed=s, detokenize=False) for s in (11, 12)]
+
+
+def test_vllm_enable_lora_says_the_weights_are_merged_instead(fake_vllm, capsys):
+    gen = vllm_gen.VllmGenerator(_options(vllm_enable_lora=True), dtype="float32", world=WORLD, per_device=2,
+                                 steps_per_generation=2)
+    _round(gen, _model())
+    assert "--vllm_enable_lora true: vLLM gets the merged weights" in capsys.readouterr().out
 
 
 def test_lora_policy_sends_merged_weights_and_stays_unmerged(fake_vllm):
