@@ -66,6 +66,8 @@ class Resolved:
     #: The concrete, sealed config (the user's, with torch_dtype and max_length above): what every stage
     #: after the resolution reads. Not part of the JSON.
     config: Any = field(default=None, compare=False, repr=False)
+    #: The user's config `config` was made from (this process's); not part of the JSON either.
+    said: Any = field(default=None, compare=False, repr=False)
 
     @property
     def choice(self) -> "BackendChoice":
@@ -90,7 +92,7 @@ class Resolved:
         return Cadence(save_steps=save, eval_steps=steps_per_epoch if t.eval_strategy == "epoch" else t.eval_steps)
 
     def to_json(self) -> str:
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self) if f.name != "config"},
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("config", "said")},
                           sort_keys=True)
 
     @classmethod
@@ -100,7 +102,7 @@ class Resolved:
     def bind(self, cfg: "RunConfig") -> "Resolved":
         """These facts with `cfg` (the user's config, as this process parsed it) made concrete: a rank
         that parsed the command line again still has `auto` / no length."""
-        return replace(self, config=concrete_config(cfg, self.torch_dtype, self.max_length))
+        return replace(self, config=concrete_config(cfg, self.torch_dtype, self.max_length), said=cfg)
 
 
 def concrete_config(said: "RunConfig", torch_dtype: str, max_length: int | None) -> "RunConfig":
@@ -149,7 +151,8 @@ def resolve_run(cfg: "RunConfig", world_size: int, *, gpu_memory: Any, gpus_per_
                     # through JSON once, so the facts equal what a rank reads back (tuples -> lists)
                     shape=json.loads(json.dumps(asdict(shapes[-1]))) if shapes else None, backend=choice.name,
                     requested=choice.requested, reason=choice.reason,
-                    deepspeed_source=choice.deepspeed_source, memory_family=choice.memory_family, config=run)
+                    deepspeed_source=choice.deepspeed_source, memory_family=choice.memory_family, config=run,
+                    said=cfg)
 
 
 def handed_facts() -> Resolved | None:
@@ -169,7 +172,7 @@ def rank_resolved(cfg: "RunConfig", world: Any, handed: Resolved | None = None,
     mem = job_gpu_memory() if callable(job_gpu_memory) else job_gpu_memory
     if handed is not None and handed.world_size == world.world_size and handed.gpu_memory == mem:
         # resolved in this very process (a single-process run) for this config: handed over as is
-        return handed if handed.config is not None and handed.config.model.model == cfg.model.model else handed.bind(cfg)
+        return handed if handed.said is cfg else handed.bind(cfg)
     return resolve_run(cfg, world.world_size, gpu_memory=mem, gpus_per_node=world.local_world_size)
 
 
