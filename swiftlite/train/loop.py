@@ -79,8 +79,7 @@ class Checkpointer:
     def __init__(self, run: Any, preempt: Any, best: Any = None):
         self.run, self.preempt, self.best = run, preempt, best
         self.last: Path | None = run.resume_path
-        # --save-steps / --eval-steps as this run applies them (--save-strategy epoch: every epoch)
-        self.cadence = run.resolved.cadence(run.batches.plan.steps_per_epoch)
+        self.cadence = run.cadence   # --save-strategy epoch: every epoch
 
     def save(self, step: int) -> Path:
         from swiftlite.checkpoint.state import save_training_state
@@ -112,7 +111,7 @@ def _start_logging(run: Any) -> Any:
     log = RunLogger(run.run_dir, enabled=world.is_main, total_steps=run.total_steps,
                     report_to=cfg.train.report_to, start_step=run.start_step)
     if world.is_main:
-        cadence = run.resolved.cadence(run.batches.plan.steps_per_epoch)
+        cadence = run.cadence
         save_args(cfg, run.run_dir / layout.ARGS, save_steps=cadence.save_steps, eval_steps=cadence.eval_steps)
         log.print(_first_line(run))
         skipped = run.train_data.stats.skipped

@@ -39,7 +39,12 @@ class Run:
     facts: dict                    # checkpoint/state.run_facts: what a resume must agree with
     lock: Any = None               # checkpoint/run_dir.RunLock held by rank 0
     task: Any = None               # train/tasks.Task: the command's data, step, validation, setup
-    resolved: Any = None           # job.Resolved: the run as resolved (cfg is its config); cadence()
+    resolved: Any = None           # job.Resolved: the run as resolved (cfg is its config)
+
+    @property
+    def cadence(self) -> Any:
+        """--save-steps / --eval-steps as this run applies them (job.Resolved.cadence of its plan)."""
+        return self.resolved.cadence(self.batches.plan.steps_per_epoch)
 
 
 def resolve_run_here(cfg: RunConfig, world: Any, facts: Any = None) -> Any:
