@@ -32,8 +32,6 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
               "(modelscope download --model ID --local_dir DIR) and pass --model DIR", fits=("true",), switch=True),
     NoMeaning("model_type", "swiftlite reads the architecture from the model's config.json (--model); there are no "
               "ms-swift model types: drop the flag"),
-    NoMeaning("loss_scale", "the loss is on every assistant turn of sft rows (ms-swift's 'default') and on every "
-              "token for pt; other loss scales are not available", fits=("default",)),
     NoMeaning("bf16", "use --torch_dtype bfloat16 (the model trains in that dtype; FSDP can still reduce in fp32 "
               "with --mixed-precision bf16)", switch=True),
     NoMeaning("fp16", "use --torch_dtype float16 (loss scaling needs a DeepSpeed backend: --deepspeed zero2/zero3)",

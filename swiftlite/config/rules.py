@@ -17,6 +17,7 @@ from typing import Callable
 from swiftlite.config.schema import RunConfig, field_reads
 from swiftlite.config.tasks import task_spec
 from swiftlite.config.vllm_options import VLLM_KEYS
+from swiftlite.data import loss_scale, templates
 from swiftlite.errors import Refusals, UserError
 
 
@@ -312,9 +313,27 @@ def _system_template(c: RunConfig):
     if c.data.system is not None and task_spec(c.task).plain_text:
         return f"--system applies to sft (chat rows); {c.task} trains on plain text"
     tpl = c.model.template
-    if tpl and _NAME.match(tpl) and not Path(tpl).is_file():
-        return (f"--template {tpl}: ms-swift template names are not used here: conversations are rendered with "
-                "the tokenizer's own chat template; to override it pass a Jinja file (--template chat.jinja)")
+    if tpl and _NAME.match(tpl) and not Path(tpl).is_file() and not templates.is_builtin(tpl):
+        return (f"--template {tpl}: ms-swift template names are not used here (but {', '.join(templates.BUILTIN)}): "
+                "conversations are rendered with the tokenizer's own chat template; to override it pass a Jinja "
+                "file (--template chat.jinja)")
+
+
+@rule("loss scale")
+def _loss_scale(c: RunConfig):
+    v = c.data.loss_scale
+    if v is None:
+        return None
+    try:
+        scale = loss_scale.parse(v)
+    except ValueError as e:
+        return f"--loss-scale {v}: {e}"
+    spec = task_spec(c.task)
+    if spec.plain_text and scale != loss_scale.LossScale("all"):
+        return f"--loss-scale {v}: {c.task} trains every token of plain-text rows (all); drop the flag"
+    if spec.own_options == "rlhf" and scale != loss_scale.LossScale("last_round"):
+        return (f"--loss-scale {v}: rlhf trains on the answer of each pair or completion (last_round, ms-swift's "
+                "default there); drop the flag")
 
 
 @rule("resume")
@@ -360,7 +379,13 @@ PACKED_RLHF_REFUSED = {
 def _rlhf(c: RunConfig):
     r = c.rlhf
     given = [k for k in RLHF_KEYS if k in c.explicit]
+    from swiftlite.config.schema import SFT_LOSS_TYPES
     if task_spec(c.task).own_options != "rlhf":
+        if r.loss_type in SFT_LOSS_TYPES:   # ms-swift's sft/pt loss types: the loss these train with
+            given.remove("loss_type")
+        elif "loss_type" in given:
+            return (f"--loss-type {r.loss_type} is a loss of `swiftlite rlhf`; {c.task} takes "
+                    f"{' or '.join(SFT_LOSS_TYPES)} (the token cross-entropy)")
         if given:   # every one named at once
             return (f"{', '.join(map(_flag, given))} {'is an option' if len(given) == 1 else 'are options'} "
                     f"of `swiftlite rlhf` (preference and RL training), not of {c.task}")
@@ -444,6 +469,9 @@ def _grpo(c: RunConfig):
     r = c.rlhf
     if task_spec(c.task).own_options != "rlhf":
         return None
+    from swiftlite.config.schema import SFT_LOSS_TYPES
+    if r.loss_type in SFT_LOSS_TYPES:
+        return f"--loss-type {r.loss_type} is a loss of sft and pt, not of rlhf --rlhf-type {r.rlhf_type}"
     if r.rlhf_type != "grpo":
         if r.loss_type in GRPO_LOSS_TYPES:
             return f"--loss-type {r.loss_type} is a GRPO loss; --rlhf-type {r.rlhf_type} takes {', '.join(DPO_LOSS_TYPES)}"
@@ -547,7 +575,7 @@ def validate(cfg: RunConfig, *, check_paths: bool = True, refusals: Refusals | N
             judged |= read
     found.fields |= judged
     if check_paths and cfg.model.template and not found.blocked(("template",)) \
-            and not Path(cfg.model.template).is_file():
+            and not Path(cfg.model.template).is_file() and not templates.is_builtin(cfg.model.template):
         found.add(f"--template: file not found: {cfg.model.template}", ("template",))
     sysp = cfg.data.system
     if check_paths and sysp and sysp.endswith(".txt") and not found.blocked(("system",)) \

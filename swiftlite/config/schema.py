@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 from swiftlite.config.access import Sealable, Section, field_reads, opt
+from swiftlite.config.data_options import TRUNCATION, DataConfig
 from swiftlite.config.vllm_options import VllmOptions
 from swiftlite.dtypes import NAMES as _DTYPE_NAMES
 from swiftlite.dtypes import normalize as _dtype_name
@@ -59,12 +60,13 @@ SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constan
               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay",
               "reduce_lr_on_plateau", "greedy")
 STRATEGIES = ("steps", "epoch", "no")
-TRUNCATION = ("delete", "left", "right")
 RLHF_TYPES = ("dpo", "orpo", "simpo", "cpo", "kto", "rm", "grpo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 #: --optim values (optim.build_optimizer builds each; transformers' OptimizerNames spellings, plus muon).
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd", "adagrad", "rmsprop", "adafactor", "muon")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+#: sft/pt --loss-type values (ms-swift's): with a binary --loss-scale both are the token cross-entropy.
+SFT_LOSS_TYPES = ("cross_entropy", "loss_scale")
 
 
 @dataclass(kw_only=True)
@@ -128,53 +130,6 @@ class QuantConfig(Section):
     bnb_4bit_quant_storage: str | None = opt(None, "Storage dtype of the packed 4-bit weights: always --torch-dtype "
                                              "here, so FSDP/ZeRO-3 can shard them (accepted when equal to it).",
                                              choices=DTYPES, normalize=_dtype_name)
-
-
-@dataclass(kw_only=True)
-class DataConfig(Section):
-    dataset: list[str] = opt(help="Training data: files or HF dataset folders; `path#N` takes N rows.",
-                             factory=list)
-    val_dataset: list[str] = opt(help="Validation data (same forms as --dataset).", factory=list)
-    split_dataset_ratio: float = opt(0.0, "Hold out this share of --dataset for validation.")
-    max_length: int | None = opt(None, "Longest tokenized row, in tokens (longer ones: --truncation-strategy). "
-                                 "Default: the model's context (max_position_embeddings), as in ms-swift.")
-    truncation_strategy: str = opt("delete", "Rows longer than --max-length: delete (dropped and counted), left "
-                                   "(keep the end) or right (keep the start).", choices=TRUNCATION)
-    system: str | None = opt(None, "Default system prompt (text or a .txt file) for sft rows that have none; a "
-                             "row's own system turn wins.")
-    packing: bool = opt(False, "Pack several rows into each sequence of --max-length tokens (rlhf dpo, orpo, "
-                        "simpo, cpo: whole pairs, chosen and rejected together; a pack is one sample of the batch).")
-    skip_bad_rows: bool = opt(False, "Skip (and count) rows that are not valid instead of stopping.")
-    columns: dict[str, str] | None = opt(None, "Rename dataset columns before the row formats read them, as ms-swift: "
-                                         "a JSON object old -> new, e.g. '{\"answer\": \"solution\"}' (every "
-                                         "--dataset and --val-dataset row).")
-    dataset_num_proc: int = opt(1, "Processes for dataset preprocessing.")
-    model_name: list[str] | None = opt(None, "Self-cognition data (ms-swift's): fills {{NAME}} in the query and "
-                                       "response of every row of a source in that format (query, response and tag "
-                                       "columns): the first name in rows tagged zh, the second in the others; one "
-                                       "name serves both. Refused when no source is in that format.")
-    model_author: list[str] | None = opt(None, "Self-cognition data: fills {{AUTHOR}} the same way as --model-name "
-                                         "fills {{NAME}} (e.g. --model-author 魔搭 ModelScope).")
-    load_from_cache_file: bool = opt(False, "true: reuse tokenized data cached by an earlier run with the same "
-                                     "files, tokenizer and options (SWIFTLITE_CACHE). false (ms-swift's default): "
-                                     "tokenize again (the processes of this job then share that one result).")
-    lazy_tokenize: bool = opt(False, "Tokenize each training row when a batch first needs it (in the DataLoader "
-                              "workers with --dataloader-num-workers), not all before training; the same batches "
-                              "as eager where every row is usable (a row without an answer or over --max-length "
-                              "under delete keeps its place with no targets). Rows are still read and their format "
-                              "checked up front. Not with --packing or --streaming (ms-swift's rules).")
-    streaming: bool = opt(False, "Read and tokenize the training rows as training consumes them, in file order, "
-                          "restarted at the end (JSONL and .txt files line by line, never whole in memory; other "
-                          "formats are loaded, then streamed). "
-                          "ms-swift's rules: --max-steps is required, `path#N` is the file's first N rows, no "
-                          "--split-dataset-ratio (give --val-dataset); resume re-reads the stream to the "
-                          "resumed position. With --packing the rows are packed as they are read, in order, "
-                          "into packs of at most --max-length tokens.")
-    padding_free: bool | None = opt(None, "Concatenate each micro-batch's rows into one sequence (position ids "
-                                    "restart per row, no attention mask, no pad tokens; same samples and loss "
-                                    "as padded batches). Default: on where the model's attention isolates rows "
-                                    "by position ids (the run's first line says which, and why not); false pads. "
-                                    "rlhf: padded unless true (dpo, orpo, simpo, cpo; ms-swift's default).")
 
 
 @dataclass(kw_only=True)
@@ -395,7 +350,9 @@ class RlhfConfig(VllmOptions, Section):   # GRPO's vLLM options: config/vllm_opt
                              "0.1 otherwise (ms-swift's).")
     loss_type: str | None = opt(None, "DPO loss: sigmoid (default), ipo (on per-token mean log-ratios, as TRL) or "
                                 "hinge. GRPO loss aggregation: grpo (default, ms-swift's), bnpo, dr_grpo or dapo "
-                                "(docs/rlhf.md).", choices=DPO_LOSS_TYPES + GRPO_LOSS_TYPES)
+                                "(docs/rlhf.md). sft/pt: cross_entropy or loss_scale, both the mean cross-entropy "
+                                "over --loss-scale's targets (the loss there).",
+                                choices=DPO_LOSS_TYPES + GRPO_LOSS_TYPES + SFT_LOSS_TYPES)
     rpo_alpha: float | None = opt(None, "DPO: add rpo_alpha x the chosen answers' token-mean NLL (RPO). Default: off.")
     label_smoothing: float = opt(0.0, "DPO sigmoid / SimPO / CPO: probability that a pair's preference is flipped "
                                  "(conservative DPO), in [0, 0.5).")

@@ -22,6 +22,8 @@ from swiftlite.data.rows import DataStats, Tokenized  # noqa: F401  (re-exported
 from swiftlite.data.formats import to_messages, to_text
 from swiftlite.data.sources import load_rows, parse_spec
 from swiftlite.config.tasks import task_spec
+from swiftlite.data.loss_scale import LossScale
+from swiftlite.data.loss_scale import parse as parse_loss_scale
 from swiftlite.data.tokenize import IGNORE, encode_messages, encode_text
 from swiftlite import env
 from swiftlite.errors import UserError
@@ -124,8 +126,8 @@ def cached(key: str, build: Callable[[], Tokenized], *, kind: type = Tokenized, 
 
 
 def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_length: int,
-                 skip_bad_rows: bool, truncation: str = "right", system: str | None = None
-                 ) -> tuple[list[dict], DataStats]:
+                 skip_bad_rows: bool, truncation: str = "right", system: str | None = None,
+                 loss_scale: LossScale | None = None) -> tuple[list[dict], DataStats]:
     """Tokenize (row, where) pairs in order; rows with no target token are dropped and counted, and so
     are rows longer than max_length under truncation "delete". A bad row raises its UserError, or is
     skipped and counted with --skip-bad-rows."""
@@ -138,7 +140,7 @@ def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_l
                 enc = encode_text(tokenizer, to_text(row, where), max_length, truncation=cut)
             else:
                 enc = encode_messages(tokenizer, to_messages(row, where), max_length, where, truncation=cut,
-                                      system=system)
+                                      system=system, loss_scale=loss_scale)
         except UserError as e:
             if skip_bad_rows:
                 stats.skipped.append(str(e))
@@ -165,14 +167,15 @@ def _encode_chunk(items: list[tuple[dict, str]]) -> tuple[list[dict], DataStats]
     w = _WORKER
     try:
         return _encode_rows(items, w["tokenizer"], w["task"], w["max_length"], w["skip"], w["truncation"],
-                            w["system"])
+                            w["system"], w["loss_scale"])
     except UserError as e:  # returned, not raised: the parent re-raises the first one in row order
         return e
 
 
 def _encode_parallel(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_length: int,
                      skip_bad_rows: bool, num_proc: int, truncation: str = "right",
-                     system: str | None = None) -> tuple[list[dict], DataStats]:
+                     system: str | None = None, loss_scale: LossScale | None = None
+                     ) -> tuple[list[dict], DataStats]:
     """`_encode_rows` over `num_proc` forked processes, chunked in row order: the same rows, stats
     and first error as one process. The tokenizer's own thread pool is turned off first (a forked
     Rust pool deadlocks)."""
@@ -182,7 +185,7 @@ def _encode_parallel(items: list[tuple[dict, str]], tokenizer: Any, task: str, m
     size = max(1, -(-len(items) // n_chunks))
     chunks = [items[i:i + size] for i in range(0, len(items), size)]
     _WORKER.update(tokenizer=tokenizer, task=task, max_length=max_length, skip=skip_bad_rows,
-                   truncation=truncation, system=system)
+                   truncation=truncation, system=system, loss_scale=loss_scale)
     try:
         with mp.get_context("fork").Pool(num_proc) as pool:
             parts = pool.map(_encode_chunk, chunks)
@@ -208,7 +211,7 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
                    progress: Callable[[str, int], Any] | None = None, truncation_strategy: str = "right",
                    system: str | None = None, seed: int = 42, load_from_cache_file: bool = True,
                    transform: Callable[[Any], Any] | None = None, key_extra: dict | None = None,
-                   columns: dict[str, str] | None = None) -> Tokenized:
+                   columns: dict[str, str] | None = None, loss_scale: LossScale | None = None) -> Tokenized:
     """Load, convert and tokenize every spec; rows with no target token are dropped and counted, and
     rows over max_length are cut or (truncation_strategy "delete") dropped and counted. `system` is the
     system turn of sft rows that have none. `num_proc` > 1 (--dataset-num-proc) tokenizes in that many
@@ -216,10 +219,12 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
     `path#N` specs draw their rows with `seed` (one RandomState over the specs in order, as ms-swift),
     then the specs are concatenated. `transform` rewrites each source's rows before tokenization
     (--model-name/--model-author: data/self_cognition.py; its inputs go into `key_extra`, the cache
-    key); `load_from_cache_file`: see `cached`; `columns`: --columns, renamed as each source is read."""
+    key); `load_from_cache_file`: see `cached`; `columns`: --columns, renamed as each source is read;
+    `loss_scale`: --loss-scale, which tokens of a chat row are targets (data/loss_scale.py)."""
     key = _fingerprint(specs, tokenizer, {"task": task, "max_length": max_length, "packing": packing,
                                           "skip": skip_bad_rows, "truncation": truncation_strategy,
                                           "system": system, "seed": seed, **({"columns": columns} if columns else {}),
+                                          **({"loss_scale": repr(loss_scale)} if loss_scale not in (None, LossScale()) else {}),
                                           **(key_extra or {})})
 
     def build() -> Tokenized:
@@ -236,11 +241,11 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
             items = list(zip(src.rows, src.where))
             if num_proc > 1 and len(items) >= PARALLEL_MIN_ROWS:
                 part, st = _encode_parallel(items, tokenizer, task, max_length, skip_bad_rows, num_proc,
-                                            truncation_strategy, system)
+                                            truncation_strategy, system, loss_scale)
             else:
                 it = progress(f"tokenizing {spec}", len(items))(items) if progress is not None else items
                 part, st = _encode_rows(it, tokenizer, task, max_length, skip_bad_rows, truncation_strategy,
-                                        system)
+                                        system, loss_scale)
             rows += part
             stats.add(st)
         if packing:
@@ -295,6 +300,7 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
     d, t = cfg.data, cfg.train
     # `cfg` is the run's resolved config (swiftlite/job.py): --max-length is concrete here.
     system = system_prompt(d.system) if task_spec(cfg.task).chat else None
+    scale = parse_loss_scale(d.loss_scale) if task_spec(cfg.task).chat else None
     from swiftlite.data.self_cognition import from_config
     sc = from_config(d)   # --model_name / --model_author (data/self_cognition.py)
 
@@ -303,12 +309,13 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
                               skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress,
                               truncation_strategy=d.truncation_strategy, system=system, seed=t.seed,
                               load_from_cache_file=d.load_from_cache_file, transform=sc,
-                              key_extra={"self_cognition": sc.key()} if sc else None, columns=d.columns)
+                              key_extra={"self_cognition": sc.key()} if sc else None, columns=d.columns,
+                              loss_scale=scale)
 
     def encode(items: list[tuple[dict, str]]) -> tuple[list[dict], DataStats]:
         """(row, where) items -> their usable tokenized rows and stats (lazy and streamed rows)."""
         return _encode_rows(items, tokenizer, cfg.task, d.max_length, d.skip_bad_rows, d.truncation_strategy,
-                            system)
+                            system, scale)
 
     def tok_train(specs: list[str]) -> Tokenized:
         if d.lazy_tokenize and specs is d.dataset:   # validation rows stay eager

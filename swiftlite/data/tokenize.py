@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from swiftlite.data.loss_scale import LossScale
 from swiftlite.errors import UserError
 
 IGNORE = -100
@@ -68,20 +69,33 @@ def assistant_spans(tokenizer: Any, messages: list[dict], full: str, where: str 
             continue
         start_text = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
         end_text = render(tokenizer, messages[: i + 1])
-        if not full.startswith(end_text) or not end_text.startswith(start_text):
+        end = len(end_text)
+        if full.startswith(start_text) and end_text.startswith(start_text) and not full.startswith(end_text):
+            # A template that ends the last turn otherwise than a middle one (ms-swift's `default`:
+            # the eos token after the last answer, "\n\n" between rounds): the turn ends where the two
+            # renderings part, provided the whole answer lies before that point.
+            lim = min(len(full), end)
+            end = next((k for k in range(len(start_text), lim) if full[k] != end_text[k]), lim)
+            if str(m.get("content", "")).strip() not in full[len(start_text):end]:
+                end = -1
+        if end < 0 or not full.startswith(end_text[:end]) or not end_text.startswith(start_text):
             raise UserError(f"{where}: the chat template does not render conversations prefix by prefix; "
                             "pass a --template that does")
-        spans.append((len(start_text), len(end_text)))
+        spans.append((len(start_text), end))
     return spans
 
 
 def encode_messages(tokenizer: Any, messages: list[dict], max_length: int, where: str = "", *,
-                    truncation: str = "right", system: str | None = None) -> Encoded:
+                    truncation: str = "right", system: str | None = None,
+                    loss_scale: LossScale | None = None) -> Encoded:
     """Tokenize one conversation; labels are -100 except on assistant turns. `system`: the system turn
-    of a conversation that has none (--system)."""
+    of a conversation that has none (--system); `loss_scale` (--loss-scale, data/loss_scale.py): which
+    turns and parts of them are targets instead."""
     messages = with_system(messages, system)
     full = render(tokenizer, messages)
     spans = assistant_spans(tokenizer, messages, full, where)
+    if loss_scale is not None:
+        spans = loss_scale.spans(messages, spans, full)
     ids, labels = label_spans(tokenizer, full, spans)
     return _cut(ids, labels, max_length, truncation)
 

@@ -113,7 +113,8 @@ def load_tokenizer(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
     except OSError as e:
         raise UserError(f"--model {cfg.model.model}: cannot load its tokenizer ({str(e).splitlines()[0]})") from None
     if cfg.model.template:
-        tok.chat_template = Path(cfg.model.template).read_text(encoding="utf-8")
+        from swiftlite.data.templates import chat_template
+        tok.chat_template = chat_template(cfg.model.template)
     if cfg.model.enable_thinking is not None:
         with_thinking_switch(tok, cfg.model.enable_thinking)
     if tok.pad_token_id is None:
