@@ -121,8 +121,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the MoE router's auxiliary loss is not added here: the loss is the language-model loss only; drop "
      "the flag",
      ("router_aux_loss_coef",)),
-    ("DFT and channel losses are not available: the loss is the token cross-entropy (--loss-impl picks how it is "
-     "computed)", ("enable_dft_loss", "enable_channel_loss")),
+    ("channel losses are not available: the loss is the token cross-entropy (--loss-impl picks how it is "
+     "computed; --enable-dft-loss weights it)", ("enable_channel_loss",)),
     ("weights are always written as safetensors: drop the flag", ("safe_serialization",)),
     ("the shard size of an exported model is `swiftlite export --max-shard-size`", ("max_shard_size",)),
     ("token accuracy is not computed: logging.jsonl records the loss, learning rate, gradient "

@@ -336,6 +336,17 @@ def _loss_scale(c: RunConfig):
                 "default there); drop the flag")
 
 
+@rule("dft loss")
+def _dft(c: RunConfig):
+    if not c.train.enable_dft_loss:
+        return None
+    if task_spec(c.task).own_options == "rlhf":
+        return "--enable-dft-loss weights the token cross-entropy of sft and pt; rlhf has its own losses"
+    if c.train.loss_impl in ("liger", "cce"):
+        return (f"--enable-dft-loss with --loss-impl {c.train.loss_impl}: the fused kernel returns only the summed "
+                "loss, not each token's; use --loss-impl chunked (the default) or plain")
+
+
 @rule("resume")
 def _resume(c: RunConfig):
     if c.checkpoint.resume_only_model and c.checkpoint.resume == "false" and not c.checkpoint.resume_from:

@@ -295,6 +295,9 @@ class TrainConfig(Section):
                          choices=("chunked", "liger", "cce", "plain"))
     loss_chunk_tokens: int = opt(0, "Tokens per chunk of --loss-impl chunked (0: auto, ~64 MiB of fp32 "
                                  "logits per chunk, at least 128).")
+    enable_dft_loss: bool = opt(False, "DFT (Dynamic Fine-Tuning, ms-swift's): each target token's cross-entropy "
+                                "weighted by the model's probability of that token (detached), in training and "
+                                "validation; sft and pt; --loss-impl chunked or plain.")
     use_liger_kernel: bool = opt(False, "Liger's RMSNorm, RoPE and SwiGLU kernels (GPU, 'swiftlite[liger]'); "
                                  "the loss stays --loss-impl's.")
     dataloader_num_workers: int = opt(1, "torch DataLoader worker processes that build (collate) each step's "

@@ -4,6 +4,9 @@
 
 `token_loss_sum` returns the SUM of the next-token cross-entropy over target tokens (labels shifted by
 one, IGNORE = -100 excluded), in fp32; the trainer divides by the target tokens of the global batch.
+With --enable-dft-loss (ms-swift's DFT) each token's term is weighted by its target's probability
+exp(-loss), held constant, in every impl that has per-token losses (chunked, plain; the rules refuse
+liger and cce, whose kernels return the sum only).
 `--loss-impl` picks how it is computed:
 
 * ``chunked`` (default): only positions with a target get logits (the hidden states at label positions
@@ -61,6 +64,7 @@ class LossOptions:
     impl: str = DEFAULT_LOSS_IMPL
     chunk_tokens: int = 0            # 0: auto (chunk_tokens_for)
     liger_kernels: bool = False      # --use-liger-kernel: Liger's RMSNorm/RoPE/SwiGLU
+    dft: bool = False                # --enable-dft-loss: each token's loss x its target's probability
 
 
 def loss_options(cfg: Any) -> LossOptions:
@@ -68,7 +72,8 @@ def loss_options(cfg: Any) -> LossOptions:
     train = getattr(cfg, "train", None)
     return LossOptions(impl=getattr(train, "loss_impl", DEFAULT_LOSS_IMPL),
                        chunk_tokens=int(getattr(train, "loss_chunk_tokens", 0) or 0),
-                       liger_kernels=bool(getattr(train, "use_liger_kernel", False)))
+                       liger_kernels=bool(getattr(train, "use_liger_kernel", False)),
+                       dft=bool(getattr(train, "enable_dft_loss", False)))
 
 
 def chunk_tokens_for(vocab: int, setting: int = 0) -> int:
@@ -130,17 +135,26 @@ def token_loss_sum(module: "torch.nn.Module", batch: dict[str, "torch.Tensor"],
     if head is not None:
         out = module(**inputs, use_cache=False, swiftlite_labels=batch["labels"])
         return out.loss
-    return _plain(module, inputs, batch["labels"])
+    return _plain(module, inputs, batch["labels"], opts.dft)
 
 
-def _plain(module: "torch.nn.Module", inputs: dict, labels: "torch.Tensor") -> "torch.Tensor":
-    import torch.nn.functional as F
+def _plain(module: "torch.nn.Module", inputs: dict, labels: "torch.Tensor", dft: bool = False) -> "torch.Tensor":
     out = module(**inputs, use_cache=False)
     logits = out.logits if hasattr(out, "logits") else out[0]
     labels = labels[:, 1:]
     logits = logits[:, :-1].float()
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
-                           ignore_index=IGNORE, reduction="sum")
+    return _ce_sum(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), dft)
+
+
+def _ce_sum(logits: "torch.Tensor", targets: "torch.Tensor", dft: bool) -> "torch.Tensor":
+    """Summed cross-entropy (IGNORE excluded); `dft`: each token's loss times exp(-loss), detached
+    (ms-swift's DFT: the target's probability as a constant weight)."""
+    import torch
+    import torch.nn.functional as F
+    if not dft:
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+    per_token = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="none")
+    return (per_token * torch.exp(-per_token.detach())).sum()
 
 
 @dataclass
@@ -152,6 +166,7 @@ class _Head:
     original: Any     # the CausalLM's own forward (a function taking the instance first)
     impl: str = DEFAULT_LOSS_IMPL
     chunk: int = 0
+    dft: bool = False
 
 
 _STATE = "_swiftlite_head"
@@ -213,6 +228,7 @@ def _prepare(module: "torch.nn.Module", opts: LossOptions) -> _Head | None:
         return None
     state.impl = opts.impl
     state.chunk = opts.chunk_tokens
+    state.dft = opts.dft
     return state
 
 
@@ -252,15 +268,14 @@ def _causal_lm_forward(self: Any, *args: Any, swiftlite_labels: "torch.Tensor | 
     y = labels[keep]
     if state.fused:
         loss = self.get_output_embeddings()(h, swiftlite_targets=y, swiftlite_impl=state.impl,
-                                            swiftlite_chunk=state.chunk)
+                                            swiftlite_chunk=state.chunk, swiftlite_dft=state.dft)
     else:
-        import torch.nn.functional as F
-        loss = F.cross_entropy(self.get_output_embeddings()(h).float(), y, reduction="sum")
+        loss = _ce_sum(self.get_output_embeddings()(h).float(), y, state.dft)
     return CausalLMOutputWithPast(loss=loss)
 
 
 def _head_forward(self: Any, hidden: "torch.Tensor", *, swiftlite_targets: "torch.Tensor | None" = None,
-                  swiftlite_impl: str = DEFAULT_LOSS_IMPL, swiftlite_chunk: int = 0):
+                  swiftlite_impl: str = DEFAULT_LOSS_IMPL, swiftlite_chunk: int = 0, swiftlite_dft: bool = False):
     """lm_head's forward: the Linear, or (with swiftlite_targets) the summed loss of those targets.
     Running as this module's forward is what gives ZeRO-3 the gathered weight (module docstring)."""
     import torch
@@ -269,7 +284,8 @@ def _head_forward(self: Any, hidden: "torch.Tensor", *, swiftlite_targets: "torc
     w, b, y = self.weight, self.bias, swiftlite_targets
     if swiftlite_impl == "chunked":
         from swiftlite.parallel.chunked_ce import linear_cross_entropy_sum
-        return linear_cross_entropy_sum(hidden, w, b, y, chunk_tokens_for(w.shape[0], swiftlite_chunk))
+        return linear_cross_entropy_sum(hidden, w, b, y, chunk_tokens_for(w.shape[0], swiftlite_chunk),
+                                        dft=swiftlite_dft)
     if swiftlite_impl in EXTRAS and not y.numel():  # no target on this rank: a zero still tied to the weight
         return torch.nn.Linear.forward(self, hidden).float().sum()
     if swiftlite_impl == "liger":

@@ -100,6 +100,19 @@ SFT = [
     ("early_stop", f"sft {_C} --dataset {{messages}}#32 --split_dataset_ratio 0.25 --eval_steps 1 "
                    "--early_stop_interval 3 --metric_for_best_model loss",
      {"early_stop_interval": 3, "metric_for_best_model": "loss", "eval_steps": 1}),
+    # examples/train/plugins/loss_scale.sh, think_model/*.sh, full/dft.sh, base_to_chat/lora.sh
+    ("loss_scale_all", f"sft {_C} {_LORA} --dataset {{self_cognition}}#16 --model_author swift "
+                       "--model_name swift-robot --loss_scale all --loss_type loss_scale",
+     {"loss_scale": "all", "loss_type": "loss_scale"}),
+    ("loss_scale_think", f"sft {_C} --dataset {{messages}}#16 --loss_scale ignore_empty_think",
+     {"loss_scale": "ignore_empty_think"}),
+    ("loss_scale_last_round", f"sft {_C} --dataset {{messages}}#16 --loss_scale last_round",
+     {"loss_scale": "last_round"}),
+    ("dft", f"sft {_C} --tuner_type full --dataset {{messages}}#16 --torch_dtype bfloat16 --enable_dft_loss true",
+     {"enable_dft_loss": True, "train_type": "full"}),
+    ("template_default", f"sft {_C} {_LORA} --dataset {{alpaca}}#16 --template default "
+                         "--system 'You are a helpful assistant.'",
+     {"template": "default", "system": "You are a helpful assistant."}),
     ("modules_to_save", f"sft {_C} {_LORA} --dataset {{messages}}#16 --modules_to_save embed_tokens lm_head",
      {"modules_to_save": ["embed_tokens", "lm_head"]}),
     ("qlora", f"sft {_C} {_LORA} --dataset {{messages}}#16 --torch_dtype bfloat16 --quant_bits 4 "
@@ -166,7 +179,7 @@ REFUSED = {
     "sft": [
         ("--agent_template react_en", "template"),
         ("--cached_dataset ./c/train", "cached"), ("--cached_val_dataset ./c/val", "cached"),
-        ("--enable_dft_loss true", "DFT"), ("--experts_impl grouped_mm", "drop the flag"),
+        ("--experts_impl grouped_mm", "drop the flag"),
         ("--use_galore true", "GaLore"), ("--galore_optim_per_parameter true", "GaLore"),
         ("--galore_quantization true", "GaLore"),
         ("--lisa_activated_layers 2", "LISA"), ("--llamapro_num_new_blocks 4", "tuner"),
@@ -198,8 +211,7 @@ REFUSED = {
 #: Refused by a later check (a value's choices, the value rules, the preflight of the machine): each its own
 #: line, exit 2, alone and in the same run as REFUSED["sft"]'s (every stage's refusals are listed together).
 REFUSED_LATER = [
-    ("--loss_type loss_scale", "loss_type"), ("--init_weights lora-ga", "lora-ga"),
-    ("--template default", "template"), ("--attn_impl flash_attn", "GPU"), ("--use_liger_kernel true", "GPU"),
+    ("--init_weights lora-ga", "lora-ga"), ("--attn_impl flash_attn", "GPU"), ("--use_liger_kernel true", "GPU"),
 ]
 
 

@@ -334,3 +334,48 @@ def test_a_model_without_a_transformers_head_uses_the_plain_path():
     plain = L.token_loss_sum(toy, batch, L.LossOptions(impl="plain"))
     for _ in range(2):   # the second call answers from the cache
         assert torch.equal(L.token_loss_sum(toy, batch, L.LossOptions()), plain)
+
+
+def _dft_reference(model, batch):
+    """ms-swift's DFT (swift/trainers/utils.py per_token_loss_func), written out: per-token CE from the
+    full fp32 logits, times exp(-CE) detached, summed."""
+    import torch.nn.functional as F
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    y = batch["labels"][:, 1:].reshape(-1)
+    ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y, ignore_index=IGNORE, reduction="none")
+    return (ce * torch.exp(-ce).detach()).sum()
+
+
+@pytest.mark.parametrize("impl,chunk,wrap", [("chunked", 7, None), ("plain", 0, None), ("chunked", 5, "head")],
+                         ids=["chunked", "plain", "unfused-head"])
+def test_dft_loss_matches_msswift_and_differs_from_ce(impl, chunk, wrap):
+    model = _llama(False)
+    if wrap == "head":   # a trained copy of lm_head: the head is not fused, its path computes DFT too
+        model = _lora(model, targets=("q_proj",), modules_to_save=["lm_head"])
+    batch = _batch()
+    model.zero_grad(set_to_none=True)
+    ref = _dft_reference(model, batch)
+    (ref * 0.37).backward()
+    g_ref = {n: p.grad.detach().clone() / 0.37 for n, p in model.named_parameters() if p.grad is not None}
+    got, g_got = _loss_and_grads(model, batch, L.LossOptions(impl=impl, chunk_tokens=chunk, dft=True))
+    assert abs(got - float(ref)) <= 1e-5 * abs(float(ref)), (got, float(ref))
+    assert g_ref.keys() == g_got.keys() and g_ref
+    for n, g in g_ref.items():
+        err = float((g_got[n] - g).abs().max()) / max(float(g.abs().max()), 1e-12)
+        assert err <= 1e-4, (n, err)
+    ce, _ = _loss_and_grads(model, batch, L.LossOptions(impl=impl, chunk_tokens=chunk))
+    assert got < 0.5 * ce     # random weights: every target's probability is ~1/vocab, so DFT is far smaller
+
+
+def test_dft_refused_with_fused_kernels_and_for_rlhf():
+    from swiftlite.cli import parse_run_args
+    from swiftlite.config import load_config
+    base = ["--model", "tiny-llama-2l", "--dataset", "d.jsonl", "--enable_dft_loss", "true"]
+    for extra, task, msg in [(["--loss_impl", "liger"], "sft", "fused kernel returns only the summed loss"),
+                             (["--rlhf_type", "dpo"], "rlhf", "rlhf has its own losses")]:
+        config_file, values = parse_run_args([*base, *extra])
+        with pytest.raises(UserError, match=msg):
+            load_config(config_file, values, validate_paths=False, task=task)
+    config_file, values = parse_run_args(base)
+    cfg = load_config(config_file, values, validate_paths=False)
+    assert L.loss_options(cfg).dft is True

@@ -97,7 +97,7 @@ def test_every_refused_flag_reported_at_once_in_order():
 
 
 @pytest.mark.parametrize("flag", ["--use_galore", "--optimizer", "--agent_template", "--num_iterations",
-                                  "--vllm_server_port", "--enable_dft_loss"])
+                                  "--vllm_server_port", "--enable_channel_loss"])
 def test_no_suggestion_of_a_flag_with_another_meaning(flag):
     """ms-swift's --use_galore is not a typo of --use_rslora, nor --optimizer of --optim."""
     msg = _error(["--dataset", "d.jsonl", flag, "1"])
@@ -145,10 +145,10 @@ def test_cli_lists_every_refusal_one_line_each(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"messages": [{"role": "user", "content": "a"}, '
                                       '{"role": "assistant", "content": "b"}]}\n')
     r = _cli(["sft", "--model", "tiny-llama-2l", "--dataset", "d.jsonl", "--use_galore", "true",
-              "--enable_dft_loss", "true", "--frobnicate", "--output_dir", "out"], tmp_path)
+              "--enable_channel_loss", "true", "--frobnicate", "--output_dir", "out"], tmp_path)
     lines = r.stderr.splitlines()
     assert r.returncode == 2 and len(lines) == 3 and all(ln.startswith("error: ") for ln in lines), r.stderr
-    assert lines[0].startswith("error: --use_galore: GaLore") and lines[1].startswith("error: --enable_dft_loss: DFT")
+    assert lines[0].startswith("error: --use_galore: GaLore") and lines[1].startswith("error: --enable_channel_loss: channel losses")
     assert lines[2] == "error: unknown option --frobnicate"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]     # nothing written
     r = _cli(["export", "--ckpt", "out", "--push_to_hub", "true", "--hub_model_id", "me/m"], tmp_path)
