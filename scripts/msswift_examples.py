@@ -253,7 +253,9 @@ HUB_FORMAT = {
     "hjh0119/shareAI-Llama3-DPO-zh-en-emoji": "preference", "AI-ModelScope/orpo-dpo-mix-40k": "preference",
     "AI-ModelScope/ultrafeedback-binarized-preferences-cleaned-kto": "kto",
     "AI-MO/NuminaMath-TIR": "grpo", "AI-ModelScope/NuminaMath-TIR": "grpo", "modelscope/gsm8k": "grpo",
-    "AI-MO/NuminaMath-CoT": "grpo", "open-r1/OpenThoughts-114k-math": "grpo",
+    # NuminaMath-CoT's `messages` column holds the problem and its worked solution (a chat row; its
+    # only script, full/dft.sh, is sft)
+    "AI-MO/NuminaMath-CoT": "messages", "open-r1/OpenThoughts-114k-math": "grpo",
     "swift/chinese-c4": "text", "lvjianjin/AdvertiseGen": "query_response", "AI-ModelScope/ruozhiba": "text",
 }
 
