@@ -9,6 +9,7 @@ both spellings (--max-shard-size and --max_shard_size); --adapters is --ckpt; a 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -39,16 +40,21 @@ class _SwitchCommand(typer.core.TyperCommand):
 SWITCH_METAVAR = "[true|false]"
 
 _UPLOAD = "nothing is uploaded: upload the exported folder yourself (huggingface-cli upload REPO DIR)"
-_QUANTIZE = ("quantized export (GPTQ/AWQ/bnb/FP8) is not available: `swiftlite export` writes a 16-bit HF folder; "
-             "quantize it with the serving engine's own tools")
+_QUANTIZE = ("calibrated and other quantized exports (GPTQ/AWQ/FP8/HQQ) are not available: `swiftlite export` "
+             "writes a 16-bit HF folder, or a bitsandbytes one (--quant_method bnb --quant_bits 4|8), which needs "
+             "no calibration; drop the flag")
 #: ms-swift's `swift export` options (ExportArguments, commit 3602360a) that mean something here
 #: other than "a setting of the run": their own reason.
 EXPORT_REFUSALS = {**{k: _UPLOAD for k in ("push_to_hub", "hub_model_id", "hub_private_repo", "commit_message",
                                            "hub_token", "use_hf")},
-                   **{k: _QUANTIZE for k in ("quant_method", "quant_bits", "quant_n_samples", "quant_batch_size",
-                                             "group_size", "hqq_axis", "bnb_4bit_quant_type",
-                                             "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
+                   **{k: _QUANTIZE for k in ("quant_n_samples", "quant_batch_size", "group_size", "hqq_axis",
                                              "bnb_4bit_quant_storage")}}
+#: --quant_method values of ms-swift's export that are refused, with what they would need.
+QUANT_METHODS_REFUSED = {
+    "gptq": "GPTQ calibrates on data with the gptqmodel package", "gptq_v2": "GPTQ calibrates on data",
+    "awq": "AWQ calibrates on data with the autoawq package", "fp8": "FP8 needs a GPU with FP8 kernels",
+    "hqq": "HQQ needs the hqq package", "eetq": "EETQ needs the eetq package and a GPU",
+    "quanto": "quanto needs the optimum-quanto package"}
 
 
 def refuse_msswift_options(args: list[str], known: set[str]) -> None:
@@ -72,7 +78,31 @@ def refuse_msswift_options(args: list[str], known: set[str]) -> None:
             why = EXPORT_FROM_RUN
         if why is not None:
             problems.append(f"{name}: {why}")
+    if problems:   # the quantization options' own mistakes belong to the same list (one run names all)
+        try:
+            bnb_options(**_raw_values(args, _BNB_FLAGS))
+        except UserError as e:
+            problems += getattr(e, "lines", [str(e)])
     raise_all(problems)
+
+
+#: bnb_options' keyword -> the flag's ms-swift spelling (the dashed one is accepted too).
+_BNB_FLAGS = {"method": "--quant_method", "bits": "--quant_bits", "quant_type": "--bnb_4bit_quant_type",
+              "double_quant": "--bnb_4bit_use_double_quant", "compute_dtype": "--bnb_4bit_compute_dtype"}
+
+
+def _raw_values(args: list[str], flags: dict[str, str]) -> dict:
+    """The values of `flags` on a raw command line (before click parses it): `--f v`, `--f=v`, or a
+    bare switch (true); quant_bits as an int where it is one."""
+    out: dict = {k: None for k in flags}
+    spell = {f: k for k, f in flags.items()} | {f.replace("_", "-"): k for k, f in flags.items()}
+    for i, a in enumerate(args):
+        name, eq, val = a.partition("=")
+        if name in spell:
+            if not eq:
+                val = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else "true"
+            out[spell[name]] = int(val) if spell[name] == "bits" and val.lstrip("-").isdigit() else val
+    return out
 
 
 def switch(*names: str, help: str) -> typer.models.OptionInfo:
@@ -113,23 +143,103 @@ def export_cmd(
                                           "training-side model; exit 1 if anything fails"),
     overwrite: str = switch("--overwrite", "--exist-ok", "--exist_ok",
                             help="Replace --output if it exists (only once the new export is complete)"),
+    quant_method: Optional[str] = typer.Option(None, "--quant-method", "--quant_method",
+                                               help="bnb: write the export quantized by bitsandbytes (with "
+                                                    "--quant-bits 4 or 8; LoRA runs are merged first), as "
+                                                    "ms-swift's `swift export --quant_method bnb`."),
+    quant_bits: Optional[int] = typer.Option(None, "--quant-bits", "--quant_bits",
+                                             help="4 or 8, with --quant-method bnb."),
+    bnb_4bit_quant_type: Optional[str] = typer.Option(None, "--bnb-4bit-quant-type", "--bnb_4bit_quant_type",
+                                                      help="4-bit type: nf4 (default, ms-swift's) or fp4."),
+    bnb_4bit_use_double_quant: Optional[str] = typer.Option(
+        None, "--bnb-4bit-use-double-quant", "--bnb_4bit_use_double_quant", metavar=SWITCH_METAVAR,
+        help="4-bit: quantize the quantization constants too (default: true, ms-swift's)."),
+    bnb_4bit_compute_dtype: Optional[str] = typer.Option(None, "--bnb-4bit-compute-dtype", "--bnb_4bit_compute_dtype",
+                                                         help="4-bit compute dtype (default: --dtype)."),
 ) -> None:
-    """Export a checkpoint to a 16-bit Hugging Face folder (vLLM, LMDeploy, transformers)."""
-    if ckpt is None and adapters is None:
-        raise UserError("export: pass the checkpoint to export with --ckpt or --adapters")
+    """Export a checkpoint to a 16-bit Hugging Face folder (vLLM, LMDeploy, transformers), or a
+    bitsandbytes-quantized one (--quant-method bnb)."""
     if ckpt is not None and adapters is not None and ckpt != adapters:
         raise UserError(f"--ckpt {ckpt} and --adapters {adapters}: both name the checkpoint; give one")
+    if ckpt is None and adapters is None:
+        if base_model is None:
+            raise UserError("export: pass the checkpoint to export with --ckpt or --adapters (or a model with --model)")
+        ckpt, base_model = model_folder(base_model), None   # ms-swift's `swift export --model M`
+    quant = bnb_options(quant_method, quant_bits, bnb_4bit_quant_type, bnb_4bit_use_double_quant,
+                        bnb_4bit_compute_dtype)
     from swiftlite.export import ExportOptions, VerifyError, export
     opts = ExportOptions(ckpt=ckpt or adapters, output=output, base_model=base_model,
                          merge_lora=_on("--merge-lora", merge_lora), dtype=dtype.lower(),
                          max_shard_size=max_shard_size, verify=_on("--verify", verify),
                          overwrite=_on("--overwrite", overwrite),
-                         ckpt_flag="--ckpt" if ckpt is not None else "--adapters")
+                         ckpt_flag="--ckpt" if ckpt is not None else "--adapters", quant=quant)
     try:
         export(opts)
     except VerifyError as e:
         print(f"error: --verify failed: {e}", file=sys.stderr)
         raise typer.Exit(1)
+
+
+def model_folder(model: str) -> str:
+    """`swift export --model M` with no checkpoint: M's own weights are what is exported (an HF
+    folder, or a hub id's local snapshot). A preset has no weights to export."""
+    from swiftlite.models.loading import resolve_model
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return str(p)
+    ms = resolve_model(model)
+    if ms.kind == "hub":
+        try:
+            return str(ms.snapshot(None, ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*")).ref)
+        except Exception as e:  # offline, gated, unknown id
+            raise UserError(f"--model {model}: not available ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                            ) from None
+    if ms.kind != "folder":
+        raise UserError(f"--model {model}: a built-in model has no weights to export (its weights come from the seed "
+                        "at training time); export a checkpoint with --ckpt")
+    return str(ms.ref)
+
+
+def bnb_options(method: str | None, bits: int | None, quant_type: str | None, double_quant: str | None,
+                compute_dtype: str | None):
+    """--quant_method bnb and its options -> export/quantize.BnbExport (None without --quant_method);
+    every mistake is named at once, in ms-swift's terms."""
+    from swiftlite import dtypes
+    from swiftlite.errors import raise_all
+    from swiftlite.export.quantize import BNB_4BIT_TYPES, BnbExport
+    given4 = [f for f, v in (("--bnb_4bit_quant_type", quant_type), ("--bnb_4bit_use_double_quant", double_quant),
+                             ("--bnb_4bit_compute_dtype", compute_dtype)) if v is not None]
+    problems = []
+    bnb = method is not None and method.lower() == "bnb"
+    if method is not None and not bnb:
+        why = QUANT_METHODS_REFUSED.get(method.lower(), "not a quantization method ms-swift's export has")
+        problems.append(f"--quant_method {method}: {why}; `swiftlite export` quantizes with bnb only "
+                        "(--quant_method bnb --quant_bits 4|8)")
+    if not bnb:   # every option of a bnb export, named: it has nothing to apply to
+        problems += [f"{f}: needs --quant_method bnb (a quantized export)"
+                     for f in (["--quant_bits"] if bits is not None else []) + given4]
+        raise_all(problems)
+        return None
+    if bits not in (4, 8):
+        problems.append(f"--quant_bits {bits}: --quant_method bnb takes 4 or 8" if bits is not None else
+                        "--quant_method bnb needs --quant_bits 4 or 8")
+    if bits == 8:
+        problems += [f"{f}: applies to 4-bit quantization, not --quant_bits 8" for f in given4]
+    if quant_type is not None and quant_type.lower() not in BNB_4BIT_TYPES:
+        problems.append(f"--bnb_4bit_quant_type {quant_type}: choose nf4 or fp4")
+    cd = None
+    if compute_dtype is not None:
+        cd = dtypes.normalize(compute_dtype)
+        if cd not in dtypes.NAMES or cd == "auto":
+            problems.append(f"--bnb_4bit_compute_dtype {compute_dtype}: choose bfloat16, float16 or float32")
+    dq = True
+    if double_quant is not None:
+        try:
+            dq = _on("--bnb_4bit_use_double_quant", double_quant)
+        except UserError as e:
+            problems.append(str(e))
+    raise_all(problems)
+    return BnbExport(bits=bits, quant_type=(quant_type or "nf4").lower(), double_quant=dq, compute_dtype=cd)
 
 
 export_cmd.command_settings = {"cls": _SwitchCommand}

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from pathlib import Path
 
 from swiftlite import dtypes
 from swiftlite.checkpoint.readers import (DCPReader, ModelReader, SafetensorsReader, TensorReader, ZeroReader,
@@ -80,12 +81,15 @@ def export(opts: ExportOptions) -> ExportResult:
         raise UserError(f"--dtype {opts.dtype}: choose bf16 or fp16")
     max_shard = parse_size(opts.max_shard_size, "--max-shard-size")
     src = inspect_source(opts.ckpt, opts.base_model, log, opts.ckpt_flag)
+    if opts.quant is not None and src.is_peft and not opts.merge_lora:
+        opts.merge_lora = True
+        log("the LoRA is merged into its base first: a quantized export is a full model (as ms-swift does)")
     if opts.merge_lora and not src.is_peft:
         raise UserError(f"--merge-lora: {opts.ckpt_flag} {opts.ckpt} is a full fine-tune ({src.path.name}), there is "
                         "no LoRA adapter to merge; export it without --merge-lora")
     if opts.output is None:
-        opts.output = str(default_output(src, opts.merge_lora))
-        log(f"output {opts.output} (no --output given: <checkpoint>-{'merged' if opts.merge_lora else 'export'})")
+        opts.output = str(default_output(src, opts.merge_lora, opts.quant))
+        log(f"output {opts.output} (no --output given: <checkpoint>-{Path(opts.output).name[len(src.path.name) + 1:]})")
     out, tmp = prepare_output(opts.output, opts.overwrite, src)
     log(f"source {src.describe()}")
     t0 = time.perf_counter()
@@ -98,6 +102,19 @@ def export(opts: ExportOptions) -> ExportResult:
             report = verify_export(tmp, src, opts, result)
             result.verify = report
             append_readme(tmp, "## Verification\n\n" + "\n".join(f"- {k}: {v}" for k, v in report.items()) + "\n")
+        if opts.quant is not None:   # the verified 16-bit folder, quantized (export/quantize.py)
+            from swiftlite.export.quantize import quantize_export
+            trust = bool(src.cfg.model.trust_remote_code) if src.cfg is not None else False
+            qreport = quantize_export(tmp, opts.quant, opts.dtype, max_shard, trust, log, check=opts.verify)
+            append_readme(tmp, "## Quantization\n\n" + "\n".join(f"- {k}: {v}" for k, v in qreport.items())
+                          + "\n\nThis folder's weights are the 16-bit export above, quantized by transformers' "
+                          "bitsandbytes integration.\n")
+            files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+            result.files, result.bytes = files, sum((tmp / f).stat().st_size for f in files)
+            from safetensors import safe_open
+            result.tensors = sum(len(safe_open(str(tmp / f), "pt").keys()) for f in files if f.endswith(".safetensors"))
+            if result.verify is not None:
+                result.verify.update(qreport)
         move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

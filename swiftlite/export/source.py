@@ -26,6 +26,7 @@ class ExportOptions:
     overwrite: bool = False
     log: Callable[[str], None] = field(default=lambda msg: print(f"export: {msg}", flush=True))
     ckpt_flag: str = "--ckpt"        # how the user named the checkpoint (--ckpt or --adapters), for messages
+    quant: Any = None                # export/quantize.BnbExport: --quant_method bnb (None: 16-bit)
 
 
 @dataclass
@@ -173,11 +174,13 @@ def inspect_source(arg: str, base_model: str | None, log: Callable[[str], None],
     return src
 
 
-def default_output(src: Source, merge: bool) -> Path:
-    """The output when none is given: `<checkpoint>-merged` when merging (ms-swift's default for
-    `--merge_lora true`), else `<checkpoint>-export`, next to the checkpoint (or adapter/HF folder).
-    Neither is a `checkpoint-N` name, so a run folder's checkpoint listing ignores it."""
-    return src.path.parent / f"{src.path.name}-{'merged' if merge else 'export'}"
+def default_output(src: Source, merge: bool, quant: Any = None) -> Path:
+    """The output when none is given: `<checkpoint>-bnb-int4` for a quantized export and
+    `<checkpoint>-merged` when merging (ms-swift's defaults), else `<checkpoint>-export`, next to the
+    checkpoint (or adapter/HF folder). None is a `checkpoint-N` name, so a run folder's checkpoint
+    listing ignores it."""
+    tail = quant.suffix() if quant is not None else "merged" if merge else "export"
+    return src.path.parent / f"{src.path.name}-{tail}"
 
 
 def resolve_base(src: Source) -> Any:

@@ -35,6 +35,7 @@ DIFFERENCES = {
     "top_k": "a GRPO option (rlhf)",
     "dataloader_drop_last": "true keeps the step count and order of runs made before the flag (its --help)",
     "add_version": "--output-dir is the run folder --resume auto and requeues find (its --help)",
+    "loss_scale": "None: each command's own ms-swift default (sft default, pt all, rlhf last_round)",
 }
 
 
