@@ -391,6 +391,9 @@ class RlhfConfig(VllmOptions, Section):   # GRPO's vLLM options: config/vllm_opt
     scale_rewards: str | None = opt(None, "GRPO: divide the advantages by the reward std of the group (group, "
                                     "the default), of the whole generation batch (batch), or not at all (none).",
                                     choices=("group", "batch", "none"))
+    overlong_filter: bool = opt(False, "GRPO: leave the completions cut at --max-completion-length (no EOS) out "
+                                "of the loss and its metrics (their tokens masked; their rewards still shape the "
+                                "group's advantages, and dapo's normalizer still counts them, as ms-swift).")
     log_completions: bool = opt(False, "GRPO: write every sampled completion with its rewards to "
                                 "<output-dir>/completions.jsonl (step, prompt, completion, rewards, advantage).")
     steps_per_generation: int | None = opt(None, "GRPO: micro-batch steps served by one generation round (its "

@@ -224,6 +224,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
             lengths[c] = n
             truncated[c] = float(n == 0 or int(c_ids[j, n - 1]) not in eos_ids)   # no EOS: cut at the limit
             texts[c] = tok.decode(c_ids[j, :n].tolist(), skip_special_tokens=True)
+        micro[tuple(mb)]["truncated"] = torch.tensor([truncated[c] for c in mb], device=c_mask.device)
     # rewards of this rank's completions, then the whole round's table on every rank
     N, F = plan.round_completions, len(b.rewards)
     mine_c = [c for mb in mine for c in mb]
@@ -338,27 +339,31 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     temp = b.options.temperature
     micro = b.plan.micro_batches(j, world.rank)
     loss_sum, tokens, comp_tokens = 0.0, 0, 0
-    sums = {"kl": 0.0, "entropy": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "clip_n": 0.0}
+    sums = {"kl": 0.0, "entropy": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "clip_n": 0.0, "kept": 0.0}
     from swiftlite.rlhf.reference import root_module
     for i, mb in enumerate(micro):
         t = cur.micro[tuple(mb)]
         mask = t["completion_mask"]
+        # --overlong_filter: the loss and its metrics leave out completions cut at the length limit
+        # (ms-swift masks them after the round is scored: advantages and dapo's normalizer keep them)
+        lmask = mask * (t["truncated"] == 0).to(mask.dtype)[:, None] if b.options.overlong_filter else mask
         with engine.micro_batch(last=i == len(micro) - 1):
             module, ctx = root_module(engine)
             logps, ent = token_logps(module, t["prompt_ids"], t["prompt_mask"], t["completion_ids"], mask, temp, ctx,
                                      entropy=True)
-            terms = token_terms(o, logps, t.get("old_logps"), t.get("ref_logps"), t["advantages"], mask)
-            objective = micro_batch_loss(o, terms.per_token_loss, mask, accumulation=ga, round_tokens=cur.tokens,
+            terms = token_terms(o, logps, t.get("old_logps"), t.get("ref_logps"), t["advantages"], lmask)
+            objective = micro_batch_loss(o, terms.per_token_loss, lmask, accumulation=ga, round_tokens=cur.tokens,
                                          steps_per_generation=S, world_size=world.world_size)
             engine.backward(objective)
         loss_sum += float(objective.detach())
-        m = mask.float()
+        m = lmask.float()
+        sums["kept"] += float(m.sum())   # the tokens the loss and its metrics see
         tokens += int(t["prompt_mask"].sum() + mask.sum())
         comp_tokens += int(mask.sum())
         if terms.kl is not None:
             sums["kl"] += float((terms.kl.detach() * m).sum())
         sums["entropy"] += float((ent * m).sum())
-        cs = clip_stats(o, terms.ratio.detach(), t["advantages"], mask)
+        cs = clip_stats(o, terms.ratio.detach(), t["advantages"], lmask)
         for name in ("low", "high", "region"):
             sums[name] += float(cs[name].sum())
         sums["clip_n"] += float(cs["tokens"].sum())   # tokens, or completions for a sequence-level ratio
@@ -369,7 +374,7 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     totals = all_reduce_sum([loss_sum, float(tokens), float(comp_tokens), *[sums[n] for n in names]])
     loss_total, tok_total, comp_total = totals[:3]
     agg = dict(zip(names, totals[3:]))
-    denom = max(1.0, comp_total)
+    denom = max(1.0, agg["kept"])
     out = dict(cur.metrics)
     if o.beta != 0.0:
         out["kl"] = agg["kl"] / denom

@@ -182,3 +182,23 @@ def test_gspo_sequence_level_ratio_trains_over_two_passes(files, tmp_path):
     # 3e-4 / 4e-4 clip range for some completions (a completion-level fraction)
     assert steps[0]["clip_ratio/region_mean"] == 0.0 and 0.0 < steps[1]["clip_ratio/region_mean"] <= 1.0
     assert json.loads((tmp_path / "g" / "args.json").read_text())["rlhf"]["importance_sampling_level"] == "sequence"
+
+
+def test_overlong_filter_leaves_cut_completions_out_of_the_loss(files, tmp_path):
+    """--overlong_filter (ms-swift's): completions cut at --max_completion_length (no EOS) are masked out
+    of the loss and its metrics. The same seed samples the same first round with and without it; a tiny
+    random model rarely ends a 6-token completion, so the filtered run's loss and entropy see only the
+    completions that ended (none: both are exactly 0)."""
+    base = ["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--external-plugins", files / "plugin.py",
+            "--reward-funcs", "exact", "length", "--learning-rate", "1e-3", "--max-steps", "1"]
+    run_cli([*base, "--output-dir", tmp_path / "plain"], env=_env(files))
+    run_cli([*base, "--overlong_filter", "true", "--output-dir", tmp_path / "filtered"], env=_env(files))
+    plain, filtered = _steps(tmp_path / "plain")[0], _steps(tmp_path / "filtered")[0]
+    assert plain["completions/clipped_ratio"] == filtered["completions/clipped_ratio"] > 0.0
+    assert plain["reward"] == filtered["reward"]                     # the same samples, scored the same
+    assert plain["entropy"] > 0.0
+    if filtered["completions/clipped_ratio"] == 1.0:
+        assert filtered["entropy"] == 0.0 and filtered["loss"] == 0.0
+    else:
+        assert filtered["entropy"] != plain["entropy"]
+    assert json.loads((tmp_path / "filtered" / "args.json").read_text())["rlhf"]["overlong_filter"] is True
