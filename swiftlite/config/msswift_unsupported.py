@@ -95,8 +95,6 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # model_args.py: ModelArguments
     ("the model's own modules run (transformers' implementation for the architecture): drop the flag",
      ("experts_impl", "init_strategy")),
-    ("new tokens are not added here: add them to the tokenizer in the model folder (and resize the embeddings) "
-     "before training", ("new_special_tokens",)),
     ("swiftlite trains causal language models only (no classification heads): drop the flag", ("num_labels", "problem_type")),
     ("one process per GPU (--nproc-per-node); to spread a model over GPUs use --parallelism fsdp or zero3",
      ("max_memory",)),

@@ -336,6 +336,14 @@ def _loss_scale(c: RunConfig):
                 "default there); drop the flag")
 
 
+@rule("new special tokens")
+def _new_tokens(c: RunConfig):
+    if c.model.new_special_tokens and c.is_peft and not c.lora.modules_to_save:
+        return ("--new_special_tokens with LoRA needs --modules_to_save embed_tokens lm_head: the new tokens' "
+                "embedding rows are trained and saved there (a LoRA adapter alone leaves them at their "
+                "random start)")
+
+
 @rule("dft loss")
 def _dft(c: RunConfig):
     if not c.train.enable_dft_loss:
@@ -588,6 +596,10 @@ def validate(cfg: RunConfig, *, check_paths: bool = True, refusals: Refusals | N
     if check_paths and cfg.model.template and not found.blocked(("template",)) \
             and not Path(cfg.model.template).is_file() and not templates.is_builtin(cfg.model.template):
         found.add(f"--template: file not found: {cfg.model.template}", ("template",))
+    for v in cfg.model.new_special_tokens or ():
+        if check_paths and v.endswith(".txt") and not Path(v).expanduser().is_file():
+            found.add(f"--new_special_tokens {v}: file not found (a value ending in .txt names a file, as in "
+                      "ms-swift)", ("new_special_tokens",))
     sysp = cfg.data.system
     if check_paths and sysp and sysp.endswith(".txt") and not found.blocked(("system",)) \
             and not Path(sysp).expanduser().is_file():

@@ -83,6 +83,12 @@ class ModelConfig(Section):
                                        "one-line notice, nothing changes.")
     trust_remote_code: bool = opt(False, "Allow the model folder's own Python code (off by default).")
     model_revision: str | None = opt(None, "Hub revision (branch, tag or commit) for hub ids.")
+    new_special_tokens: list[str] = opt(help="Tokens to add to the tokenizer as special tokens (ms-swift's): each "
+                                        "value a token, or a .txt file of whitespace-separated tokens. The "
+                                        "embeddings grow to the next multiple of 128 when the tokenizer outgrows "
+                                        "them (new rows: transformers' mean resizing, seeded by --seed); LoRA "
+                                        "needs --modules-to-save embed_tokens lm_head, where the new rows train "
+                                        "and are saved.", factory=list)
     attn_impl: str | None = opt(None, "Attention kernel (transformers' attn_implementation): sdpa, eager, "
                                 "flash_attention_2, flash_attention_3 or flex_attention. Default: transformers' "
                                 "choice for the model (sdpa where it has it, else eager). "

@@ -53,6 +53,9 @@ def _fingerprint(specs: list[str], tokenizer: Any, extra: dict) -> str:
     h.update((getattr(tokenizer, "chat_template", "") or "").encode())
     h.update(str(getattr(tokenizer, "name_or_path", "")).encode())
     h.update(str(len(tokenizer)).encode())
+    added = getattr(tokenizer, "get_added_vocab", None)   # --new_special_tokens: which tokens, not only how many
+    if added is not None:
+        h.update(json.dumps(added(), sort_keys=True).encode())
     return h.hexdigest()[:24]
 
 

@@ -144,8 +144,11 @@ def export_model(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_sha
     if missing:
         raise UserError(f"--ckpt {src.arg}: the weights do not match the architecture of {conf_from}: "
                         f"{len(missing)} tensors missing (e.g. {missing[0]})")
-    for k in names:
-        if k in have and tuple(have[k][0]) != tuple(expected[k]):
+    for k in names:   # a tensor the adapter replaces (modules_to_save) is checked as it is written
+        if k in replace and tuple(replace[k].shape) != tuple(expected[k]):
+            raise UserError(f"--ckpt {src.arg}: the adapter's {k} is {list(replace[k].shape)}, {list(expected[k])} in "
+                            f"{conf_from}")
+        if k not in replace and k in have and tuple(have[k][0]) != tuple(expected[k]):
             raise UserError(f"--ckpt {src.arg}: the weights do not match the architecture of {conf_from}: "
                             f"{k} is {list(have[k][0])} in the checkpoint, {list(expected[k])} in the model")
     unexpected = [k for k in have if k not in expected and not src.is_peft and not k.endswith("rotary_emb.inv_freq")]

@@ -9,6 +9,7 @@ decoder layer). Wrapping by the backend and building the optimizer follow immedi
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 import warnings
 from pathlib import Path
@@ -104,7 +105,7 @@ def load_tokenizer(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
     from transformers import AutoTokenizer
     src = source or resolve_model(cfg.model.model)
     key = (src.tokenizer_ref, cfg.model.template, cfg.model.trust_remote_code, cfg.model.model_revision, cfg.task,
-           cfg.model.enable_thinking)
+           cfg.model.enable_thinking, tuple(cfg.model.new_special_tokens or ()))
     if key in _TOKENIZERS:  # preflight and the trainer share one process on single-process runs
         return _TOKENIZERS[key]
     try:
@@ -117,6 +118,8 @@ def load_tokenizer(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
         tok.chat_template = chat_template(cfg.model.template)
     if cfg.model.enable_thinking is not None:
         with_thinking_switch(tok, cfg.model.enable_thinking)
+    if cfg.model.new_special_tokens:
+        add_special_tokens(tok, new_special_tokens(cfg))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     from swiftlite.config.tasks import task_spec
@@ -127,6 +130,36 @@ def load_tokenizer(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
 
 
 _TOKENIZERS: dict[tuple, Any] = {}
+
+
+def new_special_tokens(cfg: "RunConfig") -> list[str]:
+    """--new_special_tokens as ms-swift reads it: each value a token, or a .txt file whose
+    whitespace-separated words are tokens."""
+    out: list[str] = []
+    for v in cfg.model.new_special_tokens or ():
+        if v.endswith(".txt"):
+            p = Path(v).expanduser()
+            if not p.is_file():
+                raise UserError(f"--new_special_tokens {v}: file not found (a value ending in .txt names a file)")
+            out += p.read_text(encoding="utf-8").split()
+        else:
+            out.append(v)
+    return list(dict.fromkeys(out))
+
+
+def add_special_tokens(tok: Any, tokens: list[str]) -> int:
+    """Add `tokens` as additional special tokens, keeping the tokenizer's own (transformers 5 and 4
+    name that keyword differently)."""
+    try:
+        return tok.add_special_tokens({"additional_special_tokens": tokens}, replace_extra_special_tokens=False)
+    except TypeError:   # transformers 4.x
+        return tok.add_special_tokens({"additional_special_tokens": tokens}, replace_additional_special_tokens=False)
+
+
+def grown_vocab(vocab_size: int, tokenizer_size: int) -> int | None:
+    """ms-swift's rule: when the tokenizer has outgrown the embeddings, their new row count is the
+    tokenizer's size rounded up to a multiple of 128; None when it still fits."""
+    return -(-tokenizer_size // 128) * 128 if vocab_size < tokenizer_size else None
 
 
 def with_thinking_switch(tok: Any, enabled: bool) -> None:
@@ -149,7 +182,13 @@ def model_config(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
     """The transformers config of --model, without weights: `ModelSource.config` with the run's
     --trust-remote-code and --model_revision."""
     src = source or resolve_model(cfg.model.model)
-    return src.config(cfg.model.trust_remote_code, cfg.model.model_revision)
+    conf = src.config(cfg.model.trust_remote_code, cfg.model.model_revision)
+    if cfg.model.new_special_tokens:   # the embeddings the run trains (and export writes): grown
+        grown = grown_vocab(conf.vocab_size, len(load_tokenizer(cfg, src)))
+        if grown is not None:
+            conf = copy.deepcopy(conf)
+            conf.vocab_size = grown
+    return conf
 
 
 def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
@@ -236,11 +275,27 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
             model = auto.from_pretrained(src.ref, **kwargs, **head)
     except OSError as e:
         raise UserError(f"--model {cfg.model.model}: cannot load ({str(e).splitlines()[0]})") from None
+    if cfg.model.new_special_tokens:
+        _grow_embeddings(cfg, src, model)
     model.config.use_cache = False
     if quant is not None:
         from swiftlite.models.quant import disable_cpu_repack
         disable_cpu_repack(model)  # trap 1, for every quantized load (train, infer, export)
     return _with_pad_id(cfg, src, model) if head else model
+
+
+def _grow_embeddings(cfg: "RunConfig", src: ModelSource, model: Any) -> None:
+    """--new_special_tokens: the loaded embeddings (and an untied lm_head) grown to model_config's
+    vocab_size, the new rows drawn by transformers' mean resizing under --seed, so that every rank
+    (and a later export or resume rebuilding the base) draws the same rows. Under ZeRO-3 transformers
+    resizes the partitioned weights itself."""
+    import torch
+    want = model_config(cfg, src).vocab_size
+    if model.get_input_embeddings().num_embeddings >= want:
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed)
+        model.resize_token_embeddings(want, mean_resizing=True)
 
 
 def _model_class(cfg: "RunConfig") -> tuple[Any, dict[str, Any]]:
@@ -271,6 +326,8 @@ def sharded_weights(cfg: "RunConfig", src: ModelSource, dtype: "torch.dtype", at
     without safetensors files, or a checkpoint whose tensor names are not the model's own (weights
     transformers converts while loading). A built-in preset's source is its seeded weights."""
     from swiftlite.models import sharded as sharding
+    if cfg.model.new_special_tokens and src.kind != "preset":
+        return None, "--new_special_tokens grows the embeddings beyond the checkpoint's"
     if quantized and cfg.quant.quant_bits != 4:
         return None, "an 8-bit base is quantized whole as transformers loads it"
     if src.kind == "preset":

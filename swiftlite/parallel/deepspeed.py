@@ -352,7 +352,8 @@ class DeepSpeedEngine:
         if self.world.rank != 0:
             return {}
         from peft import get_peft_model_state_dict
-        return {k: v for k, v in get_peft_model_state_dict(self.module, state_dict=trainable).items()}
+        # save_embedding_layers=False: as torch_engine.adapter_state_dict (--new_special_tokens)
+        return dict(get_peft_model_state_dict(self.module, state_dict=trainable, save_embedding_layers=False))
 
     # -- memory -----------------------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:

@@ -266,7 +266,9 @@ class TorchEngine:
             return {}
         # peft selects adapter keys by walking peft_model's modules, whose names keep FSDP1's nested
         # `_fsdp_wrapped_module.` parts: select with those names, then clean them to peft's own.
-        sd = get_peft_model_state_dict(peft_model, state_dict=trainable)
+        # save_embedding_layers=False: peft would add the frozen base embeddings of a vocabulary grown by
+        # --new_special_tokens; the trained rows are the modules_to_save copies that rule requires
+        sd = get_peft_model_state_dict(peft_model, state_dict=trainable, save_embedding_layers=False)
         return {clean_tensor_name(k): v for k, v in sd.items()}
 
     def state_bytes(self) -> dict[str, int]:

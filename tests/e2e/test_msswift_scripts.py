@@ -113,6 +113,10 @@ SFT = [
     ("template_default", f"sft {_C} {_LORA} --dataset {{alpaca}}#16 --template default "
                          "--system 'You are a helpful assistant.'",
      {"template": "default", "system": "You are a helpful assistant."}),
+    # examples/train/new_special_tokens/train.sh (its tokens file given as tokens here)
+    ("new_special_tokens", f"sft {_C} {_LORA} --dataset {{messages}}#16 --new_special_tokens '<|0|>' '<|1|>' "
+                           "--modules_to_save embed_tokens lm_head",
+     {"new_special_tokens": ["<|0|>", "<|1|>"], "modules_to_save": ["embed_tokens", "lm_head"]}),
     ("modules_to_save", f"sft {_C} {_LORA} --dataset {{messages}}#16 --modules_to_save embed_tokens lm_head",
      {"modules_to_save": ["embed_tokens", "lm_head"]}),
     ("qlora", f"sft {_C} {_LORA} --dataset {{messages}}#16 --torch_dtype bfloat16 --quant_bits 4 "
@@ -187,7 +191,7 @@ REFUSED = {
         ("--lora_ga_iters 2", "LoRA-GA"), ("--lora_ga_max_length 1024", "LoRA-GA"),
         ("--lora_ga_scale stable", "LoRA-GA"), ("--lora_ga_stable_gamma 16", "LoRA-GA"),
         ("--loss_scale react", "loss scale"), ("--max_model_len 512000", "max_position_embeddings"),
-        ("--new_special_tokens tokens.txt", "tokenizer"), ("--optim_args qk_clip_threshold=10000", "optimizer"),
+        ("--optim_args qk_clip_threshold=10000", "optimizer"),
         ("--reft_intervention_type LoreftIntervention", "tuner"), ("--response_prefix x", "template"),
         ("--rope_scaling yarn", "rope_scaling"), ("--router_aux_loss_coef 1e-3", "auxiliary loss"),
         ("--sequence_parallel_size 8", "sequence parallelism"),
