@@ -31,7 +31,7 @@ GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (f"this {_VARIANT}",
      ("delta", "off_policy_sequence_mask_delta", "rollout_importance_sampling_mode",
       "rollout_importance_sampling_threshold", "log_rollout_offpolicy_metrics", "top_entropy_quantile",
-      "advantage_estimator", "kl_in_reward", "advantage_reweight", "dynamic_sample",
+      "advantage_reweight", "dynamic_sample",
       "max_resample_times", "completion_length_limit_scope", "tau_pos", "tau_neg", "real_tau", "fipo_clip_high_only",
       "fipo_clip_range", "fipo_decay_rate", "fipo_safety_threshold", "sdar_gate_beta", "sdar_loss_coef",
       "rlsd_lambda", "rlsd_lambda_decay_steps", "rlsd_lambda_warmup_steps", "rlsd_negative_only",

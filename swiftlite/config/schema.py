@@ -394,9 +394,18 @@ class RlhfConfig(VllmOptions, Section):   # GRPO's vLLM options: config/vllm_opt
                                          "(sequence: GSPO, the mean token log-ratio), or GSPO-token (sequence_token: "
                                          "the completion's ratio with each token's gradient).",
                                          choices=("token", "sequence", "sequence_token"))
-    scale_rewards: str | None = opt(None, "GRPO: divide the advantages by the reward std of the group (group, "
-                                    "the default), of the whole generation batch (batch), or not at all (none).",
-                                    choices=("group", "batch", "none"))
+    scale_rewards: str | None = opt(None, "GRPO: divide the advantages by the reward std of the group (group), of "
+                                    "the whole generation batch (batch), or not at all (none). Default, ms-swift's: "
+                                    "group for --advantage-estimator grpo, none for rloo, batch for "
+                                    "reinforce_plus_plus.", choices=("group", "batch", "none"))
+    advantage_estimator: str = opt("grpo", "GRPO: the advantage of a completion, ms-swift's: grpo (its reward minus "
+                                   "the group mean), rloo (minus the mean of the group's other completions), "
+                                   "reinforce_plus_plus (minus the group mean, then scaled by the advantages' own "
+                                   "std).", choices=("grpo", "rloo", "reinforce_plus_plus"))
+    kl_in_reward: bool | None = opt(None, "GRPO: subtract beta x each completion's KL to the reference (the sum "
+                                    "over its tokens of log p_policy - log p_ref at sampling) from its reward, "
+                                    "instead of beta x the k3 KL in the loss. Default, ms-swift's: false for grpo, "
+                                    "true for rloo and reinforce_plus_plus.")
     overlong_filter: bool = opt(False, "GRPO: leave the completions cut at --max-completion-length (no EOS) out "
                                 "of the loss and its metrics (their tokens masked; their rewards still shape the "
                                 "group's advantages, and dapo's normalizer still counts them, as ms-swift).")

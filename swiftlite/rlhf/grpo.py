@@ -35,7 +35,8 @@ from swiftlite.distributed import all_reduce_sum
 from swiftlite.errors import UserError
 from swiftlite.metrics import StepStats
 from swiftlite.rlhf.generate import completion_seed, gathered, sample, token_logps
-from swiftlite.rlhf.grpo_loss import GrpoLoss, advantages, clip_stats, micro_batch_loss, token_terms
+from swiftlite.rlhf.grpo_loss import (ESTIMATOR_DEFAULTS, GrpoLoss, advantages, clip_stats, micro_batch_loss,
+                                      token_terms)
 
 #: The completions table of --log_completions and each rank's generation round in a checkpoint (a
 #: resume inside a round continues with it): named in checkpoint/layout.py with the run's other files.
@@ -82,9 +83,16 @@ def grpo_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) ->
     r = cfg.rlhf
     beta = 0.04 if r.beta is None else r.beta
     loss = GrpoLoss(r.loss_type or "grpo", beta, r.epsilon, r.epsilon if r.epsilon_high is None else r.epsilon_high,
-                    r.max_completion_length, r.importance_sampling_level)
+                    r.max_completion_length, r.importance_sampling_level, estimator_choices(r)[1])
     return GrpoBatches(train.rows, plan, tokenizer.pad_token_id, world, build_rewards(r.reward_funcs, r), loss,
                        options=r, tokenizer=tokenizer)
+
+
+def estimator_choices(r: Any) -> tuple[str, bool]:
+    """(--scale_rewards, --kl_in_reward) as given, else ms-swift's defaults for --advantage_estimator
+    (group and false for grpo, none and true for rloo, batch and true for reinforce_plus_plus)."""
+    scale, in_reward = ESTIMATOR_DEFAULTS[r.advantage_estimator]
+    return (r.scale_rewards or scale), (in_reward if r.kl_in_reward is None else bool(r.kl_in_reward))
 
 
 def setup(run: Any) -> Any:
@@ -225,6 +233,25 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
             truncated[c] = float(n == 0 or int(c_ids[j, n - 1]) not in eos_ids)   # no EOS: cut at the limit
             texts[c] = tok.decode(c_ids[j, :n].tolist(), skip_special_tokens=True)
         micro[tuple(mb)]["truncated"] = torch.tensor([truncated[c] for c in mb], device=c_mask.device)
+    # the reference's and the sampling policy's log-probs (the old ones: --num_iterations > 1 or
+    # --steps_per_generation > GA; both: --kl_in_reward, whose KL goes into the rewards below)
+    in_reward = b.loss.kl_in_reward and b.loss.beta != 0.0
+    kl_of: dict[int, float] = {}
+    for key, t in micro.items():
+        args = (t["prompt_ids"], t["prompt_mask"], t["completion_ids"], t["completion_mask"])
+        if b.loss.beta != 0.0:
+            with torch.no_grad():
+                t["ref_logps"] = b.reference(*args)
+        if b.needs_old or in_reward:
+            from swiftlite.rlhf.reference import root_module
+            module, ctx = root_module(engine)
+            with torch.no_grad():
+                old = token_logps(module, *args, o.temperature, ctx)[0]
+            if b.needs_old:
+                t["old_logps"] = old
+            if in_reward:   # ms-swift's per-completion KL: sum over its tokens of log p_policy - log p_ref
+                kl = ((old - t["ref_logps"]) * t["completion_mask"]).sum(-1)
+                kl_of.update(zip(key, kl.tolist()))
     # rewards of this rank's completions, then the whole round's table on every rank
     N, F = plan.round_completions, len(b.rewards)
     mine_c = [c for mb in mine for c in mb]
@@ -238,37 +265,32 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
                   messages=[r["prompt"] + [{"role": "assistant", "content": t}] for r, t in zip(rows, comps)],
                   trainer_state=type("TrainerState", (), {"global_step": step})())
     wheres = [r["where"] for r in rows]
-    table = [0.0] * (N * F + 2 * N)                     # + completion lengths, + truncated flags
+    table = [0.0] * (N * F + 3 * N)                     # + completion lengths, truncated flags, KL
     for f, r in enumerate(b.rewards):
         for c, v in zip(mine_c, _call_reward(r, comps, kwargs, wheres)):
             table[c * F + f] = v
     for c in mine_c:
         table[N * F + c] = float(lengths[c])
         table[N * F + N + c] = truncated[c]
+        table[N * F + 2 * N + c] = kl_of.get(c, 0.0)
     table = all_reduce_sum(table) if world.world_size > 1 else table
     rpf = torch.tensor(table[:N * F], dtype=torch.float32).view(N, F)
     lens = torch.tensor(table[N * F:N * F + N], dtype=torch.float32)
-    cut = torch.tensor(table[N * F + N:], dtype=torch.float32)
+    cut = torch.tensor(table[N * F + N:N * F + 2 * N], dtype=torch.float32)
+    kl = torch.tensor(table[N * F + 2 * N:], dtype=torch.float32) if in_reward else None
     weights = torch.tensor(o.reward_weights or [1.0] * F, dtype=torch.float32)
-    adv, rewards, std_zero = advantages(rpf, weights, G, o.scale_rewards or "group")
+    adv, rewards, std_zero = advantages(rpf, weights, G, estimator_choices(o)[0], o.advantage_estimator, kl,
+                                        b.loss.beta)
     for key, t in micro.items():
-        idx = torch.tensor(key)
-        t["advantages"] = adv[idx].to(world.device)
-        args = (t["prompt_ids"], t["prompt_mask"], t["completion_ids"], t["completion_mask"])
-        if b.loss.beta != 0.0:
-            with torch.no_grad():
-                t["ref_logps"] = b.reference(*args)
-        if b.needs_old:
-            from swiftlite.rlhf.reference import root_module
-            module, ctx = root_module(engine)
-            with torch.no_grad():
-                t["old_logps"] = token_logps(module, *args, o.temperature, ctx)[0]
+        t["advantages"] = adv[torch.tensor(key)].to(world.device)
     from swiftlite.rlhf.grpo_loss import nanstd
     metrics = {"reward": float(torch.nanmean(rewards)), "reward_std": float(nanstd(rewards)),
                "frac_reward_zero_std": float(std_zero.float().mean()),
                "completions/mean_length": float(lens.mean()), "completions/min_length": float(lens.min()),
                "completions/max_length": float(lens.max()),
                "completions/clipped_ratio": float(cut.mean())}
+    if kl is not None:   # ms-swift's kl metric under --kl_in_reward: the completions' mean summed KL
+        metrics["kl"] = float(kl.mean())
     for f, r in enumerate(b.rewards):
         metrics[f"rewards/{r.name}/mean"] = float(torch.nanmean(rpf[:, f]))
         metrics[f"rewards/{r.name}/std"] = float(nanstd(rpf[:, f]))
@@ -376,7 +398,7 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     agg = dict(zip(names, totals[3:]))
     denom = max(1.0, agg["kept"])
     out = dict(cur.metrics)
-    if o.beta != 0.0:
+    if o.beta != 0.0 and not o.kl_in_reward:   # else the round's own (in its rewards)
         out["kl"] = agg["kl"] / denom
     out["entropy"] = agg["entropy"] / denom
     clip_n = max(1.0, agg["clip_n"])

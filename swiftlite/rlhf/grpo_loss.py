@@ -40,6 +40,9 @@ from dataclasses import dataclass
 import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
+#: ms-swift's defaults tied to --advantage_estimator: (--scale_rewards, --kl_in_reward).
+ESTIMATOR_DEFAULTS = {"grpo": ("group", False), "rloo": ("none", True), "reinforce_plus_plus": ("batch", True)}
 IMPORTANCE_LEVELS = ("token", "sequence", "sequence_token")
 
 
@@ -53,26 +56,39 @@ def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return std.squeeze(dim) if dim is not None else std.reshape(())
 
 
-def advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int, scale: str
+def advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int, scale: str,
+               estimator: str = "grpo", kl: torch.Tensor | None = None, beta: float = 0.0
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(advantages [N], rewards [N] (nan where every function returned None), std-is-zero [N]) of a
     generation batch of N = prompts x G completions, laid out prompt by prompt (TRL's
-    sum_then_normalize)."""
+    sum_then_normalize). `estimator` and `kl` are ms-swift's (swift/rl_core/advantage.py):
+    grpo      A = r - mean(group), divided by the reward std (`scale`);
+    rloo      A = (r - mean(group)) x G / (G - 1): r minus the mean of the other G - 1 completions;
+    reinforce_plus_plus  A = r - mean(group), divided by the std of A itself (over the group or batch);
+    `kl` ([N], --kl_in_reward): beta x each completion's KL to the reference is subtracted from its
+    reward first. frac_reward_zero_std always reads the group's reward std."""
     unscorable = torch.isnan(rewards_per_func).all(dim=1)
     rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
     rewards[unscorable] = float("nan")
-    grouped = rewards.view(-1, num_generations)
-    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
-    if scale in ("group", "none"):
-        std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
-    elif scale == "batch":
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-    else:
+    if kl is not None and beta != 0.0:
+        rewards = rewards - beta * kl
+    G = num_generations
+    grouped = rewards.view(-1, G)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(G)
+    group_std = nanstd(grouped, dim=1).repeat_interleave(G)
+    if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale_rewards {scale!r}")
     adv = rewards - mean
+    if estimator == "rloo" and G > 1:
+        adv = adv * G / (G - 1)
+    base = adv if estimator == "reinforce_plus_plus" else rewards   # whose std divides
+    if scale == "group":
+        std = group_std if base is rewards else nanstd(base.view(-1, G), dim=1).repeat_interleave(G)
+    else:
+        std = nanstd(base).expand_as(base) if base.numel() > 1 else torch.zeros_like(base)
     if scale != "none":
         adv = adv / (std + 1e-4)
-    std_zero = torch.isclose(std, torch.zeros_like(std))
+    std_zero = torch.isclose(group_std if scale != "batch" else std, torch.zeros_like(std))
     return torch.nan_to_num(adv, nan=0.0), rewards, std_zero
 
 
@@ -85,6 +101,7 @@ class GrpoLoss:
     epsilon_high: float = 0.2
     max_completion_length: int = 512
     importance_sampling_level: str = "token"
+    kl_in_reward: bool = False         # beta's KL is in the rewards (advantages), not in the loss
 
 
 @dataclass
@@ -113,7 +130,7 @@ def token_terms(o: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor | None
     clipped = torch.clamp(ratio, 1 - o.epsilon, 1 + o.epsilon_high)
     loss = -torch.min(ratio * a, clipped * a)
     kl = None
-    if o.beta != 0.0:
+    if o.beta != 0.0 and not o.kl_in_reward:
         d = ref_logps - logps
         kl = torch.exp(d) - d - 1
         loss = loss + o.beta * kl
@@ -167,5 +184,5 @@ def clip_stats(o: GrpoLoss, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.
             "tokens": m.sum(-1)}
 
 
-__all__ = ["GrpoLoss", "IMPORTANCE_LEVELS", "LOSS_TYPES", "TokenTerms", "advantages", "aggregate", "clip_stats", "micro_batch_loss",
+__all__ = ["ADVANTAGE_ESTIMATORS", "ESTIMATOR_DEFAULTS", "GrpoLoss", "IMPORTANCE_LEVELS", "LOSS_TYPES", "TokenTerms", "advantages", "aggregate", "clip_stats", "micro_batch_loss",
            "nanstd", "token_terms"]

@@ -241,7 +241,11 @@ class GrpoTask(Task):
         b = run.batches
         o, p = b.loss, b.plan
         ref = f", reference: {b.reference_kind}" if b.reference is not None else ""
-        return (f"grpo ({o.loss_type} loss, beta {o.beta:g}{ref}; {p.num_generations} completions per prompt, "
+        from swiftlite.rlhf.grpo import estimator_choices
+        scale, in_reward = estimator_choices(b.options)
+        adv = (f"; {b.options.advantage_estimator} advantages, scaled by {scale}"
+               + (", KL in the rewards" if in_reward and o.beta != 0.0 else ""))
+        return (f"grpo ({o.loss_type} loss, beta {o.beta:g}{ref}{adv}; {p.num_generations} completions per prompt, "
                 f"{p.round_prompts} prompts per generation round, rewards {', '.join(r.key for r in b.rewards)}), ")
 
     def dry_run_lines(self, cfg: Any) -> list[str]:

@@ -202,3 +202,19 @@ def test_overlong_filter_leaves_cut_completions_out_of_the_loss(files, tmp_path)
     else:
         assert filtered["entropy"] != plain["entropy"]
     assert json.loads((tmp_path / "filtered" / "args.json").read_text())["rlhf"]["overlong_filter"] is True
+
+
+def test_rloo_puts_the_kl_into_the_rewards(files, tmp_path):
+    """--advantage_estimator rloo (ms-swift's defaults with it: --scale_rewards none, --kl_in_reward true):
+    the first line says so; the first round's policy is the reference (LoRA starts at B = 0), so its
+    KL is 0; after an update it is not, and it is logged from the rewards, not the loss."""
+    args = ["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--external-plugins", files / "plugin.py",
+            "--reward-funcs", "exact", "length", "--advantage_estimator", "rloo", "--learning-rate", "5e-2",
+            "--max-steps", "2"]
+    proc = run_cli([*args, "--output-dir", tmp_path / "r"], env=_env(files))
+    assert "rloo advantages, scaled by none, KL in the rewards" in proc.stdout
+    steps = _steps(tmp_path / "r")
+    assert [s["step"] for s in steps] == [1, 2] and all(math.isfinite(s["loss"]) for s in steps)
+    assert steps[0]["kl"] == 0.0 and steps[1]["kl"] != 0.0
+    rlhf = json.loads((tmp_path / "r" / "args.json").read_text())["rlhf"]
+    assert rlhf["advantage_estimator"] == "rloo" and rlhf["kl_in_reward"] is None

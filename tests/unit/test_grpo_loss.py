@@ -66,6 +66,50 @@ def test_group_advantages_scale_and_unscorable():
     assert batch[0].item() == pytest.approx(0.5 / (std + 1e-4), abs=1e-6)
 
 
+def _msswift_advantages(rewards_per_func, weights, K, estimator, scale, kl=None, beta=0.0):
+    """ms-swift's compute_advantages (swift/rl_core/advantage.py, grpo/rloo/reinforce_plus_plus with
+    group/batch/none), written out with plain torch on rewards that are all scored."""
+    r = (rewards_per_func * weights).sum(1)
+    if kl is not None:
+        r = r - beta * kl
+    g = r.view(-1, K)
+    gm = g.mean(1).repeat_interleave(K)
+    a = r * K / (K - 1) - gm * K / (K - 1) if estimator == "rloo" else r - gm
+    std = None
+    if estimator == "reinforce_plus_plus":
+        std = {"batch": a.std().expand_as(a), "group": a.view(-1, K).std(1).repeat_interleave(K)}.get(scale)
+    else:
+        std = {"batch": r.std().expand_as(r), "group": g.std(1).repeat_interleave(K)}.get(scale)
+    return a / (std + 1e-4) if std is not None and scale != "none" else a
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus"])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("with_kl", [False, True])
+def test_advantage_estimators_match_msswift(estimator, scale, with_kl):
+    g = torch.Generator().manual_seed(5)
+    rpf = torch.rand(12, 2, generator=g)
+    w = torch.tensor([1.0, 0.5])
+    kl = torch.rand(12, generator=g) * 3 if with_kl else None
+    got, rewards, _ = advantages(rpf, w, 4, scale, estimator, kl, 0.1)
+    want = _msswift_advantages(rpf, w, 4, estimator, scale, kl, 0.1)
+    assert torch.allclose(got, want, atol=1e-6), (got, want)
+    assert torch.allclose(rewards, (rpf * w).sum(1) - (0.1 * kl if with_kl else 0.0), atol=1e-6)
+    # they differ from plain GRPO's (reinforce++ divides by the advantages' std, which is the rewards'
+    # std within a group: only its batch scale differs)
+    if estimator == "rloo" or with_kl or (estimator == "reinforce_plus_plus" and scale == "batch"):
+        assert not torch.allclose(got, advantages(rpf, w, 4, scale)[0], atol=1e-4)
+
+
+def test_kl_in_reward_takes_the_kl_out_of_the_loss():
+    logps, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    adv = torch.tensor([0.3])
+    on = token_terms(GrpoLoss(beta=0.1, kl_in_reward=True), logps, None, ref, adv)
+    off = token_terms(GrpoLoss(beta=0.1), logps, None, ref, adv)
+    assert on.kl is None and off.kl is not None
+    assert torch.allclose(off.per_token_loss - on.per_token_loss, 0.1 * off.kl)
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("beta,with_old", [(0.04, True), (0.0, False), (0.1, False)])
 def test_loss_types_match_trl_formulas(loss_type, beta, with_old):
