@@ -9,7 +9,8 @@ resolved), and run as `python -m swiftlite ...` with:
   CUDA_VISIBLE_DEVICES dropped; MASTER_PORT becomes a free port (the written one may be taken here), and a
   placeholder MASTER_ADDR (`xxx.xxx.xxx.xxx`, the other node's script) this machine's 127.0.0.1;
 - `--model` (and `--ref_model`, `--reward_model`, `--teacher_model`) replaced by a local tiny folder
-  built from a config with the repository's tokenizer: a Llama one for a Llama model, a Qwen2 one
+  built from a config with the repository's tokenizer: a Llama one for a Llama model, a Qwen3-MoE one for
+  a mixture of experts (an `-A3B`-style or MoE id), a Qwen2 one
   otherwise; a pre-quantized AWQ/GPTQ model gets a tiny folder carrying that quantization_config;
 - `--dataset` / `--val_dataset` replaced by local files of the same format (`#N` and `:subset` kept as
   `#N`): alpaca rows, chat messages, query/response, self-cognition rows (query/response/tag with
@@ -272,17 +273,20 @@ def local_dataset(spec: str, files: dict[str, Path], cmd: Command) -> str:
 
 
 def build_models(d: Path) -> dict[str, Path]:
-    """Tiny Qwen2 and Llama folders from a config (random weights, bf16) with the repository's tokenizer,
+    """Tiny Qwen2, Llama and Qwen3-MoE folders from a config (random weights, bf16) with the repository's tokenizer,
     and pre-quantized-looking folders (AWQ, GPTQ: the config's quantization_config, as the hub's carry)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
     common = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=TINY_VOCAB, eos_token_id=258, pad_token_id=259,
                   bos_token_id=None, dtype="bfloat16")
     cfgs = {"qwen2": Qwen2Config(max_position_embeddings=32768, tie_word_embeddings=False, **common),
-            "llama": LlamaConfig(max_position_embeddings=8192, tie_word_embeddings=False, **common)}
+            "llama": LlamaConfig(max_position_embeddings=8192, tie_word_embeddings=False, **common),
+            # a mixture of experts (Qwen3-30B-A3B and the like): 4 experts, 2 per token
+            "moe": Qwen3MoeConfig(max_position_embeddings=32768, tie_word_embeddings=False, moe_intermediate_size=32,
+                                  num_experts=4, num_experts_per_tok=2, head_dim=16, **common)}
     out = {}
     for name, cfg in cfgs.items():
         p = d / f"tiny-{name}"
@@ -309,6 +313,8 @@ def local_model(hub: str, models: dict[str, Path]) -> str:
         return str(models["awq"])
     if "gptq" in h or "int4" in h or "int8" in h:
         return str(models["gptq"])
+    if re.search(r"-a\d+b|moe|mixtral", h):
+        return str(models["moe"])
     return str(models["llama" if "llama" in h else "qwen2"])
 
 

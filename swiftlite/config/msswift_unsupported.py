@@ -94,7 +94,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("is_binary_loss_scale",)),
     # model_args.py: ModelArguments
     ("the model's own modules run (transformers' implementation for the architecture): drop the flag",
-     ("experts_impl", "init_strategy")),
+     ("init_strategy",)),
     ("swiftlite trains causal language models only (no classification heads): drop the flag", ("num_labels", "problem_type")),
     ("one process per GPU (--nproc-per-node); to spread a model over GPUs use --parallelism fsdp or zero3",
      ("max_memory",)),
@@ -116,9 +116,6 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (_MM, ("vit_gradient_checkpointing", "aligner_lr", "vit_lr")),
     (_LOG, ("logging_first_step", "logging_strategy", "log_on_each_node", "logging_nan_inf_filter", "log_level",
             "log_level_replica", "include_num_input_tokens_seen")),
-    ("the MoE router's auxiliary loss is not added here: the loss is the language-model loss only; drop "
-     "the flag",
-     ("router_aux_loss_coef",)),
     ("channel losses are not available: the loss is the token cross-entropy (--loss-impl picks how it is "
      "computed; --enable-dft-loss weights it)", ("enable_channel_loss",)),
     ("weights are always written as safetensors: drop the flag", ("safe_serialization",)),

@@ -344,6 +344,15 @@ def _new_tokens(c: RunConfig):
                 "random start)")
 
 
+@rule("router aux loss")
+def _router_aux(c: RunConfig):
+    coef = c.train.router_aux_loss_coef
+    if coef < 0:
+        return f"--router-aux-loss-coef must be >= 0, got {coef:g}"
+    if coef and task_spec(c.task).own_options == "rlhf":
+        return "--router-aux-loss-coef adds to the token cross-entropy of sft and pt; rlhf has its own losses"
+
+
 @rule("dft loss")
 def _dft(c: RunConfig):
     if not c.train.enable_dft_loss:

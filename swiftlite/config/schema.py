@@ -89,6 +89,9 @@ class ModelConfig(Section):
                                         "them (new rows: transformers' mean resizing, seeded by --seed); LoRA "
                                         "needs --modules-to-save embed_tokens lm_head, where the new rows train "
                                         "and are saved.", factory=list)
+    experts_impl: str | None = opt(None, "MoE models: transformers' experts_implementation (grouped_mm, "
+                                   "batched_mm or eager; ms-swift's --experts_impl). Default: transformers' "
+                                   "choice. A dense model: refused.", choices=("grouped_mm", "batched_mm", "eager"))
     attn_impl: str | None = opt(None, "Attention kernel (transformers' attn_implementation): sdpa, eager, "
                                 "flash_attention_2, flash_attention_3 or flex_attention. Default: transformers' "
                                 "choice for the model (sdpa where it has it, else eager). "
@@ -301,6 +304,10 @@ class TrainConfig(Section):
                          choices=("chunked", "liger", "cce", "plain"))
     loss_chunk_tokens: int = opt(0, "Tokens per chunk of --loss-impl chunked (0: auto, ~64 MiB of fp32 "
                                  "logits per chunk, at least 128).")
+    router_aux_loss_coef: float = opt(0.0, "MoE models: add coef x the router's load-balancing loss (the model's own "
+                                      "load_balancing_loss_func) to each micro-batch's loss, weighted by its share "
+                                      "of the step's target tokens, in training and validation (ms-swift's rule); "
+                                      "0 (ms-swift's default): off. sft and pt; a dense model: refused.")
     enable_dft_loss: bool = opt(False, "DFT (Dynamic Fine-Tuning, ms-swift's): each target token's cross-entropy "
                                 "weighted by the model's probability of that token (detached), in training and "
                                 "validation; sft and pt; --loss-impl chunked or plain.")

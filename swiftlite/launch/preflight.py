@@ -69,6 +69,8 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
         # a local folder: weights, no code of its own
         if found.check(lambda: source.check_folder(cfg.model.trust_remote_code) or True, about=("model",)):
             found.check(check_lora_targets, cfg, source)
+            from swiftlite.models.loading import check_moe_options
+            found.check(check_moe_options, cfg, source)
     # --torch-dtype auto, the model's context length (where they need the model's config or the GPU)
     # and the backend, once (swiftlite/job.py); a backend may come from a plugin
     facts = None

@@ -230,6 +230,8 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
         from swiftlite.models.quant import bnb_config
         quant = bnb_config(cfg)
     attn = {"attn_implementation": attn_impl} if attn_impl else {}
+    if cfg.model.experts_impl:   # MoE models (check_moe_options): transformers' experts kernel
+        attn["experts_implementation"] = cfg.model.experts_impl
     if skeleton:
         from swiftlite.models import sharded as sharding
         weights, why_not = sharded_weights(cfg, src, dtype, attn, quantized=quant is not None)
@@ -282,6 +284,23 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
         from swiftlite.models.quant import disable_cpu_repack
         disable_cpu_repack(model)  # trap 1, for every quantized load (train, infer, export)
     return _with_pad_id(cfg, src, model) if head else model
+
+
+#: Config attributes that make a transformers model a mixture of experts (their expert count).
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def check_moe_options(cfg: "RunConfig", source: ModelSource | None = None) -> None:
+    """--experts_impl and --router_aux_loss_coef apply to MoE models only: a dense one is refused in
+    one line before launch, not trained as if the flag did something."""
+    given = [f for f, v in (("--experts_impl", cfg.model.experts_impl),
+                            ("--router_aux_loss_coef", cfg.train.router_aux_loss_coef)) if v]
+    if not given:
+        return
+    conf = model_config(cfg, source)
+    if not any(getattr(conf, k, None) for k in MOE_KEYS):
+        raise UserError(f"{', '.join(given)}: --model {cfg.model.model} is not a mixture-of-experts model "
+                        f"({type(conf).__name__} has no experts); drop the flag")
 
 
 def _grow_embeddings(cfg: "RunConfig", src: ModelSource, model: Any) -> None:

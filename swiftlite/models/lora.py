@@ -84,9 +84,14 @@ def check_targets(model: "torch.nn.Module", cfg: "RunConfig") -> str | list[str]
             tops = sorted({p.rsplit(".", 1)[-1] for p in all_paths if not p.rsplit(".", 1)[-1].isdigit()})
             raise UserError(f"--modules-to-save {' '.join(absent)}: no such module in {cfg.model.model} "
                             f"(its modules: {', '.join(tops)})")
-    if not named:
+    from swiftlite.models.loading import MOE_KEYS
+    moe = any(getattr(getattr(model, "config", None), k, None) for k in MOE_KEYS)
+    if not named and not moe:
         return "all-linear"
-    # peft takes "all-linear" only as the whole value: with extra names, all-linear's layer names are listed
+    # peft takes "all-linear" only as the whole value: with extra names, all-linear's layer names are
+    # listed. So they are for a mixture of experts, whose fused expert weights (3-D parameters, not
+    # Linear layers) peft's all-linear would also wrap, without dropout: ms-swift's all-linear is the
+    # Linear layers (attention, the router, shared experts), and so is this one.
     return sorted(set(names) | set(named)) if all_linear else list(named)
 
 

@@ -6,7 +6,9 @@
 one, IGNORE = -100 excluded), in fp32; the trainer divides by the target tokens of the global batch.
 With --enable-dft-loss (ms-swift's DFT) each token's term is weighted by its target's probability
 exp(-loss), held constant, in every impl that has per-token losses (chunked, plain; the rules refuse
-liger and cce, whose kernels return the sum only).
+liger and cce, whose kernels return the sum only). With --router-aux-loss-coef (MoE models) the
+model's router load-balancing loss is added, times the micro-batch's target tokens: divided by the
+step's targets, each micro-batch's aux loss counts by its share of them (ms-swift's weighting).
 `--loss-impl` picks how it is computed:
 
 * ``chunked`` (default): only positions with a target get logits (the hidden states at label positions
@@ -65,6 +67,7 @@ class LossOptions:
     chunk_tokens: int = 0            # 0: auto (chunk_tokens_for)
     liger_kernels: bool = False      # --use-liger-kernel: Liger's RMSNorm/RoPE/SwiGLU
     dft: bool = False                # --enable-dft-loss: each token's loss x its target's probability
+    router_aux: float = 0.0          # --router-aux-loss-coef: MoE load balancing, weighted by target tokens
 
 
 def loss_options(cfg: Any) -> LossOptions:
@@ -73,7 +76,8 @@ def loss_options(cfg: Any) -> LossOptions:
     return LossOptions(impl=getattr(train, "loss_impl", DEFAULT_LOSS_IMPL),
                        chunk_tokens=int(getattr(train, "loss_chunk_tokens", 0) or 0),
                        liger_kernels=bool(getattr(train, "use_liger_kernel", False)),
-                       dft=bool(getattr(train, "enable_dft_loss", False)))
+                       dft=bool(getattr(train, "enable_dft_loss", False)),
+                       router_aux=float(getattr(train, "router_aux_loss_coef", 0.0) or 0.0))
 
 
 def chunk_tokens_for(vocab: int, setting: int = 0) -> int:
@@ -135,15 +139,34 @@ def token_loss_sum(module: "torch.nn.Module", batch: dict[str, "torch.Tensor"],
     if head is not None:
         out = module(**inputs, use_cache=False, swiftlite_labels=batch["labels"])
         return out.loss
-    return _plain(module, inputs, batch["labels"], opts.dft)
+    return _plain(module, inputs, batch["labels"], opts.dft, opts.router_aux)
 
 
-def _plain(module: "torch.nn.Module", inputs: dict, labels: "torch.Tensor", dft: bool = False) -> "torch.Tensor":
-    out = module(**inputs, use_cache=False)
+def _plain(module: "torch.nn.Module", inputs: dict, labels: "torch.Tensor", dft: bool = False,
+           router_aux: float = 0.0) -> "torch.Tensor":
+    out = module(**inputs, use_cache=False, **({"output_router_logits": True} if router_aux else {}))
     logits = out.logits if hasattr(out, "logits") else out[0]
     labels = labels[:, 1:]
     logits = logits[:, :-1].float()
-    return _ce_sum(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), dft)
+    loss = _ce_sum(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), dft)
+    if router_aux:
+        loss = loss + router_aux * out.aux_loss.float() * (labels != IGNORE).sum()
+    return loss
+
+
+def router_aux_loss(lm: Any, router_logits: Any, attention_mask: Any) -> "torch.Tensor":
+    """The MoE model's own load-balancing loss (`load_balancing_loss_func` of its modeling module,
+    with its number of experts and experts per token), as its forward computes `aux_loss`."""
+    import sys
+    fn = getattr(sys.modules[type(lm).__module__], "load_balancing_loss_func", None)
+    conf = lm.config
+    experts = getattr(lm, "num_experts", None) or getattr(conf, "num_experts", None) or \
+        getattr(conf, "num_local_experts", None)
+    top_k = getattr(lm, "num_experts_per_tok", None) or getattr(conf, "num_experts_per_tok", None)
+    if fn is None or not experts or not top_k:
+        raise UserError(f"--router-aux-loss-coef: {type(lm).__name__} has no router load-balancing loss "
+                        "(not a transformers MoE model)")
+    return fn(router_logits, experts, top_k, attention_mask)
 
 
 def _ce_sum(logits: "torch.Tensor", targets: "torch.Tensor", dft: bool) -> "torch.Tensor":
@@ -167,6 +190,7 @@ class _Head:
     impl: str = DEFAULT_LOSS_IMPL
     chunk: int = 0
     dft: bool = False
+    router_aux: float = 0.0
 
 
 _STATE = "_swiftlite_head"
@@ -229,6 +253,7 @@ def _prepare(module: "torch.nn.Module", opts: LossOptions) -> _Head | None:
     state.impl = opts.impl
     state.chunk = opts.chunk_tokens
     state.dft = opts.dft
+    state.router_aux = opts.router_aux
     return state
 
 
@@ -260,6 +285,8 @@ def _causal_lm_forward(self: Any, *args: Any, swiftlite_labels: "torch.Tensor | 
     for k in ("labels", "logits_to_keep", "return_dict", "use_cache", "num_items_in_batch"):
         kwargs.pop(k, None)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if state.router_aux:
+        kwargs["output_router_logits"] = True
     out = state.decoder(*args, use_cache=False, **kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     labels = swiftlite_labels[:, 1:]
@@ -271,6 +298,9 @@ def _causal_lm_forward(self: Any, *args: Any, swiftlite_labels: "torch.Tensor | 
                                             swiftlite_chunk=state.chunk, swiftlite_dft=state.dft)
     else:
         loss = _ce_sum(self.get_output_embeddings()(h).float(), y, state.dft)
+    if state.router_aux:   # ms-swift's weighting: the micro-batch's share of the step's target tokens
+        aux = router_aux_loss(self, out.router_logits, kwargs.get("attention_mask"))
+        loss = loss + state.router_aux * aux.float() * y.numel()
     return CausalLMOutputWithPast(loss=loss)
 
 

@@ -117,6 +117,10 @@ SFT = [
     ("new_special_tokens", f"sft {_C} {_LORA} --dataset {{messages}}#16 --new_special_tokens '<|0|>' '<|1|>' "
                            "--modules_to_save embed_tokens lm_head",
      {"new_special_tokens": ["<|0|>", "<|1|>"], "modules_to_save": ["embed_tokens", "lm_head"]}),
+    # examples/train/moe/qwen3_moe.sh: LoRA on a mixture of experts with the router's aux loss
+    ("moe", f"sft {_C.replace('{M}', '{MOE}')} {_LORA} --dataset {{messages}}#16 --router_aux_loss_coef 1e-3 "
+            "--experts_impl grouped_mm",
+     {"router_aux_loss_coef": 1e-3, "experts_impl": "grouped_mm", "target_modules": ["all-linear"]}),
     ("modules_to_save", f"sft {_C} {_LORA} --dataset {{messages}}#16 --modules_to_save embed_tokens lm_head",
      {"modules_to_save": ["embed_tokens", "lm_head"]}),
     ("qlora", f"sft {_C} {_LORA} --dataset {{messages}}#16 --torch_dtype bfloat16 --quant_bits 4 "
@@ -183,7 +187,7 @@ REFUSED = {
     "sft": [
         ("--agent_template react_en", "template"),
         ("--cached_dataset ./c/train", "cached"), ("--cached_val_dataset ./c/val", "cached"),
-        ("--experts_impl grouped_mm", "drop the flag"),
+
         ("--use_galore true", "GaLore"), ("--galore_optim_per_parameter true", "GaLore"),
         ("--galore_quantization true", "GaLore"),
         ("--lisa_activated_layers 2", "LISA"), ("--llamapro_num_new_blocks 4", "tuner"),
@@ -193,7 +197,7 @@ REFUSED = {
         ("--loss_scale react", "loss scale"), ("--max_model_len 512000", "max_position_embeddings"),
         ("--optim_args qk_clip_threshold=10000", "optimizer"),
         ("--reft_intervention_type LoreftIntervention", "tuner"), ("--response_prefix x", "template"),
-        ("--rope_scaling yarn", "rope_scaling"), ("--router_aux_loss_coef 1e-3", "auxiliary loss"),
+        ("--rope_scaling yarn", "rope_scaling"),
         ("--sequence_parallel_size 8", "sequence parallelism"),
         ("--truncation_strategy split", "split"), ("--tuner_backend unsloth", "peft"),
         ("--use_logits_to_keep false", "logits"),
@@ -243,7 +247,7 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("msswift_scripts")
     models = tool.build_models(root / "models")
     files = tool.write_data(root / "data", n=32)
-    return root, models["qwen2"], {k: str(v) for k, v in files.items()}
+    return root, models["qwen2"], {**{k: str(v) for k, v in files.items()}, "MOE": str(models["moe"])}
 
 
 def _fill(command: str, model: Path, files: dict, out: Path) -> list[str]:

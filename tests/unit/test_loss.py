@@ -379,3 +379,49 @@ def test_dft_refused_with_fused_kernels_and_for_rlhf():
     config_file, values = parse_run_args(base)
     cfg = load_config(config_file, values, validate_paths=False)
     assert L.loss_options(cfg).dft is True
+
+
+def _moe(seed: int = 0):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    conf = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                          num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=128,
+                          tie_word_embeddings=False, pad_token_id=0, bos_token_id=None, eos_token_id=1)
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(conf).float()
+
+
+@pytest.mark.parametrize("impl", ["chunked", "plain"])
+def test_router_aux_loss_is_the_models_own_weighted_by_targets(impl):
+    """--router_aux_loss_coef: the loss sum gains coef x the model's own aux_loss (its forward's, with
+    output_router_logits) x the micro-batch's target tokens (ms-swift's weighting once divided by the
+    step's targets); the router's gradient changes with it."""
+    model = _moe()
+    batch = _batch()
+    n = int((batch["labels"][:, 1:] != IGNORE).sum())
+    ce, g_ce = _loss_and_grads(model, batch, L.LossOptions(impl=impl))
+    got, g_aux = _loss_and_grads(model, batch, L.LossOptions(impl=impl, router_aux=0.5))
+    with torch.no_grad():
+        aux = float(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                          output_router_logits=True).aux_loss)
+    assert aux > 0
+    assert got == pytest.approx(ce + 0.5 * aux * n, rel=1e-6)
+    router = "model.layers.0.mlp.gate.weight"
+    assert not torch.allclose(g_aux[router], g_ce[router])
+
+
+def test_router_aux_loss_needs_a_moe_model():
+    from swiftlite.cli import parse_run_args
+    from swiftlite.config import load_config
+    from swiftlite.models.loading import check_moe_options
+    config_file, values = parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl",
+                                          "--router_aux_loss_coef", "1e-3", "--experts_impl", "grouped_mm"])
+    cfg = load_config(config_file, values, validate_paths=False)
+    with pytest.raises(UserError, match="--experts_impl, --router_aux_loss_coef: --model tiny-llama-2l is not a "
+                                        "mixture-of-experts model"):
+        check_moe_options(cfg)
+    for extra, task, msg in [(["--router_aux_loss_coef", "-1"], "sft", "must be >= 0"),
+                             (["--router_aux_loss_coef", "0.1", "--rlhf_type", "dpo"], "rlhf", "rlhf has its own")]:
+        config_file, values = parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl", *extra])
+        with pytest.raises(UserError, match=msg):
+            load_config(config_file, values, validate_paths=False, task=task)
