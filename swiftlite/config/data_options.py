@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from swiftlite.config.access import Section, opt
 
-TRUNCATION = ("delete", "left", "right")
+TRUNCATION = ("delete", "left", "right", "split")
 
 
 @dataclass(kw_only=True)
@@ -21,7 +21,8 @@ class DataConfig(Section):
     max_length: int | None = opt(None, "Longest tokenized row, in tokens (longer ones: --truncation-strategy). "
                                  "Default: the model's context (max_position_embeddings), as in ms-swift.")
     truncation_strategy: str = opt("delete", "Rows longer than --max-length: delete (dropped and counted), left "
-                                   "(keep the end) or right (keep the start).", choices=TRUNCATION)
+                                   "(keep the end), right (keep the start), or split (pt only, ms-swift's: "
+                                   "consecutive --max-length pieces, each a sample).", choices=TRUNCATION)
     system: str | None = opt(None, "Default system prompt (text or a .txt file) for sft rows that have none; a "
                              "row's own system turn wins.")
     loss_scale: str | None = opt(None, "Which tokens of a chat row are targets, ms-swift's names: default (every "

@@ -87,8 +87,6 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
     **{("rlhf_type", t): why for t, why in (
         ("ppo", "PPO is not available"),
         ("gkd", "GKD (on-policy distillation) is not available; distil by running sft on the teacher's outputs"))},
-    ("truncation_strategy", "split"): "split (several samples per long row) is not available; use "
-                                      "--truncation-strategy delete/left/right, or --packing for pt",
     ("optimizer", "lorap"): "give --lorap_lr_ratio (ms-swift picks its lorap optimizer from it; so does swiftlite)",
     ("optimizer", "galore"): "GaLore is not available; for less optimizer memory train a LoRA or shard the optimizer "
                              "state (--parallelism zero2/zero3/fsdp)",

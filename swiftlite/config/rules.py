@@ -353,6 +353,17 @@ def _router_aux(c: RunConfig):
         return "--router-aux-loss-coef adds to the token cross-entropy of sft and pt; rlhf has its own losses"
 
 
+@rule("split truncation")
+def _split(c: RunConfig):
+    if c.data.truncation_strategy != "split":
+        return None
+    if not task_spec(c.task).plain_text:
+        return ("--truncation-strategy split is for pt (ms-swift's rule: pre-training only); sft takes delete, "
+                "left or right")
+    if c.data.lazy_tokenize:
+        return "--truncation-strategy split with --lazy-tokenize: a row's pieces are known only once it is tokenized"
+
+
 @rule("dft loss")
 def _dft(c: RunConfig):
     if not c.train.enable_dft_loss:

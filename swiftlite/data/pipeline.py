@@ -136,9 +136,19 @@ def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_l
     skipped and counted with --skip-bad-rows."""
     stats = DataStats()
     rows: list[dict] = []
-    cut = "right" if truncation == "delete" else truncation
+    cut = "right" if truncation in ("delete", "split") else truncation
     for row, where in items:
         try:
+            if task_spec(task).plain_text and truncation == "split":   # pt: --max-length pieces, each a row
+                whole = encode_text(tokenizer, to_text(row, where), 1 << 62).input_ids
+                stats.rows += 1
+                for i in range(0, len(whole), max_length):
+                    piece = whole[i:i + max_length]
+                    if len(piece) < 2:
+                        stats.no_target += 1   # a last piece of one token has nothing to predict
+                        continue
+                    rows.append({"input_ids": piece, "labels": list(piece)})
+                continue
             if task_spec(task).plain_text:  # pt: every token a target, no template
                 enc = encode_text(tokenizer, to_text(row, where), max_length, truncation=cut)
             else:

@@ -146,6 +146,9 @@ SFT = [
     ("pt_streaming_packing", f"pt {_C} --tuner_type full --dataset {{text}} --streaming true --packing true "
                              "--max_length 512 --dataloader_num_workers 4 --save_only_model true",
      {"streaming": True, "packing": True, "max_length": 512, "train_type": "full"}),
+    # examples/train/cached_dataset/pretrained.sh's truncation: long documents in --max_length pieces
+    ("pt_split", f"pt {_C} --tuner_type full --dataset {{text}}#16 --max_length 64 --truncation_strategy split",
+     {"truncation_strategy": "split", "max_length": 64}),
     ("pt_truncation", f"pt {_C} --dataset {{text}}#16 --max_length 96 --truncation_strategy right",
      {"truncation_strategy": "right", "max_length": 96}),
     ("dpo_lora", f"rlhf --rlhf_type dpo {_C} {_LORA} --dataset {{preference}}#16 --rpo_alpha 0.1 "

@@ -166,3 +166,32 @@ def test_other_commands_refuse_what_they_do_not_do(task, argv, message):
     config_file, values = parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl", *argv])
     with pytest.raises(UserError, match=message):
         load_config(config_file, values, validate_paths=False, task=task)
+
+
+def test_pt_split_truncation_makes_consecutive_pieces(tmp_path, tokenizer):
+    """--truncation_strategy split (ms-swift's, pre-training only): a long document becomes consecutive
+    --max-length pieces, each a sample with every token a target; together they are the whole document."""
+    text = "abcdefghij" * 30                       # 300 bytes: 300 tokens of the byte-level tokenizer, + eos
+    data = tmp_path / "t.jsonl"
+    data.write_text(json.dumps({"text": text}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    tok = pipeline.tokenize_specs([str(data)], tokenizer, task="pt", max_length=128, packing=False,
+                                  skip_bad_rows=False, use_cache=False, truncation_strategy="split")
+    lengths = [len(r["input_ids"]) for r in tok.rows]
+    assert lengths == [128, 128, 45, 6]
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert sum((r["input_ids"] for r in tok.rows[:3]), []) == whole
+    assert all(r["labels"] == r["input_ids"] for r in tok.rows)
+    assert tok.stats.rows == 2 and tok.stats.truncated == 0 and tok.stats.deleted == 0
+
+
+@pytest.mark.parametrize("task,argv,message", [
+    ("sft", ["--truncation_strategy", "split"], "--truncation-strategy split is for pt"),
+    ("pt", ["--truncation_strategy", "split", "--lazy_tokenize", "true"], "with --lazy-tokenize"),
+])
+def test_split_truncation_refusals(task, argv, message):
+    from swiftlite.cli import parse_run_args
+    from swiftlite.config import load_config
+    from swiftlite.errors import UserError
+    config_file, values = parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl", *argv])
+    with pytest.raises(UserError, match=message):
+        load_config(config_file, values, validate_paths=False, task=task)
