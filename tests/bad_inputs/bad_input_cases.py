@@ -288,7 +288,7 @@ CASES: list[Case] = [
     Case("msswift-target-not-adaptable", ["sft", *GOOD, *DATA, "--target_modules", "q_proj", "norm"],
          "norm is a LlamaRMSNorm, which LoRA cannot adapt"),
     Case("msswift-truncation-split", ["sft", *GOOD, *DATA, "--truncation_strategy", "split"],
-         "--truncation_strategy split: split (several samples per long row) is not available"),
+         "--truncation-strategy split is for pt (ms-swift's rule: pre-training only)"),
     Case("msswift-all-rows-deleted", ["sft", *GOOD, *DATA, "--max_length", "16"],
          "no usable rows (read 200, skipped 0, 0 without an answer, 200 longer than --max-length deleted)"),
     Case("msswift-full-lora-rank", ["sft", *GOOD, *DATA, "--train_type", "full", "--lora_rank", "16"],

@@ -96,7 +96,7 @@ TABLE = [
     ("--truncation_strategy left", ("truncation_strategy", "left")),
     ("--truncation_strategy right", ("truncation_strategy", "right")),
     ("--seed 3", ("truncation_strategy", "delete")),           # ms-swift's default
-    ("--truncation_strategy split", "--truncation_strategy split: split (several samples per long row)"),
+    ("--truncation_strategy split", "--truncation-strategy split is for pt"),
     ("--dataset a.jsonl b.jsonl#500", ("dataset", ["a.jsonl", "b.jsonl#500"])),
     ("--val_dataset v.jsonl", ("val_dataset", ["v.jsonl"])),
     ("--split_dataset_ratio 0.01", ("split_dataset_ratio", 0.01)),
