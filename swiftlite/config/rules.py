@@ -303,9 +303,6 @@ def _strategies(c: RunConfig):
     if t.eval_strategy == "no" and has_val:
         return ("--eval-strategy no with validation data (--val-dataset / --split-dataset-ratio): drop the "
                 "validation data, or validate with --eval-strategy steps/epoch")
-    if t.eval_strategy in ("steps", "epoch") and "eval_strategy" in c.explicit and not has_val:
-        return (f"--eval-strategy {t.eval_strategy} needs validation data: pass --val-dataset or "
-                "--split-dataset-ratio")
 
 
 @rule("system prompt and template")

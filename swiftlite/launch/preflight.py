@@ -94,6 +94,11 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
     from swiftlite.train.tasks import task_of
     found.check(task_of(run_cfg).check, run_cfg, needs=("external_plugins",))   # GRPO: reward names (plugins register theirs)
     found.raise_all()
+    d, t = run_cfg.data, run_cfg.train
+    if t.eval_strategy != "no" and "eval_strategy" in cfg.explicit and not (d.val_dataset or d.split_dataset_ratio > 0):
+        # ms-swift's rule (sft_args.py): without validation data the eval strategy becomes no
+        print(f"--eval_strategy {t.eval_strategy}: no validation data (--val_dataset or --split_dataset_ratio), so "
+              "nothing is evaluated (ms-swift's rule)", flush=True)
     if not data:
         return facts
     from swiftlite.models.loading import load_tokenizer

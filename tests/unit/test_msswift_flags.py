@@ -176,7 +176,7 @@ TABLE = [
     ("--eval_strategy epoch --split_dataset_ratio 0.1", ("eval_strategy", "epoch")),
     ("--eval_strategy no", ("eval_strategy", "no")),
     ("--eval_strategy no --val_dataset v.jsonl", "--eval-strategy no with validation data"),
-    ("--eval_strategy steps", "--eval-strategy steps needs validation data"),
+    ("--eval_strategy steps", ("eval_strategy", "steps")),   # no validation data: nothing evaluated, as ms-swift
     ("--eval_strategy epoch --eval_steps 10 --val_dataset v.jsonl", "--eval-steps with --eval-strategy epoch"),
     ("--eval_steps 500", ("eval_steps", 500)),
     ("--save_only_model true", ("save_only_model", True)),

@@ -90,3 +90,22 @@ def test_embed_tokens_and_lm_head_trained_as_peft_adapts_them(tmp_path, demo_dat
     head_b = [k for k in sd if "lm_head.lora_B" in k]
     assert emb_b and head_b and any("q_proj.lora_A" in k for k in sd), sorted(sd)[:20]
     assert sd[emb_b[0]].abs().max() > 0 and sd[head_b[0]].abs().max() > 0
+
+
+def test_eval_strategy_without_validation_data_says_nothing_is_evaluated(tmp_path, capsys):
+    """ms-swift turns --eval_strategy steps into no when there is no validation data (its GRPO scripts rely
+    on it); here the run goes on and says so in one line, before launch."""
+    from swiftlite.launch.preflight import preflight
+    (tmp_path / "d.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "a"},
+                                                               {"role": "assistant", "content": "b"}]}) + "\n")
+    config_file, values = parse_run_args(["--dataset", str(tmp_path / "d.jsonl"), "--model", "tiny-llama-2l",
+                                          "--eval_strategy", "steps", "--output_dir", str(tmp_path / "o")])
+    cfg = load_config(config_file, values)
+    preflight(cfg, 1, data=False)
+    out = capsys.readouterr().out
+    assert ("--eval_strategy steps: no validation data (--val_dataset or --split_dataset_ratio), so nothing is "
+            "evaluated (ms-swift's rule)") in out
+    config_file, values = parse_run_args(["--dataset", str(tmp_path / "d.jsonl"), "--model", "tiny-llama-2l",
+                                          "--output_dir", str(tmp_path / "o")])
+    preflight(load_config(config_file, values), 1, data=False)
+    assert "nothing is evaluated" not in capsys.readouterr().out   # the default strategy says nothing
