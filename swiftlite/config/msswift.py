@@ -69,6 +69,8 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
     NoMeaning("max_pixels", _MULTIMODAL),
     NoMeaning("rope_scaling", "use a model folder whose config.json sets rope_scaling, and --max-length"),
     NoMeaning("max_model_len", "use a model folder whose config.json sets max_position_embeddings, and --max-length"),
+    NoMeaning("use_logits_to_keep", "the loss computes logits only at the target tokens (--loss-impl chunked, the "
+              "default); for the full logits use --loss-impl plain", fits=("true",), switch=True),
     NoMeaning("model_kwargs", "put model options into the model folder's config.json"),
 ]}
 

@@ -127,8 +127,6 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      "removes the padding that grouping would save", ("group_by_length", "length_column_name",
                                                      "train_sampling_strategy")),
     ("use --num-train-epochs (or --max-steps)", ("max_epochs",)),
-    ("the loss already computes logits only at target tokens (--loss-impl chunked, the default): drop the flag",
-     ("use_logits_to_keep",)),
     ("training never generates, so nothing is gathered for generation: drop the flag",
      ("ds3_gather_for_generation",)),
     ("ms-swift's optimizer plugins are not loaded: the optimizer is torch AdamW (--adam-beta1, --adam-beta2, "
