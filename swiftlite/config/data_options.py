@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from swiftlite.config.access import Section, opt
 
 TRUNCATION = ("delete", "left", "right", "split")
+#: ms-swift template names --template takes besides a Jinja file (their Jinja: data/templates.py).
+TEMPLATE_NAMES = ("default",)
 
 
 @dataclass(kw_only=True)

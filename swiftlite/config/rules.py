@@ -12,24 +12,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Callable
 
 from swiftlite.config.schema import RunConfig, field_reads
 from swiftlite.config.tasks import task_spec
 from swiftlite.config.vllm_options import VLLM_KEYS
-from swiftlite.data import loss_scale, templates
+from swiftlite.config.data_options import TEMPLATE_NAMES
 from swiftlite.errors import Refusals, UserError
 
 
-Rule = Callable[[RunConfig], "str | None"]
-RULES: list[tuple[str, Rule]] = []
-
-
-def rule(name: str):
-    def deco(fn: Rule) -> Rule:
-        RULES.append((name, fn))
-        return fn
-    return deco
+from swiftlite.config.rule_table import RULES, Rule, rule  # noqa: E402  (the registry; rules_targets adds to it)
 
 
 @rule("learning rate positive")
@@ -310,66 +301,10 @@ def _system_template(c: RunConfig):
     if c.data.system is not None and task_spec(c.task).plain_text:
         return f"--system applies to sft (chat rows); {c.task} trains on plain text"
     tpl = c.model.template
-    if tpl and _NAME.match(tpl) and not Path(tpl).is_file() and not templates.is_builtin(tpl):
-        return (f"--template {tpl}: ms-swift template names are not used here (but {', '.join(templates.BUILTIN)}): "
+    if tpl and _NAME.match(tpl) and not Path(tpl).is_file() and tpl not in TEMPLATE_NAMES:
+        return (f"--template {tpl}: ms-swift template names are not used here (but {', '.join(TEMPLATE_NAMES)}): "
                 "conversations are rendered with the tokenizer's own chat template; to override it pass a Jinja "
                 "file (--template chat.jinja)")
-
-
-@rule("loss scale")
-def _loss_scale(c: RunConfig):
-    v = c.data.loss_scale
-    if v is None:
-        return None
-    try:
-        scale = loss_scale.parse(v)
-    except ValueError as e:
-        return f"--loss-scale {v}: {e}"
-    spec = task_spec(c.task)
-    if spec.plain_text and scale != loss_scale.LossScale("all"):
-        return f"--loss-scale {v}: {c.task} trains every token of plain-text rows (all); drop the flag"
-    if spec.own_options == "rlhf" and scale != loss_scale.LossScale("last_round"):
-        return (f"--loss-scale {v}: rlhf trains on the answer of each pair or completion (last_round, ms-swift's "
-                "default there); drop the flag")
-
-
-@rule("new special tokens")
-def _new_tokens(c: RunConfig):
-    if c.model.new_special_tokens and c.is_peft and not c.lora.modules_to_save:
-        return ("--new_special_tokens with LoRA needs --modules_to_save embed_tokens lm_head: the new tokens' "
-                "embedding rows are trained and saved there (a LoRA adapter alone leaves them at their "
-                "random start)")
-
-
-@rule("router aux loss")
-def _router_aux(c: RunConfig):
-    coef = c.train.router_aux_loss_coef
-    if coef < 0:
-        return f"--router-aux-loss-coef must be >= 0, got {coef:g}"
-    if coef and task_spec(c.task).own_options == "rlhf":
-        return "--router-aux-loss-coef adds to the token cross-entropy of sft and pt; rlhf has its own losses"
-
-
-@rule("split truncation")
-def _split(c: RunConfig):
-    if c.data.truncation_strategy != "split":
-        return None
-    if not task_spec(c.task).plain_text:
-        return ("--truncation-strategy split is for pt (ms-swift's rule: pre-training only); sft takes delete, "
-                "left or right")
-    if c.data.lazy_tokenize:
-        return "--truncation-strategy split with --lazy-tokenize: a row's pieces are known only once it is tokenized"
-
-
-@rule("dft loss")
-def _dft(c: RunConfig):
-    if not c.train.enable_dft_loss:
-        return None
-    if task_spec(c.task).own_options == "rlhf":
-        return "--enable-dft-loss weights the token cross-entropy of sft and pt; rlhf has its own losses"
-    if c.train.loss_impl in ("liger", "cce"):
-        return (f"--enable-dft-loss with --loss-impl {c.train.loss_impl}: the fused kernel returns only the summed "
-                "loss, not each token's; use --loss-impl chunked (the default) or plain")
 
 
 @rule("resume")
@@ -583,6 +518,9 @@ def _data_loading(c: RunConfig):
 RUNS = {"count": 0}
 
 
+from swiftlite.config.rules_targets import TARGET_RULES  # noqa: E402,F401  (they join RULES here, in this order)
+
+
 def validate(cfg: RunConfig, *, check_paths: bool = True, refusals: Refusals | None = None) -> None:
     """Run every rule and refuse with all their reasons at once (one line each: errors.raise_all). A
     rule that cannot judge a config another rule already refused (a value it divides by, say) is
@@ -611,7 +549,7 @@ def validate(cfg: RunConfig, *, check_paths: bool = True, refusals: Refusals | N
             judged |= read
     found.fields |= judged
     if check_paths and cfg.model.template and not found.blocked(("template",)) \
-            and not Path(cfg.model.template).is_file() and not templates.is_builtin(cfg.model.template):
+            and not Path(cfg.model.template).is_file() and cfg.model.template not in TEMPLATE_NAMES:
         found.add(f"--template: file not found: {cfg.model.template}", ("template",))
     for v in cfg.model.new_special_tokens or ():
         if check_paths and v.endswith(".txt") and not Path(v).expanduser().is_file():

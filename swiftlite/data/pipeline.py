@@ -22,8 +22,8 @@ from swiftlite.data.rows import DataStats, Tokenized  # noqa: F401  (re-exported
 from swiftlite.data.formats import to_messages, to_text
 from swiftlite.data.sources import load_rows, parse_spec
 from swiftlite.config.tasks import task_spec
-from swiftlite.data.loss_scale import LossScale
-from swiftlite.data.loss_scale import parse as parse_loss_scale
+from swiftlite.config.loss_scale import LossScale
+from swiftlite.config.loss_scale import parse as parse_loss_scale
 from swiftlite.data.tokenize import IGNORE, encode_messages, encode_text
 from swiftlite import env
 from swiftlite.errors import UserError
@@ -233,7 +233,7 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
     then the specs are concatenated. `transform` rewrites each source's rows before tokenization
     (--model-name/--model-author: data/self_cognition.py; its inputs go into `key_extra`, the cache
     key); `load_from_cache_file`: see `cached`; `columns`: --columns, renamed as each source is read;
-    `loss_scale`: --loss-scale, which tokens of a chat row are targets (data/loss_scale.py)."""
+    `loss_scale`: --loss-scale, which tokens of a chat row are targets (config/loss_scale.py)."""
     key = _fingerprint(specs, tokenizer, {"task": task, "max_length": max_length, "packing": packing,
                                           "skip": skip_bad_rows, "truncation": truncation_strategy,
                                           "system": system, "seed": seed, **({"columns": columns} if columns else {}),

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from swiftlite.data.loss_scale import LossScale
+from swiftlite.config.loss_scale import LossScale
 from swiftlite.errors import UserError
 
 IGNORE = -100
@@ -89,7 +89,7 @@ def encode_messages(tokenizer: Any, messages: list[dict], max_length: int, where
                     truncation: str = "right", system: str | None = None,
                     loss_scale: LossScale | None = None) -> Encoded:
     """Tokenize one conversation; labels are -100 except on assistant turns. `system`: the system turn
-    of a conversation that has none (--system); `loss_scale` (--loss-scale, data/loss_scale.py): which
+    of a conversation that has none (--system); `loss_scale` (--loss-scale, config/loss_scale.py): which
     turns and parts of them are targets instead."""
     messages = with_system(messages, system)
     full = render(tokenizer, messages)

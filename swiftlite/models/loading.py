@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from swiftlite import dtypes
 from swiftlite.errors import UserError
-from swiftlite.models.source import ModelSource, resolve_model
+from swiftlite.models.source import ModelSource, is_moe, resolve_model
 
 if TYPE_CHECKING:
     import torch
@@ -286,10 +286,6 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
     return _with_pad_id(cfg, src, model) if head else model
 
 
-#: Config attributes that make a transformers model a mixture of experts (their expert count).
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
 def check_moe_options(cfg: "RunConfig", source: ModelSource | None = None) -> None:
     """--experts_impl and --router_aux_loss_coef apply to MoE models only: a dense one is refused in
     one line before launch, not trained as if the flag did something."""
@@ -298,7 +294,7 @@ def check_moe_options(cfg: "RunConfig", source: ModelSource | None = None) -> No
     if not given:
         return
     conf = model_config(cfg, source)
-    if not any(getattr(conf, k, None) for k in MOE_KEYS):
+    if not is_moe(conf):
         raise UserError(f"{', '.join(given)}: --model {cfg.model.model} is not a mixture-of-experts model "
                         f"({type(conf).__name__} has no experts); drop the flag")
 

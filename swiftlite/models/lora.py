@@ -84,8 +84,8 @@ def check_targets(model: "torch.nn.Module", cfg: "RunConfig") -> str | list[str]
             tops = sorted({p.rsplit(".", 1)[-1] for p in all_paths if not p.rsplit(".", 1)[-1].isdigit()})
             raise UserError(f"--modules-to-save {' '.join(absent)}: no such module in {cfg.model.model} "
                             f"(its modules: {', '.join(tops)})")
-    from swiftlite.models.loading import MOE_KEYS
-    moe = any(getattr(getattr(model, "config", None), k, None) for k in MOE_KEYS)
+    from swiftlite.models.source import is_moe
+    moe = is_moe(getattr(model, "config", None))
     if not named and not moe:
         return "all-linear"
     # peft takes "all-linear" only as the whole value: with extra names, all-linear's layer names are

@@ -151,6 +151,15 @@ class ModelSource:
         return ModelSource("folder", str(folder), self.preset, arg=self.name, repo=self.ref)
 
 
+#: Config attributes that make a transformers model a mixture of experts (their expert count).
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def is_moe(config: Any) -> bool:
+    """Whether a transformers config describes a mixture of experts."""
+    return any(getattr(config, k, None) for k in MOE_KEYS)
+
+
 def resolve_model(arg: str) -> ModelSource:
     """Classify --model; a missing folder or unknown preset is a UserError (no network attempt).
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from swiftlite.data import pipeline
-from swiftlite.data.loss_scale import LossScale, parse
+from swiftlite.config.loss_scale import LossScale, parse
 from swiftlite.data.templates import BUILTIN
 from swiftlite.data.tokenize import IGNORE, encode_messages
 
