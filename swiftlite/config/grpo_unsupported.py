@@ -26,8 +26,6 @@ GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "vllm_reasoning_parser", "vllm_speculative_config", "vllm_use_async_engine")),
     ("vLLM gets the merged weights every round (base + B@A x scale), no LoRA adapter inside vLLM: drop the flag",
      ("vllm_max_lora_rank",)),
-    ("the generation round is per-device x processes x --steps-per-generation completions: set "
-     "--steps-per-generation instead", ("generation_batch_size",)),
     (f"this {_VARIANT}",
      ("delta", "off_policy_sequence_mask_delta", "rollout_importance_sampling_mode",
       "rollout_importance_sampling_threshold", "log_rollout_offpolicy_metrics", "top_entropy_quantile",

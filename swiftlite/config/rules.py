@@ -318,7 +318,7 @@ def _resume(c: RunConfig):
 #: GRPO's own RlhfConfig keys (schema.py), besides beta and loss_type.
 GRPO_KEYS = ("reward_funcs", "reward_weights", "num_generations", "max_completion_length", "temperature", "top_p",
              "top_k", "epsilon", "epsilon_high", "num_iterations", "importance_sampling_level", "scale_rewards",
-             "log_completions", "overlong_filter", "advantage_estimator", "kl_in_reward", "steps_per_generation", "use_vllm", "vllm_mode", *VLLM_KEYS, "cosine_min_len_value_wrong",
+             "log_completions", "overlong_filter", "advantage_estimator", "kl_in_reward", "steps_per_generation", "generation_batch_size", "use_vllm", "vllm_mode", *VLLM_KEYS, "cosine_min_len_value_wrong",
              "cosine_max_len_value_wrong", "cosine_min_len_value_correct", "cosine_max_len_value_correct",
              "cosine_max_len", "repetition_n_grams", "repetition_max_penalty", "soft_max_length", "soft_cache_length")
 #: RlhfConfig keys (schema.py): `swiftlite rlhf` options, refused elsewhere when given.
@@ -465,6 +465,10 @@ def _grpo(c: RunConfig):
         if not ok:
             return f"{_flag(k)} {getattr(r, k)}: out of range"
     ga = c.train.gradient_accumulation_steps
+    if r.generation_batch_size is not None and r.steps_per_generation is not None:
+        return "--generation-batch-size and --steps-per-generation both size the generation round: give one of them"
+    if r.generation_batch_size is not None and r.generation_batch_size < 1:
+        return f"--generation-batch-size must be >= 1, got {r.generation_batch_size}"
     if r.steps_per_generation is not None and r.steps_per_generation % ga:
         return (f"--steps-per-generation {r.steps_per_generation} is not a multiple of --gradient-accumulation-steps "
                 f"{ga}: an optimizer step would straddle two generation rounds")

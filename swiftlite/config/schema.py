@@ -421,6 +421,9 @@ class RlhfConfig(VllmOptions, Section):   # GRPO's vLLM options: config/vllm_opt
     steps_per_generation: int | None = opt(None, "GRPO: micro-batch steps served by one generation round (its "
                                            "size is per-device x processes x this many completions). Default: "
                                            "--gradient-accumulation-steps (one round per optimizer step).")
+    generation_batch_size: int | None = opt(None, "GRPO: completions per generation round (ms-swift's); sets the "
+                                            "steps per generation to it / (per-device x processes). Give this or "
+                                            "--steps-per-generation.")
     use_vllm: bool = opt(False, "GRPO: generate with vLLM (needs the vllm package and a GPU; otherwise "
                          "transformers' generate is used).")
     vllm_mode: str | None = opt(None, "GRPO with --use-vllm: colocate (vLLM in the training processes).",

@@ -187,6 +187,13 @@ def prepare_prompts(cfg: Any, tokenizer: Any, world_size: int, *,
                         "available for GRPO (the training metrics log the rewards of every round)")
     rewards = build_rewards(r.reward_funcs, r)
     S = r.steps_per_generation or t.gradient_accumulation_steps
+    if r.generation_batch_size is not None:   # ms-swift's other spelling of the round's size
+        per_step = t.per_device_train_batch_size * world_size
+        S = r.generation_batch_size // per_step
+        if r.generation_batch_size % per_step or S % t.gradient_accumulation_steps:
+            raise UserError(f"--generation-batch-size {r.generation_batch_size}: must be a multiple of per-device "
+                            f"{t.per_device_train_batch_size} x {world_size} processes x --gradient-accumulation-steps "
+                            f"{t.gradient_accumulation_steps} (a round serves whole optimizer steps)")
     per_round = t.per_device_train_batch_size * world_size * S
     if per_round % r.num_generations:
         raise UserError(f"--num-generations {r.num_generations}: the generation round of {per_round} completions "

@@ -218,3 +218,20 @@ def test_rloo_puts_the_kl_into_the_rewards(files, tmp_path):
     assert steps[0]["kl"] == 0.0 and steps[1]["kl"] != 0.0
     rlhf = json.loads((tmp_path / "r" / "args.json").read_text())["rlhf"]
     assert rlhf["advantage_estimator"] == "rloo" and rlhf["kl_in_reward"] is None
+
+
+def test_generation_batch_size_sets_the_round(files, tmp_path):
+    """--generation_batch_size (ms-swift's): 16 completions per round at per-device 4 x 1 process is 4
+    micro-batch steps per generation, so with accumulation 2 one round serves both optimizer steps (the
+    same round metrics twice); a size that is not whole steps is refused before anything is written."""
+    base = ["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--external-plugins", files / "plugin.py",
+            "--reward-funcs", "exact", "length", "--learning-rate", "1e-3", "--max-steps", "2"]
+    run_cli([*base, "--generation_batch_size", "16", "--output-dir", tmp_path / "g"], env=_env(files))
+    steps = _steps(tmp_path / "g")
+    assert [s["step"] for s in steps] == [1, 2]
+    assert steps[0]["reward"] == steps[1]["reward"] and steps[0]["completions/mean_length"] == \
+        steps[1]["completions/mean_length"]
+    proc = run_cli([*base, "--generation_batch_size", "12", "--output-dir", tmp_path / "bad"], env=_env(files),
+                   check=False)
+    assert proc.returncode == 2 and "--generation-batch-size 12: must be a multiple of per-device 4 x 1 processes" \
+        in proc.stderr and not (tmp_path / "bad").exists()
