@@ -96,6 +96,8 @@ def export(opts: ExportOptions) -> ExportResult:
     try:
         if src.is_peft and not opts.merge_lora:
             result = export_adapter(src, opts, tmp, out)
+        elif opts.quant is not None and src.form == "hf":   # an HF folder, quantized as transformers loads it
+            return _quantized_folder(src, opts, tmp, out, max_shard, t0)
         else:
             result = export_model(src, opts, tmp, out, max_shard)
         if opts.verify:
@@ -122,4 +124,32 @@ def export(opts: ExportOptions) -> ExportResult:
     result.output = out
     log(f"wrote {out} ({len(result.files)} files, {result.tensors} tensors, {result.bytes / 1e6:.1f} MB) "
         f"in {time.perf_counter() - t0:.1f} s")
+    return result
+
+
+def _quantized_folder(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_shard: int, t0: float
+                      ) -> ExportResult:
+    """`export --model FOLDER --quant_method bnb`: the folder quantized by transformers, which reads it
+    in the layout it was saved in (no 16-bit re-export first: nothing of it changes), then published."""
+    from safetensors import safe_open
+
+    from swiftlite.export.quantize import quantize_export
+    try:
+        report = quantize_export(tmp, opts.quant, opts.dtype, max_shard, False, opts.log, check=opts.verify,
+                                 source=src.path)
+        files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+        result = ExportResult(out, "model", files, sum(len(safe_open(str(tmp / f), "pt").keys()) for f in files
+                                                       if f.endswith(".safetensors")),
+                              sum((tmp / f).stat().st_size for f in files), base_desc=str(src.path),
+                              verify=report if opts.verify else None)
+        write_readme(tmp, src, {"kind": "model", "dtype": opts.dtype, "output_name": out.name, "final_path": str(out),
+                                "weights_from": f"{src.path} (loaded by transformers)", "base_desc": str(src.path),
+                                "what": opts.quant.describe(opts.dtype), "files": len(files)})
+        append_readme(tmp, "## Quantization\n\n" + "\n".join(f"- {k}: {v}" for k, v in report.items()) + "\n")
+        move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    opts.log(f"wrote {out} ({len(result.files)} files, {result.tensors} tensors, {result.bytes / 1e6:.1f} MB) "
+             f"in {time.perf_counter() - t0:.1f} s")
     return result

@@ -3,6 +3,8 @@ or a LoRA adapter alone in peft format."""
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -141,6 +143,14 @@ def export_model(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_sha
     skip = set(tied) if tie else set()
     names = [k for k in expected if k not in skip]
     missing = [k for k in names if k not in have and k not in replace]
+    if missing and ".experts." in missing[0] and any(re.search(r"\.experts\.\d+\.", k) for k in have):
+        # transformers 5 fuses a mixture of experts' per-expert weights in memory (experts.gate_up_proj)
+        # and converts them only while from_pretrained / save_pretrained run; this export streams tensors
+        # by name and does not convert between the two layouts
+        raise UserError(f"--ckpt {src.arg}: {conf_from} stores its experts one by one (e.g. "
+                        f"{next(k for k in have if re.search(r'[.]experts[.][0-9]+[.]', k))}), transformers fuses "
+                        f"them in memory ({missing[0]}): exporting a mixture of experts from such a folder is not "
+                        "available; load and save it with transformers instead")
     if missing:
         raise UserError(f"--ckpt {src.arg}: the weights do not match the architecture of {conf_from}: "
                         f"{len(missing)} tensors missing (e.g. {missing[0]})")

@@ -59,15 +59,19 @@ _WEIGHTS = ("config.json", "generation_config.json")
 
 
 def quantize_export(tmp: Path, q: BnbExport, dtype: str, max_shard: int, trust_remote_code: bool,
-                    log: Callable[[str], None], check: bool = False) -> dict[str, Any]:
-    """Replace the 16-bit export in `tmp` by its bitsandbytes-quantized form. `check` (--verify):
+                    log: Callable[[str], None], check: bool = False, source: Path | None = None) -> dict[str, Any]:
+    """Replace the 16-bit export in `tmp` by its bitsandbytes-quantized form; or, given `source` (an HF
+    folder exported as it is), write `source` quantized into `tmp`: transformers loads the folder
+    itself, converting what it converts (a mixture of experts' per-expert tensors, which it fuses in
+    memory), and saves it in the hub's layout again. `check` (--verify):
     reload the written folder and compare its tensors with the quantized model's in memory (equal,
     bit for bit). Returns what the README records."""
     import torch
     from transformers import AutoModelForCausalLM
     device = {"": 0} if torch.cuda.is_available() else {"": "cpu"}
     log(f"quantizing: {q.describe(dtype)} on {'cuda:0' if device[''] == 0 else 'cpu'}")
-    model = AutoModelForCausalLM.from_pretrained(str(tmp), quantization_config=q.config(dtype),
+    src = source or tmp
+    model = AutoModelForCausalLM.from_pretrained(str(src), quantization_config=q.config(dtype),
                                                  dtype=dtypes.torch_dtype(dtype), device_map=device,
                                                  trust_remote_code=trust_remote_code)
     qdir = tmp.with_name(tmp.name + "-q")
@@ -77,12 +81,12 @@ def quantize_export(tmp: Path, q: BnbExport, dtype: str, max_shard: int, trust_r
         qconf = json.loads((qdir / "config.json").read_text()).get("quantization_config")
         if not qconf:
             raise RuntimeError("transformers wrote no quantization_config into config.json")
-        # config.json: the 16-bit export's (with the keys older readers need) plus the quantization
-        conf = json.loads((tmp / "config.json").read_text())
-        conf["quantization_config"] = qconf
-        (qdir / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
+        if source is None:   # config.json: the 16-bit export's (with the keys older readers need) + quantization
+            conf = json.loads((tmp / "config.json").read_text())
+            conf["quantization_config"] = qconf
+            (qdir / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
         weights = {p.name for p in qdir.iterdir()}
-        for p in tmp.iterdir():
+        for p in src.iterdir():
             if p.is_file() and p.name not in weights and p.name not in _WEIGHTS and not _is_weight(p.name):
                 shutil.copy2(p, qdir / p.name)
         report = {"quantization": q.describe(dtype)}

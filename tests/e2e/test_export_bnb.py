@@ -1,7 +1,9 @@
 """`swiftlite export --quant_method bnb --quant_bits 4|8` (ms-swift's examples/export/quantize/bnb.sh, with
-`--model` a local folder): a bitsandbytes folder that transformers loads as Linear4bit/Linear8bitLt layers,
+`--model` a local folder, quantized as transformers loads it; a mixture of experts keeps the hub's
+per-expert layout): a bitsandbytes folder that transformers loads as Linear4bit/Linear8bitLt layers,
 whose dequantized weights are the source's within the quantization's error; a LoRA checkpoint is merged
-first; the options' mistakes are refused together, nothing written."""
+first (the 16-bit export, then quantized; config.json keeps its keys for older readers); the options'
+mistakes are refused together, nothing written."""
 
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ def test_bnb_export_of_a_model_folder(model_dir, tmp_path, bits, tol):
     if bits == 4:
         assert qc["bnb_4bit_quant_type"] == "nf4" and qc["bnb_4bit_use_double_quant"] is True
         assert qc["bnb_4bit_compute_dtype"] == "bfloat16"
-    assert conf["torch_dtype"] == "bfloat16"   # the 16-bit export's keys are kept for older readers
+    assert (conf.get("dtype") or conf.get("torch_dtype")) == "bfloat16"
     assert (out / "tokenizer.json").is_file() and "## Quantization" in (out / "README.md").read_text()
     assert "bit for bit" in (out / "README.md").read_text()        # --verify's reload check
     assert not list(tmp_path.glob(".*export-tmp*")), "a hidden work folder was left behind"
@@ -105,6 +107,29 @@ def test_lora_checkpoint_is_merged_then_quantized(tmp_path):
     for name, w in deq.items():
         r = ref[name].float()
         assert float((w - r).abs().max() / r.abs().max()) <= 0.01, name
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"   # the 16-bit export's keys
+
+
+def test_moe_folder_keeps_the_hubs_expert_layout(tmp_path):
+    """examples/export/quantize/moe/bnb.sh: a Qwen3-MoE folder (experts saved one by one, fused by
+    transformers in memory) comes out with the same per-expert names, its Linear layers quantized."""
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
+    src = tmp_path / "moe"
+    conf = Qwen3MoeConfig(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                          num_experts_per_tok=2, vocab_size=TINY_VOCAB, max_position_embeddings=512,
+                          tie_word_embeddings=False, eos_token_id=258, pad_token_id=259, bos_token_id=None)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(conf).to(torch.bfloat16).save_pretrained(src)
+    AutoTokenizer.from_pretrained(TINY_TOKENIZER).save_pretrained(src)
+    out = tmp_path / "q"
+    run_cli(["export", "--model", src, "--quant_method", "bnb", "--quant_bits", "4", "--output_dir", out, "--verify"])
+    names = set(_weights(out))
+    assert {n for n in _weights(src) if ".experts." in n} <= names            # the hub's per-expert tensors
+    assert "model.layers.0.self_attn.q_proj.weight.quant_state.bitsandbytes__nf4" in names
+    assert "bit for bit" in (out / "README.md").read_text()
 
 
 def test_quantization_mistakes_all_at_once(model_dir, tmp_path):
