@@ -52,8 +52,8 @@ EXPORT_REFUSALS = {**{k: _UPLOAD for k in ("push_to_hub", "hub_model_id", "hub_p
 #: --quant_method values of ms-swift's export that are refused, with what they would need.
 QUANT_METHODS_REFUSED = {
     "gptq": "GPTQ calibrates on data with the gptqmodel package", "gptq_v2": "GPTQ calibrates on data",
-    "awq": "AWQ calibrates on data with the autoawq package", "fp8": "FP8 needs a GPU with FP8 kernels",
-    "hqq": "HQQ needs the hqq package", "eetq": "EETQ needs the eetq package and a GPU",
+    "awq": "AWQ calibrates on data with the autoawq package", "fp8": "FP8 (transformers' FineGrainedFP8) is "
+    "not available here", "hqq": "HQQ needs the hqq package", "eetq": "EETQ needs the eetq package",
     "quanto": "quanto needs the optimum-quanto package"}
 
 
