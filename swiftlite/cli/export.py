@@ -189,11 +189,8 @@ def model_folder(model: str) -> str:
         return str(p)
     ms = resolve_model(model)
     if ms.kind == "hub":
-        try:
-            return str(ms.snapshot(None, ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*")).ref)
-        except Exception as e:  # offline, gated, unknown id
-            raise UserError(f"--model {model}: not available ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                            ) from None
+        from swiftlite.export.source import local_snapshot
+        return str(local_snapshot(ms, None, f"--model {model}").ref)
     if ms.kind != "folder":
         raise UserError(f"--model {model}: a built-in model has no weights to export (its weights come from the seed "
                         "at training time); export a checkpoint with --ckpt")

@@ -94,27 +94,26 @@ def export(opts: ExportOptions) -> ExportResult:
     log(f"source {src.describe()}")
     t0 = time.perf_counter()
     try:
+        # an HF folder to quantize is loaded by transformers as it is: no 16-bit re-export first
+        as_is = opts.quant is not None and src.form == "hf"
         if src.is_peft and not opts.merge_lora:
             result = export_adapter(src, opts, tmp, out)
-        elif opts.quant is not None and src.form == "hf":   # an HF folder, quantized as transformers loads it
-            return _quantized_folder(src, opts, tmp, out, max_shard, t0)
+        elif as_is:
+            result = _quantized_folder(src, opts, tmp, out, max_shard)
         else:
             result = export_model(src, opts, tmp, out, max_shard)
-        if opts.verify:
+        if opts.verify and not as_is:
             report = verify_export(tmp, src, opts, result)
             result.verify = report
             append_readme(tmp, "## Verification\n\n" + "\n".join(f"- {k}: {v}" for k, v in report.items()) + "\n")
-        if opts.quant is not None:   # the verified 16-bit folder, quantized (export/quantize.py)
+        if opts.quant is not None and not as_is:   # the verified 16-bit folder, quantized (export/quantize.py)
             from swiftlite.export.quantize import quantize_export
-            trust = bool(src.cfg.model.trust_remote_code) if src.cfg is not None else False
-            qreport = quantize_export(tmp, opts.quant, opts.dtype, max_shard, trust, log, check=opts.verify)
+            qreport = quantize_export(tmp, opts.quant, opts.dtype, max_shard, _trusts_code(src), log,
+                                      check=opts.verify)
             append_readme(tmp, "## Quantization\n\n" + "\n".join(f"- {k}: {v}" for k, v in qreport.items())
                           + "\n\nThis folder's weights are the 16-bit export above, quantized by transformers' "
                           "bitsandbytes integration.\n")
-            files = sorted(p.name for p in tmp.iterdir() if p.is_file())
-            result.files, result.bytes = files, sum((tmp / f).stat().st_size for f in files)
-            from safetensors import safe_open
-            result.tensors = sum(len(safe_open(str(tmp / f), "pt").keys()) for f in files if f.endswith(".safetensors"))
+            result.files, result.tensors, result.bytes = _folder_totals(tmp)
             if result.verify is not None:
                 result.verify.update(qreport)
         move_into_place(tmp, out)
@@ -127,29 +126,30 @@ def export(opts: ExportOptions) -> ExportResult:
     return result
 
 
-def _quantized_folder(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_shard: int, t0: float
-                      ) -> ExportResult:
-    """`export --model FOLDER --quant_method bnb`: the folder quantized by transformers, which reads it
-    in the layout it was saved in (no 16-bit re-export first: nothing of it changes), then published."""
-    from safetensors import safe_open
 
+def _trusts_code(src: Source) -> bool:
+    return bool(src.cfg.model.trust_remote_code) if src.cfg is not None else False
+
+
+def _folder_totals(folder: Path) -> tuple[list[str], int, int]:
+    """(file names, safetensors tensors, bytes) of a written folder."""
+    from safetensors import safe_open
+    files = sorted(p.name for p in folder.iterdir() if p.is_file())
+    tensors = sum(len(safe_open(str(folder / f), "pt").keys()) for f in files if f.endswith(".safetensors"))
+    return files, tensors, sum((folder / f).stat().st_size for f in files)
+
+
+def _quantized_folder(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_shard: int) -> ExportResult:
+    """`export --model FOLDER --quant_method bnb`: the folder quantized by transformers, which reads it
+    in the layout it was saved in (nothing of it changes, so there is no 16-bit re-export first);
+    with --verify, its reload check is the verification."""
     from swiftlite.export.quantize import quantize_export
-    try:
-        report = quantize_export(tmp, opts.quant, opts.dtype, max_shard, False, opts.log, check=opts.verify,
-                                 source=src.path)
-        files = sorted(p.name for p in tmp.iterdir() if p.is_file())
-        result = ExportResult(out, "model", files, sum(len(safe_open(str(tmp / f), "pt").keys()) for f in files
-                                                       if f.endswith(".safetensors")),
-                              sum((tmp / f).stat().st_size for f in files), base_desc=str(src.path),
-                              verify=report if opts.verify else None)
-        write_readme(tmp, src, {"kind": "model", "dtype": opts.dtype, "output_name": out.name, "final_path": str(out),
-                                "weights_from": f"{src.path} (loaded by transformers)", "base_desc": str(src.path),
-                                "what": opts.quant.describe(opts.dtype), "files": len(files)})
-        append_readme(tmp, "## Quantization\n\n" + "\n".join(f"- {k}: {v}" for k, v in report.items()) + "\n")
-        move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    opts.log(f"wrote {out} ({len(result.files)} files, {result.tensors} tensors, {result.bytes / 1e6:.1f} MB) "
-             f"in {time.perf_counter() - t0:.1f} s")
-    return result
+    report = quantize_export(tmp, opts.quant, opts.dtype, max_shard, _trusts_code(src), opts.log,
+                             check=opts.verify, source=src.path)
+    files, tensors, size = _folder_totals(tmp)
+    write_readme(tmp, src, {"kind": "model", "dtype": opts.dtype, "output_name": out.name, "final_path": str(out),
+                            "weights_from": f"{src.path} (loaded by transformers)", "base_desc": str(src.path),
+                            "what": opts.quant.describe(opts.dtype), "files": len(files)})
+    append_readme(tmp, "## Quantization\n\n" + "\n".join(f"- {k}: {v}" for k, v in report.items()) + "\n")
+    return ExportResult(out, "model", files, tensors, size, base_desc=str(src.path),
+                        verify=report if opts.verify else None)

@@ -195,15 +195,24 @@ def resolve_base(src: Source) -> Any:
             msg = msg[len(f"--model {name}: "):]
         raise UserError(f"base model {name} (from {src.base_from}) is not available: {msg}; "
                         "pass --base-model PATH") from None
-    if ms.kind == "hub":   # the local snapshot (downloaded when online), as a folder source
-        try:
-            ms = ms.snapshot(src.cfg.model.model_revision, ("*.json", "*.safetensors", "*.model", "*.txt",
-                                                            "*.jinja", "tokenizer*"))
-        except Exception as e:  # offline, gated, unknown id
-            raise UserError(f"base model {ms.ref} (from {src.base_from}) is not available: "
-                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; "
-                            "pass --base-model PATH") from None
+    if ms.kind == "hub":
+        ms = local_snapshot(ms, src.cfg.model.model_revision,
+                            f"base model {ms.ref} (from {src.base_from})", "; pass --base-model PATH")
     return ms
+
+
+#: The files of a hub model an export reads: config, weights, tokenizer.
+SNAPSHOT_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*")
+
+
+def local_snapshot(ms: Any, revision: str | None, what: str, hint: str = "") -> Any:
+    """A hub ModelSource's local snapshot (downloaded when online) as a folder source; offline, gated or
+    unknown: a UserError naming `what`, then `hint`."""
+    try:
+        return ms.snapshot(revision, SNAPSHOT_FILES)
+    except Exception as e:  # offline, gated, unknown id
+        raise UserError(f"{what} is not available: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                        f"{hint}") from None
 
 
 def model_config_for(src: Source, ms: Any) -> Any:
