@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from swiftlite.config.data_options import TEMPLATE_NAMES
 from swiftlite.errors import UserError
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
@@ -42,7 +41,6 @@ _DEFAULT = (
 
 #: ms-swift template names -> their Jinja text (the names are config's TEMPLATE_NAMES, which the rules read).
 BUILTIN: dict[str, str] = {"default": _DEFAULT}
-assert tuple(BUILTIN) == TEMPLATE_NAMES
 
 
 def is_builtin(value: str | None) -> bool:

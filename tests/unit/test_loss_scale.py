@@ -195,3 +195,8 @@ def test_split_truncation_refusals(task, argv, message):
     config_file, values = parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl", *argv])
     with pytest.raises(UserError, match=message):
         load_config(config_file, values, validate_paths=False, task=task)
+
+
+def test_builtin_templates_are_the_names_the_rules_accept():
+    from swiftlite.config.data_options import TEMPLATE_NAMES
+    assert tuple(BUILTIN) == TEMPLATE_NAMES
