@@ -62,6 +62,8 @@ def run_facts(cfg: "RunConfig", train_data: Any, global_batch: int) -> dict[str,
         tokens += ids.size
     shape = {"global_batch": global_batch, "seed": cfg.train.seed, "max_length": cfg.data.max_length,
              "dataset": list(cfg.data.dataset), "packing": cfg.data.packing, "train_type": cfg.train.train_type}
+    if cfg.data.cached_dataset:   # recorded only when given, as below
+        shape["cached_dataset"] = list(cfg.data.cached_dataset)
     if cfg.is_peft:
         shape.update(lora_rank=cfg.lora.lora_rank, lora_alpha=cfg.lora.lora_alpha,
                      target_modules=list(cfg.lora.target_modules), quant_bits=cfg.quant_bits)

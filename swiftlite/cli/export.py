@@ -27,6 +27,9 @@ class _SwitchCommand(typer.core.TyperCommand):
     naming the flag)."""
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
+        from swiftlite.cli import cached_dataset
+        if cached_dataset.requested(args):   # the data's options, not a checkpoint's: cli/cached_dataset.py
+            raise typer.Exit(cached_dataset.export_cached(args))
         refuse_msswift_options(args, {name for p in self.params for name in p.opts})
         names = {name for p in self.params if getattr(p, "metavar", None) == SWITCH_METAVAR for name in p.opts}
         out: list[str] = []
@@ -156,6 +159,11 @@ def export_cmd(
         help="4-bit: quantize the quantization constants too (default: true, ms-swift's)."),
     bnb_4bit_compute_dtype: Optional[str] = typer.Option(None, "--bnb-4bit-compute-dtype", "--bnb_4bit_compute_dtype",
                                                          help="4-bit compute dtype (default: --dtype)."),
+    to_cached_dataset: str = switch("--to-cached-dataset", "--to_cached_dataset",
+                                    help="Instead of a model: tokenize --dataset (and --val_dataset or "
+                                         "--split_dataset_ratio) with --model's tokenizer and the run's data "
+                                         "options, and write --output_dir/train and /val for `swiftlite sft|pt "
+                                         "--cached_dataset` (ms-swift's; --use_chat_template false: pt rows)"),
 ) -> None:
     """Export a checkpoint to a 16-bit Hugging Face folder (vLLM, LMDeploy, transformers), or a
     bitsandbytes-quantized one (--quant-method bnb)."""

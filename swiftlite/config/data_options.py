@@ -19,6 +19,12 @@ class DataConfig(Section):
     dataset: list[str] = opt(help="Training data: files or HF dataset folders; `path#N` takes N rows.",
                              factory=list)
     val_dataset: list[str] = opt(help="Validation data (same forms as --dataset).", factory=list)
+    cached_dataset: list[str] = opt(help="Tokenized training rows written by `swiftlite export --to_cached_dataset "
+                                    "true` (its OUT/train folder; `DIR#N` takes N rows), as ms-swift's; read "
+                                    "instead of tokenizing, after --dataset's rows when both are given. Refused "
+                                    "when the folder was made for another task, tokenizer or a longer --max-length.",
+                                    factory=list)
+    cached_val_dataset: list[str] = opt(help="Tokenized validation rows (the export's OUT/val folder).", factory=list)
     split_dataset_ratio: float = opt(0.0, "Hold out this share of --dataset for validation.")
     max_length: int | None = opt(None, "Longest tokenized row, in tokens (longer ones: --truncation-strategy). "
                                  "Default: the model's context (max_position_embeddings), as in ms-swift.")

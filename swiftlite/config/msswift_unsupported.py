@@ -73,8 +73,6 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("HQQ is not available: quantizing at load time is bitsandbytes only (--quant-method bnb --quant-bits 4|8)",
      ("hqq_axis",)),
     # data_args.py: DataArguments
-    ("tokenized data is cached automatically, keyed by the files, tokenizer and options (SWIFTLITE_CACHE moves the "
-     "cache): pass the source files to --dataset / --val-dataset", ("cached_dataset", "cached_val_dataset")),
     ("validation rows are read in file order (a loss over all of them does not depend on it): drop the flag",
      ("val_dataset_shuffle",)),
     ("several --dataset files are concatenated (each sampled by its own #N): interleaving is not available; "
@@ -168,8 +166,10 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      "it with the serving engine's own tools", ("quant_n_samples", "quant_batch_size", "group_size")),
     ("ms-swift's export targets are not available: `swiftlite export` writes a 16-bit HF folder (safetensors, "
      "peft adapters as peft writes them)",
-     ("to_cached_dataset", "template_mode", "to_ollama", "to_mcore", "to_hf", "mcore_model", "mcore_adapter",
+     ("to_ollama", "to_mcore", "to_hf", "mcore_model", "mcore_adapter",
       "thread_count", "test_convert_precision", "test_convert_dtype", "save_missing_weights", "to_peft_format")),
+    ("this option belongs to `swiftlite export --to_cached_dataset true` (sft rows; pt rows with "
+     "--use_chat_template false)", ("template_mode",)),
     (_HUB, ("hub_private_repo", "commit_message", "hub_strategy", "hub_always_push", "hub_revision")),
     ("`swiftlite export` refuses an existing --output unless --overwrite is given", ("exist_ok",)),
     # swift/ray_utils/arguments.py

@@ -115,8 +115,9 @@ def _optim(c: RunConfig):
 
 @rule("dataset given")
 def _dataset(c: RunConfig):
-    if not c.data.dataset:
-        return "--dataset is required (a .jsonl/.json/.csv/.parquet file or a saved HF dataset folder)"
+    if not c.data.dataset and not c.data.cached_dataset:
+        return ("--dataset is required (a .jsonl/.json/.csv/.parquet file or a saved HF dataset folder), or "
+                "--cached_dataset")
     if c.data.dataset_num_proc < 1:
         return f"--dataset-num-proc must be >= 1, got {c.data.dataset_num_proc}"
     if not 0 <= c.data.split_dataset_ratio < 1:
@@ -523,6 +524,7 @@ RUNS = {"count": 0}
 
 
 from swiftlite.config.rules_targets import TARGET_RULES  # noqa: E402,F401  (they join RULES here, in this order)
+from swiftlite.config.rules_data import cached_datasets  # noqa: E402,F401  (joins RULES here, after them)
 
 
 def validate(cfg: RunConfig, *, check_paths: bool = True, refusals: Refusals | None = None) -> None:

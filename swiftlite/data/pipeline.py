@@ -282,24 +282,93 @@ def split_validation(tok: Tokenized, ratio: float, seed: int) -> tuple[Tokenized
     return kind(train, tok.stats), kind(val, DataStats(rows=len(val)))
 
 
-def train_and_validation(d: Any, tok: Callable[[list[str]], Tokenized], seed: int, unit: str = "row"
+def train_and_validation(d: Any, tok: Callable[[list[str]], Tokenized], seed: int, unit: str = "row",
+                         cached: Callable[[list[str], str], Tokenized] | None = None
                          ) -> tuple[Tokenized, Tokenized | None]:
     """--dataset, then --val-dataset or a --split-dataset-ratio share of it, tokenized by `tok`; a
-    selection with nothing usable is a UserError naming the flag (`unit`: row or pair)."""
-    train = tok(d.dataset)
+    selection with nothing usable is a UserError naming the flag (`unit`: row or pair). `cached`
+    reads --cached_dataset / --cached_val_dataset folders (sft, pt: data/cached.py); their rows
+    follow --dataset's, and the held-out share is of --dataset's rows only (ms-swift's order)."""
+    train = tok(d.dataset) if d.dataset else None
     val = None
     if d.val_dataset:
         val = tok(d.val_dataset)
         if not val.rows:
             raise UserError(f"--val-dataset {' '.join(d.val_dataset)}: no usable {unit}s ({val.stats.unusable()})")
-    elif d.split_dataset_ratio > 0:
+    elif d.split_dataset_ratio > 0 and train is not None:
         if len(train.rows) < 2:
             raise UserError(f"--split-dataset-ratio {d.split_dataset_ratio}: --dataset has "
                             f"{len(train.rows)} usable {unit}(s), too few to hold some out")
         train, val = split_validation(train, d.split_dataset_ratio, seed)
-    if not train.rows:
+    if train is not None and not train.rows:
         raise UserError(f"--dataset {' '.join(d.dataset)}: no usable {unit}s ({train.stats.unusable()})")
+    if cached is not None and getattr(d, "cached_dataset", None):
+        train = _concat(train, cached(d.cached_dataset, "--cached_dataset"))
+    if cached is not None and getattr(d, "cached_val_dataset", None):
+        val = _concat(val, cached(d.cached_val_dataset, "--cached_val_dataset"))
+    if train is None or not train.rows:
+        raise UserError(f"--cached_dataset {' '.join(d.cached_dataset)}: no rows")
     return train, val
+
+
+def _concat(a: Tokenized | None, b: Tokenized) -> Tokenized:
+    if a is None:
+        return b
+    stats = DataStats()
+    stats.add(a.stats)
+    stats.add(b.stats)
+    return Tokenized(a.rows + b.rows, stats)
+
+
+def _rendering(cfg: Any) -> tuple[str | None, LossScale | None]:
+    """The run's default system prompt and loss scale (chat tasks only)."""
+    from swiftlite.data.tokenize import system_prompt
+    chat = task_spec(cfg.task).chat
+    return (system_prompt(cfg.data.system) if chat else None,
+            parse_loss_scale(cfg.data.loss_scale) if chat else None)
+
+
+def spec_tokenizer(cfg: Any, tokenizer: Any, *, progress: Callable[[str, int], Any] | None = None,
+                   packing: bool = False) -> tuple[Callable[[list[str]], Tokenized], Any]:
+    """(specs -> their Tokenized rows under the run's options, the self-cognition transform or None):
+    what training (prepare_datasets) and `swiftlite export --to_cached_dataset true` tokenize with, so
+    that a cached folder holds exactly the rows the run would have made."""
+    d, t = cfg.data, cfg.train
+    system, scale = _rendering(cfg)
+    from swiftlite.data.self_cognition import from_config
+    sc = from_config(d)   # --model_name / --model_author (data/self_cognition.py)
+
+    def tok(specs: list[str]) -> Tokenized:
+        return tokenize_specs(specs, tokenizer, task=cfg.task, max_length=d.max_length, packing=packing,
+                              skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress,
+                              truncation_strategy=d.truncation_strategy, system=system, seed=t.seed,
+                              load_from_cache_file=d.load_from_cache_file, transform=sc,
+                              key_extra={"self_cognition": sc.key()} if sc else None, columns=d.columns,
+                              loss_scale=scale)
+    return tok, sc
+
+
+def cached_reader(cfg: Any, tokenizer: Any) -> Callable[[list[str], str], Tokenized]:
+    """--cached_dataset / --cached_val_dataset folders -> their rows, checked against this run (task,
+    tokenizer, --max-length: data/cached.py), `#N` drawn with one RandomState over the folders as for
+    --dataset, packed here with --packing (the folders hold single rows)."""
+    import numpy as np
+
+    from swiftlite.data import cached as cached_format
+    d = cfg.data
+    chat = task_spec(cfg.task).chat
+
+    def read(specs: list[str], flag: str) -> Tokenized:
+        rng = np.random.RandomState(cfg.train.seed)
+        out = Tokenized([], DataStats())
+        for spec in specs:
+            out = _concat(out, cached_format.load(spec, flag, tokenizer=tokenizer, task=cfg.task, chat=chat,
+                                                  max_length=d.max_length, truncation=d.truncation_strategy,
+                                                  rng=rng))
+        if d.packing:
+            out = Tokenized(pack_rows(out.rows, d.max_length), out.stats)
+        return out
+    return read
 
 
 def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
@@ -309,21 +378,10 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
     with the checks a run needs before it starts: some usable rows, and at least one global batch
     (per-device x world size x accumulation) of them. UserErrors name the culprit."""
     from swiftlite.data.loader import BatchPlan
-    from swiftlite.data.tokenize import system_prompt
     d, t = cfg.data, cfg.train
     # `cfg` is the run's resolved config (swiftlite/job.py): --max-length is concrete here.
-    system = system_prompt(d.system) if task_spec(cfg.task).chat else None
-    scale = parse_loss_scale(d.loss_scale) if task_spec(cfg.task).chat else None
-    from swiftlite.data.self_cognition import from_config
-    sc = from_config(d)   # --model_name / --model_author (data/self_cognition.py)
-
-    def tok(specs: list[str]) -> Tokenized:
-        return tokenize_specs(specs, tokenizer, task=cfg.task, max_length=d.max_length, packing=d.packing,
-                              skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress,
-                              truncation_strategy=d.truncation_strategy, system=system, seed=t.seed,
-                              load_from_cache_file=d.load_from_cache_file, transform=sc,
-                              key_extra={"self_cognition": sc.key()} if sc else None, columns=d.columns,
-                              loss_scale=scale)
+    tok, sc = spec_tokenizer(cfg, tokenizer, progress=progress, packing=d.packing)
+    system, scale = _rendering(cfg)
 
     def encode(items: list[tuple[dict, str]]) -> tuple[list[dict], DataStats]:
         """(row, where) items -> their usable tokenized rows and stats (lazy and streamed rows)."""
@@ -348,7 +406,7 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
             raise UserError(f"--val-dataset {' '.join(d.val_dataset)}: no usable rows ({val.stats.unusable()})")
         return train, val, StreamPlan(t.per_device_train_batch_size, world_size, t.gradient_accumulation_steps,
                                       t.max_steps)
-    train, val = train_and_validation(d, tok_train, t.seed)
+    train, val = train_and_validation(d, tok_train, t.seed, cached=cached_reader(cfg, tokenizer))
     if sc is not None:   # counted in the stats, so that a cache entry answers too
         sc.check_used([*d.dataset, *d.val_dataset], train.stats.self_cognition
                       + (val.stats.self_cognition if val is not None else 0))

@@ -49,7 +49,7 @@ def with_system(messages: list[dict], system: str | None) -> list[dict]:
     return [{"role": "system", "content": system}, *messages]
 
 
-def _cut(ids: list[int], labels: list[int], max_length: int, truncation: str) -> Encoded:
+def cut(ids: list[int], labels: list[int], max_length: int, truncation: str) -> Encoded:
     if len(ids) <= max_length:
         return Encoded(ids, labels, False)
     if truncation == "left":
@@ -97,7 +97,7 @@ def encode_messages(tokenizer: Any, messages: list[dict], max_length: int, where
     if loss_scale is not None:
         spans = loss_scale.spans(messages, spans, full)
     ids, labels = label_spans(tokenizer, full, spans)
-    return _cut(ids, labels, max_length, truncation)
+    return cut(ids, labels, max_length, truncation)
 
 
 def label_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -120,7 +120,7 @@ def encode_text(tokenizer: Any, text: str, max_length: int, *, truncation: str =
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if tokenizer.eos_token_id is not None:
         ids = ids + [tokenizer.eos_token_id]
-    return _cut(ids, list(ids), max_length, truncation)
+    return cut(ids, list(ids), max_length, truncation)
 
 
 def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:

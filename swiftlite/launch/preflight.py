@@ -60,6 +60,10 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
         found.check(check_spec, spec, "--dataset")
     for spec in cfg.data.val_dataset:
         found.check(check_spec, spec, "--val-dataset")
+    from swiftlite.data import cached
+    for flag, specs in (("--cached_dataset", cfg.data.cached_dataset), ("--cached_val_dataset", cfg.data.cached_val_dataset)):
+        for spec in specs:
+            found.check(cached.check_spec, spec, flag)
     from swiftlite.models.loading import check_attn_impl, resolve_model
     source = None if found.blocked(("model",)) else found.check(resolve_model, cfg.model.model, about=("model",))
     if source is not None:

@@ -184,12 +184,27 @@ MULTI = [
      {"deepspeed": "zero3", "rlhf_type": "dpo", "nproc_per_node": 2}),
 ]
 
+#: examples/train/cached_dataset/{sft,pretrained}.sh: `swift export --to_cached_dataset true`, then the run on
+#: its folders: (id, export command, training command, {args.json field: value}); {C} is the export's folder.
+CACHED = [
+    ("cached_sft", "export --model {M} --dataset {messages}#16 --dataset_num_proc 64 --split_dataset_ratio 0.25 "
+                   "--to_cached_dataset true --output_dir {C}",
+     f"sft {_C} --tuner_type full --cached_dataset {{C}}/train --cached_val_dataset {{C}}/val --torch_dtype bfloat16 "
+     "--packing true --eval_steps 200 --save_only_model true --dataset_num_proc 8",
+     {"cached_dataset": ["{C}/train"], "cached_val_dataset": ["{C}/val"], "packing": True}),
+    ("cached_pt", "export --model {M} --dataset {text}#16 --dataset_num_proc 64 --to_cached_dataset true "
+                  "--truncation_strategy split --max_length 64 --split_dataset_ratio 0.25 --use_chat_template false "
+                  "--loss_scale all --output_dir {C}",
+     f"pt {_C} --tuner_type full --cached_dataset {{C}}/train --cached_val_dataset {{C}}/val --truncation_strategy split "
+     "--packing true --max_length 64",
+     {"cached_dataset": ["{C}/train"], "truncation_strategy": "split", "max_length": 64}),
+]
+
 #: Flags of those scripts that swiftlite refuses, with a value the scripts give: (command, flag and value,
 #: a word the refusal line must hold). One run of each command gives all of them.
 REFUSED = {
     "sft": [
         ("--agent_template react_en", "template"),
-        ("--cached_dataset ./c/train", "cached"), ("--cached_val_dataset ./c/val", "cached"),
 
         ("--use_galore true", "GaLore"), ("--galore_optim_per_parameter true", "GaLore"),
         ("--galore_quantization true", "GaLore"),
@@ -211,7 +226,7 @@ REFUSED = {
         ("--quant_method awq", "bnb only"), ("--quant_bits 4", "quantized export"),
         ("--quant_n_samples 256", "quantized export"), ("--quant_batch_size 1", "quantized export"),
         ("--bnb_4bit_quant_type nf4", "quantized export"), ("--bnb_4bit_use_double_quant true", "quantized export"),
-        ("--to_ollama true", "export targets"), ("--to_cached_dataset true", "cach"),
+        ("--to_ollama true", "export targets"),
         ("--use_chat_template false", "args.json"), ("--dataset d.jsonl", "args.json"),
         ("--dataset_num_proc 4", "args.json"), ("--max_length 2048", "args.json"),
         ("--split_dataset_ratio 0.01", "args.json"), ("--truncation_strategy split", "args.json"),
@@ -232,10 +247,11 @@ def _flags(command: str) -> set[str]:
 
 def test_every_script_flag_is_run_or_refused():
     used = set().union(*(_flags(c) for _, c, _ in SFT), *(_flags(c) for _, _, c, _ in MULTI),
+                       *(_flags(e) | _flags(c) for _, e, c, _ in CACHED),
                        {"adapters", "merge_lora", "max_steps"})   # test_export_merge_lora; every command
     refused = {f[2:].split()[0] for rows in [*REFUSED.values(), REFUSED_LATER] for f, _ in rows}
     assert SCRIPT_FLAGS - used - refused == set()
-    assert len(SFT) + len(MULTI) + 1 >= 40
+    assert len(SFT) + len(MULTI) + 2 * len(CACHED) + 1 >= 40
 
 
 @pytest.fixture(scope="module")
@@ -337,6 +353,21 @@ def test_in_process_is_what_a_subprocess_does(world, tmp_path):
     assert la.keys() == lb.keys() == {1, 2}
     for step in la:
         assert la[step] == pytest.approx(lb[step], rel=1e-6, abs=1e-7)
+
+
+@pytest.mark.parametrize("name,export,command,expected", CACHED, ids=[c[0] for c in CACHED])
+def test_cached_dataset_commands(world, name, export, command, expected):
+    """The export writes the tokenized folders; the run trains on them alone (no --dataset)."""
+    root, model, files = world
+    cache, out = root / "cached" / name, root / "runs" / name
+    rc, err = main_in_process(shlex.split(export.format(M=model, C=cache, **files)), root)
+    assert rc == 0, err
+    assert (cache / "train" / "swiftlite_cached.json").is_file() and (cache / "val").is_dir()
+    argv = shlex.split(command.format(M=model, O=out, C=cache, **files)) + ["--max_steps", "2"]
+    rc, err = main_in_process(argv, root)
+    assert rc == 0, err
+    _check(out, {k: [x.format(C=cache) for x in v] if isinstance(v, list) else v for k, v in expected.items()}, argv)
+    assert max(read_losses(out)) == 2
 
 
 @pytest.mark.parametrize("name,env,command,expected", MULTI, ids=[m[0] for m in MULTI])

@@ -1,0 +1,27 @@
+"""The rules about where a run's rows come from besides --dataset: ms-swift's --cached_dataset and
+--cached_val_dataset (tokenized folders, data/cached.py). Rules of config/rules.py's table, kept here
+so that module stays short. Import-light (no torch)."""
+
+from __future__ import annotations
+
+from swiftlite.config.rule_table import rule
+from swiftlite.config.schema import RunConfig
+from swiftlite.config.tasks import task_spec
+
+
+@rule("cached datasets")
+def cached_datasets(c: RunConfig):
+    d = c.data
+    if not (d.cached_dataset or d.cached_val_dataset):
+        return None
+    flag = "--cached_dataset" if d.cached_dataset else "--cached_val_dataset"
+    if task_spec(c.task).own_options is not None:
+        return (f"{flag}: cached datasets hold sft or pt rows (`swiftlite export --to_cached_dataset true`); "
+                f"`swiftlite {c.task}` reads its pairs or prompts from --dataset")
+    if d.streaming:   # ms-swift: "Cached dataset does not support streaming."
+        return f"{flag} with --streaming: cached rows are already tokenized, there is nothing to stream; drop --streaming"
+    if d.lazy_tokenize:
+        return f"{flag} with --lazy-tokenize: cached rows are already tokenized; drop --lazy-tokenize"
+    if d.split_dataset_ratio > 0 and not d.dataset:
+        return (f"--split-dataset-ratio {d.split_dataset_ratio} holds out --dataset rows, and there is no --dataset: "
+                "give the export's validation folder to --cached_val_dataset")
