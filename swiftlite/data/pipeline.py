@@ -415,7 +415,10 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
     if plan.steps_per_epoch == 0:
         held = (f" after --split-dataset-ratio {d.split_dataset_ratio} held out {len(val.rows)} for validation"
                 if d.split_dataset_ratio > 0 and val is not None else "")
-        raise UserError(f"--dataset has {len(train.rows)} usable rows{held}, fewer than one global batch of "
+        source = " and ".join(f for f, v in (("--dataset", d.dataset), ("--cached_dataset", d.cached_dataset)) if v)
+        unit = f"packs of {d.max_length} tokens (--packing)" if d.packing else "usable rows"
+        raise UserError(f"{source} {'give' if ' and ' in source else 'has'} {len(train.rows)} {unit}{held}, fewer "
+                        f"than one global batch of "
                         f"{plan.global_batch} (per-device {plan.per_device} x {plan.world_size} processes x "
                         f"accumulation {plan.accumulation})")
     return train, val, plan
