@@ -159,6 +159,11 @@ def export_cmd(
         help="4-bit: quantize the quantization constants too (default: true, ms-swift's)."),
     bnb_4bit_compute_dtype: Optional[str] = typer.Option(None, "--bnb-4bit-compute-dtype", "--bnb_4bit_compute_dtype",
                                                          help="4-bit compute dtype (default: --dtype)."),
+    to_ollama: str = switch("--to-ollama", "--to_ollama",
+                            help="Also write a Modelfile (TEMPLATE read off the chat template, stop words, "
+                                 "sampling settings) so that `ollama create NAME -f OUT/Modelfile` imports the "
+                                 "export; LoRA runs are merged first; with --model alone the folder is used as it is "
+                                 "(ms-swift's)"),
     to_cached_dataset: str = switch("--to-cached-dataset", "--to_cached_dataset",
                                     help="Instead of a model: tokenize --dataset (and --val_dataset or "
                                          "--split_dataset_ratio) with --model's tokenizer and the run's data "
@@ -169,7 +174,8 @@ def export_cmd(
     bitsandbytes-quantized one (--quant-method bnb)."""
     if ckpt is not None and adapters is not None and ckpt != adapters:
         raise UserError(f"--ckpt {ckpt} and --adapters {adapters}: both name the checkpoint; give one")
-    if ckpt is None and adapters is None:
+    model_only = ckpt is None and adapters is None
+    if model_only:
         if base_model is None:
             raise UserError("export: pass the checkpoint to export with --ckpt or --adapters (or a model with --model)")
         ckpt, base_model = model_folder(base_model), None   # ms-swift's `swift export --model M`
@@ -180,7 +186,8 @@ def export_cmd(
                          merge_lora=_on("--merge-lora", merge_lora), dtype=dtype.lower(),
                          max_shard_size=max_shard_size, verify=_on("--verify", verify),
                          overwrite=_on("--overwrite", overwrite),
-                         ckpt_flag="--ckpt" if ckpt is not None else "--adapters", quant=quant)
+                         ckpt_flag="--ckpt" if ckpt is not None else "--adapters", quant=quant,
+                         ollama=_on("--to_ollama", to_ollama), model_only=model_only)
     try:
         export(opts)
     except VerifyError as e:

@@ -166,8 +166,10 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      "it with the serving engine's own tools", ("quant_n_samples", "quant_batch_size", "group_size")),
     ("ms-swift's export targets are not available: `swiftlite export` writes a 16-bit HF folder (safetensors, "
      "peft adapters as peft writes them)",
-     ("to_ollama", "to_mcore", "to_hf", "mcore_model", "mcore_adapter",
+     ("to_mcore", "to_hf", "mcore_model", "mcore_adapter",
       "thread_count", "test_convert_precision", "test_convert_dtype", "save_missing_weights", "to_peft_format")),
+    ("this option belongs to `swiftlite export` (--to_ollama: a Modelfile next to the exported folder)",
+     ("to_ollama",)),
     ("this option belongs to `swiftlite export --to_cached_dataset true` (sft rows; pt rows with "
      "--use_chat_template false)", ("template_mode",)),
     (_HUB, ("hub_private_repo", "commit_message", "hub_strategy", "hub_always_push", "hub_revision")),

@@ -84,6 +84,8 @@ def export(opts: ExportOptions) -> ExportResult:
     if opts.quant is not None and src.is_peft and not opts.merge_lora:
         opts.merge_lora = True
         log("the LoRA is merged into its base first: a quantized export is a full model (as ms-swift does)")
+    if opts.ollama:
+        _check_ollama(opts, src)
     if opts.merge_lora and not src.is_peft:
         raise UserError(f"--merge-lora: {opts.ckpt_flag} {opts.ckpt} is a full fine-tune ({src.path.name}), there is "
                         "no LoRA adapter to merge; export it without --merge-lora")
@@ -98,6 +100,11 @@ def export(opts: ExportOptions) -> ExportResult:
         as_is = opts.quant is not None and src.form == "hf"
         if src.is_peft and not opts.merge_lora:
             result = export_adapter(src, opts, tmp, out)
+        elif opts.ollama and opts.model_only:   # ms-swift's: the folder used as it is, FROM its path
+            from swiftlite.export.ollama import write_modelfile
+            write_modelfile(tmp, src.path, str(src.path.resolve()), f"--model {src.path}", log, out)
+            result = ExportResult(out, "modelfile", ["Modelfile"], 0, (tmp / "Modelfile").stat().st_size,
+                                  base_desc=str(src.path))
         elif as_is:
             result = _quantized_folder(src, opts, tmp, out, max_shard)
         else:
@@ -116,6 +123,10 @@ def export(opts: ExportOptions) -> ExportResult:
             result.files, result.tensors, result.bytes = _folder_totals(tmp)
             if result.verify is not None:
                 result.verify.update(qreport)
+        if opts.ollama and not opts.model_only:   # next to the written (and verified) weights
+            from swiftlite.export.ollama import write_modelfile
+            write_modelfile(tmp, tmp, ".", f"{opts.ckpt_flag} {opts.ckpt}", log, out)
+            result.files = sorted([*result.files, "Modelfile"])
         move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -125,6 +136,20 @@ def export(opts: ExportOptions) -> ExportResult:
         f"in {time.perf_counter() - t0:.1f} s")
     return result
 
+
+
+def _check_ollama(opts: ExportOptions, src: Source) -> None:
+    """--to_ollama: ollama imports a 16-bit safetensors folder, so a LoRA is merged first (as for a
+    quantized export, and said); a bitsandbytes export is refused."""
+    if opts.quant is not None:
+        raise UserError("--to_ollama with --quant_method bnb: ollama imports 16-bit safetensors (and quantizes "
+                        "them itself: `ollama create --quantize q4_K_M`); drop --quant_method")
+    if opts.model_only and opts.verify:
+        raise UserError("--verify with --to_ollama on --model alone: the folder is used as it is, nothing is "
+                        "written to verify but the Modelfile; drop --verify")
+    if src.is_peft and not opts.merge_lora:
+        opts.merge_lora = True
+        opts.log("the LoRA is merged into its base first: ollama imports a full model")
 
 
 def _trusts_code(src: Source) -> bool:

@@ -27,6 +27,8 @@ class ExportOptions:
     log: Callable[[str], None] = field(default=lambda msg: print(f"export: {msg}", flush=True))
     ckpt_flag: str = "--ckpt"        # how the user named the checkpoint (--ckpt or --adapters), for messages
     quant: Any = None                # export/quantize.BnbExport: --quant_method bnb (None: 16-bit)
+    ollama: bool = False             # --to_ollama: a Modelfile next to the weights (export/ollama.py)
+    model_only: bool = False         # `--model M` without a checkpoint (ms-swift's `swift export --model M`)
 
 
 @dataclass

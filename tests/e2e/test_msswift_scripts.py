@@ -226,7 +226,7 @@ REFUSED = {
         ("--quant_method awq", "bnb only"), ("--quant_bits 4", "quantized export"),
         ("--quant_n_samples 256", "quantized export"), ("--quant_batch_size 1", "quantized export"),
         ("--bnb_4bit_quant_type nf4", "quantized export"), ("--bnb_4bit_use_double_quant true", "quantized export"),
-        ("--to_ollama true", "export targets"),
+        
         ("--use_chat_template false", "args.json"), ("--dataset d.jsonl", "args.json"),
         ("--dataset_num_proc 4", "args.json"), ("--max_length 2048", "args.json"),
         ("--split_dataset_ratio 0.01", "args.json"), ("--truncation_strategy split", "args.json"),
@@ -248,7 +248,7 @@ def _flags(command: str) -> set[str]:
 def test_every_script_flag_is_run_or_refused():
     used = set().union(*(_flags(c) for _, c, _ in SFT), *(_flags(c) for _, _, c, _ in MULTI),
                        *(_flags(e) | _flags(c) for _, e, c, _ in CACHED),
-                       {"adapters", "merge_lora", "max_steps"})   # test_export_merge_lora; every command
+                       {"adapters", "merge_lora", "max_steps", "to_ollama"})   # test_export_*; every command
     refused = {f[2:].split()[0] for rows in [*REFUSED.values(), REFUSED_LATER] for f, _ in rows}
     assert SCRIPT_FLAGS - used - refused == set()
     assert len(SFT) + len(MULTI) + 2 * len(CACHED) + 1 >= 40
@@ -395,6 +395,16 @@ def test_export_merge_lora(world):
     cfg = json.loads((merged / "config.json").read_text())
     assert cfg["model_type"] == "qwen2" and list(merged.glob("*.safetensors"))
     assert not (merged / "adapter_config.json").exists()
+
+
+def test_export_ollama(world):
+    """examples/export/ollama.sh: `swift export --model M --to_ollama true --output_dir D` writes D/Modelfile
+    FROM M (tests/e2e/test_export_ollama.py checks its TEMPLATE against the chat template)."""
+    root, model, files = world
+    out = root / "Qwen2.5-1.5B-Instruct-ollama"
+    rc, err = main_in_process(["export", "--model", str(model), "--to_ollama", "true", "--output_dir", str(out)], root)
+    assert rc == 0, err
+    assert (out / "Modelfile").read_text().splitlines()[0] == f"FROM {Path(model).resolve()}"
 
 
 @pytest.mark.parametrize("sub", sorted(REFUSED))
