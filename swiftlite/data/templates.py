@@ -16,6 +16,7 @@ pipeline (assistant spans, --loss-scale, generation prompts) treats them like an
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from swiftlite.errors import UserError
 
@@ -56,3 +57,55 @@ def chat_template(value: str) -> str:
     if not p.is_file():
         raise UserError(f"--template: file not found: {value}")
     return p.read_text(encoding="utf-8")
+
+
+# -- one exchange of a chat template, in pieces (export --to_ollama's TEMPLATE; the default system) --
+
+#: The probe texts: markers no chat template writes itself.
+S, Q, R = "SYSTEMQZXW", "PROMPTQZXW", "RESPONSEQZXW"
+
+
+def _common_end(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+        n += 1
+    return a[len(a) - n:] if n else ""
+
+
+def template_pieces(tokenizer: Any, where: str) -> dict[str, str]:
+    """One exchange of `tokenizer`'s chat template cut into pieces, by rendering probe conversations
+    with marker texts (export/ollama.py explains the cut): system_prefix + SYSTEM + system_suffix, or
+    `prefix` (the template's own default system turn, if any), then opening + PROMPT + generation (the
+    generation prompt), then the answer and `suffix`. A template that cannot be cut so (it rewrites the
+    texts, or opens an answer otherwise than its generation prompt) is a UserError naming `where`."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"{where}: the tokenizer has no chat template (pass one with --template)")
+
+    def render(msgs: list[dict], gen: bool) -> str:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    sys_, user, answer = {"role": "system", "content": S}, {"role": "user", "content": Q}, {"role": "assistant", "content": R}
+    a, b, c = render([sys_, user], True), render([user], True), render([sys_, user, answer], False)
+    if a.count(S) != 1 or a.count(Q) != 1 or b.count(Q) != 1 or c.count(R) != 1:
+        raise UserError(f"{where}: the chat template changes or repeats the message texts, so its turns cannot be "
+                        "cut into pieces")
+    a0, rest = a.split(S)
+    a1, a2 = rest.split(Q)
+    b0, b2 = b.split(Q)
+    head = a0 + S + a1 + Q
+    if b2 != a2 or not c.startswith(head) or c[len(head):].split(R, 1)[0] != a2:
+        raise UserError(f"{where}: the chat template opens an answer differently from its generation prompt (or "
+                        "with and without a system turn), so one exchange of it cannot be cut into pieces")
+    suffix = c[len(head):].split(R, 1)[1]
+    opening = _common_end(a1, b0)
+    return {"system_prefix": a0, "system_suffix": a1[:len(a1) - len(opening)], "prefix": b0[:len(b0) - len(opening)],
+            "opening": opening, "generation": a2, "suffix": suffix}
+
+
+def default_system(tokenizer: Any, where: str) -> str | None:
+    """The system text the chat template puts in a conversation that has none (Qwen2.5's "You are
+    Qwen, ..."), or None: the no-system prefix read as system_prefix + TEXT + system_suffix."""
+    p = template_pieces(tokenizer, where)
+    head, tail, prefix = p["system_prefix"], p["system_suffix"], p["prefix"]
+    if prefix and prefix.startswith(head) and prefix.endswith(tail) and len(prefix) >= len(head) + len(tail):
+        return prefix[len(head):len(prefix) - len(tail)]
+    return None

@@ -28,53 +28,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from swiftlite.data.templates import template_pieces
 from swiftlite.errors import UserError
 
-S, Q, R = "SYSTEMQZXW", "PROMPTQZXW", "RESPONSEQZXW"
 MODELFILE = "Modelfile"
 #: generation_config.json key -> Modelfile PARAMETER name.
 PARAMETERS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
               "repetition_penalty": "repeat_penalty"}
 
 
-def _common_end(a: str, b: str) -> str:
-    n = 0
-    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
-        n += 1
-    return a[len(a) - n:] if n else ""
-
-
-def template_pieces(tokenizer: Any, where: str) -> dict[str, str]:
-    """The Go template's pieces read off `tokenizer`'s chat template (see the module docstring);
-    a template that cannot be expressed so is a UserError naming `where`."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise UserError(f"{where}: the tokenizer has no chat template, which an ollama Modelfile's TEMPLATE is made "
-                        "from; pass one with --template when training, or write the Modelfile by hand")
-
-    def render(msgs: list[dict], gen: bool) -> str:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-    sys_, user, answer = {"role": "system", "content": S}, {"role": "user", "content": Q}, {"role": "assistant", "content": R}
-    a, b, c = render([sys_, user], True), render([user], True), render([sys_, user, answer], False)
-    if a.count(S) != 1 or a.count(Q) != 1 or b.count(Q) != 1 or c.count(R) != 1:
-        raise UserError(f"{where}: the chat template changes or repeats the message texts, so its turns cannot be "
-                        "cut into an ollama TEMPLATE; write the Modelfile by hand")
-    a0, rest = a.split(S)
-    a1, a2 = rest.split(Q)
-    b0, b2 = b.split(Q)
-    head = a0 + S + a1 + Q
-    if b2 != a2 or not c.startswith(head) or c[len(head):].split(R, 1)[0] != a2:
-        raise UserError(f"{where}: the chat template opens an answer differently from its generation prompt (or "
-                        "with and without a system turn), which an ollama TEMPLATE of one exchange cannot express; "
-                        "write the Modelfile by hand")
-    suffix = c[len(head):].split(R, 1)[1]
-    opening = _common_end(a1, b0)
-    return {"system_prefix": a0, "system_suffix": a1[:len(a1) - len(opening)], "prefix": b0[:len(b0) - len(opening)],
-            "opening": opening, "generation": a2, "suffix": suffix}
-
-
 def modelfile(tokenizer: Any, generation_config: dict, source: str, where: str) -> str:
     """The Modelfile's text: FROM `source`, the TEMPLATE, stop words and sampling parameters."""
-    p = template_pieces(tokenizer, where)
+    try:
+        p = template_pieces(tokenizer, where)
+    except UserError as e:
+        raise UserError(f"{e}: an ollama TEMPLATE is made of those pieces; write the Modelfile by hand") from None
     for k, v in p.items():
         if '"""' in v:
             raise UserError(f"{where}: the chat template's {k} holds triple quotes, which a Modelfile TEMPLATE cannot")
