@@ -13,8 +13,8 @@ resolved), and run as `python -m swiftlite ...` with:
   a mixture of experts (an `-A3B`-style or MoE id), a Qwen2 one
   otherwise; a pre-quantized AWQ/GPTQ model gets a tiny folder carrying that quantization_config;
 - `--dataset` / `--val_dataset` replaced by local files of the same format (`#N` and `:subset` kept as
-  `#N`): alpaca rows, chat messages, query/response, self-cognition rows (query/response/tag with
-  {{NAME}}/{{AUTHOR}}), preference pairs, KTO rows, GRPO prompts with a solution column, plain text;
+  `#N`): alpaca rows, chat messages, tool-calling rows (ms-swift's agent format), query/response,
+  self-cognition rows (query/response/tag with {{NAME}}/{{AUTHOR}}), preference pairs, KTO rows, GRPO prompts with a solution column, plain text;
 - a placeholder checkpoint path (`--adapters`/`--ckpt_dir output/vx-xxx/checkpoint-xxx`) replaced by a
   LoRA checkpoint trained here first (the scripts name the output of an earlier training run);
 - `--max_steps 2` appended to a training command; nothing else changes.
@@ -223,7 +223,9 @@ def write_data(d: Path, n: int = 64) -> dict[str, Path]:
     """One small local file per hub dataset format the scripts use."""
     d.mkdir(parents=True, exist_ok=True)
     rows: dict[str, list[dict]] = {k: [] for k in ("alpaca", "messages", "query_response", "self_cognition",
-                                                   "preference", "kto", "grpo", "text")}
+                                                   "preference", "kto", "grpo", "text", "agent")}
+    tool = {"name": "reverse", "description": "Reverse a word",
+            "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}
     for i in range(n):
         q, a = _row_text(i)
         rows["alpaca"].append({"instruction": q, "input": "", "output": a})
@@ -239,6 +241,12 @@ def write_data(d: Path, n: int = 64) -> dict[str, Path]:
                             "label": bool(i % 2)})
         rows["grpo"].append({"messages": [{"role": "user", "content": q}], "solution": a})
         rows["text"].append({"text": f"{q} {a}. " * 3})
+        # ms-swift's agent format (AI-ModelScope/function-calling-chatml after its preprocessing): tools, a
+        # tool call, its response, the answer
+        rows["agent"].append({"tools": [json.dumps(tool)], "messages": [
+            {"role": "user", "content": q},
+            {"role": "tool_call", "content": json.dumps({"name": "reverse", "arguments": {"word": a[::-1]}})},
+            {"role": "tool_response", "content": a}, {"role": "assistant", "content": a}]})
     out = {}
     for k, rs in rows.items():
         p = d / f"{k}.jsonl"
@@ -257,6 +265,7 @@ HUB_FORMAT = {
     # NuminaMath-CoT's `messages` column holds the problem and its worked solution (a chat row; its
     # only script, full/dft.sh, is sft)
     "AI-MO/NuminaMath-CoT": "messages", "open-r1/OpenThoughts-114k-math": "grpo",
+    "AI-ModelScope/function-calling-chatml": "agent",
     "swift/chinese-c4": "text", "lvjianjin/AdvertiseGen": "query_response", "AI-ModelScope/ruozhiba": "text",
 }
 

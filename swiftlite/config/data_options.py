@@ -12,6 +12,8 @@ from swiftlite.config.access import Section, opt
 TRUNCATION = ("delete", "left", "right", "split")
 #: ms-swift template names --template takes besides a Jinja file (their Jinja: data/templates.py).
 TEMPLATE_NAMES = ("default",)
+#: ms-swift's --agent_template names available here (data/agent.py).
+AGENT_TEMPLATES = ("hermes",)
 
 
 @dataclass(kw_only=True)
@@ -40,6 +42,11 @@ class DataConfig(Section):
                                  "target), ignore_think_prefix (the opening <think> tag), e.g. "
                                  "last_round+ignore_empty_think. pt trains every token (all); rlhf the answer of "
                                  "each pair (last_round). ms-swift's weighted agent scales are not available.")
+    agent_template: str | None = opt(None, "How tool-calling rows (a tools column, tool_call / tool_response turns: "
+                                     "ms-swift's agent format) are written before the chat template renders them: "
+                                     "hermes (Qwen2.5's and Qwen3's tool format: tools in the system turn, "
+                                     "<tool_call> JSON in the answer, <tool_response> in a user turn). Required "
+                                     "for such rows; ms-swift's other agent templates are not available.")
     packing: bool = opt(False, "Pack several rows into each sequence of --max-length tokens (rlhf dpo, orpo, "
                         "simpo, cpo: whole pairs, chosen and rejected together; a pack is one sample of the batch).")
     skip_bad_rows: bool = opt(False, "Skip (and count) rows that are not valid instead of stopping.")

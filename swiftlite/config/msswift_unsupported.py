@@ -85,7 +85,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (_DATA_MAP, ("remove_unused_columns", "disable_auto_column_mapping")),
     ("ms-swift's dataset registry is not used: pass the files to --dataset (docs/usage.md, \"Data\")", ("custom_dataset_info",)),
     # template_args.py: TemplateArguments
-    (_TEMPLATE, ("agent_template", "norm_bbox", "use_chat_template", "template_backend", "response_prefix",
+    (_TEMPLATE, ("norm_bbox", "use_chat_template", "template_backend", "response_prefix",
                  "preserve_thinking", "add_non_thinking_prefix", "disable_ignore_empty_think")),
     ("the loss is on every assistant turn of sft rows and every token for pt; loss scales are not available: "
      "drop the flag",

@@ -1,9 +1,11 @@
-"""The rules about where a run's rows come from besides --dataset: ms-swift's --cached_dataset and
---cached_val_dataset (tokenized folders, data/cached.py). Rules of config/rules.py's table, kept here
+"""The rules about where a run's rows come from besides --dataset and how they are read: ms-swift's
+--cached_dataset and --cached_val_dataset (tokenized folders, data/cached.py) and --agent_template
+(tool-calling rows, data/agent.py). Rules of config/rules.py's table, kept here
 so that module stays short. Import-light (no torch)."""
 
 from __future__ import annotations
 
+from swiftlite.config.data_options import AGENT_TEMPLATES
 from swiftlite.config.rule_table import rule
 from swiftlite.config.schema import RunConfig
 from swiftlite.config.tasks import task_spec
@@ -25,3 +27,15 @@ def cached_datasets(c: RunConfig):
     if d.split_dataset_ratio > 0 and not d.dataset:
         return (f"--split-dataset-ratio {d.split_dataset_ratio} holds out --dataset rows, and there is no --dataset: "
                 "give the export's validation folder to --cached_val_dataset")
+
+
+@rule("agent template")
+def agent_template(c: RunConfig):
+    v = c.data.agent_template
+    if v is None:
+        return None
+    if v not in AGENT_TEMPLATES:
+        return (f"--agent_template {v}: not available; {', '.join(AGENT_TEMPLATES)} is (Qwen2.5's and Qwen3's tool "
+                "format); ms-swift's other agent templates write tool calls in their model's own syntax")
+    if not task_spec(c.task).chat or task_spec(c.task).own_options is not None:
+        return f"--agent_template applies to sft (tool-calling chat rows); drop it from `swiftlite {c.task}`"

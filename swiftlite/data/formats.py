@@ -20,6 +20,8 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "system": "system", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
                   "tool": "tool"}
 ROLES = ("system", "user", "assistant", "tool")
+#: ms-swift's agent roles (data/agent.py renders them, with --agent_template).
+AGENT_ROLES = ("tool_call", "tool_response")
 
 
 def _text(v: Any, where: str, key: str) -> str:
@@ -56,8 +58,8 @@ def _role_messages(msgs: Any, where: str, key: str) -> list[Message]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise UserError(f"{where}: {key}[{i}] needs 'role' and 'content'")
-        if m["role"] not in ROLES:
-            raise UserError(f"{where}: {key}[{i}] has unknown role {m['role']!r} (use {', '.join(ROLES)})")
+        if m["role"] not in ROLES + AGENT_ROLES:
+            raise UserError(f"{where}: {key}[{i}] has unknown role {m['role']!r} (use {', '.join(ROLES + AGENT_ROLES)})")
         out.append({"role": m["role"], "content": _text(m["content"], where, f"{key}[{i}].content")})
     return out
 
@@ -136,12 +138,17 @@ def detect_format(row: dict) -> str | None:
     return None
 
 
-def to_messages(row: dict, where: str) -> list[Message]:
-    """Convert one row (any chat format) to messages; a row that fits no format is an error naming its keys."""
+def to_messages(row: dict, where: str, *, agent_roles: bool = False) -> list[Message]:
+    """Convert one row (any chat format) to messages; a row that fits no format is an error naming its keys.
+    `agent_roles`: the caller renders ms-swift's tool_call / tool_response turns (sft: data/agent.py);
+    elsewhere they are refused."""
     for _name, det, conv in FORMATS:
         if det(row):
             msgs = conv(row, where)
-            if not any(m["role"] == "assistant" for m in msgs):
+            if not agent_roles and any(m["role"] in AGENT_ROLES for m in msgs):
+                raise UserError(f"{where}: tool_call / tool_response turns are read by `swiftlite sft` with "
+                                "--agent_template")
+            if not any(m["role"] in ("assistant", "tool_call") for m in msgs):
                 raise UserError(f"{where}: the conversation has no assistant turn to learn from")
             return msgs
     keys = ", ".join(sorted(map(str, row))) or "none"

@@ -106,7 +106,7 @@ def lazy_tokenized(specs: list[str], encode: Callable[[list[tuple[dict, str]]], 
         stats.skipped += src.skipped
         for row, where in zip(src.rows, src.where):
             try:
-                to_text(row, where) if plain else to_messages(row, where)
+                to_text(row, where) if plain else to_messages(row, where, agent_roles=True)
             except UserError as e:
                 if not skip_bad_rows:
                     raise

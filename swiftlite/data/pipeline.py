@@ -19,6 +19,7 @@ import numpy as np
 
 from swiftlite.data.collate import pack_rows
 from swiftlite.data.rows import DataStats, Tokenized  # noqa: F401  (re-exported: rlhf, tests)
+from swiftlite.data.agent import Agent, render_turns
 from swiftlite.data.formats import to_messages, to_text
 from swiftlite.data.sources import load_rows, parse_spec
 from swiftlite.config.tasks import task_spec
@@ -130,10 +131,10 @@ def cached(key: str, build: Callable[[], Tokenized], *, kind: type = Tokenized, 
 
 def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_length: int,
                  skip_bad_rows: bool, truncation: str = "right", system: str | None = None,
-                 loss_scale: LossScale | None = None) -> tuple[list[dict], DataStats]:
+                 loss_scale: LossScale | None = None, agent: Agent | None = None) -> tuple[list[dict], DataStats]:
     """Tokenize (row, where) pairs in order; rows with no target token are dropped and counted, and so
     are rows longer than max_length under truncation "delete". A bad row raises its UserError, or is
-    skipped and counted with --skip-bad-rows."""
+    skipped and counted with --skip-bad-rows. `agent`: --agent_template (tool-calling rows: data/agent.py)."""
     stats = DataStats()
     rows: list[dict] = []
     cut = "right" if truncation in ("delete", "split") else truncation
@@ -152,7 +153,8 @@ def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_l
             if task_spec(task).plain_text:  # pt: every token a target, no template
                 enc = encode_text(tokenizer, to_text(row, where), max_length, truncation=cut)
             else:
-                enc = encode_messages(tokenizer, to_messages(row, where), max_length, where, truncation=cut,
+                msgs = render_turns(row, to_messages(row, where, agent_roles=True), agent, system, where)
+                enc = encode_messages(tokenizer, msgs, max_length, where, truncation=cut,
                                       system=system, loss_scale=loss_scale)
         except UserError as e:
             if skip_bad_rows:
@@ -180,14 +182,14 @@ def _encode_chunk(items: list[tuple[dict, str]]) -> tuple[list[dict], DataStats]
     w = _WORKER
     try:
         return _encode_rows(items, w["tokenizer"], w["task"], w["max_length"], w["skip"], w["truncation"],
-                            w["system"], w["loss_scale"])
+                            w["system"], w["loss_scale"], w["agent"])
     except UserError as e:  # returned, not raised: the parent re-raises the first one in row order
         return e
 
 
 def _encode_parallel(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_length: int,
                      skip_bad_rows: bool, num_proc: int, truncation: str = "right",
-                     system: str | None = None, loss_scale: LossScale | None = None
+                     system: str | None = None, loss_scale: LossScale | None = None, agent: Agent | None = None
                      ) -> tuple[list[dict], DataStats]:
     """`_encode_rows` over `num_proc` forked processes, chunked in row order: the same rows, stats
     and first error as one process. The tokenizer's own thread pool is turned off first (a forked
@@ -198,7 +200,7 @@ def _encode_parallel(items: list[tuple[dict, str]], tokenizer: Any, task: str, m
     size = max(1, -(-len(items) // n_chunks))
     chunks = [items[i:i + size] for i in range(0, len(items), size)]
     _WORKER.update(tokenizer=tokenizer, task=task, max_length=max_length, skip=skip_bad_rows,
-                   truncation=truncation, system=system, loss_scale=loss_scale)
+                   truncation=truncation, system=system, loss_scale=loss_scale, agent=agent)
     try:
         with mp.get_context("fork").Pool(num_proc) as pool:
             parts = pool.map(_encode_chunk, chunks)
@@ -224,7 +226,8 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
                    progress: Callable[[str, int], Any] | None = None, truncation_strategy: str = "right",
                    system: str | None = None, seed: int = 42, load_from_cache_file: bool = True,
                    transform: Callable[[Any], Any] | None = None, key_extra: dict | None = None,
-                   columns: dict[str, str] | None = None, loss_scale: LossScale | None = None) -> Tokenized:
+                   columns: dict[str, str] | None = None, loss_scale: LossScale | None = None,
+                   agent: Agent | None = None) -> Tokenized:
     """Load, convert and tokenize every spec; rows with no target token are dropped and counted, and
     rows over max_length are cut or (truncation_strategy "delete") dropped and counted. `system` is the
     system turn of sft rows that have none. `num_proc` > 1 (--dataset-num-proc) tokenizes in that many
@@ -233,11 +236,13 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
     then the specs are concatenated. `transform` rewrites each source's rows before tokenization
     (--model-name/--model-author: data/self_cognition.py; its inputs go into `key_extra`, the cache
     key); `load_from_cache_file`: see `cached`; `columns`: --columns, renamed as each source is read;
-    `loss_scale`: --loss-scale, which tokens of a chat row are targets (config/loss_scale.py)."""
+    `loss_scale`: --loss-scale, which tokens of a chat row are targets (config/loss_scale.py); `agent`:
+    --agent_template, how tool-calling rows are written as turns (data/agent.py)."""
     key = _fingerprint(specs, tokenizer, {"task": task, "max_length": max_length, "packing": packing,
                                           "skip": skip_bad_rows, "truncation": truncation_strategy,
                                           "system": system, "seed": seed, **({"columns": columns} if columns else {}),
                                           **({"loss_scale": repr(loss_scale)} if loss_scale not in (None, LossScale()) else {}),
+                                          **({"agent": repr(agent)} if agent is not None else {}),
                                           **(key_extra or {})})
 
     def build() -> Tokenized:
@@ -254,11 +259,11 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
             items = list(zip(src.rows, src.where))
             if num_proc > 1 and len(items) >= PARALLEL_MIN_ROWS:
                 part, st = _encode_parallel(items, tokenizer, task, max_length, skip_bad_rows, num_proc,
-                                            truncation_strategy, system, loss_scale)
+                                            truncation_strategy, system, loss_scale, agent)
             else:
                 it = progress(f"tokenizing {spec}", len(items))(items) if progress is not None else items
                 part, st = _encode_rows(it, tokenizer, task, max_length, skip_bad_rows, truncation_strategy,
-                                        system, loss_scale)
+                                        system, loss_scale, agent)
             rows += part
             stats.add(st)
         if packing:
@@ -320,12 +325,20 @@ def _concat(a: Tokenized | None, b: Tokenized) -> Tokenized:
     return Tokenized(a.rows + b.rows, stats)
 
 
-def _rendering(cfg: Any) -> tuple[str | None, LossScale | None]:
-    """The run's default system prompt and loss scale (chat tasks only)."""
+def _rendering(cfg: Any, tokenizer: Any) -> tuple[str | None, LossScale | None, Agent | None]:
+    """The run's default system prompt, loss scale and agent template (chat tasks only)."""
     from swiftlite.data.tokenize import system_prompt
     chat = task_spec(cfg.task).chat
+    agent = None
+    if chat and cfg.data.agent_template:
+        from swiftlite.data.templates import default_system
+        try:   # the chat template's default system, for a tools row without one (Qwen2.5's "You are Qwen, ...")
+            base = default_system(tokenizer, f"--agent_template {cfg.data.agent_template}")
+        except UserError:   # a template that cannot be cut into one exchange (thinking blocks) has none to find
+            base = None
+        agent = Agent(cfg.data.agent_template, base)
     return (system_prompt(cfg.data.system) if chat else None,
-            parse_loss_scale(cfg.data.loss_scale) if chat else None)
+            parse_loss_scale(cfg.data.loss_scale) if chat else None, agent)
 
 
 def spec_tokenizer(cfg: Any, tokenizer: Any, *, progress: Callable[[str, int], Any] | None = None,
@@ -334,7 +347,7 @@ def spec_tokenizer(cfg: Any, tokenizer: Any, *, progress: Callable[[str, int], A
     what training (prepare_datasets) and `swiftlite export --to_cached_dataset true` tokenize with, so
     that a cached folder holds exactly the rows the run would have made."""
     d, t = cfg.data, cfg.train
-    system, scale = _rendering(cfg)
+    system, scale, agent = _rendering(cfg, tokenizer)
     from swiftlite.data.self_cognition import from_config
     sc = from_config(d)   # --model_name / --model_author (data/self_cognition.py)
 
@@ -344,7 +357,7 @@ def spec_tokenizer(cfg: Any, tokenizer: Any, *, progress: Callable[[str, int], A
                               truncation_strategy=d.truncation_strategy, system=system, seed=t.seed,
                               load_from_cache_file=d.load_from_cache_file, transform=sc,
                               key_extra={"self_cognition": sc.key()} if sc else None, columns=d.columns,
-                              loss_scale=scale)
+                              loss_scale=scale, agent=agent)
     return tok, sc
 
 
@@ -381,12 +394,12 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
     d, t = cfg.data, cfg.train
     # `cfg` is the run's resolved config (swiftlite/job.py): --max-length is concrete here.
     tok, sc = spec_tokenizer(cfg, tokenizer, progress=progress, packing=d.packing)
-    system, scale = _rendering(cfg)
+    system, scale, agent = _rendering(cfg, tokenizer)
 
     def encode(items: list[tuple[dict, str]]) -> tuple[list[dict], DataStats]:
         """(row, where) items -> their usable tokenized rows and stats (lazy and streamed rows)."""
         return _encode_rows(items, tokenizer, cfg.task, d.max_length, d.skip_bad_rows, d.truncation_strategy,
-                            system, scale)
+                            system, scale, agent)
 
     def tok_train(specs: list[str]) -> Tokenized:
         if d.lazy_tokenize and specs is d.dataset:   # validation rows stay eager

@@ -179,6 +179,13 @@ CASES: list[Case] = [
     Case("msswift-streaming-split", ["sft", *GOOD, *DATA, "--streaming",
                                      "--split_dataset_ratio", "0.1"],
          "--streaming with --split-dataset-ratio: a stream cannot hold rows out"),
+    Case("msswift-agent-template-react", ["sft", *GOOD, *DATA, "--agent_template", "react_en"],
+         "--agent_template react_en: not available; hermes is"),
+    Case("msswift-agent-row-without-template", ["sft", *GOOD, "--dataset", "agent.jsonl"],
+         "agent.jsonl:1: a tool-calling row (tools, tool_call or tool_response): pass --agent_template hermes",
+         setup=write("agent.jsonl", '{"tools": [], "messages": [{"role": "user", "content": "q"}, {"role": '
+                     '"tool_call", "content": "{\\"name\\": \\"f\\", \\"arguments\\": {}}"}, {"role": '
+                     '"tool_response", "content": "r"}, {"role": "assistant", "content": "a"}]}\n')),
     Case("msswift-cached-dataset-missing", ["sft", *GOOD, "--cached_dataset", "nothere/train"],
          "--cached_dataset nothere/train: no such folder"),
     Case("msswift-cached-dataset-streaming", ["sft", *GOOD, *DATA, "--cached_dataset", "c/train", "--streaming",

@@ -113,6 +113,11 @@ SFT = [
     ("template_default", f"sft {_C} {_LORA} --dataset {{alpaca}}#16 --template default "
                          "--system 'You are a helpful assistant.'",
      {"template": "default", "system": "You are a helpful assistant."}),
+    # examples/train/agent/qwen2_5.sh, glm4.sh: ms-swift's agent rows (function-calling-chatml) as hermes turns
+    ("agent_hermes", f"sft {_C} --tuner_type full --dataset {{agent}}#16 --load_from_cache_file true "
+                     "--split_dataset_ratio 0.25 --agent_template hermes --torch_dtype bfloat16 --packing true "
+                     "--save_only_model true --per_device_eval_batch_size 1 --max_length 1024",
+     {"agent_template": "hermes", "packing": True, "max_length": 1024}),
     # examples/train/new_special_tokens/train.sh (its tokens file given as tokens here)
     ("new_special_tokens", f"sft {_C} {_LORA} --dataset {{messages}}#16 --new_special_tokens '<|0|>' '<|1|>' "
                            "--modules_to_save embed_tokens lm_head",

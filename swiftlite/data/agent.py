@@ -1,0 +1,139 @@
+"""--agent_template: tool-calling rows (ms-swift's agent format) rendered as plain turns before the chat
+template renders them.
+
+The rows: `messages` with ms-swift's roles `tool_call` (the content a JSON object with `name` and
+`arguments`, or `parameters`) and `tool_response` (or OpenAI's `tool`), and a `tools` column (a list of
+tool descriptions, JSON objects or JSON strings, or a JSON string of that list). ms-swift's
+AI-ModelScope/function-calling-chatml is in this form after its preprocessing.
+
+`hermes` (swift/agent_template/hermes.py, ms-swift 3602360a; Qwen2.5's and Qwen3's own tool format):
+- the tools go into the system turn: the conversation's system text (the row's, else --system, else
+  the chat template's own default system, e.g. Qwen2.5's "You are Qwen, ..."), a blank line, then the
+  `# Tools` block listing each tool as JSON inside <tools></tools>;
+- consecutive tool calls become one assistant turn, `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`
+  joined by newlines, appended without a separator to an assistant text just before them (ms-swift
+  merges consecutive assistant messages so);
+- consecutive tool responses become one user turn, each `<tool_response>\\n...\\n</tool_response>`, joined by
+  newlines: the turn ms-swift's hermes template writes with the chat template's user prompt.
+The assistant turns (tool calls included) are the targets, the tool responses not, as in ms-swift.
+
+A tool-calling row without --agent_template is refused, naming the choice: ms-swift picks its default
+from its own template table, which swiftlite does not have. Other agent templates (react_en, glm4, ...)
+are refused by the rules, with hermes as the alternative.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from swiftlite.errors import UserError
+
+#: ms-swift's roles of an agent row; `tool` is OpenAI's name for a tool response.
+TOOL_CALL, TOOL_RESPONSES = "tool_call", ("tool_response", "tool")
+
+_HERMES_TOOLS = """
+
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+@dataclass(frozen=True)
+class Agent:
+    """The run's --agent_template and the chat template's default system text (for a tools row
+    without a system turn)."""
+    name: str
+    default_system: str | None = None
+
+
+def _json(value: Any, where: str, what: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise UserError(f"{where}: {what} is not valid JSON: {value[:80]!r}") from None
+
+
+def _tools(row: dict, where: str) -> list[dict]:
+    raw = _json(row.get("tools"), where, "'tools'")
+    if raw in (None, "", []):
+        return []
+    items = raw if isinstance(raw, list) else [raw]
+    out = []
+    for i, t in enumerate(items):
+        t = _json(t, where, f"tools[{i}]")
+        if not isinstance(t, dict):
+            raise UserError(f"{where}: tools[{i}] must be a JSON object describing a tool")
+        out.append(t if ("type" in t or "function" in t) else {"type": "function", "function": t})
+    return out
+
+
+def _call(content: str, where: str) -> dict:
+    obj = _json(content, where, "a tool_call message")
+    if not isinstance(obj, dict) or "name" not in obj:
+        raise UserError(f"{where}: a tool_call message must be a JSON object with 'name' and 'arguments'")
+    args = obj.get("arguments", obj.get("parameters"))
+    args = _json(args, where, f"the arguments of tool call {obj['name']!r}")
+    if args is None:
+        raise UserError(f"{where}: tool call {obj['name']!r} has no 'arguments'")
+    return {"name": obj["name"], "arguments": args}
+
+
+def is_agent_row(row: dict, messages: list[dict]) -> bool:
+    """A row in ms-swift's agent format: a tools column or its tool_call / tool_response roles. (A row
+    whose only tool turns are OpenAI's `tool` role is left to the chat template, as before.)"""
+    return bool(row.get("tools")) or any(m["role"] in (TOOL_CALL, "tool_response") for m in messages)
+
+
+def render_turns(row: dict, messages: list[dict], agent: Agent | None, system: str | None,
+                 where: str) -> list[dict]:
+    """The row's messages with its tools, tool calls and tool responses written as system, assistant
+    and user turns (`agent`: --agent_template; `system`: --system). Rows without any are returned as
+    they are."""
+    if not is_agent_row(row, messages):
+        return messages
+    if agent is None:
+        raise UserError(f"{where}: a tool-calling row (tools, tool_call or tool_response): pass --agent_template "
+                        "hermes (the tool format of Qwen2.5's and Qwen3's chat templates, ms-swift's default for them)")
+    tools = _tools(row, where)
+    out: list[dict] = []
+    for m in messages:
+        role = m["role"]
+        if role == TOOL_CALL:
+            text = f"<tool_call>\n{json.dumps(_call(m['content'], where), ensure_ascii=False)}\n</tool_call>"
+            if out and out[-1]["role"] == "assistant":
+                sep = "\n" if out[-1].get("tool_call") else ""
+                out[-1] = {"role": "assistant", "content": out[-1]["content"] + sep + text, "tool_call": True}
+            else:
+                out.append({"role": "assistant", "content": text, "tool_call": True})
+        elif role in TOOL_RESPONSES:
+            if not out or not (out[-1].get("tool_call") or out[-1].get("tool_response")):
+                raise UserError(f"{where}: a {role} turn must follow a tool_call (the call it answers)")
+            text = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1].get("tool_response"):
+                out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + text, "tool_response": True}
+            else:
+                out.append({"role": "user", "content": text, "tool_response": True})
+        else:
+            out.append(dict(m))
+    if tools:
+        block = _HERMES_TOOLS.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + block}
+        else:
+            base = system if system is not None else (agent.default_system or "")
+            out.insert(0, {"role": "system", "content": base + block})
+    return [{"role": m["role"], "content": m["content"]} for m in out]
