@@ -24,7 +24,8 @@ class DataConfig(Section):
     cached_dataset: list[str] = opt(help="Tokenized training rows written by `swiftlite export --to_cached_dataset "
                                     "true` (its OUT/train folder; `DIR#N` takes N rows), as ms-swift's; read "
                                     "instead of tokenizing, after --dataset's rows when both are given. Refused "
-                                    "when the folder was made for another task, tokenizer or a longer --max-length.",
+                                    "when the folder was made for another task or tokenizer; rows longer than "
+                                    "--max-length follow --truncation-strategy.",
                                     factory=list)
     cached_val_dataset: list[str] = opt(help="Tokenized validation rows (the export's OUT/val folder).", factory=list)
     split_dataset_ratio: float = opt(0.0, "Hold out this share of --dataset for validation.")
