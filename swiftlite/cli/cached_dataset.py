@@ -98,6 +98,7 @@ def export_cached(args: list[str]) -> int:
     dtype, max_length, _ = model_defaults(cfg, source)
     run = concrete_config(cfg, dtype, max_length)
     tokenizer = load_tokenizer(run, source)
+    from swiftlite.config.tasks import task_spec
     from swiftlite.data import cached
     from swiftlite.data.pipeline import spec_tokenizer, train_and_validation
     tok, sc = spec_tokenizer(run, tokenizer)
@@ -105,7 +106,9 @@ def export_cached(args: list[str]) -> int:
     if sc is not None:
         sc.check_used([*run.data.dataset, *run.data.val_dataset],
                       train.stats.self_cognition + (val.stats.self_cognition if val is not None else 0))
-    meta = {"task": run.task, "model": run.model.model, "tokenizer": cached.tokenizer_fingerprint(tokenizer, task == "sft"),
+    chat_rows = task_spec(run.task).chat
+    meta = {"task": run.task, "rows": cached.rows_kind(chat_rows), "model": run.model.model,
+            "tokenizer": cached.tokenizer_fingerprint(tokenizer, chat_rows),
             "max_length": run.data.max_length, "truncation_strategy": run.data.truncation_strategy,
             "loss_scale": run.data.loss_scale, "template": run.model.template, "dataset": list(run.data.dataset)}
     out.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,12 @@ def tokenizer_fingerprint(tokenizer: Any, chat: bool) -> str:
     return h.hexdigest()[:24]
 
 
+def rows_kind(chat: bool) -> str:
+    """What a folder's rows are: chat rows (sft: the answers are targets) or plain text (pt: every
+    token), recorded as meta["rows"] and compared with the reading run's."""
+    return "chat" if chat else "text"
+
+
 def write(folder: Path, data: Tokenized, meta: dict[str, Any]) -> None:
     """One split: the rows' input_ids and labels as an HF datasets folder, and `meta` (task,
     max_length, tokenizer fingerprint, ...) with the rows' stats."""
@@ -113,10 +119,10 @@ def load(spec: str, flag: str, *, tokenizer: Any, task: str, chat: bool, max_len
     path, count = _split(spec)
     meta = read_meta(path, flag)
     problems = []
-    if meta.get("task") != task:
-        what = {"pt": "pt rows (every token a target: --use_chat_template false)",
-                "sft": "sft rows (the answers are the targets)"}
-        problems.append(f"holds {what.get(meta.get('task'), repr(meta.get('task')))}, and this is `swiftlite {task}`")
+    if meta.get("rows") != rows_kind(chat):
+        what = {"text": "pt rows (every token a target: --use_chat_template false)",
+                "chat": "sft rows (the answers are the targets)"}
+        problems.append(f"holds {what.get(meta.get('rows'), repr(meta.get('rows')))}, and this is `swiftlite {task}`")
     elif meta.get("tokenizer") != tokenizer_fingerprint(tokenizer, chat):
         problems.append(f"was tokenized by another tokenizer{' or chat template' if chat else ''} "
                         f"({meta.get('model')!r}) than this run's --model")
