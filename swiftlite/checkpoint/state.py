@@ -292,7 +292,8 @@ def weights_only_problem(path: Path | None, cfg: "RunConfig", choice: Any, state
     if not state.get("save_only_model"):
         return None
     saved = saved_format(state)
-    folder = layout.ADAPTER_DIR if state.get("train_type") in ("lora", "qlora") else layout.MODEL_DIR
+    from swiftlite.config.tuner_options import PEFT_TYPES
+    folder = layout.ADAPTER_DIR if state.get("train_type") in PEFT_TYPES else layout.MODEL_DIR
     if saved is layout.CheckpointFormat.DS:   # parallel/deepspeed.py: its weights are the HF folder alone
         return (f"--resume: {path.name} was saved with --save_only_model under DeepSpeed: it holds the weights "
                 f"only as its {folder}/ folder, no ZeRO state to resume from (weights, optimizer, schedule); "

@@ -196,8 +196,8 @@ CASES: list[Case] = [
     Case("msswift-logging-dir", ["sft", *GOOD, *DATA, "--logging_dir", "tb"], "--logging_dir tb: TensorBoard events"),
     Case("msswift-liger", ["sft", *GOOD, *DATA, "--use_liger_kernel", "true"], "--use-liger-kernel runs GPU (Triton/CUDA) kernels and this run has no GPU"),
     Case("msswift-device-map", ["sft", *GOOD, *DATA, "--device_map", "auto"], "--device_map auto: one process per GPU"),
-    Case("msswift-tuner-adalora", ["sft", *GOOD, *DATA, "--train_type", "adalora"],
-         "--train_type adalora: swiftlite trains full, lora or qlora"),
+    Case("msswift-tuner-longlora", ["sft", *GOOD, *DATA, "--train_type", "longlora"],
+         "--train_type longlora: swiftlite trains full, lora, qlora"),
     Case("msswift-loss-scale-weighted", ["sft", *GOOD, *DATA, "--loss_scale", "hermes"],
          "--loss-scale hermes: 'hermes' is one of ms-swift's weighted agent loss scales"),
     Case("msswift-loss-scale-unknown", ["sft", *GOOD, *DATA, "--loss_scale", "last_round+nope"],
@@ -276,8 +276,8 @@ CASES: list[Case] = [
          "error: --warmup-ratio must be in [0, 1), got 2.0",
          more=("norm is a LlamaRMSNorm, which LoRA cannot adapt",)),
     # a refused --train_type: the rule on --quant_method bnb, which depends on it, is not run
-    Case("stages-refused-flag-not-judged", ["sft", *GOOD, *DATA, "--train_type", "adalora", "--quant_method", "bnb"],
-         "error: --train_type adalora: swiftlite trains full, lora or qlora"),
+    Case("stages-refused-flag-not-judged", ["sft", *GOOD, *DATA, "--train_type", "longlora", "--quant_method", "bnb"],
+         "error: --train_type longlora: swiftlite trains full, lora, qlora"),
     # a refused model folder is not inspected for --target_modules; the value rule is still judged
     Case("stages-refused-folder-not-inspected", ["sft", "--model", "awq", "--max-steps", "2", *DATA,
                                                  "--target_modules", "foo", "--weight_decay", "-1"],
