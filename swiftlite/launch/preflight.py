@@ -83,6 +83,8 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
         found.check(skeleton_mode, run_cfg, facts.choice)   # refuses an adapter peft computes from weights a skeleton lacks
         from swiftlite.optim import optim_problem
         found.check(_refuse, optim_problem, run_cfg, facts.choice)
+        from swiftlite.train.adalora import adalora_problem
+        found.check(_refuse, adalora_problem, run_cfg, facts.choice)
         if resume is not None:
             from swiftlite.checkpoint.state import weights_only_problem
             # a --save_only_model checkpoint, another format
