@@ -128,7 +128,10 @@ def load_adapter(src: Source, log: Callable[[str], None]) -> Adapter:
         origin = f"{src.path.name}/{src.weights.folder} (trainable tensors)"
     if conf.get("peft_type", "LORA") not in ("LORA", "BOFT", "ADALORA"):
         raise UserError(f"{origin}: a {conf.get('peft_type')} adapter; LoRA, BOFT and AdaLoRA adapters can be exported")
-    empty = [k for k, v in tensors.items() if v.numel() == 0]
+    from swiftlite.hf_io import pruned_layers
+    pruned = pruned_layers(conf)   # AdaLoRA layers at rank 0: empty in peft's file, nothing to merge
+    empty = [k for k, v in tensors.items()
+             if v.numel() == 0 and re.sub(r"\.lora_[ABE]$", "", k.removeprefix("base_model.model.")) not in pruned]
     if not tensors or empty:
         raise UserError(f"{origin}: the adapter holds {'no tensors' if not tensors else 'empty tensors: ' + empty[0]}")
     unknown = [k for k in tensors if "lora_embedding" in k]
