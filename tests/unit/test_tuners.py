@@ -255,3 +255,21 @@ def test_planner_counts_the_adapters_parameters(argv):
                  boft_block=(cfg.lora.boft_block_size, cfg.lora.boft_block_num, cfg.lora.boft_n_butterfly_factor),
                  adalora_init_r=cfg.lora.adalora_init_r)
     assert w.adapter_params(shape) == real
+
+
+def test_training_loss_has_no_per_forward_penalty():
+    """The summed token loss (parallel/loss.py) is not HF's `loss`, so peft's AdaLoraModel.forward does
+    not add its penalty to every micro-batch's sum (it is applied once per step, train/adalora.py)."""
+    from swiftlite.parallel.loss import loss_options, token_loss_sum
+    cfg, m = adapted("--train_type", "adalora", "--adalora_orth_reg_weight", "0.7", "--lora_dropout", "0")
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_" in n and p.requires_grad:
+                p.normal_(0, 0.5)
+    ids = torch.randint(0, 64, (1, 9))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    with torch.no_grad():
+        got = token_loss_sum(m, batch, loss_options(cfg))
+        m.peft_config["default"].orth_reg_weight = 0.0
+        plain = token_loss_sum(m, batch, loss_options(cfg))
+    assert float(got) == float(plain)
