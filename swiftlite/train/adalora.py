@@ -78,8 +78,21 @@ class AdaLoraEngine:
         self._peft.base_model.update_and_allocate(self.global_step)
 
 
-def with_adalora(engine: Any, model: Any, cfg: Any, start_step: int) -> Any:
-    """The engine the loop drives: `engine` itself, or for --train_type adalora an AdaLoraEngine."""
+def with_adalora(engine: Any, model: Any, cfg: Any, start_step: int, resume_path: Any = None) -> Any:
+    """The engine the loop drives: `engine` itself, or for --train_type adalora an AdaLoraEngine.
+    A resumed run takes the rank pattern its checkpoint's adapter/ recorded (the masks themselves
+    are in the resumed weights): peft re-applies it in the last --adalora_tfinal steps. The
+    importance averages start again from zero, as in ms-swift (peft does not save them)."""
     if cfg.train.train_type != "adalora":
         return engine
+    if resume_path is not None:
+        import json
+        from pathlib import Path
+
+        from swiftlite.checkpoint import layout
+        from swiftlite.hf_io import ADAPTER_CONFIG
+        f = Path(resume_path) / layout.ADAPTER_DIR / ADAPTER_CONFIG
+        pattern = json.loads(f.read_text()).get("rank_pattern") if f.is_file() else None
+        if pattern:
+            model.peft_config[model.base_model.trainable_adapter_name].rank_pattern = pattern
     return AdaLoraEngine(engine, model, start_step)

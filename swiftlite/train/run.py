@@ -197,7 +197,7 @@ def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> t
             log = print if world.is_main else (lambda *_: None)
             start_step = load_training_state(engine, resume_path, world, cfg, choice, facts, log=log)["global_step"]
         from swiftlite.train.adalora import with_adalora
-        engine = with_adalora(engine, model, cfg, start_step)   # AdaLoRA's penalty and rank allocation
+        engine = with_adalora(engine, model, cfg, start_step, resume_path)   # AdaLoRA's penalty, rank allocation
         if probe is not None:
             probe.start_step = start_step
         run = Run(cfg=cfg, world=world, choice=choice, run_dir=run_dir, resume_path=resume_path,
