@@ -17,8 +17,9 @@ from tests.conftest import read_losses, run_cli
 BASE = ["--model", "tiny-llama-2l", "--torch_dtype", "fp32", "--per_device_train_batch_size", "1",
         "--gradient_accumulation_steps", "2", "--max_steps", "4", "--save_steps", "4", "--logging_steps", "1",
         "--learning_rate", "1e-2", "--seed", "7"]
-ADALORA = ["--train_type", "adalora", "--adalora_init_r", "4", "--adalora_target_r", "2", "--adalora_tinit", "1",
-           "--adalora_tfinal", "1"]
+# lora_dropout 0: dropout masks are drawn from each rank's generator, so 2 processes would not match 1
+ADALORA = ["--lora_dropout", "0", "--train_type", "adalora", "--adalora_init_r", "4", "--adalora_target_r", "2",
+           "--adalora_tinit", "1", "--adalora_tfinal", "1"]
 BOFT = ["--train_type", "boft"]
 
 
@@ -108,3 +109,23 @@ def test_adalora_refused_on_sharding_backends(parallelism, demo_data, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert f"--train_type adalora with --parallelism {parallelism}: peft's rank allocation" in proc.stderr
     assert not out.exists()
+
+
+def test_adalora_resumes_in_its_final_phase(demo_data, tmp_path):
+    """A run stopped after step 4 of 6 with --adalora_tfinal 3 resumes in the phase where peft re-applies
+    the final rank pattern each step: the pattern comes from the checkpoint's adapter/, and the resumed
+    run ends with the uninterrupted run's rank pattern and masks."""
+    args = ["sft", "--model", "tiny-llama-2l", "--torch_dtype", "fp32", "--per_device_train_batch_size", "1",
+            "--gradient_accumulation_steps", "1", "--max_steps", "6", "--save_steps", "4", "--learning_rate", "1e-2",
+            *ADALORA[:-2], "--adalora_tfinal", "3", "--dataset", demo_data[0]]
+    run_cli([*args, "--output_dir", tmp_path / "whole"])
+    from tests.conftest import cli_env
+    stopped = run_cli([*args, "--output_dir", tmp_path / "cut"], check=False,
+                      env=cli_env(SWIFTLITE_FAULT="step=5,kind=raise"))
+    assert stopped.returncode != 0 and (tmp_path / "cut" / "checkpoint-4").is_dir()
+    run_cli([*args, "--output_dir", tmp_path / "cut", "--resume", "true"])
+    whole, cut = tmp_path / "whole" / "checkpoint-6" / "adapter", tmp_path / "cut" / "checkpoint-6" / "adapter"
+    pattern = json.loads((whole / "adapter_config.json").read_text())["rank_pattern"]
+    assert pattern and json.loads((cut / "adapter_config.json").read_text())["rank_pattern"] == pattern
+    a, b = load_file(str(whole / "adapter_model.safetensors")), load_file(str(cut / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
