@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swiftlite.errors import UserError
 
@@ -93,6 +93,36 @@ def check_targets(model: "torch.nn.Module", cfg: "RunConfig") -> str | list[str]
     # Linear layers) peft's all-linear would also wrap, without dropout: ms-swift's all-linear is the
     # Linear layers (attention, the router, shared experts), and so is this one.
     return sorted(set(names) | set(named)) if all_linear else list(named)
+
+
+def check_boft_blocks(model: Any, cfg: "RunConfig", targets: str | list[str]) -> None:
+    """peft's condition on BOFT's blocks (tuners/boft/layer.update_layer), checked before launch on the
+    meta model: each adapted Linear's input width is a multiple of --boft_block_size (or of
+    --boft_block_num). A one-line error naming the first layer that is not."""
+    lc = cfg.lora
+    for name, m in model.named_modules():
+        if not name or not _is_linear(m) or not hasattr(m, "in_features"):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        chosen = (leaf not in HEAD_NAMES) if targets == "all-linear" else any(_matches(t, name) for t in targets)
+        if not chosen:
+            continue
+        size, num, width = lc.boft_block_size, lc.boft_block_num, m.in_features
+        if (size and width % size) or (num and width % num):
+            flag = f"--boft_block_size {size}" if size else f"--boft_block_num {num}"
+            raise UserError(f"{flag}: {name} takes {width} inputs, not a multiple of it (peft's BOFT splits each "
+                            f"adapted layer's inputs into equal blocks)")
+
+
+def check_tuner(model: Any, cfg: "RunConfig", targets: str | list[str]) -> None:
+    """What the tuner needs of the model and this machine, before launch (launch/preflight.py)."""
+    if cfg.train.train_type == "boft":
+        check_boft_blocks(model, cfg, targets)
+        from swiftlite.models.quant import peft_without_bnb
+        from swiftlite.models.tuners import boft_layers
+        with peft_without_bnb(quantized=False), boft_layers(cfg.lora.boft_n_butterfly_factor,
+                                                            "--boft_n_butterfly_factor"):
+            pass   # a BOFT base is never quantized (config/rules_tuners.py)
 
 
 def apply_lora(model: "torch.nn.Module", cfg: "RunConfig", total_steps: int | None = None) -> "torch.nn.Module":

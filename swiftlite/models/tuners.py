@@ -82,3 +82,12 @@ def boft_layers(butterfly_factor: int, flag: str) -> Iterator[None]:
         yield
     finally:
         boft_layer.get_fbd_cuda = saved
+
+
+def check_schedule(cfg: "RunConfig", total_steps: int) -> None:
+    """AdaLoRA's schedule against the run's optimizer steps (known once the data is planned), before
+    launch: peft's own config check, as a one-line error (`peft_config`)."""
+    if cfg.train.train_type == "adalora":
+        from swiftlite.models.quant import peft_without_bnb
+        with peft_without_bnb(quantized=False):
+            peft_config(cfg, "all-linear", "CAUSAL_LM", total_steps)
