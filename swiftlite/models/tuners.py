@@ -34,7 +34,7 @@ def peft_config(cfg: "RunConfig", targets: str | list[str], task_type: str, tota
                                  beta2=lc.adalora_beta2, orth_reg_weight=lc.adalora_orth_reg_weight,
                                  total_step=total_steps, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout,
                                  bias=lc.lora_bias, **shared)
-        except ValueError as e:   # the schedule against this run's step count (known only here)
+        except ValueError as e:   # the schedule against the run's steps (preflight asks too: check_schedule)
             raise UserError(f"--adalora_tinit {lc.adalora_tinit} --adalora_tfinal {lc.adalora_tfinal} with "
                             f"{total_steps} optimizer steps: {str(e).splitlines()[0]}") from None
     from peft import LoraConfig
