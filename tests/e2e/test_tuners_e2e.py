@@ -133,3 +133,22 @@ def test_adalora_resumes_in_its_final_phase(demo_data, tmp_path):
     assert pattern and json.loads((cut / "adapter_config.json").read_text())["rank_pattern"] == pattern
     a, b = load_file(str(whole / "adapter_model.safetensors")), load_file(str(cut / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+
+
+def test_dpo_with_boft_uses_the_adapter_off_as_reference(tmp_path):
+    """rlhf with BOFT: the reference is the base with the adapter disabled, so the first step's DPO loss
+    is log 2 exactly (BOFT starts as the identity rotation), and training moves the margins."""
+    import math
+
+    from swiftlite.rlhf.demo import write_preference_data
+    train, _ = write_preference_data(tmp_path / "pairs", n_train=12, n_val=4)
+    run = tmp_path / "dpo"
+    proc = run_cli(["rlhf", "--rlhf_type", "dpo", "--model", "tiny-llama-2l", "--torch_dtype", "fp32",
+                    "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--logging_steps",
+                    "1", "--train_type", "boft", "--learning_rate", "1e-2", "--dataset", train, "--max_steps", "3",
+                    "--output_dir", run])
+    assert "reference: the base model with the adapter disabled" in proc.stdout
+    steps = {r["step"]: r for r in map(json.loads, (run / "logging.jsonl").read_text().splitlines()) if "loss" in r}
+    assert abs(steps[1]["loss"] - math.log(2)) <= 1e-6 and steps[1]["rewards/margins"] == 0.0
+    assert steps[3]["rewards/margins"] != 0.0
+    assert (run / "checkpoint-3" / "adapter" / "adapter_model.safetensors").is_file()
