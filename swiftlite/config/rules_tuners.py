@@ -42,8 +42,10 @@ def _tuner_options(c: RunConfig):
     for k, why in NOT_FOR[t].items():
         if k in c.explicit:
             return f"{_flag(k)} does not apply to --train_type {t}: {why}"
-    for k, what in LORA_VARIANTS.items():
-        if k in c.explicit and not (k == "init_weights" and c.lora.init_weights == "true"):
+    from swiftlite.config.schema import field_specs
+    specs = field_specs()
+    for k, what in LORA_VARIANTS.items():   # given and on (`--use_dora false` asks for nothing)
+        if k in c.explicit and getattr(c.lora, k) != specs[k].default:
             return f"{_flag(k)}: {what} is a variant of peft's LoRA; --train_type {t} is not LoRA: drop it"
     if c.quant_bits is not None:
         return (f"--quant_bits {c.quant_bits} with --train_type {t}: swiftlite trains BOFT and AdaLoRA on a 16-bit "
