@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -200,7 +201,8 @@ def write_adapter(peft_model: Any, sd: dict, out: Path) -> None:
     written converted to a plain LoRA of the original base (models/lora.as_plain_lora), as peft's
     documented save does, so merging it into the model folder's weights gives the trained model."""
     from swiftlite.models.lora import INITIAL_ADAPTER, as_plain_lora
-    empty = [k for k, v in sd.items() if v.numel() == 0]
+    pruned = pruned_layers(peft_model.peft_config["default"].to_dict())
+    empty = [k for k, v in sd.items() if v.numel() == 0 and _module_of(k) not in pruned]
     if empty or not sd:
         raise RuntimeError(f"adapter gather produced empty tensors: {empty[:3] or 'no tensors'}")
     out.mkdir(parents=True, exist_ok=True)
@@ -210,6 +212,18 @@ def write_adapter(peft_model: Any, sd: dict, out: Path) -> None:
         conf, sd = as_plain_lora(json.loads((out / ADAPTER_CONFIG).read_text()), sd, initial)
         write_adapter_config(conf, out)
     write_adapter_weights(sd, out)
+
+
+def pruned_layers(config: dict[str, Any]) -> set[str]:
+    """Modules an AdaLoRA budget pruned to rank 0 (every singular value masked in its rank_pattern):
+    peft saves and reloads them as empty tensors."""
+    pattern = (config.get("rank_pattern") or {}) if str(config.get("peft_type")).endswith("ADALORA") else {}
+    return {re.sub(r"\.lora_E(\.[^.]+)?$", "", k) for k, v in pattern.items() if not any(v)}
+
+
+def _module_of(key: str) -> str:
+    """`base_model.model.<module>.lora_A` -> `<module>`."""
+    return re.sub(r"\.lora_[ABE]$", "", key.removeprefix("base_model.model."))
 
 
 def write_adapter_config(config: dict[str, Any], out: Path) -> None:

@@ -140,7 +140,11 @@ def _with_adapter(model: Any, tokenizer: Any, desc: str, adapters: str) -> tuple
     quantized = any(type(m).__name__ in ("Linear4bit", "Linear8bitLt") for m in model.modules())
     from transformers import AutoTokenizer
     try:
-        with peft_without_bnb(quantized):
+        import json
+
+        from swiftlite.models.tuners import boft_layers
+        factor = json.loads((d / ADAPTER_CONFIG).read_text()).get("boft_n_butterfly_factor") or 1
+        with peft_without_bnb(quantized), boft_layers(factor, "the adapter's boft_n_butterfly_factor"):
             from peft import PeftModel
             model = PeftModel.from_pretrained(model, str(d))
     except (RuntimeError, ValueError, KeyError) as e:

@@ -108,6 +108,10 @@ def optim_problem(cfg: "RunConfig", choice: "object | None" = None) -> str | Non
         if not hasattr(torch.optim, "Muon"):
             return f"--optim muon needs torch.optim.Muon (torch >= 2.9; this is torch {torch.__version__})"
         l = cfg.lora
+        if cfg.is_peft and not cfg.is_lora:
+            return (f"--optim muon with --train_type {cfg.train.train_type}: torch.optim.Muon updates 2-D matrices "
+                    "only, and this adapter trains other tensors (BOFT's 3-D blocks and scales, AdaLoRA's singular "
+                    "values); use --optim adamw_torch_fused")
         if not cfg.is_peft or l.use_dora or l.lora_bias != "none" or l.modules_to_save:
             return ("--optim muon: torch.optim.Muon updates 2-D matrices only, and this run also trains "
                     f"{'norms, biases and embeddings (a full fine-tune)' if not cfg.is_peft else '1-D tensors or whole modules (DoRA magnitudes, --lora_bias all, --modules-to-save)'}; "
@@ -139,7 +143,7 @@ def build_optimizer(model: torch.nn.Module, cfg: "RunConfig") -> torch.optim.Opt
     why = optim_problem(cfg)
     if why:
         raise UserError(why)
-    ratio = cfg.lora.lorap_lr_ratio if cfg.is_peft else None
+    ratio = cfg.lora.lorap_lr_ratio if cfg.is_lora else None
     lr = cfg.learning_rate
     groups = param_groups(model, o.weight_decay, lr=lr, lorap_lr_ratio=ratio)
     name = optim_name(cfg)

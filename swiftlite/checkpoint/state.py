@@ -73,6 +73,14 @@ def run_facts(cfg: "RunConfig", train_data: Any, global_batch: int) -> dict[str,
         value = cfg.flat()[key] if key != "optim" else (cfg.optim.optimizer or cfg.optim.optim)
         if value != default and (key == "optim" or cfg.is_peft):
             shape[key] = value
+    # The run's BOFT/AdaLoRA options off their default: they shape the adapter (blocks, ranks) and
+    # AdaLoRA's schedule, so a resume with others is a different run.
+    from swiftlite.config import field_specs
+    from swiftlite.config.rules_tuners import ADALORA_KEYS, BOFT_KEYS
+    specs, flat = field_specs(), cfg.flat()
+    for key in {"boft": BOFT_KEYS, "adalora": ADALORA_KEYS}.get(cfg.train.train_type, ()):
+        if flat[key] != specs[key].default:
+            shape[key] = flat[key]
     return {"data": {"rows": len(train_data.rows), "tokens": tokens, "sha256": h.hexdigest()[:32]},
             "shape": shape}
 
@@ -294,7 +302,8 @@ def weights_only_problem(path: Path | None, cfg: "RunConfig", choice: Any, state
     if not state.get("save_only_model"):
         return None
     saved = saved_format(state)
-    folder = layout.ADAPTER_DIR if state.get("train_type") in ("lora", "qlora") else layout.MODEL_DIR
+    from swiftlite.config.tuner_options import PEFT_TYPES
+    folder = layout.ADAPTER_DIR if state.get("train_type") in PEFT_TYPES else layout.MODEL_DIR
     if saved is layout.CheckpointFormat.DS:   # parallel/deepspeed.py: its weights are the HF folder alone
         return (f"--resume: {path.name} was saved with --save_only_model under DeepSpeed: it holds the weights "
                 f"only as its {folder}/ folder, no ZeRO state to resume from (weights, optimizer, schedule); "

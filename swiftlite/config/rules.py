@@ -64,8 +64,8 @@ def _full_with_lora_options(c: RunConfig):
         return None
     for k in LORA_ONLY:
         if k in c.explicit:
-            return (f"{_flag(k)} needs --train-type lora/qlora (a full fine-tune trains no adapter): drop it, "
-                    "or leave out --train-type full (lora is the default)")
+            return (f"{_flag(k)} needs --train-type lora/qlora (or boft/adalora: an adapter; a full fine-tune "
+                    "trains none): drop it, or leave out --train-type full (lora is the default)")
     for k in QUANT_ONLY:
         if k in c.explicit:
             return f"{_flag(k)} needs --train-type lora/qlora (a quantized base cannot be trained in full)"
@@ -419,7 +419,7 @@ def _vllm(c: RunConfig) -> str | None:
     if r.offload_model and fsdp:
         return (f"--offload-model with --parallelism {c.parallel.parallelism if not c.parallel.fsdp else 'fsdp'}: "
                 "FSDP's sharded parameters are not moved to CPU by swiftlite; use single, ddp or --deepspeed")
-    if c.lora.use_dora and c.is_peft:
+    if c.lora.use_dora and c.is_lora:
         return ("--use-vllm with --use-dora: the weight sync hands vLLM base + B@A x scale, which leaves out DoRA's "
                 "magnitude; drop one of them")
     import importlib.util
@@ -525,6 +525,7 @@ RUNS = {"count": 0}
 
 from swiftlite.config.rules_targets import TARGET_RULES  # noqa: E402,F401  (they join RULES here, in this order)
 from swiftlite.config.rules_data import cached_datasets  # noqa: E402,F401  (joins RULES here, after them)
+from swiftlite.config.rules_tuners import BOFT_KEYS  # noqa: E402,F401  (as rules_targets)
 
 
 def validate(cfg: RunConfig, *, check_paths: bool = True, refusals: Refusals | None = None) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar
 
 from swiftlite.config.access import Sealable, Section, field_reads, opt
 from swiftlite.config.data_options import TRUNCATION, DataConfig
+from swiftlite.config.tuner_options import LORA_TYPES, PEFT_TYPES, TunerOptions
 from swiftlite.config.vllm_options import VllmOptions
 from swiftlite.dtypes import NAMES as _DTYPE_NAMES
 from swiftlite.dtypes import normalize as _dtype_name
@@ -52,7 +53,7 @@ SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_key|credential"
 TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f"})
 
-TRAIN_TYPES = ("full", "lora", "qlora")
+TRAIN_TYPES = ("full", "lora", "qlora", "boft", "adalora")
 DTYPES = _DTYPE_NAMES  # swiftlite/dtypes.py is the one dtype table
 #: transformers' scheduler names (SchedulerType), built by `transformers.get_scheduler` (optim.py);
 #: reduce_lr_on_plateau and greedy step on a metric and are refused there with the reason.
@@ -102,7 +103,7 @@ class ModelConfig(Section):
 
 
 @dataclass(kw_only=True)
-class LoraConfig(Section):
+class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*: config/tuner_options.py
     lora_rank: int = opt(8, "LoRA rank r.", aliases=("--lora-r",))
     lora_alpha: int = opt(32, "LoRA alpha.")
     lora_dropout: float = opt(0.05, "LoRA dropout.")
@@ -238,8 +239,8 @@ class OptimConfig(Section):
 
 @dataclass(kw_only=True)
 class TrainConfig(Section):
-    train_type: str = opt("lora", "full, lora or qlora (--full / --lora / --qlora are shorthands); lora as in "
-                          "ms-swift.",
+    train_type: str = opt("lora", "full, lora, qlora (--full / --lora / --qlora are shorthands), boft or "
+                          "adalora (peft's BOFT and AdaLoRA adapters); lora as in ms-swift.",
                           aliases=("--tuner_type", "--tuner-type"), choices=TRAIN_TYPES)
     per_device_train_batch_size: int = opt(1, "Micro-batch size per process.", aliases=("--batch-size",))
     per_device_eval_batch_size: int = opt(1, "Batch size per process for validation (ms-swift's 1).")
@@ -499,7 +500,13 @@ class RunConfig(Sealable):
 
     @property
     def is_peft(self) -> bool:
-        return self.train.train_type in ("lora", "qlora")
+        """A peft adapter on a frozen base (LoRA, QLoRA, BOFT, AdaLoRA): saved as adapter/, merged by export."""
+        return self.train.train_type in PEFT_TYPES
+
+    @property
+    def is_lora(self) -> bool:
+        """peft's LoRA adapter (lora, qlora): what the LoRA variants (DoRA, PiSSA, LoRA+, LoftQ) act on."""
+        return self.train.train_type in LORA_TYPES
 
     @property
     def quant_bits(self) -> int | None:

@@ -1,5 +1,5 @@
-"""LoRA adapters: read one (a peft folder, or a checkpoint's trainable tensors), check it fits a base,
-and merge it."""
+"""peft adapters: read one (a peft folder, or a LoRA checkpoint's trainable tensors), check it fits a
+base, and merge it (LoRA here; BOFT and AdaLoRA by peft's layers, export/tuner_merge.py)."""
 
 from __future__ import annotations
 
@@ -38,12 +38,21 @@ class Adapter:
                 out.setdefault(m.group(1), {})["m"] = v
         return out
 
+    @property
+    def peft_type(self) -> str:
+        return self.config.get("peft_type", "LORA")
+
+    def tuner_modules(self) -> dict[str, dict[str, torch.Tensor]]:
+        """BOFT / AdaLoRA adapters: module path -> its tensors (export/tuner_merge.py); {} for LoRA."""
+        from swiftlite.export.tuner_merge import tuner_modules
+        return tuner_modules(self.peft_type, self.tensors)
+
     def replacements(self) -> dict[str, torch.Tensor]:
         """modules_to_save tensors and --lora_bias all's biases: HF name -> full replacement tensor
         (an adapted layer's bias is peft's `<layer>.base_layer.bias`)."""
         out = {}
         for k, v in self.tensors.items():
-            if ".lora_" in k:
+            if ".lora_" in k or ".boft_" in k:
                 continue
             name = k[len("base_model.model."):] if k.startswith("base_model.model.") else k
             out[name.replace(".base_layer.", ".")] = v
@@ -89,6 +98,10 @@ def load_adapter(src: Source, log: Callable[[str], None]) -> Adapter:
         origin = str(d)
     else:
         lc = src.cfg.lora
+        if not src.cfg.is_lora:
+            raise UserError(f"--ckpt {src.arg}: a --train_type {src.cfg.train.train_type} checkpoint without adapter/: "
+                            "its adapter config (BOFT blocks, AdaLoRA rank pattern) is written there only; export a "
+                            "checkpoint written with --save-hf-model true")
         if lc.init_weights.startswith("pissa") or lc.init_weights == "olora":
             raise UserError(f"--ckpt {src.arg}: a --init_weights {lc.init_weights} run's checkpoint without adapter/: "
                             "its tensors are relative to the base PiSSA/OLoRA rewrote; export a checkpoint written "
@@ -113,9 +126,12 @@ def load_adapter(src: Source, log: Callable[[str], None]) -> Adapter:
                 "modules_to_save": lc.modules_to_save or None, "fan_in_fan_out": False,
                 "use_rslora": lc.use_rslora, "use_dora": lc.use_dora}
         origin = f"{src.path.name}/{src.weights.folder} (trainable tensors)"
-    if conf.get("peft_type", "LORA") != "LORA":
-        raise UserError(f"{origin}: a {conf.get('peft_type')} adapter; only LoRA adapters can be exported")
-    empty = [k for k, v in tensors.items() if v.numel() == 0]
+    if conf.get("peft_type", "LORA") not in ("LORA", "BOFT", "ADALORA"):
+        raise UserError(f"{origin}: a {conf.get('peft_type')} adapter; LoRA, BOFT and AdaLoRA adapters can be exported")
+    from swiftlite.hf_io import pruned_layers
+    pruned = pruned_layers(conf)   # AdaLoRA layers at rank 0: empty in peft's file, nothing to merge
+    empty = [k for k, v in tensors.items()
+             if v.numel() == 0 and re.sub(r"\.lora_[ABE]$", "", k.removeprefix("base_model.model.")) not in pruned]
     if not tensors or empty:
         raise UserError(f"{origin}: the adapter holds {'no tensors' if not tensors else 'empty tensors: ' + empty[0]}")
     unknown = [k for k in tensors if "lora_embedding" in k]
@@ -142,6 +158,11 @@ def check_adapter_fits(adapter: Adapter, expected: dict[str, torch.Size], base_d
         if a[1] != in_f or b[0] != out_f or a[0] != b[1]:
             raise UserError(f"adapter/base architecture mismatch: {mod}: the adapter expects a "
                             f"[{b[0]}, {a[1]}] weight, base model {base_desc} has {list(expected[wname])}")
+    for mod, parts in adapter.tuner_modules().items():
+        wname = f"{mod}.weight"
+        if wname not in expected or len(expected[wname]) != 2:
+            raise UserError(f"adapter/base architecture mismatch: the {adapter.peft_type} adapter adapts {mod}, which "
+                            f"base model {base_desc} does not have as a Linear layer")
     for name, t in adapter.replacements().items():
         if name not in expected:
             raise UserError(f"adapter/base architecture mismatch: the adapter replaces {name}, which base model "

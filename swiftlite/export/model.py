@@ -16,6 +16,7 @@ from swiftlite.checkpoint.readers import (DCPReader, ModelReader, SafetensorsRea
                                           stream)
 from swiftlite.errors import UserError
 from swiftlite.export.adapter import check_adapter_fits, load_adapter, merge_lora
+from swiftlite.export.tuner_merge import merge_tuner
 from swiftlite.export.base_model import (base_ref, expected_tensors, meta_model, tie_candidates, tied_names,
                                          tokenizer_for)
 from swiftlite.export.memprobe import MemProbe
@@ -81,6 +82,7 @@ def export_model(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_sha
     info: dict[str, Any] = {"kind": "model", "dtype": opts.dtype, "output_name": out.name, "final_path": str(out)}
     replace: dict[str, torch.Tensor] = {}
     loras: dict[str, dict[str, torch.Tensor]] = {}
+    tuned: dict[str, dict[str, torch.Tensor]] = {}   # BOFT / AdaLoRA modules (export/tuner_merge.py)
     adapter = None
 
     if src.is_peft:
@@ -95,6 +97,9 @@ def export_model(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_sha
         info["what"] = f"LoRA merged into the base ({len(adapter.lora_modules())} modules)"
         log(f"base: {base_desc}")
         loras = adapter.lora_modules()
+        tuned = adapter.tuner_modules()
+        if tuned:
+            info["what"] = f"{adapter.peft_type} adapter merged into the base ({len(tuned)} modules)"
         replace = adapter.replacements()
         run_dtype = dtypes.torch_dtype(src.cfg.model.torch_dtype)
     else:
@@ -119,7 +124,7 @@ def export_model(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_sha
     have = reader.info
     tie = bool(tied)
     if tie:
-        extra_touch = set(replace) | {f"{m}.weight" for m in loras}
+        extra_touch = set(replace) | {f"{m}.weight" for m in (*loras, *tuned)}
         if any(k in extra_touch for pair in tied.items() for k in pair):
             tie = False  # the adapter changes one side of the tie: write both
             log("note: the adapter changes a tied embedding; writing lm_head separately (tie_word_embeddings=false)")
@@ -182,6 +187,8 @@ def export_model(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_sha
                 if k.endswith(".weight") and k[:-7] in loras:
                     parts = loras[k[:-7]]
                     t = merge_lora(t, parts, adapter.scale(k[:-7], parts["A"].shape[0]), fan)
+                elif k.endswith(".weight") and k[:-7] in tuned:
+                    t = merge_tuner(adapter.config, tuned[k[:-7]], t)
                 elif k.endswith(".bias") and "B_bias" in loras.get(k[:-5], {}):
                     parts = loras[k[:-5]]
                     t = t.float() + parts["B_bias"].float() * adapter.scale(k[:-5], parts["A"].shape[0])

@@ -3,6 +3,7 @@ an export with, and what `swiftlite infer --model RUN_OR_CHECKPOINT` runs."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from swiftlite.checkpoint.readers import DCPReader, SafetensorsReader, ZeroReade
 from swiftlite.export.adapter import load_adapter
 from swiftlite.export.base_model import tied_names, tokenizer_for
 from swiftlite.export.source import Source, inspect_source, model_config_for, resolve_base
-from swiftlite.hf_io import write_adapter_config, write_adapter_weights
+from swiftlite.hf_io import ADAPTER_CONFIG, write_adapter_config, write_adapter_weights
 
 
 class VerifyError(Exception):
@@ -63,7 +64,10 @@ def reference_model(src: Source) -> tuple[torch.nn.Module, str]:
         write_adapter_config(adapter.config, adir)
         write_adapter_weights(adapter.tensors, adir)
     try:
-        m = PeftModel.from_pretrained(base, str(adir))
+        from swiftlite.models.tuners import boft_layers
+        factor = json.loads((adir / ADAPTER_CONFIG).read_text()).get("boft_n_butterfly_factor") or 1
+        with boft_layers(factor, "adapter boft_n_butterfly_factor"):   # a no-op for other adapters
+            m = PeftModel.from_pretrained(base, str(adir))
     finally:
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)

@@ -52,7 +52,8 @@ class Source:
 
     @property
     def is_peft(self) -> bool:
-        return self.train_type in ("lora", "qlora")
+        from swiftlite.config.tuner_options import PEFT_TYPES
+        return self.train_type in PEFT_TYPES
 
     @property
     def dcp_dir(self) -> Path:

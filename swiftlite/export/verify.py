@@ -30,7 +30,7 @@ TOLERANCE = {"bf16": 0.04, "fp16": 0.01}
 ROUNDING = {"bf16": 2**-7, "fp16": 2**-10}
 
 # Names that must never reach an exported (merged) model.
-PEFT_MARKERS = ("base_layer", "lora_", "modules_to_save", "original_module", "lora_magnitude")
+PEFT_MARKERS = ("base_layer", "lora_", "boft_", "modules_to_save", "original_module", "lora_magnitude")
 
 FIXED_PROMPT = [{"role": "user", "content": "reverse: abcdefgh"}]
 FIXED_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789"
@@ -241,6 +241,7 @@ def reference_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if not isinstance(model, PeftModel):
         reader = ModelReader(model)
         return reader.read(reader.names())
+    from peft.tuners.boft import BOFTLayer
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
     inner = model.get_base_model()
@@ -259,6 +260,16 @@ def reference_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 norm = dora.get_weight_norm(w, merged - w, scaling=1).detach()
                 merged = (dora.weight.detach().float() / norm).view(-1, 1) * merged
             out[f"{mname}.weight"] = merged
+            if getattr(base, "bias", None) is not None:
+                out[f"{mname}.bias"] = base.bias.detach().float()
+            done.append(mname + ".")
+        elif isinstance(mod, BOFTLayer):   # peft's own merge, on a copy (a rotation, not a delta)
+            from swiftlite.models.tuners import boft_layers
+            with boft_layers(1, "adapter boft_n_butterfly_factor"):
+                merged_mod = copy.deepcopy(mod)
+            merged_mod.merge()
+            base = merged_mod.get_base_layer()
+            out[f"{mname}.weight"] = base.weight.detach().float()
             if getattr(base, "bias", None) is not None:
                 out[f"{mname}.bias"] = base.bias.detach().float()
             done.append(mname + ".")

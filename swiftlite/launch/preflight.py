@@ -16,14 +16,16 @@ if TYPE_CHECKING:
 def check_lora_targets(cfg: RunConfig, source: Any) -> None:
     """--target-modules names (not all-linear alone) checked against the model built on the meta device
     (no weights read): a name that is not in the model or not adaptable fails here, not in the rank."""
-    if not cfg.is_peft or cfg.lora.target_modules == ["all-linear"] or source.kind == "hub":
+    tuner = cfg.train.train_type == "boft"   # BOFT's blocks against the layers: models/lora.check_tuner
+    if not cfg.is_peft or (cfg.lora.target_modules == ["all-linear"] and not tuner) or source.kind == "hub":
         return  # all-linear is checked with the loaded model; a hub model's config may not be here yet
     import torch
 
     from swiftlite.models.loading import model_config
-    from swiftlite.models.lora import check_targets
+    from swiftlite.models.lora import check_targets, check_tuner
     from swiftlite.models.sharded import _empty_model
-    check_targets(_empty_model(model_config(cfg, source), torch.float32, {}), cfg)
+    model = _empty_model(model_config(cfg, source), torch.float32, {})
+    check_tuner(model, cfg, check_targets(model, cfg))
 
 
 def resolve_for_launch(cfg: RunConfig, world_size: int) -> "Resolved":
@@ -87,6 +89,8 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
         found.check(skeleton_mode, run_cfg, facts.choice)   # refuses an adapter peft computes from weights a skeleton lacks
         from swiftlite.optim import optim_problem
         found.check(_refuse, optim_problem, run_cfg, facts.choice)
+        from swiftlite.train.adalora import adalora_problem
+        found.check(_refuse, adalora_problem, run_cfg, facts.choice)
         if resume is not None:
             from swiftlite.checkpoint.state import weights_only_problem
             # a --save_only_model checkpoint, another format
@@ -107,7 +111,11 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
         return facts
     from swiftlite.models.loading import load_tokenizer
     tokenizer = load_tokenizer(run_cfg, source)
-    task_of(run_cfg).prepare_data(run_cfg, tokenizer, world_size)   # sft/pt: data.pipeline.prepare_datasets
+    prepared = task_of(run_cfg).prepare_data(run_cfg, tokenizer, world_size)   # sft/pt: data.pipeline.prepare_datasets
+    if run_cfg.train.train_type == "adalora":   # its schedule against the run's steps, known from here on
+        from swiftlite.models.tuners import check_schedule
+        from swiftlite.train.run import total_steps
+        check_schedule(run_cfg, total_steps(run_cfg, prepared[2].steps_per_epoch))
     return facts
 
 

@@ -528,8 +528,9 @@ def add_neftune(model: "torch.nn.Module", alpha: float) -> None:
 
 def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
                   init_context: Any = None, skeleton: str | None = None,
-                  reentrant: bool = True) -> "torch.nn.Module":
+                  reentrant: bool = True, total_steps: int | None = None) -> "torch.nn.Module":
     """load -> quantize -> LoRA -> activation checkpointing -> compile. Wrap + optimizer come next.
+    `total_steps`: the run's optimizer steps (AdaLoRA's budget schedule is part of its peft config).
     `skeleton`: "shard" (the backend shards the skeleton, then fills it) or "fill" (filled here, at
     the end, before wrapping), see `load_model`. `reentrant`: checkpointing's default form when
     --gradient_checkpointing_kwargs does not say (the backend record's `reentrant_checkpointing`)."""
@@ -540,7 +541,7 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
     check_loaded_attention(cfg, model)
     if cfg.is_peft:
         from swiftlite.models.lora import apply_lora
-        model = apply_lora(model, cfg)
+        model = apply_lora(model, cfg, total_steps)
     if cfg.train.neftune_noise_alpha:
         add_neftune(model, cfg.train.neftune_noise_alpha)
     if cfg.train.gradient_checkpointing:
@@ -561,7 +562,7 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
     if skeleton == "fill":
         from swiftlite.models.sharded import materialize
         materialize(model, world.device if world is not None else "cpu")
-    if cfg.is_peft and cfg.lora.init_weights == "loftq":   # needs the filled 4-bit base
+    if cfg.is_lora and cfg.lora.init_weights == "loftq":   # needs the filled 4-bit base
         from swiftlite.models.lora import apply_loftq
         src = source or resolve_model(cfg.model.model)
         apply_loftq(model, cfg, src.ref if src.kind != "preset" else None)

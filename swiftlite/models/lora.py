@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from swiftlite.errors import UserError
 
@@ -95,11 +95,42 @@ def check_targets(model: "torch.nn.Module", cfg: "RunConfig") -> str | list[str]
     return sorted(set(names) | set(named)) if all_linear else list(named)
 
 
-def apply_lora(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
-    """Wrap with peft LoRA; a target list that matches nothing is an error listing what exists."""
+def check_boft_blocks(model: Any, cfg: "RunConfig", targets: str | list[str]) -> None:
+    """peft's condition on BOFT's blocks (tuners/boft/layer.update_layer), checked before launch on the
+    meta model: each adapted Linear's input width is a multiple of --boft_block_size (or of
+    --boft_block_num). A one-line error naming the first layer that is not."""
+    lc = cfg.lora
+    for name, m in model.named_modules():
+        if not name or not _is_linear(m) or not hasattr(m, "in_features"):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        chosen = (leaf not in HEAD_NAMES) if targets == "all-linear" else any(_matches(t, name) for t in targets)
+        if not chosen:
+            continue
+        size, num, width = lc.boft_block_size, lc.boft_block_num, m.in_features
+        if (size and width % size) or (num and width % num):
+            flag = f"--boft_block_size {size}" if size else f"--boft_block_num {num}"
+            raise UserError(f"{flag}: {name} takes {width} inputs, not a multiple of it (peft's BOFT splits each "
+                            f"adapted layer's inputs into equal blocks)")
+
+
+def check_tuner(model: Any, cfg: "RunConfig", targets: str | list[str]) -> None:
+    """What the tuner needs of the model and this machine, before launch (launch/preflight.py)."""
+    if cfg.train.train_type == "boft":
+        check_boft_blocks(model, cfg, targets)
+        from swiftlite.models.quant import peft_without_bnb
+        from swiftlite.models.tuners import boft_layers
+        with peft_without_bnb(quantized=False), boft_layers(cfg.lora.boft_n_butterfly_factor,
+                                                            "--boft_n_butterfly_factor"):
+            pass   # a BOFT base is never quantized (config/rules_tuners.py)
+
+
+def apply_lora(model: "torch.nn.Module", cfg: "RunConfig", total_steps: int | None = None) -> "torch.nn.Module":
+    """Wrap with the run's peft adapter (LoRA, BOFT or AdaLoRA: models/tuners.peft_config); a target
+    list that matches nothing is an error listing what exists. `total_steps`: AdaLoRA's schedule."""
     from swiftlite.models.quant import peft_without_bnb
     with peft_without_bnb(quantized=cfg.quant.quant_bits is not None):
-        return _wrap(model, cfg)
+        return _wrap(model, cfg, total_steps)
 
 
 def _task_type(cfg: "RunConfig") -> str:
@@ -109,9 +140,11 @@ def _task_type(cfg: "RunConfig") -> str:
     return "SEQ_CLS" if reward_model(cfg) else "CAUSAL_LM"
 
 
-def _wrap(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
+def _wrap(model: "torch.nn.Module", cfg: "RunConfig", total_steps: int | None) -> "torch.nn.Module":
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
+
+    from swiftlite.models.tuners import building, peft_config
 
     from swiftlite.models.quant import disable_cpu_repack
     disable_cpu_repack(model)  # trap 1, whatever path loaded the quantized base (preset or folder)
@@ -120,10 +153,7 @@ def _wrap(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
     if cfg.quant.quant_bits == 4 and not any(type(m).__name__ == "Linear4bit" for m in model.modules()):
         raise UserError(f"--train-type {cfg.train.train_type}: no layer of {cfg.model.model} was quantized to "
                         "4-bit (bitsandbytes replaced no linear layer); use --lora")
-    conf = LoraConfig(r=lc.lora_rank, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout,
-                      target_modules=targets, modules_to_save=lc.modules_to_save or None,
-                      task_type=_task_type(cfg), bias=lc.lora_bias, use_dora=lc.use_dora, use_rslora=lc.use_rslora,
-                      init_lora_weights=init_lora_weights(cfg))
+    conf = peft_config(cfg, targets, _task_type(cfg), total_steps)
     # The LoRA A matrices are random: draw them from --seed alone, so every rank builds the same
     # adapter (the trainer seeds each rank differently for dropout; sharded backends keep each rank's
     # own slice, so per-rank inits would mix) and a 2-process run starts where a 1-process run does.
@@ -133,10 +163,12 @@ def _wrap(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
         torch.manual_seed(cfg.train.seed)
         from swiftlite.models.sharded import adapters_stay_real, deferred
         try:
-            with adapters_stay_real() if deferred(model) is not None else contextlib.nullcontext():
+            with adapters_stay_real() if deferred(model) is not None else contextlib.nullcontext(), building(cfg):
                 peft_model = get_peft_model(model, conf)
         except ValueError as e:
-            raise UserError(f"--target-modules: {str(e).splitlines()[0]}") from None
+            flag = ("--boft_block_size/--boft_block_num" if cfg.train.train_type == "boft" and "boft" in str(e)
+                    else "--target-modules")
+            raise UserError(f"{flag}: {str(e).splitlines()[0]}") from None
     if mutates_base(cfg):
         keep_initial_adapter(peft_model)
     return peft_model
@@ -144,26 +176,18 @@ def _wrap(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
 
 # -- LoRA variants (--use_dora, --use_rslora, --init_weights, --lora_bias) ----------------------------
 
-def init_lora_weights(cfg: "RunConfig") -> bool | str:
-    """--init_weights as peft's init_lora_weights: true/false are booleans, the rest peft's names."""
-    w = cfg.lora.init_weights
-    if w == "loftq":
-        return True   # peft's LoftQ for a bitsandbytes base replaces these later (`apply_loftq`)
-    return {"true": True, "false": False}.get(w, w)
-
-
 def mutates_base(cfg: "RunConfig") -> bool:
     """PiSSA and OLoRA move the principal part of each adapted base weight into A0, B0 and leave the
     residual W - s * B0 @ A0 in the base (peft), so the base in the model folder is no longer the
     one the adapter is trained against."""
     w = cfg.lora.init_weights
-    return cfg.is_peft and (w.startswith("pissa") or w == "olora")
+    return cfg.is_lora and (w.startswith("pissa") or w == "olora")
 
 
 def reads_base(cfg: "RunConfig") -> str | None:
     """The flag whose adapter peft computes from the base weights when it builds it (DoRA's magnitude
     is the norm of each weight row; PiSSA/OLoRA decompose the weight), or None."""
-    if not cfg.is_peft:
+    if not cfg.is_lora:
         return None
     if cfg.lora.use_dora:
         return "--use_dora"

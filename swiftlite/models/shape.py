@@ -59,6 +59,17 @@ class ModelShape:
         return sum(rank * (lin.in_features + lin.out_features) * lin.count
                    for lin in self.linears if _targeted(lin.name, targets))
 
+    def boft_params(self, block_size: int, block_num: int, butterfly: int,
+                    targets: tuple[str, ...] = ("all-linear",)) -> int:
+        """Trainable BOFT parameters (peft boft_R, boft_s): per adapted linear, `butterfly` factors of
+        in/b blocks of b x b each (b = block_size, or in / block_num), and one scale per output row."""
+        total = 0
+        for lin in self.linears:
+            if _targeted(lin.name, targets):
+                b = block_size or max(1, lin.in_features // max(1, block_num))
+                total += (butterfly * lin.in_features * b + lin.out_features) * lin.count
+        return total
+
     def lora_input_features(self, targets: tuple[str, ...] = ("all-linear",)) -> int:
         """Sum of in_features of the adapted linears of one layer (LoRA dropout keeps a copy of each input)."""
         total = sum(lin.in_features * lin.count for lin in self.linears if _targeted(lin.name, targets))

@@ -204,6 +204,11 @@ class DeepSpeedEngine:
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
+    def after_update(self, fn: Any) -> None:
+        raise UserError("this DeepSpeed engine cannot run code between its optimizer update and clearing the "
+                        "gradients (both happen inside DeepSpeed's step, on its own gradient partitions); use "
+                        "--parallelism single or ddp")
+
     def lr(self) -> float:
         return float(self.ds.get_lr()[0])
 

@@ -38,6 +38,7 @@ Import-light: torch is imported inside the functions (the planner and the CLI im
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -138,7 +139,7 @@ def token_loss_sum(module: "torch.nn.Module", batch: dict[str, "torch.Tensor"],
     head = _prepare(module, opts)
     if head is not None:
         out = module(**inputs, use_cache=False, swiftlite_labels=batch["labels"])
-        return out.loss
+        return out.loss_sum
     return _plain(module, inputs, batch["labels"], opts.dft, opts.router_aux)
 
 
@@ -281,7 +282,6 @@ def _causal_lm_forward(self: Any, *args: Any, swiftlite_labels: "torch.Tensor | 
     state = self.__dict__[_STATE]
     if swiftlite_labels is None:
         return state.original(self, *args, **kwargs)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
     for k in ("labels", "logits_to_keep", "return_dict", "use_cache", "num_items_in_batch"):
         kwargs.pop(k, None)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
@@ -301,7 +301,23 @@ def _causal_lm_forward(self: Any, *args: Any, swiftlite_labels: "torch.Tensor | 
     if state.router_aux:   # ms-swift's weighting: the micro-batch's share of the step's target tokens
         aux = router_aux_loss(self, out.router_logits, kwargs.get("attention_mask"))
         loss = loss + state.router_aux * aux.float() * y.numel()
-    return CausalLMOutputWithPast(loss=loss)
+    return _summed_loss_class()(loss_sum=loss)
+
+
+@functools.cache
+def _summed_loss_class() -> type:
+    from dataclasses import dataclass
+
+    from transformers.utils import ModelOutput
+
+    @dataclass
+    class SummedLoss(ModelOutput):
+        """The summed token loss of a swiftlite_labels forward. Not named `loss`: that is HF's mean,
+        which wrappers add to (peft's AdaLoraModel.forward adds its orthogonal penalty to any `loss`
+        the model returns; swiftlite applies it once per optimizer step, train/adalora.py)."""
+        loss_sum: Any = None
+
+    return SummedLoss   # built on first use: transformers stays out of import time
 
 
 def _head_forward(self: Any, hidden: "torch.Tensor", *, swiftlite_targets: "torch.Tensor | None" = None,

@@ -100,6 +100,11 @@ class TorchEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
+    def after_update(self, fn: Callable[[], None]) -> None:
+        """torch's post-step hook: it runs inside `optimizer.step()`, so only for an applied update,
+        and before `step()` clears the gradients."""
+        self.optimizer.register_step_post_hook(lambda _opt, _args, _kwargs: fn())
+
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 

@@ -104,6 +104,9 @@ class Workload:
     lora_rank: int = 8
     lora_targets: tuple[str, ...] = ("all-linear",)
     lora_dropout: float = 0.05           # > 0: peft keeps a dropped-out copy of every adapted input
+    # BOFT's blocks and AdaLoRA's starting rank (`adapter_params`): read for those train types only
+    boft_block: tuple[int, int, int] = (4, 0, 1)   # --boft_block_size, --boft_block_num, --boft_n_butterfly_factor
+    adalora_init_r: int = 12
     quant_bits: int | None = None        # None, 4 (nf4) or 8 (LLM.int8); qlora implies 4
     double_quant: bool = True            # nf4 double quantization of the absmax constants
     max_length: int = 2048
@@ -192,7 +195,22 @@ class Workload:
 
     @property
     def peft(self) -> bool:
-        return self.train_type in ("lora", "qlora")
+        from swiftlite.config.tuner_options import PEFT_TYPES
+        return self.train_type in PEFT_TYPES
+
+    def adapter_params(self, shape: ModelShape) -> int:
+        """Trainable adapter parameters. LoRA: r (in + out) per adapted linear. AdaLoRA: its starting
+        rank's A, B and E (init_r (in + out + 1); pruning zeroes entries of E but keeps the tensors, so
+        the count is the same at every step). BOFT: its blocks and scales (ModelShape.boft_params).
+        Approximated: BOFT's forward also holds each adapted layer's rotated weight (out x in) until the
+        backward; the activation formulas count LoRA's input copies instead."""
+        if self.train_type == "boft":
+            return shape.boft_params(*self.boft_block, targets=self.lora_targets)
+        if self.train_type == "adalora":
+            return (shape.lora_params(self.adalora_init_r, self.lora_targets)
+                    + sum(self.adalora_init_r * lin.count for lin in shape.linears
+                          if "all-linear" in self.lora_targets or lin.name in self.lora_targets))
+        return shape.lora_params(self.lora_rank, self.lora_targets)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -312,7 +330,7 @@ def _gathered_layer_bytes(shape: ModelShape, w: Workload) -> int:
     n_other = shape.n_layer_params - shape.n_layer_linear_params
     base = _base_bytes(w, shape.n_layer_linear_params, n_other,
                        shape.linear_out_rows // max(1, shape.layers))
-    adapters = _ceil_div(shape.lora_params(w.lora_rank, w.lora_targets), shape.layers) * w.elem if w.peft else 0
+    adapters = _ceil_div(w.adapter_params(shape), shape.layers) * w.elem if w.peft else 0
     return base + adapters
 
 
@@ -354,7 +372,7 @@ def temp_buffer_bytes(shape: ModelShape, w: Workload, backend: str | Backend) ->
         root = shape.n_nonlayer_params * e
         root_grads = root if w.train_type == "full" else 0
         layer_grads = (shape.n_layer_params if w.train_type == "full"
-                       else _ceil_div(shape.lora_params(w.lora_rank, w.lora_targets), shape.layers)) * e
+                       else _ceil_div(w.adapter_params(shape), shape.layers)) * e
         return root + root_grads + 2 * _gathered_layer_bytes(shape, w) + layer_grads
     raise AssertionError(f"memory family {family!r} has no buffer formula")  # FAMILIES lists each
 

@@ -48,8 +48,8 @@ def _frozen_elem(w: Any, family: str) -> int:
 
 
 def trainable_params(shape: ModelShape, w: Any) -> int:
-    """Parameters the optimizer updates: all of them (full) or the LoRA adapters."""
-    return shape.n_params if w.train_type == "full" else shape.lora_params(w.lora_rank, w.lora_targets)
+    """Parameters the optimizer updates: all of them (full) or the adapter's (Workload.adapter_params)."""
+    return shape.n_params if w.train_type == "full" else w.adapter_params(shape)
 
 
 def _state_bytes_per_param(w: Any, family: str) -> tuple[int, int, int]:

@@ -90,7 +90,7 @@ def autocast_copy_bytes(shape: ModelShape, w: Any, family: str, grads: int) -> i
     if w.train_type == "full":
         copies = (shape.n_linear_params + shape.vocab * shape.hidden) * w.elem
     else:
-        copies = shape.lora_params(w.lora_rank, w.lora_targets) * w.elem
+        copies = w.adapter_params(shape) * w.elem
     # one process has no DDP buckets: a ddp-family record on one GPU counts like single
     return copies if family == "ddp" and w.world_size > 1 else max(0, copies - grads)
 

@@ -188,13 +188,16 @@ def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> t
         if probe is not None:
             probe.start()
         model = prepare_model(cfg, source, world, init_context=init_context, skeleton=skeleton_mode(cfg, choice),
-                              reentrant=choice.record.reentrant_checkpointing or not world.distributed)
+                              reentrant=choice.record.reentrant_checkpointing or not world.distributed,
+                              total_steps=steps)
         engine = build_engine(model, cfg, world, steps, choice)   # optimizer built here (trap 2)
 
         start_step = 0
         if resume_path is not None:
             log = print if world.is_main else (lambda *_: None)
             start_step = load_training_state(engine, resume_path, world, cfg, choice, facts, log=log)["global_step"]
+        from swiftlite.train.adalora import with_adalora
+        engine = with_adalora(engine, model, cfg, start_step, resume_path)   # AdaLoRA's penalty, rank allocation
         if probe is not None:
             probe.start_step = start_step
         run = Run(cfg=cfg, world=world, choice=choice, run_dir=run_dir, resume_path=resume_path,

@@ -61,6 +61,13 @@ def test_a_lora_run_records_the_adapters_shape_and_options_off_their_default():
     assert full["optim"] == "sgd" and "use_dora" not in full
 
 
+def test_boft_and_adalora_runs_record_their_options_off_their_default():
+    boft = run_facts(build_config({"train_type": "boft", "boft_block_size": 8}), DATA, 8)["shape"]
+    assert boft["boft_block_size"] == 8 and "boft_dropout" not in boft and "adalora_init_r" not in boft
+    ada = run_facts(build_config({"train_type": "adalora", "adalora_tfinal": 3}), DATA, 8)["shape"]
+    assert ada["adalora_tfinal"] == 3 and "adalora_init_r" not in ada and "boft_block_size" not in ada
+
+
 def test_compare_names_each_difference_data_without_values_shape_with_them():
     cfg = build_config({"train_type": "full", "max_length": 64})
     saved = run_facts(cfg, DATA, 8)

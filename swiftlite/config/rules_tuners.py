@@ -1,0 +1,90 @@
+"""The rules of the peft tuners besides LoRA (--train_type boft, adalora): which options apply to which
+tuner, and the combinations peft or swiftlite cannot run, each with its reason. Rules of
+config/rules.py's table, kept here so that module stays short. Import-light (no torch)."""
+
+from __future__ import annotations
+
+from swiftlite.config.rule_table import rule
+from swiftlite.config.schema import RunConfig
+from swiftlite.config.tasks import task_spec
+
+BOFT_KEYS = ("boft_block_size", "boft_block_num", "boft_n_butterfly_factor", "boft_dropout")
+ADALORA_KEYS = ("adalora_target_r", "adalora_init_r", "adalora_tinit", "adalora_tfinal", "adalora_deltaT",
+                "adalora_beta1", "adalora_beta2", "adalora_orth_reg_weight")
+#: LoRA's own options, by the tuner that has no use for them, with the reason.
+NOT_FOR = {
+    "boft": {"lora_rank": "BOFT has no rank: its blocks are --boft_block_size/--boft_block_num",
+             "lora_alpha": "BOFT has no alpha scale (an orthogonal rotation and a trained scale per output)",
+             "lora_dropout": "BOFT's dropout is --boft_dropout",
+             "lora_bias": "ms-swift's BOFT trains no bias"},
+    "adalora": {"lora_rank": "AdaLoRA's ranks are --adalora_init_r (start) and --adalora_target_r (budget)",
+                "use_rslora": "AdaLoRA scales by lora_alpha / its rank count, never lora_alpha / sqrt(r)"},
+}
+#: LoRA variants peft implements for its LoRA alone (refused for any other adapter).
+LORA_VARIANTS = {"use_dora": "DoRA", "init_weights": "--init_weights (PiSSA, OLoRA, LoftQ, gaussian)",
+                 "lorap_lr_ratio": "LoRA+ (the B matrices' learning rate)"}
+
+
+def _flag(key: str) -> str:
+    return "--" + key
+
+
+@rule("tuner options")
+def _tuner_options(c: RunConfig):
+    t = c.train.train_type
+    for keys, owner in ((BOFT_KEYS, "boft"), (ADALORA_KEYS, "adalora")):
+        if t != owner:
+            given = [k for k in keys if k in c.explicit]
+            if given:
+                return f"{_flag(given[0])} is an option of --train_type {owner}; this run trains {t}: drop it"
+    if t not in NOT_FOR:
+        return None
+    for k, why in NOT_FOR[t].items():
+        if k in c.explicit:
+            return f"{_flag(k)} does not apply to --train_type {t}: {why}"
+    from swiftlite.config.schema import field_specs
+    specs = field_specs()
+    for k, what in LORA_VARIANTS.items():   # given and on (`--use_dora false` asks for nothing)
+        if k in c.explicit and getattr(c.lora, k) != specs[k].default:
+            return f"{_flag(k)}: {what} is a variant of peft's LoRA; --train_type {t} is not LoRA: drop it"
+    if c.quant_bits is not None:
+        return (f"--quant_bits {c.quant_bits} with --train_type {t}: swiftlite trains BOFT and AdaLoRA on a 16-bit "
+                "base only (QLoRA is --train_type qlora): drop --quant_bits")
+
+
+@rule("boft options")
+def _boft(c: RunConfig):
+    if c.train.train_type != "boft":
+        return None
+    lc = c.lora
+    if lc.boft_block_size < 0 or lc.boft_block_num < 0:
+        return "--boft_block_size and --boft_block_num must be >= 0"
+    if (lc.boft_block_size == 0) == (lc.boft_block_num == 0):
+        return (f"--boft_block_size {lc.boft_block_size} --boft_block_num {lc.boft_block_num}: give exactly one of "
+                "them (peft: block size x block number = each layer's input width); the other 0")
+    if lc.boft_n_butterfly_factor < 1:
+        return f"--boft_n_butterfly_factor must be >= 1, got {lc.boft_n_butterfly_factor}"
+    if not 0 <= lc.boft_dropout < 1:
+        return f"--boft_dropout must be in [0, 1), got {lc.boft_dropout}"
+    if task_spec(c.task).own_options == "rlhf" and c.rlhf.use_vllm:
+        return ("--use_vllm with --train_type boft: the weight sync hands vLLM base + B@A x scale (a LoRA merge); a "
+                "BOFT rotation is not one: drop --use_vllm")
+
+
+@rule("adalora options")
+def _adalora(c: RunConfig):
+    if c.train.train_type != "adalora":
+        return None
+    lc = c.lora
+    if not 0 < lc.adalora_target_r <= lc.adalora_init_r:
+        return (f"--adalora_target_r {lc.adalora_target_r}: must be > 0 and at most --adalora_init_r "
+                f"{lc.adalora_init_r} (the budget only prunes ranks)")
+    if lc.adalora_tinit < 0 or lc.adalora_tfinal < 0 or lc.adalora_deltaT < 1:
+        return "--adalora_tinit and --adalora_tfinal must be >= 0, --adalora_deltaT >= 1"
+    if not (0 <= lc.adalora_beta1 < 1 and 0 <= lc.adalora_beta2 < 1):
+        return "--adalora_beta1 and --adalora_beta2 must be in [0, 1)"
+    if lc.adalora_orth_reg_weight < 0:
+        return f"--adalora_orth_reg_weight must be >= 0, got {lc.adalora_orth_reg_weight}"
+    if task_spec(c.task).own_options == "rlhf":
+        return (f"--train_type adalora with swiftlite rlhf: AdaLoRA's rank allocation and orthogonal penalty are "
+                "run by the sft/pt step only: train it with swiftlite sft or pt")

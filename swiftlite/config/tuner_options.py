@@ -1,0 +1,40 @@
+"""The options of the peft tuners besides LoRA: BOFT (`--train_type boft`) and AdaLoRA (`--train_type
+adalora`), with ms-swift's names and defaults (swift/arguments/tuner_args.py: the dataclass values,
+not its docstring's). A base of schema.LoraConfig, kept here so that schema.py stays short; the shared
+adapter options (--target_modules, --modules_to_save, --lora_alpha, --lora_dropout, --lora_bias) live
+in LoraConfig, and config/rules_tuners.py says which option applies to which tuner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swiftlite.config.access import Section, opt
+
+#: --train_type values that are a peft adapter on a frozen base (cfg.is_peft).
+PEFT_TYPES = ("lora", "qlora", "boft", "adalora")
+#: --train_type values whose adapter is peft's LoRA (cfg.is_lora): the LoRA variants apply to these.
+LORA_TYPES = ("lora", "qlora")
+
+
+@dataclass(kw_only=True)
+class TunerOptions(Section):
+    """`boft_*` and `adalora_*`: read only by their own --train_type."""
+    boft_block_size: int = opt(4, "BOFT (peft boft_block_size): size of each orthogonal block; each adapted "
+                               "layer's input width must be a multiple of it. Give it or --boft_block_num, "
+                               "not both (0 = unset).")
+    boft_block_num: int = opt(0, "BOFT (peft boft_block_num): number of orthogonal blocks per layer instead of "
+                              "their size (then --boft_block_size 0).")
+    boft_n_butterfly_factor: int = opt(1, "BOFT butterfly factors (peft boft_n_butterfly_factor): 1 is OFT "
+                                       "(block-diagonal); more needs peft's fbd_cuda CUDA extension (refused "
+                                       "where it does not load: peft would silently train 1).")
+    boft_dropout: float = opt(0.0, "BOFT multiplicative dropout (peft boft_dropout).")
+    adalora_target_r: int = opt(8, "AdaLoRA (peft target_r): average rank per layer the budget ends with.")
+    adalora_init_r: int = opt(12, "AdaLoRA (peft init_r): rank each adapted layer starts with.")
+    adalora_tinit: int = opt(0, "AdaLoRA (peft tinit): optimizer steps of warm-up before ranks are pruned.")
+    adalora_tfinal: int = opt(0, "AdaLoRA (peft tfinal): last optimizer steps trained with the final ranks.")
+    adalora_deltaT: int = opt(1, "AdaLoRA (peft deltaT): optimizer steps between two rank allocations.")
+    adalora_beta1: float = opt(0.85, "AdaLoRA (peft beta1): EMA factor of the importance (sensitivity).")
+    adalora_beta2: float = opt(0.85, "AdaLoRA (peft beta2): EMA factor of its uncertainty.")
+    adalora_orth_reg_weight: float = opt(0.5, "AdaLoRA (peft orth_reg_weight): weight of the orthogonality "
+                                         "penalty on A and B, added to each optimizer step's loss.")
