@@ -54,6 +54,27 @@ def upcast_trainable(model: "torch.nn.Module") -> list[str]:
     return cast
 
 
+#: The attribute recording a parameter's number of dimensions before a wrapper replaced its data by a
+#: flat shard (FSDP1 with use_orig_params keeps the Parameter objects and gives them 1-D views).
+ORIG_NDIM = "_swiftlite_ndim"
+
+
+def remember_shapes(model: torch.nn.Module) -> None:
+    """Record each parameter's rank before sharding flattens it (apply_fsdp1 calls it before wrapping)."""
+    for p in model.parameters():
+        setattr(p, ORIG_NDIM, p.ndim)
+
+
+def _ndim(p: torch.Tensor) -> int:
+    """The parameter's logical rank: FSDP2's DTensors and unsharded tensors say it themselves; FSDP1's
+    flat views carry ORIG_NDIM, DeepSpeed ZeRO-3's partitions their ds_shape."""
+    if hasattr(p, ORIG_NDIM):
+        return getattr(p, ORIG_NDIM)
+    if hasattr(p, "ds_shape"):
+        return len(p.ds_shape)
+    return p.ndim
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float, *, lr: float | None = None,
                  lorap_lr_ratio: float | None = None) -> list[dict]:
     """Decay matrices only: biases, norms and 1-D params get no weight decay (the usual LLM recipe).
@@ -68,8 +89,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float, *, lr: float | Non
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        fast = lorap_lr_ratio is not None and ("lora_B" in name or p.ndim < 2)
-        buckets.setdefault((p.ndim >= 2, fast), []).append(p)
+        fast = lorap_lr_ratio is not None and ("lora_B" in name or _ndim(p) < 2)
+        buckets.setdefault((_ndim(p) >= 2, fast), []).append(p)
     groups = []
     for decay, fast in ((True, False), (False, False), (True, True), (False, True)):
         if buckets.get((decay, fast)):

@@ -94,6 +94,8 @@ def apply_fsdp1(model: "torch.nn.Module", world: "World", *, mp: tuple | None, r
     mixed = MixedPrecision(param_dtype=mp[0], reduce_dtype=mp[1], buffer_dtype=buffer_dtype) if mp else None
     strategy = ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
     device_id = torch.device(world.device)  # explicit "cpu" too: FSDP1 refuses to guess a CPU device
+    from swiftlite.optim import remember_shapes
+    remember_shapes(model)   # its sharded views are 1-D: the weight decay reads the original ranks
     return FSDP(model, auto_wrap_policy=policy, mixed_precision=mixed, sharding_strategy=strategy,
                 cpu_offload=CPUOffload(offload_params=True) if cpu_offload else None,
                 device_id=device_id, use_orig_params=True, sync_module_states=False,

@@ -85,10 +85,6 @@ def test_adalora_allocates_ranks_saves_reloads_and_exports(demo_data, tmp_path):
                                               ("boft", "zero3"), ("adalora", "ddp")])
 def test_two_processes_match_one(kind, parallelism, demo_data, tmp_path):
     extra = BOFT if kind == "boft" else ADALORA
-    if parallelism == "fsdp1":
-        # optim.param_groups decays tensors of 2+ dims, and FSDP1's sharded views of them are 1-D, so
-        # FSDP1 decays none of them (any train type): compared without weight decay, it matches exactly
-        extra = [*extra, "--weight_decay", "0"]
     one = _sft(demo_data, tmp_path / "one", *extra)
     two = _sft(demo_data, tmp_path / "two", *extra, "--nproc_per_node", "2", "--parallelism", parallelism,
                "--gradient_accumulation_steps", "1")
