@@ -59,10 +59,16 @@ def upcast_trainable(model: "torch.nn.Module") -> list[str]:
 ORIG_NDIM = "_swiftlite_ndim"
 
 
-def remember_shapes(model: torch.nn.Module) -> None:
-    """Record each parameter's rank before sharding flattens it (apply_fsdp1 calls it before wrapping)."""
-    for p in model.parameters():
-        setattr(p, ORIG_NDIM, p.ndim)
+def remember_ranks(wrapped: torch.nn.Module, ranks: dict[str, int]) -> None:
+    """Give each parameter of a wrapped model the rank it had before wrapping (`ranks`, by name: FSDP1's
+    named_parameters gives the original names). A parameter missing from `ranks` would be decayed by its
+    shard's rank, silently wrong: an error."""
+    for name, p in wrapped.named_parameters():
+        clean = name.replace("_fsdp_wrapped_module.", "")
+        if clean not in ranks:
+            raise RuntimeError(f"parameter {name} of the wrapped model has no recorded rank (known: "
+                               f"{next(iter(ranks), None)}, ...)")
+        setattr(p, ORIG_NDIM, ranks[clean])
 
 
 def _ndim(p: torch.Tensor) -> int:

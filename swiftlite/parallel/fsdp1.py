@@ -94,12 +94,16 @@ def apply_fsdp1(model: "torch.nn.Module", world: "World", *, mp: tuple | None, r
     mixed = MixedPrecision(param_dtype=mp[0], reduce_dtype=mp[1], buffer_dtype=buffer_dtype) if mp else None
     strategy = ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
     device_id = torch.device(world.device)  # explicit "cpu" too: FSDP1 refuses to guess a CPU device
-    from swiftlite.optim import remember_shapes
-    remember_shapes(model)   # its sharded views are 1-D: the weight decay reads the original ranks
-    return FSDP(model, auto_wrap_policy=policy, mixed_precision=mixed, sharding_strategy=strategy,
-                cpu_offload=CPUOffload(offload_params=True) if cpu_offload else None,
-                device_id=device_id, use_orig_params=True, sync_module_states=False,
-                param_init_fn=param_init_fn)
+    ranks = {name: p.ndim for name, p in model.named_parameters()}
+    wrapped = FSDP(model, auto_wrap_policy=policy, mixed_precision=mixed, sharding_strategy=strategy,
+                   cpu_offload=CPUOffload(offload_params=True) if cpu_offload else None,
+                   device_id=device_id, use_orig_params=True, sync_module_states=False,
+                   param_init_fn=param_init_fn)
+    from swiftlite.optim import remember_ranks
+    # Its parameters are now 1-D views of their shards (and, loaded from a meta skeleton, new objects):
+    # the weight decay reads the ranks they had, by name.
+    remember_ranks(wrapped, ranks)
+    return wrapped
 
 
 def _unit_rule(model: "torch.nn.Module", adapter_units: bool, own_units: bool) -> Any:
