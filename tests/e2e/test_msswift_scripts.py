@@ -231,7 +231,7 @@ REFUSED = {
     "export": [
         ("--device_map cpu", "device_map"), ("--hub_model_id m", "upload"), ("--hub_token t", "upload"),
         ("--push_to_hub true", "upload"), ("--use_hf true", "upload"), ("--load_data_args true", "args.json"),
-        ("--quant_method awq", "bnb only"), ("--quant_bits 4", "quantized export"),
+        ("--quant_method awq", "or fp8"), ("--quant_bits 4", "quantized export"),
         ("--quant_n_samples 256", "quantized export"), ("--quant_batch_size 1", "quantized export"),
         ("--bnb_4bit_quant_type nf4", "quantized export"), ("--bnb_4bit_use_double_quant true", "quantized export"),
         
