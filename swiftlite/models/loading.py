@@ -529,7 +529,8 @@ def add_neftune(model: "torch.nn.Module", alpha: float) -> None:
 def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
                   init_context: Any = None, skeleton: str | None = None,
                   reentrant: bool = True, total_steps: int | None = None) -> "torch.nn.Module":
-    """load -> quantize -> LoRA -> activation checkpointing -> compile. Wrap + optimizer come next.
+    """load -> quantize -> LoRA (or LLaMA-Pro's new blocks) -> activation checkpointing -> compile. Wrap +
+    optimizer come next.
     `total_steps`: the run's optimizer steps (AdaLoRA's budget schedule is part of its peft config).
     `skeleton`: "shard" (the backend shards the skeleton, then fills it) or "fill" (filled here, at
     the end, before wrapping), see `load_model`. `reentrant`: checkpointing's default form when
@@ -539,9 +540,13 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
     model = load_model(cfg, source, world, init_context=init_context, attn_impl=cfg.model.attn_impl,
                        skeleton=skeleton)
     check_loaded_attention(cfg, model)
+    frozen_input = cfg.is_peft or cfg.train.train_type == "llamapro"   # the embeddings do not train
     if cfg.is_peft:
         from swiftlite.models.lora import apply_lora
         model = apply_lora(model, cfg, total_steps)
+    elif cfg.train.train_type == "llamapro":   # never on a skeleton: models/llamapro.backend_problem
+        from swiftlite.models.llamapro import expand
+        model = expand(model, cfg)
     if cfg.train.neftune_noise_alpha:
         add_neftune(model, cfg.train.neftune_noise_alpha)
     if cfg.train.gradient_checkpointing:
@@ -551,7 +556,7 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
             # hook it) still does the same: its deprecation notice says nothing to the user
             warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        if cfg.is_peft:
+        if frozen_input:   # reentrant checkpointing passes no gradient into a layer whose input needs none
             model.enable_input_require_grads()
     if cfg.parallel.compile:
         import torch
