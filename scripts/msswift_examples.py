@@ -288,6 +288,7 @@ def build_models(d: Path) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
+    # 4 layers: divisible by LLaMA-Pro's default --llamapro_num_new_blocks 4, as real models' 28 or 32 are
     common = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=TINY_VOCAB, eos_token_id=258, pad_token_id=259,
                   bos_token_id=None, dtype="bfloat16")
