@@ -36,6 +36,11 @@ def _base_state() -> dict[str, torch.Tensor]:
     return load_model(load_config(cf, values, validate_paths=False)).state_dict()
 
 
+def _base_config():
+    from swiftlite.models.source import resolve_model
+    return resolve_model("tiny-llama-2l").config(False, None)
+
+
 def _dcp_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     from swiftlite.checkpoint.readers import DCPReader
     reader = DCPReader(ckpt / "dcp")
@@ -82,8 +87,10 @@ def test_trains_only_new_blocks_and_exports_an_hf_model(demo_data, tmp_path):
     missing, unexpected = reference.load_state_dict(trained, strict=False)
     assert not unexpected and all("rotary" in k or k == "lm_head.weight" for k in missing), (missing, unexpected)
     torch.testing.assert_close(_logits(exported), _logits(reference), rtol=0.05, atol=0.05)   # a bf16 export
-    # and not the base model's logits: the trained blocks changed the output
-    assert (_logits(exported) - _logits(AutoModelForCausalLM.from_config(exported.config))).abs().max() > 0.05
+    # and not the base model's logits (which the expanded model computed before training)
+    base_model = AutoModelForCausalLM.from_config(_base_config(), dtype=torch.float32).eval()
+    base_model.load_state_dict(base)
+    assert (_logits(exported) - _logits(base_model)).abs().max() > 0.05
 
 
 def test_resume_gives_the_uninterrupted_run(demo_data, tmp_path):
@@ -115,9 +122,17 @@ def test_two_ddp_processes_match_one(demo_data, tmp_path):
 @pytest.mark.parametrize("parallelism", ["fsdp", "zero2"])
 def test_sharding_backends_refused_before_launch(parallelism, demo_data, tmp_path):
     out = tmp_path / "run"
-    proc = _sft(demo_data, out, 4, "--nproc_per_node", "2", "--parallelism", parallelism,
-                "--llamapro_num_groups", "3", check=False)
+    proc = _sft(demo_data, out, 4, "--nproc_per_node", "2", "--parallelism", parallelism, check=False)
     assert proc.returncode == 2, proc.stderr
-    assert f"--train_type llamapro with --parallelism {parallelism}:" in proc.stderr
-    assert "--llamapro_num_groups 3: the model's 2 layers are not divisible" in proc.stderr   # reported together
+    assert proc.stderr.startswith(f"error: --train_type llamapro with --parallelism {parallelism}:")
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_layer_count_refused_before_launch(demo_data, tmp_path):
+    out = tmp_path / "run"
+    proc = _sft(demo_data, out, 4, "--llamapro_num_groups", "3", "--lr_scheduler_type", "greedy", check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert any(l.startswith("error: --llamapro_num_groups 3: the model's 2 layers are not divisible") for l in lines)
+    assert any("greedy" in l for l in lines) and len(lines) == 2   # every refusal, one line each
     assert "Traceback" not in proc.stderr and not out.exists()
