@@ -177,6 +177,11 @@ SFT = [
      {"rlhf_type": "simpo"}),
     ("simpo_full", f"rlhf --rlhf_type simpo {_C} --tuner_type full --dataset {{preference}}#16 --warmup_ratio 0.05",
      {"rlhf_type": "simpo", "train_type": "full", "warmup_ratio": 0.05}),
+    # examples/train/tuners/llamapro/train.sh (the tiny folder has 4 layers, so 4 new blocks divide them)
+    ("llamapro", f"sft {_C} --tuner_type llamapro --dataset {{self_cognition}}#16 --llamapro_num_new_blocks 4 "
+                 "--num_train_epochs 1 --learning_rate 1e-4 --eval_steps 100 --save_steps 100 --save_total_limit 2 "
+                 "--logging_steps 5 --model_author swift --model_name swift-robot",
+     {"train_type": "llamapro", "llamapro_num_new_blocks": 4, "llamapro_num_groups": None}),
     ("orpo_messages", f"rlhf --rlhf_type orpo {_C} --dataset {{preference}}#8 --num_train_epochs 1",
      {"rlhf_type": "orpo", "num_train_epochs": 1}),
 ]
@@ -213,7 +218,7 @@ REFUSED = {
 
         ("--use_galore true", "GaLore"), ("--galore_optim_per_parameter true", "GaLore"),
         ("--galore_quantization true", "GaLore"),
-        ("--lisa_activated_layers 2", "LISA"), ("--llamapro_num_new_blocks 4", "tuner"),
+        ("--lisa_activated_layers 2", "LISA"),
         ("--lora_ga_batch_size 2", "LoRA-GA"), ("--lora_ga_direction ArB2r", "LoRA-GA"),
         ("--lora_ga_iters 2", "LoRA-GA"), ("--lora_ga_max_length 1024", "LoRA-GA"),
         ("--lora_ga_scale stable", "LoRA-GA"), ("--lora_ga_stable_gamma 16", "LoRA-GA"),
