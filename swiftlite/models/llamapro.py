@@ -97,11 +97,20 @@ def _output_projections(layer: "torch.nn.Module") -> list[tuple[str, "torch.Tens
     return out
 
 
+def _holder(model: "torch.nn.Module") -> "torch.nn.Module":
+    """The module whose `layers` ModuleList holds the decoder layers (the CausalLM's inner model)."""
+    import torch
+    for m in model.modules():
+        if isinstance(getattr(m, "layers", None), torch.nn.ModuleList):
+            return m
+    raise UserError(f"--train_type llamapro: cannot find the decoder layers of {type(model).__name__} "
+                    "(no `layers` list)")
+
+
 def architecture_problem(model: "torch.nn.Module") -> str | None:
     """Why a decoder layer of this model cannot be made an identity by zeroing (no o_proj or no
     down_proj), or None. Works on a meta-device model (preflight)."""
-    from swiftlite.models.loading import decoder_layers
-    layer = decoder_layers(model)[0]
+    layer = _holder(model).layers[0]
     names = [n for n, _ in _output_projections(layer)]
     lacking = [p for p in OUTPUT_PROJECTIONS if not any(p in n.split(".") for n in names)]
     if lacking:
@@ -114,14 +123,11 @@ def expand(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
     """Insert the zero-initialised copies into `model` (a causal LM, weights loaded), update the layer
     indices and the config, and leave only the copies trainable. Returns the same model."""
     import torch
-
-    from swiftlite.models.loading import decoder_layers
     why = layout_problem(cfg, model.config) or architecture_problem(model)
     if why:
         raise UserError(why)
-    layers = decoder_layers(model)
-    holder = next(m for m in model.modules()
-                  if isinstance(getattr(m, "layers", None), torch.nn.ModuleList) and list(m.layers) == layers)
+    holder = _holder(model)
+    layers = list(holder.layers)
     n, g = len(layers), groups(cfg)
     order = _order(n, g)
     added = set(new_positions(n, g))
@@ -183,9 +189,8 @@ def check_model(cfg: "RunConfig", source: Any) -> None:
         return
     import torch
 
-    from swiftlite.models.loading import model_config
     from swiftlite.models.sharded import _empty_model
-    conf = model_config(cfg, source)
+    conf = source.config(cfg.model.trust_remote_code, cfg.model.model_revision)
     why = layout_problem(cfg, conf) or architecture_problem(_empty_model(conf, torch.float32, {}))
     if why:
         raise UserError(why)
