@@ -67,6 +67,10 @@ def test_positions_indices_config_and_trainable():
     assert [m.self_attn.layer_idx for m in layers] == list(range(6))
     assert model.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention",
                                         "full_attention", "sliding_attention", "sliding_attention"]
+    # what export and the planner read without building the model (models/llamapro.expanded_config)
+    from swiftlite.models.llamapro import expanded_config
+    conf = expanded_config(tiny("qwen2").config, cfg_of("--train_type", "llamapro", "--llamapro_num_new_blocks", "2"))
+    assert (conf.num_hidden_layers, conf.layer_types) == (6, model.config.layer_types)
     trainable = {n.split(".")[2] for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {"2", "5"}
     assert all(p.requires_grad for p in layers[2].parameters())
