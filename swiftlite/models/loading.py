@@ -545,7 +545,9 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
         from swiftlite.models.lora import apply_lora
         model = apply_lora(model, cfg, total_steps)
     elif cfg.train.train_type == "llamapro":   # never on a skeleton: models/llamapro.backend_problem
-        from swiftlite.models.llamapro import expand
+        from swiftlite.models.llamapro import describe, expand
+        if world is None or world.is_main:
+            print(describe(cfg, model.config.num_hidden_layers), flush=True)
         model = expand(model, cfg)
     if cfg.train.neftune_noise_alpha:
         add_neftune(model, cfg.train.neftune_noise_alpha)

@@ -124,6 +124,12 @@ def test_option_refusals(argv, expect):
         cfg_of("--train_type", "llamapro", *argv)
 
 
+def test_muon_refused_names_the_new_blocks_norms():
+    from swiftlite.optim import optim_problem
+    why = optim_problem(cfg_of("--train_type", "llamapro", "--optim", "muon"))
+    assert why and "the new blocks' norms" in why
+
+
 def test_options_of_another_train_type_refused():
     with pytest.raises(UserError, match="--llamapro_num_new_blocks is an option of --train_type llamapro"):
         cfg_of("--train_type", "lora", "--llamapro_num_new_blocks", "4")
