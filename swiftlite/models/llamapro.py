@@ -165,21 +165,20 @@ def describe(cfg: "RunConfig", n_layers: int) -> str:
             f" output projections zeroed) -> {n_layers + g} layers; only the new blocks train")
 
 
-#: The backends whose engines hold each rank's whole model (the expansion runs on the loaded model).
-BACKENDS = ("single", "ddp")
+#: The backends llamapro runs on (engine keys). The blocks are inserted into the loaded model before
+#: wrapping, so the FSDP2 ones load the whole model on each rank first (models/loading.sharded_weights).
+BACKENDS = ("single", "ddp", "fsdp", "hsdp")
 
 
 def backend_problem(cfg: "RunConfig", choice: Any = None) -> str | None:
     """Why --train_type llamapro cannot run on the chosen backend (a parallel.base.BackendChoice), or None.
-    The blocks are inserted into the loaded model before wrapping; the sharded backends build a meta
-    skeleton whose tensors each rank fills from the checkpoint by name (fsdp, hsdp, fsdp1) or partition
-    it while loading (ZeRO-3), and the copies have no name in the checkpoint. Those, and DeepSpeed (not
-    tested with frozen layers here), are refused before launch."""
+    fsdp1 flattens each unit into one tensor of one dtype, and the new blocks' fp32 master weights sit
+    next to a 16-bit frozen base; the DeepSpeed stages partition the model while loading (ZeRO-3) or are
+    not tested with frozen layers here (ZeRO-2): refused before launch."""
     if cfg.train.train_type != "llamapro" or choice is None or choice.key in BACKENDS:
         return None
-    return (f"--train_type llamapro with --parallelism {choice.name}: the new blocks are inserted into each rank's "
-            "whole loaded model, which only single and ddp hold (sharded/partitioned loading has no tensors to copy); "
-            "use --parallelism ddp (or single)")
+    return (f"--train_type llamapro with --parallelism {choice.name}: swiftlite inserts and trains LLaMA-Pro blocks on "
+            "single, ddp, fsdp (FSDP2) and hsdp; use --parallelism fsdp (or ddp)")
 
 
 def check_model(cfg: "RunConfig", source: Any) -> None:

@@ -341,6 +341,8 @@ def sharded_weights(cfg: "RunConfig", src: ModelSource, dtype: "torch.dtype", at
     without safetensors files, or a checkpoint whose tensor names are not the model's own (weights
     transformers converts while loading). A built-in preset's source is its seeded weights."""
     from swiftlite.models import sharded as sharding
+    if cfg.train.train_type == "llamapro":
+        return None, "--train_type llamapro inserts copies of loaded layers, which the checkpoint does not name"
     if cfg.model.new_special_tokens and src.kind != "preset":
         return None, "--new_special_tokens grows the embeddings beyond the checkpoint's"
     if quantized and cfg.quant.quant_bits != 4:
@@ -544,7 +546,7 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
     if cfg.is_peft:
         from swiftlite.models.lora import apply_lora
         model = apply_lora(model, cfg, total_steps)
-    elif cfg.train.train_type == "llamapro":   # never on a skeleton: models/llamapro.backend_problem
+    elif cfg.train.train_type == "llamapro":   # never on a skeleton (sharded_weights says why)
         from swiftlite.models.llamapro import describe, expand
         if world is None or world.is_main:
             print(describe(cfg, model.config.num_hidden_layers), flush=True)

@@ -140,6 +140,8 @@ class Workload:
         if dtypes.normalize(self.dtype) in dtypes.NAMES:
             self.dtype = dtypes.normalize(self.dtype)   # bfloat16 -> bf16; anything else is reported as given
         self.quant_bits = base_bits(self.train_type, self.quant_bits)
+        if self.train_type == "llamapro":   # its blocks are copies of loaded layers: every rank loads whole
+            self.sharded_loading = False
         if self.gpus_per_node is None:
             self.gpus_per_node = self.world_size
         problem = self._problem()
@@ -420,8 +422,8 @@ def unavailable_reason(w: Workload, backend: str | Backend) -> str:
     `loss_scaling`, a bitsandbytes base under offload, FSDP2 without `fully_shard`. (The same rules
     the resolver and the records' checks apply to a run config.)"""
     rec = backend_record(backend)
-    if w.train_type == "llamapro" and rec.memory_family not in ("single", "ddp"):
-        return "--train_type llamapro runs on single and ddp (the blocks are inserted into each rank's whole model)"
+    if w.train_type == "llamapro" and rec.memory_family not in ("single", "ddp", "fsdp", "hsdp"):
+        return "--train_type llamapro runs on single, ddp, fsdp and hsdp (models/llamapro.backend_problem)"
     if w.dtype == "fp16" and not rec.loss_scaling:
         return "fp16 needs loss scaling, which only the DeepSpeed backends provide"
     if w.quant_bits is not None and rec.memory_family == "zero3_offload":

@@ -260,9 +260,6 @@ def resolve_auto(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None
             return Decision("zero2", "fp16 needs loss scaling, which only the DeepSpeed backends provide")
         if world_size == 1:
             return Decision("single", "one process on CPU: no parallelism needed")
-        if cfg.train.train_type == "llamapro":
-            return Decision("ddp", f"{world_size} CPU processes, --train_type llamapro: its blocks are inserted into "
-                            "each rank's whole model, so DDP (memory is not estimated on CPU)")
         nnodes = cfg.parallel.nnodes or 1
         if nnodes > 1:
             return Decision("hsdp", f"{nnodes} nodes of CPU processes: HSDP shards within each node and "

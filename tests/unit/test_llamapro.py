@@ -147,8 +147,9 @@ def test_backends():
     from swiftlite.parallel.base import BackendChoice
     cfg = cfg_of("--train_type", "llamapro")
     assert backend_problem(cfg, BackendChoice("ddp", "ddp")) is None
-    assert backend_problem(cfg, BackendChoice("single", "single")) is None
-    for name in ("fsdp", "fsdp1", "zero2", "zero3"):
+    for name in ("single", "fsdp", "hsdp"):
+        assert backend_problem(cfg, BackendChoice(name, name)) is None
+    for name in ("fsdp1", "zero2", "zero3"):
         why = backend_problem(cfg, BackendChoice(name, name))
         assert why and why.startswith(f"--train_type llamapro with --parallelism {name}:")
 
@@ -174,4 +175,6 @@ def test_planner_counts_the_expanded_model():
     assert states["params"] == 4 * shape.n_params   # fp32: frozen + trainable, each once
     assert states["grads"] == 4 * 4 * base.n_layer_params and states["optimizer"] == 8 * 4 * base.n_layer_params
     from swiftlite.planner.memory import unavailable_reason
-    assert unavailable_reason(w, "fsdp") and not unavailable_reason(w, "ddp")
+    assert unavailable_reason(w, "fsdp1") and unavailable_reason(w, "zero3")
+    assert not unavailable_reason(w, "ddp") and not unavailable_reason(w, "fsdp")
+    assert not w.sharded_loading   # the FSDP2 backends load the whole model on each rank before the copies
