@@ -1,7 +1,7 @@
 """--train_type llamapro end to end on the 2-layer preset with 2 new blocks (4 layers: [0, copy of 0, 1,
 copy of 1]): only the new blocks change, the checkpoint and the export are standard HF folders of the
-expanded model that transformers loads with the trained weights, resume gives the uninterrupted run, 2 DDP
-and FSDP2 processes give the 1-process run, and the backends it cannot run on are refused before launch."""
+expanded model that transformers loads with the trained weights, resume gives the uninterrupted run, 2 DDP,
+FSDP2 and HSDP processes give the 1-process run, and the backends it cannot run on are refused before launch."""
 
 from __future__ import annotations
 
@@ -104,11 +104,12 @@ def test_resume_gives_the_uninterrupted_run(demo_data, tmp_path):
         assert resumed[s] == pytest.approx(whole[s], rel=1e-6, abs=1e-7), (s, whole, resumed)
 
 
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp", "hsdp"])
 def test_two_processes_match_one(parallelism, demo_data, tmp_path):
     _sft(demo_data, tmp_path / "one")
+    extra = ["--hsdp_shard_size", "1"] if parallelism == "hsdp" else []   # two replicas of one shard each
     proc = _sft(demo_data, tmp_path / "two", 4, "--nproc_per_node", "2", "--gradient_accumulation_steps", "1",
-                "--parallelism", parallelism)
+                "--parallelism", parallelism, *extra)
     assert "sharded loading is off" in proc.stdout + proc.stderr or parallelism == "ddp"
     assert json.loads((tmp_path / "two" / "checkpoint-4" / "trainer_state.json").read_text())["backend"] == parallelism
     l1, l2 = read_losses(tmp_path / "one"), read_losses(tmp_path / "two")
