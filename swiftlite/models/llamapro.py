@@ -62,7 +62,8 @@ def new_positions(n_layers: int, n_groups: int) -> list[int]:
 
 def expanded_config(conf: Any, cfg: "RunConfig") -> Any:
     """A copy of the base model's config as the expanded model has it (num_hidden_layers, layer_types);
-    `conf` itself unchanged. What export and the planner read for a llamapro run."""
+    `conf` itself unchanged. What export and infer build a llamapro checkpoint without its model/
+    folder from (export/source.model_config_for); the planner counts with ModelShape.expanded."""
     n = _layer_count(conf)
     why = layout_problem(cfg, conf)
     if why:
