@@ -94,7 +94,7 @@ def test_trains_only_new_blocks_and_exports_an_hf_model(demo_data, tmp_path):
 
 
 def test_resume_gives_the_uninterrupted_run(demo_data, tmp_path):
-    _sft(demo_data, tmp_path / "whole", 6)
+    _sft(demo_data, tmp_path / "whole", 6, "--save_hf_model", "false")
     cut = _sft(demo_data, tmp_path / "cut", 6, check=False, env=cli_env(SWIFTLITE_FAULT="step=5,kind=raise"))
     assert cut.returncode != 0 and (tmp_path / "cut" / "checkpoint-4").is_dir()
     _sft(demo_data, tmp_path / "cut", 6, "--resume", "true", "--save_steps", 6)
@@ -102,6 +102,13 @@ def test_resume_gives_the_uninterrupted_run(demo_data, tmp_path):
     assert sorted(resumed) == sorted(whole) == [1, 2, 3, 4, 5, 6]
     for s in (5, 6):
         assert resumed[s] == pytest.approx(whole[s], rel=1e-6, abs=1e-7), (s, whole, resumed)
+    # a checkpoint without its model/ folder exports from dcp/ with the expanded config built from the base
+    from transformers import AutoModelForCausalLM
+    ckpt = max((tmp_path / "whole").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert not (ckpt / "model").exists()
+    run_cli(["export", "--ckpt", ckpt, "--output", tmp_path / "export", "--verify"])
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
+    assert exported.config.num_hidden_layers == 4 and len(exported.model.layers) == 4
 
 
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp", "hsdp"])
