@@ -178,3 +178,22 @@ def test_planner_counts_the_expanded_model():
     assert unavailable_reason(w, "fsdp1") and unavailable_reason(w, "zero3")
     assert not unavailable_reason(w, "ddp") and not unavailable_reason(w, "fsdp")
     assert not w.sharded_loading   # the FSDP2 backends load the whole model on each rank before the copies
+
+
+def test_mixture_of_experts_copy_is_an_identity():
+    """Qwen3-MoE holds its experts' down_proj as one fused parameter: zeroed too, so the copy adds nothing."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from swiftlite.models.llamapro import expand
+    torch.manual_seed(0)
+    conf = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                          num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8)
+    model = Qwen3MoeForCausalLM(conf).float().eval()
+    ids = torch.randint(0, 64, (1, 9))
+    with torch.no_grad():
+        before = model(ids).logits
+    expand(model, cfg_of("--train_type", "llamapro", "--llamapro_num_new_blocks", "2"))
+    assert not model.model.layers[1].mlp.experts.down_proj.any()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
