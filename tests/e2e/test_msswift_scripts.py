@@ -188,6 +188,11 @@ SFT = [
      {"rlhf_type": "simpo"}),
     ("simpo_full", f"rlhf --rlhf_type simpo {_C} --tuner_type full --dataset {{preference}}#16 --warmup_ratio 0.05",
      {"rlhf_type": "simpo", "train_type": "full", "warmup_ratio": 0.05}),
+    # examples/train/tuners/llamapro/train.sh (the tiny folder has 4 layers, so 4 new blocks divide them)
+    ("llamapro", f"sft {_C} --tuner_type llamapro --dataset {{self_cognition}}#16 --llamapro_num_new_blocks 4 "
+                 "--num_train_epochs 1 --learning_rate 1e-4 --eval_steps 100 --save_steps 100 --save_total_limit 2 "
+                 "--logging_steps 5 --model_author swift --model_name swift-robot",
+     {"train_type": "llamapro", "llamapro_num_new_blocks": 4, "llamapro_num_groups": None}),
     ("orpo_messages", f"rlhf --rlhf_type orpo {_C} --dataset {{preference}}#8 --num_train_epochs 1",
      {"rlhf_type": "orpo", "num_train_epochs": 1}),
 ]
@@ -223,7 +228,7 @@ REFUSED = {
         ("--agent_template react_en", "template"),
 
         ("--galore_quantization true", "Q-GaLore"),
-        ("--lisa_activated_layers 2", "LISA"), ("--llamapro_num_new_blocks 4", "tuner"),
+        ("--lisa_activated_layers 2", "LISA"),
         ("--loss_scale react", "loss scale"), ("--max_model_len 512000", "max_position_embeddings"),
         ("--optim_args qk_clip_threshold=10000", "optimizer"),
         ("--reft_intervention_type LoreftIntervention", "tuner"), ("--response_prefix x", "template"),
