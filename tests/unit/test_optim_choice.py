@@ -103,7 +103,7 @@ def test_msswift_optimizer_plugin_muon_is_torch_muon_at_adamw_scale():
     cfg = cfg_of("--optimizer", "muon", "--optim", "sgd")          # ms-swift: the plugin wins over --optim
     opt = build_optimizer(lora_model(cfg), cfg)
     assert type(opt) is torch.optim.Muon and opt.defaults["adjust_lr_fn"] == "match_rms_adamw"
-    with pytest.raises(UserError, match="--optimizer galore: GaLore is not available"):
-        cfg_of("--optimizer", "galore")
+    with pytest.raises(UserError, match="--use_galore with --train_type lora: GaLore projects"):
+        cfg_of("--optimizer", "galore")                             # the galore plugin is GaLore (full training)
     with pytest.raises(UserError, match="--optimizer lorap: give --lorap_lr_ratio"):
         cfg_of("--optimizer", "lorap")
