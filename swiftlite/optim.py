@@ -138,7 +138,7 @@ def optim_problem(cfg: "RunConfig", choice: "object | None" = None) -> str | Non
         if cfg.is_peft and not cfg.is_lora:
             return (f"--optim muon with --train_type {cfg.train.train_type}: torch.optim.Muon updates 2-D matrices "
                     "only, and this adapter trains other tensors (BOFT's 3-D blocks and scales, AdaLoRA's singular "
-                    "values); use --optim adamw_torch_fused")
+                    "values, Bone's block shared by every input block, 3-D with bat); use --optim adamw_torch_fused")
         if not cfg.is_peft or l.use_dora or l.lora_bias != "none" or l.modules_to_save:
             return ("--optim muon: torch.optim.Muon updates 2-D matrices only, and this run also trains "
                     f"{'norms, biases and embeddings (a full fine-tune)' if not cfg.is_peft else '1-D tensors or whole modules (DoRA magnitudes, --lora_bias all, --modules-to-save)'}; "

@@ -53,7 +53,7 @@ SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_key|credential"
 TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f"})
 
-TRAIN_TYPES = ("full", "lora", "qlora", "boft", "adalora")
+TRAIN_TYPES = ("full", "lora", "qlora", "boft", "adalora", "bone")
 DTYPES = _DTYPE_NAMES  # swiftlite/dtypes.py is the one dtype table
 #: transformers' scheduler names (SchedulerType), built by `transformers.get_scheduler` (optim.py);
 #: reduce_lr_on_plateau and greedy step on a metric and are refused there with the reason.
@@ -103,7 +103,7 @@ class ModelConfig(Section):
 
 
 @dataclass(kw_only=True)
-class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*: config/tuner_options.py
+class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*/reft_rank: config/tuner_options.py
     lora_rank: int = opt(8, "LoRA rank r.", aliases=("--lora-r",))
     lora_alpha: int = opt(32, "LoRA alpha.")
     lora_dropout: float = opt(0.05, "LoRA dropout.")
@@ -120,7 +120,8 @@ class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*: config/tuner_opti
                             "pissa_niter_N (principal singular vectors; the base keeps the residual), olora "
                             "(QR; the base keeps the residual), loftq (QLoRA: A and B fitted to the 4-bit "
                             "base's quantization error). Adapters saved from pissa/olora runs are converted "
-                            "to plain LoRA on the original base (peft's rank-2r conversion).",
+                            "to plain LoRA on the original base (peft's rank-2r conversion). --train_type bone "
+                            "(peft's MiSS, formerly Bone) takes true (block zero), false (random) or bat.",
                             normalize=lambda v: str(v).strip().lower())
     lorap_lr_ratio: float | None = opt(None, "LoRA+: the B matrices (and 1-D adapter tensors) train at "
                                        "learning rate x this ratio (ms-swift: 16 is typical). Default: off.")
@@ -239,8 +240,8 @@ class OptimConfig(Section):
 
 @dataclass(kw_only=True)
 class TrainConfig(Section):
-    train_type: str = opt("lora", "full, lora, qlora (--full / --lora / --qlora are shorthands), boft or "
-                          "adalora (peft's BOFT and AdaLoRA adapters); lora as in ms-swift.",
+    train_type: str = opt("lora", "full, lora, qlora (--full / --lora / --qlora are shorthands), boft, adalora "
+                          "or bone (peft's BOFT, AdaLoRA, and MiSS, formerly Bone); lora as in ms-swift.",
                           aliases=("--tuner_type", "--tuner-type"), choices=TRAIN_TYPES)
     per_device_train_batch_size: int = opt(1, "Micro-batch size per process.", aliases=("--batch-size",))
     per_device_eval_batch_size: int = opt(1, "Batch size per process for validation (ms-swift's 1).")
@@ -500,7 +501,7 @@ class RunConfig(Sealable):
 
     @property
     def is_peft(self) -> bool:
-        """A peft adapter on a frozen base (LoRA, QLoRA, BOFT, AdaLoRA): saved as adapter/, merged by export."""
+        """A peft adapter on a frozen base (LoRA, QLoRA, BOFT, AdaLoRA, Bone): saved as adapter/, merged by export."""
         return self.train.train_type in PEFT_TYPES
 
     @property

@@ -1,8 +1,8 @@
-"""The options of the peft tuners besides LoRA: BOFT (`--train_type boft`) and AdaLoRA (`--train_type
-adalora`), with ms-swift's names and defaults (swift/arguments/tuner_args.py: the dataclass values,
+"""The options of the peft tuners besides LoRA: BOFT (`--train_type boft`), AdaLoRA (`--train_type
+adalora`) and Bone (`--train_type bone`: peft's MiSS, formerly Bone), with ms-swift's names and defaults (swift/arguments/tuner_args.py: the dataclass values,
 not its docstring's). A base of schema.LoraConfig, kept here so that schema.py stays short; the shared
-adapter options (--target_modules, --modules_to_save, --lora_alpha, --lora_dropout, --lora_bias) live
-in LoraConfig, and config/rules_tuners.py says which option applies to which tuner.
+adapter options (--target_modules, --modules_to_save, --lora_alpha, --lora_dropout, --lora_bias,
+--init_weights) live in LoraConfig, and config/rules_tuners.py says which option applies to which tuner.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from swiftlite.config.access import Section, opt
 
 #: --train_type values that are a peft adapter on a frozen base (cfg.is_peft).
-PEFT_TYPES = ("lora", "qlora", "boft", "adalora")
+PEFT_TYPES = ("lora", "qlora", "boft", "adalora", "bone")
 #: --train_type values whose adapter is peft's LoRA (cfg.is_lora): the LoRA variants apply to these.
 LORA_TYPES = ("lora", "qlora")
 
 
 @dataclass(kw_only=True)
 class TunerOptions(Section):
-    """`boft_*` and `adalora_*`: read only by their own --train_type."""
+    """`boft_*`, `adalora_*` and `reft_rank`: read only by their own --train_type."""
     boft_block_size: int = opt(4, "BOFT (peft boft_block_size): size of each orthogonal block; each adapted "
                                "layer's input width must be a multiple of it. Give it or --boft_block_num, "
                                "not both (0 = unset).")
@@ -38,3 +38,9 @@ class TunerOptions(Section):
     adalora_beta2: float = opt(0.85, "AdaLoRA (peft beta2): EMA factor of its uncertainty.")
     adalora_orth_reg_weight: float = opt(0.5, "AdaLoRA (peft orth_reg_weight): weight of the orthogonality "
                                          "penalty on A and B, added to each optimizer step's loss.")
+    # ms-swift builds Bone with r=args.reft_rank (swift/pipelines/train/tuner.py): its ReFT rank's name and
+    # default serve as Bone's rank; ReFT itself (--train_type reft) is not available here.
+    reft_rank: int = opt(4, "Bone (peft's MiSS, formerly Bone; peft r): rows of the trained block per adapted "
+                         "layer, r x out_features parameters; ms-swift's name (its ReFT rank, which it also "
+                         "gives Bone). Must be at most each adapted layer's input width; with --init_weights "
+                         "bat both widths must be multiples of it.")
