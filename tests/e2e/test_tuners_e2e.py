@@ -1,4 +1,4 @@
-"""--train_type boft and adalora end to end: `swiftlite sft` on a tiny preset, the adapter peft reloads,
+"""--train_type boft, adalora and bone (peft's MiSS) end to end: `swiftlite sft` on a tiny preset, the adapter peft reloads,
 the merged export that `--verify` checks against peft's model, 2 processes (gloo: DDP for both, FSDP2,
 FSDP1 and ZeRO-2/3 for BOFT) giving the 1-process run's losses and adapter (and AdaLoRA's rank pattern), and
 the backends AdaLoRA refuses."""
@@ -21,6 +21,7 @@ BASE = ["--model", "tiny-llama-2l", "--torch_dtype", "fp32", "--per_device_train
 ADALORA = ["--lora_dropout", "0", "--train_type", "adalora", "--adalora_init_r", "4", "--adalora_target_r", "2",
            "--adalora_tinit", "1", "--adalora_tfinal", "1"]
 BOFT = ["--train_type", "boft"]
+BONE = ["--train_type", "bone"]   # ms-swift's defaults: --reft_rank 4, --init_weights true
 
 
 def _sft(demo_data, out: Path, *extra: str) -> Path:
@@ -45,7 +46,7 @@ def _export_verifies(ckpt: Path, tmp_path: Path) -> None:
     proc = run_cli(["export", "--ckpt", ckpt, "--merge_lora", "true", "--verify", "--output", tmp_path / "merged"])
     assert "verify: checks: passed" in proc.stdout + proc.stderr
     names = load_file(str(next((tmp_path / "merged").glob("*.safetensors")))).keys()
-    assert not [n for n in names if "boft_" in n or "lora_" in n]
+    assert not [n for n in names if "boft_" in n or "lora_" in n or "miss_" in n]
 
 
 def test_boft_trains_saves_reloads_and_exports(demo_data, tmp_path):
@@ -81,10 +82,29 @@ def test_adalora_allocates_ranks_saves_reloads_and_exports(demo_data, tmp_path):
     _export_verifies(tmp_path / "run" / "checkpoint-4", tmp_path)
 
 
-@pytest.mark.parametrize("kind,parallelism", [("boft", "ddp"), ("boft", "fsdp"), ("boft", "fsdp1"), ("boft", "zero2"),
+@pytest.mark.parametrize("init", ["true", "bat"])
+def test_bone_trains_saves_reloads_and_exports(init, demo_data, tmp_path):
+    """ms-swift's Bone as peft's MiSS: the adapter on every linear but lm_head, r = --reft_rank, trained
+    away from its zero start; peft reloads it; the merged export passes --verify (peft's model)."""
+    adapter = _sft(demo_data, tmp_path / "run", *BONE, "--init_weights", init)
+    sd = load_file(str(adapter / "adapter_model.safetensors"))
+    conf = json.loads((adapter / "adapter_config.json").read_text())
+    assert conf["peft_type"] == "MISS" and conf["r"] == 4 and conf["init_weights"] == (True if init == "true" else init)
+    assert len(sd) == 14 and all(k.endswith(".miss_block") for k in sd)   # 7 linears x 2 layers, no lm_head
+    shape = (4, 64) if init == "true" else (16, 4, 4)   # q_proj of tiny-llama-2l: 64 x 64
+    assert sd["base_model.model.model.layers.0.self_attn.q_proj.miss_block"].shape == shape
+    assert all(v.abs().max() > 0 for v in sd.values())
+    m = _reload(adapter)
+    live = {k: v for k, v in m.state_dict().items() if ".miss_block" in k}
+    for k, v in sd.items():
+        torch.testing.assert_close(live[k + ".default"], v)
+    _export_verifies(tmp_path / "run" / "checkpoint-4", tmp_path)
+
+
+@pytest.mark.parametrize("kind,parallelism", [("bone", "ddp"), ("bone", "fsdp"), ("bone", "zero3"), ("boft", "ddp"), ("boft", "fsdp"), ("boft", "fsdp1"), ("boft", "zero2"),
                                               ("boft", "zero3"), ("adalora", "ddp")])
 def test_two_processes_match_one(kind, parallelism, demo_data, tmp_path):
-    extra = BOFT if kind == "boft" else ADALORA
+    extra = {"boft": BOFT, "bone": BONE}.get(kind, ADALORA)
     one = _sft(demo_data, tmp_path / "one", *extra)
     two = _sft(demo_data, tmp_path / "two", *extra, "--nproc_per_node", "2", "--parallelism", parallelism,
                "--gradient_accumulation_steps", "1")
