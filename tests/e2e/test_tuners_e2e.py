@@ -1,7 +1,7 @@
-"""--train_type boft, adalora and bone (peft's MiSS) end to end: `swiftlite sft` on a tiny preset, the adapter peft reloads,
-the merged export that `--verify` checks against peft's model, 2 processes (gloo: DDP for both, FSDP2,
-FSDP1 and ZeRO-2/3 for BOFT) giving the 1-process run's losses and adapter (and AdaLoRA's rank pattern), and
-the backends AdaLoRA refuses."""
+"""--train_type boft, adalora and bone (peft's MiSS) end to end: `swiftlite sft` on a tiny preset, the
+adapter peft reloads, the merged export that `--verify` checks against peft's model, 2 processes (gloo:
+DDP for all, FSDP2, FSDP1 and ZeRO-2/3 for BOFT, FSDP2 and ZeRO-3 for Bone) giving the 1-process run's
+losses and adapter (and AdaLoRA's rank pattern), resumes, and the backends AdaLoRA refuses."""
 
 from __future__ import annotations
 
@@ -101,10 +101,13 @@ def test_bone_trains_saves_reloads_and_exports(init, demo_data, tmp_path):
     _export_verifies(tmp_path / "run" / "checkpoint-4", tmp_path)
 
 
-@pytest.mark.parametrize("kind,parallelism", [("bone", "ddp"), ("bone", "fsdp"), ("bone", "zero3"), ("boft", "ddp"), ("boft", "fsdp"), ("boft", "fsdp1"), ("boft", "zero2"),
+# bone-bat on zero3: MiSS's bat forward reads the base weight outside the base layer's own forward, which
+# ZeRO-3 gathers as an external parameter on access
+@pytest.mark.parametrize("kind,parallelism", [("bone", "ddp"), ("bone", "fsdp"), ("bone", "zero3"), ("bone-bat", "zero3"),
+                                              ("boft", "ddp"), ("boft", "fsdp"), ("boft", "fsdp1"), ("boft", "zero2"),
                                               ("boft", "zero3"), ("adalora", "ddp")])
 def test_two_processes_match_one(kind, parallelism, demo_data, tmp_path):
-    extra = {"boft": BOFT, "bone": BONE}.get(kind, ADALORA)
+    extra = {"boft": BOFT, "bone": BONE, "bone-bat": [*BONE, "--init_weights", "bat"]}.get(kind, ADALORA)
     one = _sft(demo_data, tmp_path / "one", *extra)
     two = _sft(demo_data, tmp_path / "two", *extra, "--nproc_per_node", "2", "--parallelism", parallelism,
                "--gradient_accumulation_steps", "1")
