@@ -171,3 +171,26 @@ def test_dpo_with_boft_uses_the_adapter_off_as_reference(tmp_path):
     assert abs(steps[1]["loss"] - math.log(2)) <= 1e-6 and steps[1]["rewards/margins"] == 0.0
     assert steps[3]["rewards/margins"] != 0.0
     assert (run / "checkpoint-3" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_bone_resumes_where_it_stopped(demo_data, tmp_path):
+    """A bone run stopped after step 3 of 4 resumes from checkpoint-2 (adapter, optimizer, schedule) and
+    ends with the uninterrupted run's losses and adapter; a resume with another --reft_rank is refused."""
+    args = ["sft", "--model", "tiny-llama-2l", "--torch_dtype", "fp32", "--per_device_train_batch_size", "1",
+            "--gradient_accumulation_steps", "1", "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1",
+            "--learning_rate", "1e-2", *BONE, "--init_weights", "bat", "--dataset", demo_data[0]]
+    run_cli([*args, "--output_dir", tmp_path / "whole"])
+    from tests.conftest import cli_env
+    stopped = run_cli([*args, "--output_dir", tmp_path / "cut"], check=False,
+                      env=cli_env(SWIFTLITE_FAULT="step=3,kind=raise"))
+    assert stopped.returncode != 0 and (tmp_path / "cut" / "checkpoint-2").is_dir()
+    other = run_cli([*args, "--reft_rank", "2", "--output_dir", tmp_path / "cut", "--resume", "true"], check=False)
+    assert other.returncode != 0 and "reft_rank" in other.stderr
+    run_cli([*args, "--output_dir", tmp_path / "cut", "--resume", "true"])
+    l1, l2 = read_losses(tmp_path / "whole"), read_losses(tmp_path / "cut")
+    assert [l2[s] for s in (3, 4)] == pytest.approx([l1[s] for s in (3, 4)], rel=1e-6)
+    a = load_file(str(tmp_path / "whole" / "checkpoint-4" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "checkpoint-4" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
