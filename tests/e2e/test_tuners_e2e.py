@@ -154,9 +154,11 @@ def test_adalora_resumes_in_its_final_phase(demo_data, tmp_path):
     assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
 
 
-def test_dpo_with_boft_uses_the_adapter_off_as_reference(tmp_path):
-    """rlhf with BOFT: the reference is the base with the adapter disabled, so the first step's DPO loss
-    is log 2 exactly (BOFT starts as the identity rotation), and training moves the margins."""
+@pytest.mark.parametrize("kind", ["boft", "bone"])
+def test_dpo_uses_the_adapter_off_as_reference(kind, tmp_path):
+    """rlhf with BOFT or Bone: the reference is the base with the adapter disabled, so the first step's DPO
+    loss is log 2 exactly (BOFT starts as the identity rotation, Bone's block at zero), and training moves
+    the margins."""
     import math
 
     from swiftlite.rlhf.demo import write_preference_data
@@ -164,7 +166,7 @@ def test_dpo_with_boft_uses_the_adapter_off_as_reference(tmp_path):
     run = tmp_path / "dpo"
     proc = run_cli(["rlhf", "--rlhf_type", "dpo", "--model", "tiny-llama-2l", "--torch_dtype", "fp32",
                     "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--logging_steps",
-                    "1", "--train_type", "boft", "--learning_rate", "1e-2", "--dataset", train, "--max_steps", "3",
+                    "1", "--train_type", kind, "--learning_rate", "1e-2", "--dataset", train, "--max_steps", "3",
                     "--output_dir", run])
     assert "reference: the base model with the adapter disabled" in proc.stdout
     steps = {r["step"]: r for r in map(json.loads, (run / "logging.jsonl").read_text().splitlines()) if "loss" in r}
