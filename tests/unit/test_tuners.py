@@ -242,6 +242,9 @@ def test_bone_is_msswifts_config_on_pefts_miss():
     cfg, m = adapted("--train_type", "bone", "--reft_rank", "8", "--target_modules", "q_proj", "v_proj")
     assert m.peft_config["default"].r == 8
     assert sum(p.numel() for p in m.parameters() if p.requires_grad) == 2 * 8 * (32 + 16)   # q 32, v 16 outputs
+    cfg, m = adapted("--train_type", "bone", "--modules_to_save", "lm_head")   # trained in full, saved with it
+    assert m.peft_config["default"].modules_to_save == ["lm_head"]
+    assert any("lm_head.modules_to_save" in n for n, p in m.named_parameters() if p.requires_grad)
 
 
 @pytest.mark.parametrize("argv,expect", [
