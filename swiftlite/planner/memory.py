@@ -204,8 +204,9 @@ class Workload:
         rank's A, B and E (init_r (in + out + 1); pruning zeroes entries of E but keeps the tensors, so
         the count is the same at every step). BOFT: its blocks and scales (ModelShape.boft_params).
         Bone (peft's MiSS): r x out per adapted linear (ModelShape.miss_params).
-        Approximated: BOFT's forward also holds each adapted layer's rotated weight (out x in) until the
-        backward; the activation formulas count LoRA's input copies instead."""
+        Approximated: BOFT's forward (and Bone's with --init_weights bat) also holds each adapted layer's
+        rotated or updated weight (out x in) until the backward; the activation formulas count LoRA's
+        input copies instead."""
         if self.train_type == "boft":
             return shape.boft_params(*self.boft_block, targets=self.lora_targets)
         if self.train_type == "bone":
