@@ -528,6 +528,7 @@ RUNS = {"count": 0}
 from swiftlite.config.rules_targets import TARGET_RULES  # noqa: E402,F401  (they join RULES here, in this order)
 from swiftlite.config.rules_data import cached_datasets  # noqa: E402,F401  (joins RULES here, after them)
 from swiftlite.config.rules_tuners import BOFT_KEYS  # noqa: E402,F401  (as rules_targets)
+from swiftlite.config.rules_galore import GALORE_OPTIMS  # noqa: E402,F401  (as rules_targets)
 
 
 def validate(cfg: RunConfig, *, check_paths: bool = True, refusals: Refusals | None = None) -> None:

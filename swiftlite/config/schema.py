@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar
 
 from swiftlite.config.access import Sealable, Section, field_reads, opt
 from swiftlite.config.data_options import TRUNCATION, DataConfig
+from swiftlite.config.galore_options import GaloreOptions
 from swiftlite.config.tuner_options import LORA_TYPES, PEFT_TYPES, TunerOptions
 from swiftlite.config.vllm_options import VllmOptions
 from swiftlite.dtypes import NAMES as _DTYPE_NAMES
@@ -212,7 +213,7 @@ class ParallelConfig(Section):
 
 
 @dataclass(kw_only=True)
-class OptimConfig(Section):
+class OptimConfig(GaloreOptions, Section):   # use_galore/galore_*: config/galore_options.py
     learning_rate: float | None = opt(None, "Peak learning rate (default 1e-4 for LoRA, 1e-5 for full).",
                                       aliases=("--lr",))
     weight_decay: float = opt(0.1, "AdamW weight decay.")
@@ -225,8 +226,8 @@ class OptimConfig(Section):
                      "every backend), adafactor (transformers' Adafactor, the schedule's lr), muon (torch.optim.Muon, "
                      "plain LoRA only); adafactor and muon need whole matrices: single/ddp.", choices=OPTIMIZERS)
     optimizer: str | None = opt(None, "ms-swift's optimizer plugin, which takes priority over --optim: muon "
-                                "(= --optim muon; the other plugins are refused with their alternative).",
-                                choices=("muon",))
+                                "(= --optim muon), galore (= --use_galore true); the other plugins are refused "
+                                "with their alternative.", choices=("muon", "galore"))
     lr_scheduler: str = opt("cosine", "Learning-rate schedule: transformers' get_scheduler, the lr of each step "
                             "as HF Trainer's (constant has no warm-up; reduce_lr_on_plateau and greedy are "
                             "refused: they step on a metric).", aliases=("--lr_scheduler_type",
