@@ -57,9 +57,6 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # swift/arguments/tuner_args.py: TunerArguments
     (_FREEZE, ("freeze_parameters", "freeze_parameters_regex", "freeze_parameters_ratio", "trainable_parameters",
                "trainable_parameters_regex", "target_parameters")),
-    ("LoRA-GA initialisation is not available: LoRA starts from peft's initialisation (see --init-weights)",
-     ("lora_ga_batch_size", "lora_ga_iters", "lora_ga_max_length", "lora_ga_direction", "lora_ga_scale",
-      "lora_ga_stable_gamma")),
     (_TUNER, ("fourier_n_frequency", "fourier_scaling", "vera_rank", "vera_projection_prng_key", "vera_dropout",
               "vera_d_initial", "adapter_act", "adapter_length", "llamapro_num_new_blocks", "llamapro_num_groups", "reft_layer_key", "reft_layers",
               "reft_intervention_type", "reft_args")),   # reft_rank is Bone's rank (config/tuner_options.py)

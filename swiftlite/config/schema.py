@@ -120,9 +120,11 @@ class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*/reft_rank: config/
                             "false (both random: the adapter starts non-zero), gaussian, pissa or "
                             "pissa_niter_N (principal singular vectors; the base keeps the residual), olora "
                             "(QR; the base keeps the residual), loftq (QLoRA: A and B fitted to the 4-bit "
-                            "base's quantization error). Adapters saved from pissa/olora runs are converted "
-                            "to plain LoRA on the original base (peft's rank-2r conversion). --train_type bone "
-                            "(peft's MiSS, formerly Bone) takes true (block zero), false (random) or bat.",
+                            "base's quantization error), lora-ga (ms-swift's LoRA-GA, peft's lora_ga: A and B from "
+                            "the gradient of the first training rows, --lora_ga_*). Adapters saved from "
+                            "pissa/olora/lora-ga runs are converted to plain LoRA on the original base (peft's "
+                            "rank-2r conversion). --train_type bone (peft's MiSS, formerly Bone) takes true "
+                            "(block zero), false (random) or bat.",
                             normalize=lambda v: str(v).strip().lower())
     lorap_lr_ratio: float | None = opt(None, "LoRA+: the B matrices (and 1-D adapter tensors) train at "
                                        "learning rate x this ratio (ms-swift: 16 is typical). Default: off.")
