@@ -145,7 +145,7 @@ def optim_problem(cfg: "RunConfig", choice: "object | None" = None) -> str | Non
         if cfg.is_peft and not cfg.is_lora:
             return (f"--optim muon with --train_type {cfg.train.train_type}: torch.optim.Muon updates 2-D matrices "
                     "only, and this adapter trains other tensors (BOFT's 3-D blocks and scales, AdaLoRA's singular "
-                    "values); use --optim adamw_torch_fused")
+                    "values, Bone's block shared by every input block, 3-D with bat); use --optim adamw_torch_fused")
         if not cfg.is_peft or l.use_dora or l.lora_bias != "none" or l.modules_to_save:
             return ("--optim muon: torch.optim.Muon updates 2-D matrices only, and this run also trains "
                     f"{_muon_other_tensors(cfg)}; "

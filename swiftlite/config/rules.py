@@ -64,7 +64,7 @@ def _full_with_lora_options(c: RunConfig):
         return None
     for k in LORA_ONLY:
         if k in c.explicit:
-            return (f"{_flag(k)} needs --train-type lora/qlora (or boft/adalora: an adapter; a full fine-tune "
+            return (f"{_flag(k)} needs --train-type lora/qlora (or boft/adalora/bone: an adapter; a full fine-tune "
                     "trains none): drop it, or leave out --train-type full (lora is the default)")
     for k in QUANT_ONLY:
         if k in c.explicit:
@@ -214,9 +214,11 @@ INIT_WEIGHTS = ("true", "false", "gaussian", "pissa", "pissa_niter_N", "olora", 
 def _lora_variants(c: RunConfig):
     lc = c.lora
     w = lc.init_weights
+    if c.train.train_type == "bone":
+        return None   # Bone's own values (rules_tuners._bone); LoRA+ is refused with it there
     if w not in INIT_WEIGHTS and not re.fullmatch(r"pissa_niter_\d+", w):
         return (f"--init_weights {w}: not one of {', '.join(INIT_WEIGHTS)} (peft's init_lora_weights; ms-swift's "
-                "corda is not available)")
+                "corda is not available" + ("; bat is --train_type bone's)" if w == "bat" else ")"))
     if w == "loftq" and c.quant_bits != 4:
         return ("--init_weights loftq fits A and B to the quantization error of a 4-bit base (peft's "
                 "replace_lora_weights_loftq): it needs --train-type qlora (or --quant-bits 4); on a 16-bit base use "

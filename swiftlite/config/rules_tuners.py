@@ -1,4 +1,4 @@
-"""The rules of the tuners besides LoRA (--train_type boft, adalora, llamapro): which options apply to which
+"""The rules of the tuners besides LoRA (--train_type boft, adalora, bone, llamapro): which options apply to which
 tuner, and the combinations peft or swiftlite cannot run, each with its reason. Rules of
 config/rules.py's table, kept here so that module stays short. Import-light (no torch)."""
 
@@ -14,6 +14,10 @@ LORA_GA_KEYS = ("lora_ga_batch_size", "lora_ga_iters", "lora_ga_max_length", "lo
 ADALORA_KEYS = ("adalora_target_r", "adalora_init_r", "adalora_tinit", "adalora_tfinal", "adalora_deltaT",
                 "adalora_beta1", "adalora_beta2", "adalora_orth_reg_weight")
 LLAMAPRO_KEYS = ("llamapro_num_new_blocks", "llamapro_num_groups")
+BONE_KEYS = ("reft_rank",)
+#: --init_weights values of --train_type bone: ms-swift's documented ones (swift/arguments/tuner_args.py),
+#: peft MissConfig's True, False and "bat".
+BONE_INIT_WEIGHTS = ("true", "false", "bat")
 #: LoRA's own options, by the tuner that has no use for them, with the reason.
 NOT_FOR = {
     "boft": {"lora_rank": "BOFT has no rank: its blocks are --boft_block_size/--boft_block_num",
@@ -22,6 +26,11 @@ NOT_FOR = {
              "lora_bias": "ms-swift's BOFT trains no bias"},
     "adalora": {"lora_rank": "AdaLoRA's ranks are --adalora_init_r (start) and --adalora_target_r (budget)",
                 "use_rslora": "AdaLoRA scales by lora_alpha / its rank count, never lora_alpha / sqrt(r)"},
+    "bone": {"lora_rank": "Bone's rank is --reft_rank (ms-swift's name for it)",
+             "lora_alpha": "Bone (peft's MiSS) has no alpha scale: its trained block is added as it is",
+             "lora_dropout": "ms-swift's Bone has no dropout (peft's miss_dropout stays 0)",
+             "lora_bias": "ms-swift's Bone trains no bias",
+             "use_rslora": "Bone (peft's MiSS) has no alpha / sqrt(r) scale"},
 }
 #: LoRA variants peft implements for its LoRA alone (refused for any other adapter).
 LORA_VARIANTS = {"use_dora": "DoRA", "init_weights": "--init_weights (PiSSA, OLoRA, LoftQ, gaussian)",
@@ -35,9 +44,13 @@ def _flag(key: str) -> str:
 @rule("tuner options")
 def _tuner_options(c: RunConfig):
     t = c.train.train_type
-    for keys, owner in ((BOFT_KEYS, "boft"), (ADALORA_KEYS, "adalora"), (LLAMAPRO_KEYS, "llamapro")):
+    for keys, owner in ((BOFT_KEYS, "boft"), (ADALORA_KEYS, "adalora"), (BONE_KEYS, "bone"),
+                        (LLAMAPRO_KEYS, "llamapro")):
         if t != owner:
             given = [k for k in keys if k in c.explicit]
+            if given == ["reft_rank"]:   # ms-swift's name serves two tuners; ReFT is not one here
+                return (f"--reft_rank is the rank of --train_type bone here (ms-swift's ReFT, --train_type reft, is "
+                        f"not available); this run trains {t}: drop it")
             if given:
                 return f"{_flag(given[0])} is an option of --train_type {owner}; this run trains {t}: drop it"
     if t not in NOT_FOR:
@@ -48,11 +61,13 @@ def _tuner_options(c: RunConfig):
     from swiftlite.config.schema import field_specs
     specs = field_specs()
     for k, what in LORA_VARIANTS.items():   # given and on (`--use_dora false` asks for nothing)
+        if k == "init_weights" and t == "bone":
+            continue   # Bone has --init_weights values of its own (`_bone`)
         if k in c.explicit and getattr(c.lora, k) != specs[k].default:
             return f"{_flag(k)}: {what} is a variant of peft's LoRA; --train_type {t} is not LoRA: drop it"
     if c.quant_bits is not None:
-        return (f"--quant_bits {c.quant_bits} with --train_type {t}: swiftlite trains BOFT and AdaLoRA on a 16-bit "
-                "base only (QLoRA is --train_type qlora): drop --quant_bits")
+        return (f"--quant_bits {c.quant_bits} with --train_type {t}: swiftlite trains BOFT, AdaLoRA and Bone on a "
+                "16-bit base only (QLoRA is --train_type qlora): drop --quant_bits")
 
 
 @rule("boft options")
@@ -91,6 +106,24 @@ def _adalora(c: RunConfig):
     if task_spec(c.task).own_options == "rlhf":
         return (f"--train_type adalora with swiftlite rlhf: AdaLoRA's rank allocation and orthogonal penalty are "
                 "run by the sft/pt step only: train it with swiftlite sft or pt")
+
+
+@rule("bone options")
+def _bone(c: RunConfig):
+    if c.train.train_type != "bone":
+        return None
+    w = c.lora.init_weights
+    if w == "mini":
+        return ("--init_weights mini: peft MiSS's mini variant needs its mini_r, which ms-swift has no flag for; "
+                f"--train_type bone takes {', '.join(BONE_INIT_WEIGHTS)}")
+    if w not in BONE_INIT_WEIGHTS:
+        return (f"--init_weights {w}: a LoRA initialisation; --train_type bone (peft's MiSS) takes "
+                f"{', '.join(BONE_INIT_WEIGHTS)}")
+    if c.lora.reft_rank < 1:
+        return f"--reft_rank must be >= 1 (Bone's rank), got {c.lora.reft_rank}"
+    if task_spec(c.task).own_options == "rlhf" and c.rlhf.use_vllm:
+        return ("--use_vllm with --train_type bone: the weight sync hands vLLM base + B@A x scale (a LoRA merge); "
+                "Bone's blocks are not one: drop --use_vllm")
 
 
 @rule("lora-ga")

@@ -54,7 +54,7 @@ SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_key|credential"
 TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f"})
 
-TRAIN_TYPES = ("full", "lora", "qlora", "boft", "adalora", "llamapro")
+TRAIN_TYPES = ("full", "lora", "qlora", "boft", "adalora", "bone", "llamapro")
 DTYPES = _DTYPE_NAMES  # swiftlite/dtypes.py is the one dtype table
 #: transformers' scheduler names (SchedulerType), built by `transformers.get_scheduler` (optim.py);
 #: reduce_lr_on_plateau and greedy step on a metric and are refused there with the reason.
@@ -104,7 +104,7 @@ class ModelConfig(Section):
 
 
 @dataclass(kw_only=True)
-class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*/llamapro_*: config/tuner_options.py
+class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*/reft_rank/llamapro_*: config/tuner_options.py
     lora_rank: int = opt(8, "LoRA rank r.", aliases=("--lora-r",))
     lora_alpha: int = opt(32, "LoRA alpha.")
     lora_dropout: float = opt(0.05, "LoRA dropout.")
@@ -123,7 +123,8 @@ class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*/llamapro_*: config
                             "base's quantization error), lora-ga (ms-swift's LoRA-GA, peft's lora_ga: A and B from "
                             "the gradient of the first training rows, --lora_ga_*). Adapters saved from "
                             "pissa/olora/lora-ga runs are converted to plain LoRA on the original base (peft's "
-                            "rank-2r conversion).",
+                            "rank-2r conversion). --train_type bone (peft's MiSS, formerly Bone) takes true "
+                            "(block zero), false (random) or bat.",
                             normalize=lambda v: str(v).strip().lower())
     lorap_lr_ratio: float | None = opt(None, "LoRA+: the B matrices (and 1-D adapter tensors) train at "
                                        "learning rate x this ratio (ms-swift: 16 is typical). Default: off.")
@@ -242,9 +243,9 @@ class OptimConfig(GaloreOptions, Section):   # use_galore/galore_*: config/galor
 
 @dataclass(kw_only=True)
 class TrainConfig(Section):
-    train_type: str = opt("lora", "full, lora, qlora (--full / --lora / --qlora are shorthands), boft or "
-                          "adalora (peft's BOFT and AdaLoRA adapters), llamapro (LLaMA-Pro: new blocks "
-                          "inserted and trained, the rest frozen); lora as in ms-swift.",
+    train_type: str = opt("lora", "full, lora, qlora (--full / --lora / --qlora are shorthands), boft, adalora "
+                          "or bone (peft's BOFT, AdaLoRA, and MiSS, formerly Bone), llamapro (LLaMA-Pro: new "
+                          "blocks inserted and trained, the rest frozen); lora as in ms-swift.",
                           aliases=("--tuner_type", "--tuner-type"), choices=TRAIN_TYPES)
     per_device_train_batch_size: int = opt(1, "Micro-batch size per process.", aliases=("--batch-size",))
     per_device_eval_batch_size: int = opt(1, "Batch size per process for validation (ms-swift's 1).")
@@ -504,7 +505,7 @@ class RunConfig(Sealable):
 
     @property
     def is_peft(self) -> bool:
-        """A peft adapter on a frozen base (LoRA, QLoRA, BOFT, AdaLoRA): saved as adapter/, merged by export."""
+        """A peft adapter on a frozen base (LoRA, QLoRA, BOFT, AdaLoRA, Bone): saved as adapter/, merged by export."""
         return self.train.train_type in PEFT_TYPES
 
     @property

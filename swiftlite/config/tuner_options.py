@@ -1,9 +1,10 @@
-"""The options of the tuners besides LoRA: BOFT (`--train_type boft`), AdaLoRA (`--train_type adalora`)
-and LLaMA-Pro (`--train_type llamapro`, block expansion: models/llamapro.py), and of LoRA-GA's
-initialisation (`--init_weights lora-ga`), with ms-swift's names and defaults (swift/arguments/tuner_args.py:
-the dataclass values, not its docstring's). A base of schema.LoraConfig, kept here so that schema.py stays
-short; the shared adapter options (--target_modules, --modules_to_save, --lora_alpha, --lora_dropout, --lora_bias) live
-in LoraConfig, and config/rules_tuners.py says which option applies to which tuner.
+"""The options of the tuners besides LoRA: BOFT (`--train_type boft`), AdaLoRA (`--train_type adalora`),
+Bone (`--train_type bone`: peft's MiSS, formerly Bone) and LLaMA-Pro (`--train_type llamapro`, block
+expansion: models/llamapro.py), and of LoRA-GA's initialisation (`--init_weights lora-ga`), with ms-swift's
+names and defaults (swift/arguments/tuner_args.py: the dataclass values, not its docstring's). A base of
+schema.LoraConfig, kept here so that schema.py stays short; the shared adapter options (--target_modules,
+--modules_to_save, --lora_alpha, --lora_dropout, --lora_bias, --init_weights) live in LoraConfig, and
+config/rules_tuners.py says which option applies to which tuner.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from swiftlite.config.access import Section, opt
 
 #: --train_type values that are a peft adapter on a frozen base (cfg.is_peft).
-PEFT_TYPES = ("lora", "qlora", "boft", "adalora")
+PEFT_TYPES = ("lora", "qlora", "boft", "adalora", "bone")
 #: --train_type values whose adapter is peft's LoRA (cfg.is_lora): the LoRA variants apply to these.
 LORA_TYPES = ("lora", "qlora")
 #: Options that only mean something for an adapter (config/rules.py refuses them on a full run,
@@ -34,7 +35,7 @@ def moves_base(init_weights: str) -> bool:
 
 @dataclass(kw_only=True)
 class TunerOptions(Section):
-    """`boft_*`, `adalora_*` and `llamapro_*`: read only by their own --train_type; `lora_ga_*` by --init_weights
+    """`boft_*`, `adalora_*`, `reft_rank` and `llamapro_*`: read only by their own --train_type; `lora_ga_*` by --init_weights
     lora-ga."""
     boft_block_size: int = opt(4, "BOFT (peft boft_block_size): size of each orthogonal block; each adapted "
                                "layer's input width must be a multiple of it. Give it or --boft_block_num, "
@@ -70,3 +71,9 @@ class TunerOptions(Section):
                                           "num_hidden_layers/groups layers, so groups blocks in all (ms-swift "
                                           "inserts one per group); must divide the layer count. Default: "
                                           "--llamapro_num_new_blocks.")
+    # ms-swift builds Bone with r=args.reft_rank (swift/pipelines/train/tuner.py): its ReFT rank's name and
+    # default serve as Bone's rank; ReFT itself (--train_type reft) is not available here.
+    reft_rank: int = opt(4, "Bone (peft's MiSS, formerly Bone; peft r): rows of the trained block per adapted "
+                         "layer, r x out_features parameters; ms-swift's name (its ReFT rank, which it also "
+                         "gives Bone). Must be at most each adapted layer's input width; with --init_weights "
+                         "bat both widths must be multiples of it.")

@@ -1,5 +1,5 @@
 """peft adapters: read one (a peft folder, or a LoRA checkpoint's trainable tensors), check it fits a
-base, and merge it (LoRA here; BOFT and AdaLoRA by peft's layers, export/tuner_merge.py)."""
+base, and merge it (LoRA here; BOFT, AdaLoRA and MiSS/Bone by peft's layers, export/tuner_merge.py)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class Adapter:
         return self.config.get("peft_type", "LORA")
 
     def tuner_modules(self) -> dict[str, dict[str, torch.Tensor]]:
-        """BOFT / AdaLoRA adapters: module path -> its tensors (export/tuner_merge.py); {} for LoRA."""
+        """BOFT / AdaLoRA / MiSS adapters: module path -> its tensors (export/tuner_merge.py); {} for LoRA."""
         from swiftlite.export.tuner_merge import tuner_modules
         return tuner_modules(self.peft_type, self.tensors)
 
@@ -53,7 +53,7 @@ class Adapter:
         (an adapted layer's bias is peft's `<layer>.base_layer.bias`)."""
         out = {}
         for k, v in self.tensors.items():
-            if ".lora_" in k or ".boft_" in k:
+            if ".lora_" in k or ".boft_" in k or ".miss_" in k:
                 continue
             name = k[len("base_model.model."):] if k.startswith("base_model.model.") else k
             out[name.replace(".base_layer.", ".")] = v
@@ -101,7 +101,7 @@ def load_adapter(src: Source, log: Callable[[str], None]) -> Adapter:
         lc = src.cfg.lora
         if not src.cfg.is_lora:
             raise UserError(f"--ckpt {src.arg}: a --train_type {src.cfg.train.train_type} checkpoint without adapter/: "
-                            "its adapter config (BOFT blocks, AdaLoRA rank pattern) is written there only; export a "
+                            "its adapter config (BOFT blocks, AdaLoRA rank pattern, Bone's rank) is written there only; export a "
                             "checkpoint written with --save-hf-model true")
         if moves_base(lc.init_weights):
             raise UserError(f"--ckpt {src.arg}: a --init_weights {lc.init_weights} run's checkpoint without adapter/: "
@@ -128,8 +128,9 @@ def load_adapter(src: Source, log: Callable[[str], None]) -> Adapter:
                 "modules_to_save": lc.modules_to_save or None, "fan_in_fan_out": False,
                 "use_rslora": lc.use_rslora, "use_dora": lc.use_dora}
         origin = f"{src.path.name}/{src.weights.folder} (trainable tensors)"
-    if conf.get("peft_type", "LORA") not in ("LORA", "BOFT", "ADALORA"):
-        raise UserError(f"{origin}: a {conf.get('peft_type')} adapter; LoRA, BOFT and AdaLoRA adapters can be exported")
+    if conf.get("peft_type", "LORA") not in ("LORA", "BOFT", "ADALORA", "MISS"):
+        raise UserError(f"{origin}: a {conf.get('peft_type')} adapter; LoRA, BOFT, AdaLoRA and MiSS (Bone) adapters "
+                        "can be exported")
     from swiftlite.hf_io import pruned_layers
     pruned = pruned_layers(conf)   # AdaLoRA layers at rank 0: empty in peft's file, nothing to merge
     empty = [k for k, v in tensors.items()

@@ -82,7 +82,7 @@ def export_model(src: Source, opts: ExportOptions, tmp: Path, out: Path, max_sha
     info: dict[str, Any] = {"kind": "model", "dtype": opts.dtype, "output_name": out.name, "final_path": str(out)}
     replace: dict[str, torch.Tensor] = {}
     loras: dict[str, dict[str, torch.Tensor]] = {}
-    tuned: dict[str, dict[str, torch.Tensor]] = {}   # BOFT / AdaLoRA modules (export/tuner_merge.py)
+    tuned: dict[str, dict[str, torch.Tensor]] = {}   # BOFT / AdaLoRA / MiSS modules (export/tuner_merge.py)
     adapter = None
 
     if src.is_peft:

@@ -1,7 +1,7 @@
-"""Merging a BOFT or AdaLoRA adapter into its base weights, one adapted Linear at a time (export's
+"""Merging a BOFT, AdaLoRA or MiSS (Bone) adapter into its base weights, one adapted Linear at a time (export's
 streaming merge, export/model.py). The merge is peft's own: each module is rebuilt as peft's layer
 around its base weight, given the adapter's tensors, and merged with the layer's `merge()`; nothing of
-BOFT's rotation or AdaLoRA's SVD form is recomputed here.
+BOFT's rotation, AdaLoRA's SVD form or MiSS's blocks is recomputed here.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 #: peft's saved tensor names of each tuner's adapted layer (no adapter name, no `.weight`).
-PARTS = {"BOFT": ("boft_R", "boft_s"), "ADALORA": ("lora_A", "lora_B", "lora_E")}
+PARTS = {"BOFT": ("boft_R", "boft_s"), "ADALORA": ("lora_A", "lora_B", "lora_E"), "MISS": ("miss_block",)}
 
 
 def tuner_modules(peft_type: str, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """module path (HF names) -> its adapter tensors by part name, for a BOFT or AdaLoRA adapter."""
+    """module path (HF names) -> its adapter tensors by part name, for a BOFT, AdaLoRA or MiSS adapter."""
     parts = PARTS.get(peft_type, ())
     out: dict[str, dict[str, torch.Tensor]] = {}
     alt = '|'.join(parts)
@@ -45,6 +45,10 @@ def merge_tuner(conf: dict[str, Any], parts: dict[str, torch.Tensor], w: torch.T
         with boft_layers(config.boft_n_butterfly_factor, "adapter boft_n_butterfly_factor"):
             layer = Linear(base, "default", config=config)
         params = {"boft_R": layer.boft_R, "boft_s": layer.boft_s}
+    elif conf["peft_type"] == "MISS":
+        from peft.tuners.miss.layer import MissLinear
+        layer = MissLinear(base, "default", config=config, r=config.r)   # bat: r x r blocks, else r x out
+        params = {"miss_block": layer.miss_block}
     else:
         from peft.tuners.adalora.layer import SVDLinear
         layer = SVDLinear(base, "default", config=config, r=parts["lora_A"].shape[0], lora_alpha=config.lora_alpha)

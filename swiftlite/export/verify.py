@@ -30,7 +30,7 @@ TOLERANCE = {"bf16": 0.04, "fp16": 0.01}
 ROUNDING = {"bf16": 2**-7, "fp16": 2**-10}
 
 # Names that must never reach an exported (merged) model.
-PEFT_MARKERS = ("base_layer", "lora_", "boft_", "modules_to_save", "original_module", "lora_magnitude")
+PEFT_MARKERS = ("base_layer", "lora_", "boft_", "miss_", "modules_to_save", "original_module", "lora_magnitude")
 
 FIXED_PROMPT = [{"role": "user", "content": "reverse: abcdefgh"}]
 FIXED_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789"
@@ -243,6 +243,7 @@ def reference_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return reader.read(reader.names())
     from peft.tuners.boft import BOFTLayer
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.miss import MissLayer
     from peft.utils import ModulesToSaveWrapper
     inner = model.get_base_model()
     name = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapter[0]
@@ -263,7 +264,8 @@ def reference_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if getattr(base, "bias", None) is not None:
                 out[f"{mname}.bias"] = base.bias.detach().float()
             done.append(mname + ".")
-        elif isinstance(mod, BOFTLayer):   # peft's own merge, on a copy (a rotation, not a delta)
+        elif isinstance(mod, (BOFTLayer, MissLayer)):   # peft's own merge, on a copy (BOFT: a rotation;
+            # MiSS: a block tiled over the input columns, or bat's product with the weight's blocks)
             from swiftlite.models.tuners import boft_layers
             with boft_layers(1, "adapter boft_n_butterfly_factor"):
                 merged_mod = copy.deepcopy(mod)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 def check_lora_targets(cfg: RunConfig, source: Any) -> None:
     """--target-modules names (not all-linear alone) checked against the model built on the meta device
     (no weights read): a name that is not in the model or not adaptable fails here, not in the rank."""
-    tuner = cfg.train.train_type == "boft"   # BOFT's blocks against the layers: models/lora.check_tuner
+    tuner = cfg.train.train_type in ("boft", "bone")   # their blocks against the layers: models/lora.check_tuner
     if not cfg.is_peft or (cfg.lora.target_modules == ["all-linear"] and not tuner) or source.kind == "hub":
         return  # all-linear is checked with the loaded model; a hub model's config may not be here yet
     import torch

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from swiftlite.errors import UserError
 
@@ -95,18 +95,22 @@ def check_targets(model: "torch.nn.Module", cfg: "RunConfig") -> str | list[str]
     return sorted(set(names) | set(named)) if all_linear else list(named)
 
 
+def _adapted_linears(model: Any, targets: str | list[str]) -> Iterator[tuple[str, Any]]:
+    """(name, module) of each Linear the adapter will wrap (`check_targets`' resolved targets)."""
+    for name, m in model.named_modules():
+        if not name or not _is_linear(m) or not hasattr(m, "in_features"):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if (leaf not in HEAD_NAMES) if targets == "all-linear" else any(_matches(t, name) for t in targets):
+            yield name, m
+
+
 def check_boft_blocks(model: Any, cfg: "RunConfig", targets: str | list[str]) -> None:
     """peft's condition on BOFT's blocks (tuners/boft/layer.update_layer), checked before launch on the
     meta model: each adapted Linear's input width is a multiple of --boft_block_size (or of
     --boft_block_num). A one-line error naming the first layer that is not."""
     lc = cfg.lora
-    for name, m in model.named_modules():
-        if not name or not _is_linear(m) or not hasattr(m, "in_features"):
-            continue
-        leaf = name.rsplit(".", 1)[-1]
-        chosen = (leaf not in HEAD_NAMES) if targets == "all-linear" else any(_matches(t, name) for t in targets)
-        if not chosen:
-            continue
+    for name, m in _adapted_linears(model, targets):
         size, num, width = lc.boft_block_size, lc.boft_block_num, m.in_features
         if (size and width % size) or (num and width % num):
             flag = f"--boft_block_size {size}" if size else f"--boft_block_num {num}"
@@ -114,8 +118,22 @@ def check_boft_blocks(model: Any, cfg: "RunConfig", targets: str | list[str]) ->
                             f"adapted layer's inputs into equal blocks)")
 
 
+def check_bone_blocks(model: Any, cfg: "RunConfig", targets: str | list[str]) -> None:
+    """peft MiSS's condition on each adapted Linear against --reft_rank (models/tuners.check_bone_blocks),
+    before launch on the meta model: a one-line error naming the first layer that fails it."""
+    from swiftlite.models.tuners import check_bone_blocks as problem
+    lc = cfg.lora
+    for name, m in _adapted_linears(model, targets):
+        why = problem(m.in_features, m.out_features, lc.reft_rank, lc.init_weights)
+        if why:
+            raise UserError(f"--reft_rank {lc.reft_rank}" + (" --init_weights bat" if lc.init_weights == "bat" else "")
+                            + f": {name} {why}")
+
+
 def check_tuner(model: Any, cfg: "RunConfig", targets: str | list[str]) -> None:
     """What the tuner needs of the model and this machine, before launch (launch/preflight.py)."""
+    if cfg.train.train_type == "bone":
+        check_bone_blocks(model, cfg, targets)
     if cfg.train.train_type == "boft":
         check_boft_blocks(model, cfg, targets)
         from swiftlite.models.quant import peft_without_bnb
@@ -127,7 +145,7 @@ def check_tuner(model: Any, cfg: "RunConfig", targets: str | list[str]) -> None:
 
 def apply_lora(model: "torch.nn.Module", cfg: "RunConfig", total_steps: int | None = None,
                grad_rows: list[dict] | None = None) -> "torch.nn.Module":
-    """Wrap with the run's peft adapter (LoRA, BOFT or AdaLoRA: models/tuners.peft_config); a target
+    """Wrap with the run's peft adapter (LoRA, BOFT, AdaLoRA or Bone: models/tuners.peft_config); a target
     list that matches nothing is an error listing what exists. `total_steps`: AdaLoRA's schedule;
     `grad_rows`: the training rows LoRA-GA estimates its gradients on (models/lora_ga.py)."""
     from swiftlite.models.quant import peft_without_bnb
@@ -176,7 +194,8 @@ def _wrap(model: "torch.nn.Module", cfg: "RunConfig", total_steps: int | None,
                 peft_model = get_peft_model(model, conf)
         except ValueError as e:
             flag = ("--boft_block_size/--boft_block_num" if cfg.train.train_type == "boft" and "boft" in str(e)
-                    else "--target-modules")
+                    else f"--reft_rank {cfg.lora.reft_rank}" if cfg.train.train_type == "bone"
+                    and ("`r`" in str(e) or "blocks" in str(e)) else "--target-modules")
             raise UserError(f"{flag}: {str(e).splitlines()[0]}") from None
     if mutates_base(cfg):
         keep_initial_adapter(peft_model)

@@ -70,6 +70,11 @@ class ModelShape:
                 total += (butterfly * lin.in_features * b + lin.out_features) * lin.count
         return total
 
+    def miss_params(self, rank: int, targets: tuple[str, ...] = ("all-linear",)) -> int:
+        """Trainable MiSS (Bone) parameters (peft miss_block): r x out per adapted linear; bat's
+        out/r blocks of r x r are as many."""
+        return sum(rank * lin.out_features * lin.count for lin in self.linears if _targeted(lin.name, targets))
+
     def lora_input_features(self, targets: tuple[str, ...] = ("all-linear",)) -> int:
         """Sum of in_features of the adapted linears of one layer (LoRA dropout keeps a copy of each input)."""
         total = sum(lin.in_features * lin.count for lin in self.linears if _targeted(lin.name, targets))

@@ -1,6 +1,11 @@
 """Which peft adapter a run trains: the one place that turns --train_type and its options into a peft
-config (LoraConfig, with LoRA-GA's LoraGAConfig, BOFTConfig or AdaLoraConfig), as ms-swift's prepare_adapter does
-(swift/pipelines/train/tuner.py). models/lora.py checks the targets, seeds and wraps.
+config (LoraConfig, with LoRA-GA's LoraGAConfig, BOFTConfig, AdaLoraConfig or MissConfig), as ms-swift's
+prepare_adapter does (swift/pipelines/train/tuner.py). models/lora.py checks the targets, seeds and wraps.
+
+--train_type bone: ms-swift builds peft's BoneConfig(target_modules, r=--reft_rank, init_weights). peft
+renamed Bone to MiSS (BoneConfig is gone from peft 0.21): the same block, r rows x out_features, added to
+each adapted Linear's weight tiled over its input columns (init true: zeros; false: random; bat: r x r
+blocks, a non-linear update). MissConfig takes the same three values (true/false as booleans).
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ def peft_config(cfg: "RunConfig", targets: str | list[str], task_type: str, tota
         # ms-swift passes no bias: peft's default none (--lora_bias all is refused by a rule)
         return BOFTConfig(boft_block_size=lc.boft_block_size, boft_block_num=lc.boft_block_num,
                           boft_n_butterfly_factor=lc.boft_n_butterfly_factor, boft_dropout=lc.boft_dropout, **shared)
+    if t == "bone":
+        from peft import MissConfig
+        # ms-swift passes no dropout, bias or mini_r: peft's defaults (0, none, 1); the LoRA options for them
+        # are refused with bone (config/rules_tuners.py)
+        return MissConfig(r=lc.reft_rank, init_weights=bone_init_weights(lc.init_weights), **shared)
     if t == "adalora":
         from peft import AdaLoraConfig
         if not total_steps:
@@ -54,6 +64,23 @@ def init_lora_weights(cfg: "RunConfig") -> bool | str:
     if w == "loftq":
         return True   # peft's LoftQ for a bitsandbytes base replaces these later (models/lora.apply_loftq)
     return {"true": True, "false": False, "lora-ga": "lora_ga"}.get(w, w)
+
+
+def bone_init_weights(value: str) -> bool | str:
+    """--init_weights as MissConfig's init_weights: true/false are booleans, bat is peft's name."""
+    return {"true": True, "false": False}.get(value, value)
+
+
+def check_bone_blocks(in_features: int, out_features: int, rank: int, init_weights: str) -> str | None:
+    """peft's condition on a MiSS layer (tuners/miss/layer.update_layer) as the line to refuse it with, or
+    None: r at most the input width (true/false pad the last column block), and with bat both widths
+    split into r x r blocks."""
+    if rank > in_features:
+        return f"takes {in_features} inputs, fewer than the rank (peft's MiSS: r <= in_features)"
+    if init_weights == "bat" and (in_features % rank or out_features % rank):
+        return (f"is {out_features} x {in_features}, not a whole number of {rank} x {rank} blocks (peft's MiSS bat "
+                "splits each weight into r x r blocks)")
+    return None
 
 
 @contextlib.contextmanager

@@ -104,10 +104,11 @@ class Workload:
     lora_rank: int = 8
     lora_targets: tuple[str, ...] = ("all-linear",)
     lora_dropout: float = 0.05           # > 0: peft keeps a dropped-out copy of every adapted input
-    # BOFT's blocks and AdaLoRA's starting rank (`adapter_params`): read for those train types only
+    # BOFT's blocks, AdaLoRA's starting rank, Bone's rank (`adapter_params`): read for those train types only
     boft_block: tuple[int, int, int] = (4, 0, 1)   # --boft_block_size, --boft_block_num, --boft_n_butterfly_factor
     adalora_init_r: int = 12
     llamapro_blocks: int = 4             # --train_type llamapro: the inserted layers (the shape counts them)
+    bone_rank: int = 4                             # --reft_rank
     quant_bits: int | None = None        # None, 4 (nf4) or 8 (LLM.int8); qlora implies 4
     double_quant: bool = True            # nf4 double quantization of the absmax constants
     max_length: int = 2048
@@ -205,12 +206,16 @@ class Workload:
         """Trainable adapter parameters. LoRA: r (in + out) per adapted linear. AdaLoRA: its starting
         rank's A, B and E (init_r (in + out + 1); pruning zeroes entries of E but keeps the tensors, so
         the count is the same at every step). BOFT: its blocks and scales (ModelShape.boft_params).
-        Approximated: BOFT's forward also holds each adapted layer's rotated weight (out x in) until the
-        backward; the activation formulas count LoRA's input copies instead."""
+        Bone (peft's MiSS): r x out per adapted linear (ModelShape.miss_params).
+        Approximated: BOFT's forward (and Bone's with --init_weights bat) also holds each adapted layer's
+        rotated or updated weight (out x in) until the backward; the activation formulas count LoRA's
+        input copies instead."""
         if self.train_type == "llamapro":   # whole new decoder layers, already in `shape` (ModelShape.expanded)
             return self.llamapro_blocks * shape.n_layer_params
         if self.train_type == "boft":
             return shape.boft_params(*self.boft_block, targets=self.lora_targets)
+        if self.train_type == "bone":
+            return shape.miss_params(self.bone_rank, self.lora_targets)
         if self.train_type == "adalora":
             return (shape.lora_params(self.adalora_init_r, self.lora_targets)
                     + sum(self.adalora_init_r * lin.count for lin in shape.linears

@@ -212,9 +212,10 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
     return Workload(
         train_type=cfg.train.train_type, dtype=cfg.model.torch_dtype, lora_rank=cfg.lora.lora_rank,
         lora_targets=tuple(cfg.lora.target_modules) or ("all-linear",),
-        lora_dropout=0.0 if cfg.train.train_type == "boft" else cfg.lora.lora_dropout,   # BOFT's drops blocks
+        # BOFT's dropout drops blocks; ms-swift's Bone has none
+        lora_dropout=0.0 if cfg.train.train_type in ("boft", "bone") else cfg.lora.lora_dropout,
         boft_block=(cfg.lora.boft_block_size, cfg.lora.boft_block_num, cfg.lora.boft_n_butterfly_factor),
-        adalora_init_r=cfg.lora.adalora_init_r, llamapro_blocks=llamapro_groups(cfg),
+        adalora_init_r=cfg.lora.adalora_init_r, bone_rank=cfg.lora.reft_rank, llamapro_blocks=llamapro_groups(cfg),
         quant_bits=cfg.quant_bits, double_quant=cfg.quant.bnb_4bit_use_double_quant,
         max_length=seq_len,
         micro_batch=cfg.train.per_device_train_batch_size * (1 if grpo else spec.sequences_per_sample),

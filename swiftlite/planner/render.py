@@ -102,7 +102,11 @@ def render(decision: Decision, console=None) -> None:
     w, shape = decision.workload, decision.shape
     if w is not None and shape is not None:
         quant = f", {w.quant_bits}-bit base" if w.quant_bits else ""
-        lora = f", LoRA r={w.lora_rank}" if w.peft else ""
+        size, num, _ = w.boft_block   # each adapter by its own size option
+        adapter = {"boft": f"BOFT block size {size}" if size else f"BOFT {num} blocks",
+                   "adalora": f"AdaLoRA init_r={w.adalora_init_r}",
+                   "bone": f"Bone (MiSS) r={w.bone_rank}"}.get(w.train_type, f"LoRA r={w.lora_rank}")
+        lora = f", {adapter}" if w.peft else ""
         nodes = w.world_size // (w.gpus_per_node or w.world_size)
         gpu = w.gpu_memory_bytes or 0
         console.print(

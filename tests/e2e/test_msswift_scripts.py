@@ -76,6 +76,11 @@ SFT = [
     ("self_cognition", f"sft {_C} {_LORA} --dataset {{alpaca}}#8 {{self_cognition}}#8 --model_author swift "
                        "--model_name swift-robot",
      {"model_author": ["swift"], "model_name": ["swift-robot"]}),
+    # examples/train/tuners/bone/train.sh: ms-swift's Bone, peft's MiSS here, with ms-swift's defaults
+    ("bone", f"sft {_C} --tuner_type bone --dataset {{self_cognition}}#16 --num_train_epochs 1 --learning_rate 1e-4 "
+             "--eval_steps 100 --save_steps 100 --save_total_limit 2 --logging_steps 5 --model_author swift "
+             "--model_name swift-robot",
+     {"train_type": "bone", "reft_rank": 4, "init_weights": "true", "model_author": ["swift"]}),
     ("self_cognition_zh_en", f"sft {_C} --dataset {{self_cognition}}#8 --model_author 魔搭 ModelScope "
                              "--model_name 小黄 'Xiao Huang'",
      {"model_author": ["魔搭", "ModelScope"], "model_name": ["小黄", "Xiao Huang"]}),

@@ -1,7 +1,7 @@
-"""--train_type boft and adalora end to end: `swiftlite sft` on a tiny preset, the adapter peft reloads,
-the merged export that `--verify` checks against peft's model, 2 processes (gloo: DDP for both, FSDP2,
-FSDP1 and ZeRO-2/3 for BOFT) giving the 1-process run's losses and adapter (and AdaLoRA's rank pattern), and
-the backends AdaLoRA refuses."""
+"""--train_type boft, adalora and bone (peft's MiSS) end to end: `swiftlite sft` on a tiny preset, the
+adapter peft reloads, the merged export that `--verify` checks against peft's model, 2 processes (gloo:
+DDP for all, FSDP2, FSDP1 and ZeRO-2/3 for BOFT, FSDP2 and ZeRO-3 for Bone) giving the 1-process run's
+losses and adapter (and AdaLoRA's rank pattern), resumes, and the backends AdaLoRA refuses."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ BASE = ["--model", "tiny-llama-2l", "--torch_dtype", "fp32", "--per_device_train
 ADALORA = ["--lora_dropout", "0", "--train_type", "adalora", "--adalora_init_r", "4", "--adalora_target_r", "2",
            "--adalora_tinit", "1", "--adalora_tfinal", "1"]
 BOFT = ["--train_type", "boft"]
+BONE = ["--train_type", "bone"]   # ms-swift's defaults: --reft_rank 4, --init_weights true
 
 
 def _sft(demo_data, out: Path, *extra: str) -> Path:
@@ -45,7 +46,7 @@ def _export_verifies(ckpt: Path, tmp_path: Path) -> None:
     proc = run_cli(["export", "--ckpt", ckpt, "--merge_lora", "true", "--verify", "--output", tmp_path / "merged"])
     assert "verify: checks: passed" in proc.stdout + proc.stderr
     names = load_file(str(next((tmp_path / "merged").glob("*.safetensors")))).keys()
-    assert not [n for n in names if "boft_" in n or "lora_" in n]
+    assert not [n for n in names if "boft_" in n or "lora_" in n or "miss_" in n]
 
 
 def test_boft_trains_saves_reloads_and_exports(demo_data, tmp_path):
@@ -81,10 +82,32 @@ def test_adalora_allocates_ranks_saves_reloads_and_exports(demo_data, tmp_path):
     _export_verifies(tmp_path / "run" / "checkpoint-4", tmp_path)
 
 
-@pytest.mark.parametrize("kind,parallelism", [("boft", "ddp"), ("boft", "fsdp"), ("boft", "fsdp1"), ("boft", "zero2"),
+@pytest.mark.parametrize("init", ["true", "bat"])
+def test_bone_trains_saves_reloads_and_exports(init, demo_data, tmp_path):
+    """ms-swift's Bone as peft's MiSS: the adapter on every linear but lm_head, r = --reft_rank, trained
+    away from its zero start; peft reloads it; the merged export passes --verify (peft's model)."""
+    adapter = _sft(demo_data, tmp_path / "run", *BONE, "--init_weights", init)
+    sd = load_file(str(adapter / "adapter_model.safetensors"))
+    conf = json.loads((adapter / "adapter_config.json").read_text())
+    assert conf["peft_type"] == "MISS" and conf["r"] == 4 and conf["init_weights"] == (True if init == "true" else init)
+    assert len(sd) == 14 and all(k.endswith(".miss_block") for k in sd)   # 7 linears x 2 layers, no lm_head
+    shape = (4, 64) if init == "true" else (16, 4, 4)   # q_proj of tiny-llama-2l: 64 x 64
+    assert sd["base_model.model.model.layers.0.self_attn.q_proj.miss_block"].shape == shape
+    assert all(v.abs().max() > 0 for v in sd.values())
+    m = _reload(adapter)
+    live = {k: v for k, v in m.state_dict().items() if ".miss_block" in k}
+    for k, v in sd.items():
+        torch.testing.assert_close(live[k + ".default"], v)
+    _export_verifies(tmp_path / "run" / "checkpoint-4", tmp_path)
+
+
+# bone-bat on zero3: MiSS's bat forward reads the base weight outside the base layer's own forward, which
+# ZeRO-3 gathers as an external parameter on access
+@pytest.mark.parametrize("kind,parallelism", [("bone", "ddp"), ("bone", "fsdp"), ("bone", "zero3"), ("bone-bat", "zero3"),
+                                              ("boft", "ddp"), ("boft", "fsdp"), ("boft", "fsdp1"), ("boft", "zero2"),
                                               ("boft", "zero3"), ("adalora", "ddp")])
 def test_two_processes_match_one(kind, parallelism, demo_data, tmp_path):
-    extra = BOFT if kind == "boft" else ADALORA
+    extra = {"boft": BOFT, "bone": BONE, "bone-bat": [*BONE, "--init_weights", "bat"]}.get(kind, ADALORA)
     one = _sft(demo_data, tmp_path / "one", *extra)
     two = _sft(demo_data, tmp_path / "two", *extra, "--nproc_per_node", "2", "--parallelism", parallelism,
                "--gradient_accumulation_steps", "1")
@@ -131,9 +154,11 @@ def test_adalora_resumes_in_its_final_phase(demo_data, tmp_path):
     assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
 
 
-def test_dpo_with_boft_uses_the_adapter_off_as_reference(tmp_path):
-    """rlhf with BOFT: the reference is the base with the adapter disabled, so the first step's DPO loss
-    is log 2 exactly (BOFT starts as the identity rotation), and training moves the margins."""
+@pytest.mark.parametrize("kind", ["boft", "bone"])
+def test_dpo_uses_the_adapter_off_as_reference(kind, tmp_path):
+    """rlhf with BOFT or Bone: the reference is the base with the adapter disabled, so the first step's DPO
+    loss is log 2 exactly (BOFT starts as the identity rotation, Bone's block at zero), and training moves
+    the margins."""
     import math
 
     from swiftlite.rlhf.demo import write_preference_data
@@ -141,10 +166,33 @@ def test_dpo_with_boft_uses_the_adapter_off_as_reference(tmp_path):
     run = tmp_path / "dpo"
     proc = run_cli(["rlhf", "--rlhf_type", "dpo", "--model", "tiny-llama-2l", "--torch_dtype", "fp32",
                     "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--logging_steps",
-                    "1", "--train_type", "boft", "--learning_rate", "1e-2", "--dataset", train, "--max_steps", "3",
+                    "1", "--train_type", kind, "--learning_rate", "1e-2", "--dataset", train, "--max_steps", "3",
                     "--output_dir", run])
     assert "reference: the base model with the adapter disabled" in proc.stdout
     steps = {r["step"]: r for r in map(json.loads, (run / "logging.jsonl").read_text().splitlines()) if "loss" in r}
     assert abs(steps[1]["loss"] - math.log(2)) <= 1e-6 and steps[1]["rewards/margins"] == 0.0
     assert steps[3]["rewards/margins"] != 0.0
     assert (run / "checkpoint-3" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_bone_resumes_where_it_stopped(demo_data, tmp_path):
+    """A bone run stopped after step 3 of 4 resumes from checkpoint-2 (adapter, optimizer, schedule) and
+    ends with the uninterrupted run's losses and adapter; a resume with another --reft_rank is refused."""
+    args = ["sft", "--model", "tiny-llama-2l", "--torch_dtype", "fp32", "--per_device_train_batch_size", "1",
+            "--gradient_accumulation_steps", "1", "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1",
+            "--learning_rate", "1e-2", *BONE, "--init_weights", "bat", "--dataset", demo_data[0]]
+    run_cli([*args, "--output_dir", tmp_path / "whole"])
+    from tests.conftest import cli_env
+    stopped = run_cli([*args, "--output_dir", tmp_path / "cut"], check=False,
+                      env=cli_env(SWIFTLITE_FAULT="step=3,kind=raise"))
+    assert stopped.returncode != 0 and (tmp_path / "cut" / "checkpoint-2").is_dir()
+    other = run_cli([*args, "--reft_rank", "2", "--output_dir", tmp_path / "cut", "--resume", "true"], check=False)
+    assert other.returncode != 0 and "reft_rank" in other.stderr
+    run_cli([*args, "--output_dir", tmp_path / "cut", "--resume", "true"])
+    l1, l2 = read_losses(tmp_path / "whole"), read_losses(tmp_path / "cut")
+    assert [l2[s] for s in (3, 4)] == pytest.approx([l1[s] for s in (3, 4)], rel=1e-6)
+    a = load_file(str(tmp_path / "whole" / "checkpoint-4" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "checkpoint-4" / "adapter" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)

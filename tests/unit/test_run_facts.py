@@ -66,6 +66,9 @@ def test_boft_and_adalora_runs_record_their_options_off_their_default():
     assert boft["boft_block_size"] == 8 and "boft_dropout" not in boft and "adalora_init_r" not in boft
     ada = run_facts(build_config({"train_type": "adalora", "adalora_tfinal": 3}), DATA, 8)["shape"]
     assert ada["adalora_tfinal"] == 3 and "adalora_init_r" not in ada and "boft_block_size" not in ada
+    bone = run_facts(build_config({"train_type": "bone", "reft_rank": 8, "init_weights": "bat"}), DATA, 8)["shape"]
+    assert bone["reft_rank"] == 8 and bone["init_weights"] == "bat" and "boft_block_size" not in bone
+    assert "reft_rank" not in run_facts(build_config({"train_type": "bone"}), DATA, 8)["shape"]
 
 
 def test_compare_names_each_difference_data_without_values_shape_with_them():

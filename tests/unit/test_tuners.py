@@ -1,4 +1,4 @@
-"""--train_type boft and adalora (models/tuners.py, config/rules_tuners.py, train/adalora.py,
+"""--train_type boft, adalora and bone (peft's MiSS) (models/tuners.py, config/rules_tuners.py, train/adalora.py,
 export/tuner_merge.py, the planner's adapter counts). Each test fails if its part is ignored: on a
 tiny in-memory model, or the config rules alone."""
 
@@ -71,6 +71,22 @@ def test_msswift_defaults_and_peft_configs():
     (["--train_type", "adalora", "--adalora_orth_reg_weight", "-1"], "--adalora_orth_reg_weight must be >= 0"),
     (["--train_type", "adalora", "--adalora_deltaT", "0"], "--adalora_deltaT >= 1"),
     (["--train_type", "boft", "--optim", "muon"], "--optim muon with --train_type boft"),
+    (["--train_type", "bone", "--init_weights", "pissa"], "--init_weights pissa: a LoRA initialisation; --train_type "
+                                                          "bone (peft's MiSS) takes true, false, bat"),
+    (["--train_type", "bone", "--init_weights", "mini"], "--init_weights mini: peft MiSS's mini variant needs its mini_r"),
+    (["--train_type", "lora", "--init_weights", "bat"], "--init_weights bat: not one of"),
+    (["--reft_rank", "8"], "--reft_rank is the rank of --train_type bone here (ms-swift's ReFT, --train_type reft, is "
+                           "not available); this run trains lora"),
+    (["--train_type", "boft", "--reft_rank", "8"], "--reft_rank is the rank of --train_type bone here"),
+    (["--train_type", "bone", "--reft_rank", "0"], "--reft_rank must be >= 1"),
+    (["--train_type", "bone", "--lora_rank", "16"], "--lora_rank does not apply to --train_type bone: Bone's rank is "
+                                                    "--reft_rank"),
+    (["--train_type", "bone", "--lora_alpha", "16"], "--lora_alpha does not apply to --train_type bone"),
+    (["--train_type", "bone", "--lora_dropout", "0.1"], "--lora_dropout does not apply to --train_type bone"),
+    (["--train_type", "bone", "--use_dora", "true"], "--use_dora: DoRA is a variant of peft's LoRA"),
+    (["--train_type", "bone", "--quant_bits", "4"], "--quant_bits 4 with --train_type bone"),
+    (["--train_type", "bone", "--boft_block_size", "8"], "--boft_block_size is an option of --train_type boft"),
+    (["--train_type", "bone", "--optim", "muon"], "--optim muon with --train_type bone"),
 ])
 def test_refusals(argv, expect):
     with pytest.raises(UserError) as e:
@@ -203,14 +219,89 @@ def test_penalty_gradient_is_exactly_the_regulariser():
             torch.testing.assert_close(grads[n], g, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["boft", "adalora"])
+def test_bone_is_msswifts_config_on_pefts_miss():
+    """ms-swift's BoneConfig(target_modules, r=reft_rank, init_weights) with its defaults (reft_rank 4,
+    init_weights true), built as peft's MissConfig on every linear but the head."""
+    from peft import MissConfig
+    from peft.tuners.miss import MissLinear
+    cfg, m = adapted("--train_type", "bone")
+    conf = m.peft_config["default"]
+    assert isinstance(conf, MissConfig)
+    assert (conf.r, conf.init_weights, conf.miss_dropout, conf.mini_r, conf.bias) == (4, True, 0.0, 1, "none")
+    wrapped = {n.removeprefix("base_model.model.") for n, mod in m.named_modules() if isinstance(mod, MissLinear)}
+    assert len(wrapped) == 14 and {n.rsplit(".", 1)[-1] for n in wrapped} == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    names = [n for n, p in m.named_parameters() if p.requires_grad]
+    assert len(names) == 14 and all(".miss_block." in n for n in names)
+    q = m.base_model.model.model.layers[0].self_attn.q_proj
+    assert q.miss_block["default"].shape == (4, 32) and not q.miss_block["default"].any()   # zeros: the base's output
+    for value, peft_value, shape in (("false", False, (4, 32)), ("bat", "bat", (8, 4, 4))):
+        cfg, m = adapted("--train_type", "bone", "--init_weights", value, "--reft_rank", "4")
+        assert m.peft_config["default"].init_weights == peft_value
+        assert m.base_model.model.model.layers[0].self_attn.q_proj.miss_block["default"].shape == shape
+    cfg, m = adapted("--train_type", "bone", "--reft_rank", "8", "--target_modules", "q_proj", "v_proj")
+    assert m.peft_config["default"].r == 8
+    assert sum(p.numel() for p in m.parameters() if p.requires_grad) == 2 * 8 * (32 + 16)   # q 32, v 16 outputs
+    cfg, m = adapted("--train_type", "bone", "--modules_to_save", "lm_head")   # trained in full, saved with it
+    assert m.peft_config["default"].modules_to_save == ["lm_head"]
+    assert any("lm_head.modules_to_save" in n for n, p in m.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--reft_rank", "80", "--target_modules", "down_proj"], "--reft_rank 80: model.layers.0.mlp.down_proj takes 64 "
+                                                             "inputs, fewer than the rank"),
+    (["--reft_rank", "40", "--target_modules", "q_proj"], "--reft_rank 40: model.layers.0.self_attn.q_proj takes 32 "
+                                                          "inputs, fewer than the rank"),
+    (["--reft_rank", "3", "--init_weights", "bat"], "--reft_rank 3 --init_weights bat: model.layers.0.self_attn.q_proj is "
+                                                    "32 x 32, not a whole number of 3 x 3 blocks"),
+])
+def test_bone_blocks_checked_before_launch(argv, expect):
+    """peft MiSS's condition on each adapted layer, on the meta model (launch/preflight.py), one line; the
+    same values pass where they fit (r 3 without bat: peft pads the last column block)."""
+    from swiftlite.models.lora import check_targets, check_tuner
+    cfg = cfg_of("--train_type", "bone", *argv)
+    with torch.device("meta"):
+        model = tiny_llama()
+    with pytest.raises(UserError) as e:
+        check_tuner(model, cfg, check_targets(model, cfg))
+    assert expect in str(e.value) and "\n" not in str(e.value), str(e.value)
+    ok = cfg_of("--train_type", "bone", "--reft_rank", "3")
+    check_tuner(model, ok, check_targets(model, ok))
+    check_tuner(model, cfg_of("--train_type", "bone", "--init_weights", "bat"), "all-linear")
+
+
+def test_bone_adapter_runs_on_a_bf16_base():
+    """ms-swift casts the model to its dtype after loading a Bone adapter (peft 0.14 multiplied an fp32
+    block with bf16 activations); peft's MiSS casts the input to the block's dtype, so a saved adapter
+    (fp32 block) runs on a bf16 base as loaded, and gives the fp32 model's output to bf16 rounding."""
+    import tempfile
+
+    from peft import PeftModel
+    cfg, m = adapted("--train_type", "bone", "--init_weights", "bat")
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.1)
+    ids = torch.randint(0, 64, (1, 9))
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m.save_pretrained(d)
+        bf = PeftModel.from_pretrained(tiny_llama(0).to(torch.bfloat16), d)
+        with torch.no_grad():
+            want, got = m(input_ids=ids).logits, bf(input_ids=ids).logits
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("kind", ["boft", "adalora", "bone", "bone-bat", "bone-r5"])
 def test_export_merge_is_pefts(kind):
     """export/tuner_merge.merge_tuner gives peft's merge_and_unload, with non-trivial adapters (AdaLoRA:
     after a rank pattern shrank the saved tensors, so the scale must stay alpha / init_r)."""
     from peft import PeftModel, get_peft_model_state_dict
 
     from swiftlite.export.tuner_merge import merge_tuner, tuner_modules
-    cfg, m = adapted("--train_type", kind, *(["--boft_block_size", "8"] if kind == "boft" else []))
+    extra = {"boft": ["--boft_block_size", "8"], "bone-bat": ["--init_weights", "bat"], "bone-r5": ["--reft_rank", "5"]}
+    cfg, m = adapted("--train_type", kind.split("-")[0], *extra.get(kind, []))   # r 5: peft pads the last block
     with torch.no_grad():
         for n, p in m.named_parameters():
             if p.requires_grad:
@@ -243,18 +334,22 @@ def test_export_merge_is_pefts(kind):
     ["--train_type", "boft"], ["--train_type", "boft", "--boft_block_size", "0", "--boft_block_num", "4"],
     ["--train_type", "adalora"], ["--train_type", "adalora", "--target_modules", "q_proj", "v_proj"],
     ["--train_type", "lora", "--lora_rank", "4"],
+    ["--train_type", "bone"], ["--train_type", "bone", "--init_weights", "bat", "--reft_rank", "2"],
+    ["--train_type", "bone", "--reft_rank", "6", "--target_modules", "q_proj", "v_proj"],
 ])
 def test_planner_counts_the_adapters_parameters(argv):
     from swiftlite.models.shape import shape_from_config
     from swiftlite.planner.memory import Workload
-    cfg, m = adapted(*argv)
+    cfg, m = adapted(*argv, "--max_length", "64")
     real = sum(p.numel() for p in m.parameters() if p.requires_grad)
     shape = shape_from_config(m.config.to_dict())
     w = Workload(train_type=cfg.train.train_type, lora_rank=cfg.lora.lora_rank,
                  lora_targets=tuple(cfg.lora.target_modules),
                  boft_block=(cfg.lora.boft_block_size, cfg.lora.boft_block_num, cfg.lora.boft_n_butterfly_factor),
-                 adalora_init_r=cfg.lora.adalora_init_r)
+                 adalora_init_r=cfg.lora.adalora_init_r, bone_rank=cfg.lora.reft_rank)
     assert w.adapter_params(shape) == real
+    from swiftlite.planner.recommend import workload_from_config   # what estimate and the preflight count
+    assert workload_from_config(cfg, 1, None).adapter_params(shape) == real
 
 
 def test_training_loss_has_no_per_forward_penalty():
