@@ -54,3 +54,17 @@ def test_a_disabled_logger_sends_nothing(tmp_path, monkeypatch):
     log = RunLogger(tmp_path, enabled=False, total_steps=5, report_to=["wandb"], quiet=True)   # a rank other than 0
     log.table("completions", COLUMNS, ROWS, 3)
     assert wb == []
+
+
+def test_a_logger_whose_package_is_missing_is_one_line(monkeypatch):
+    """--report-to names a logger whose extra is not installed (the dev environment has them all: the
+    package is hidden here): one line naming the extra, before anything starts."""
+    import pytest
+
+    from swiftlite import metrics
+    from swiftlite.errors import UserError
+    monkeypatch.setattr(metrics, "_installed", lambda module: module != "swanlab")
+    with pytest.raises(UserError) as e:
+        metrics.report_targets(["tensorboard", "swanlab"])
+    assert str(e.value) == "--report-to swanlab: the swanlab package is not installed; pip install 'swiftlite[swanlab]'"
+    assert metrics.report_targets(["all"]) == [r for r in metrics.REPORTERS if r != "swanlab"]
