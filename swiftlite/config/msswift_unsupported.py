@@ -37,7 +37,6 @@ _DDP = ("DDP's settings are chosen by swiftlite (every parameter takes part, buf
         "--parallelism to pick the backend")
 _GALORE = ("GaLore is not available; for less optimizer memory train a LoRA (--train-type lora/qlora) or shard the "
            "optimizer state (--parallelism zero2/zero3/fsdp)")
-_LISA = "LISA layer sampling is not available; train a LoRA (--train-type lora) or full (--train-type full)"
 _RAY = "Ray is not used: processes are started by torchrun or forked (--nproc-per-node, --nnodes, --launcher)"
 _TP = "tensor parallelism is not available: shard the model with --parallelism fsdp or zero3"
 _FREEZE = ("freezing or training parameters by name is not available: --train-type full trains every parameter; "
@@ -137,7 +136,6 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                "galore_proj_type", "galore_optim_per_parameter", "galore_with_embedding", "galore_quantization",
                "galore_proj_quant", "galore_proj_bits", "galore_proj_group_size", "galore_cos_threshold",
                "galore_gamma_proj", "galore_queue_size")),
-    (_LISA, ("lisa_activated_layers", "lisa_step_interval")),
     ("checkpoints are written atomically to disk (a partial one is never taken for the latest); flash/async "
      "checkpointing is not available: drop the flag", ("use_flash_ckpt", "enable_jit_checkpoint")),
     # swift/arguments/sft_args.py: SftArguments

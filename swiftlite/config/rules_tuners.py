@@ -1,5 +1,6 @@
-"""The rules of the peft tuners besides LoRA (--train_type boft, adalora): which options apply to which
-tuner, and the combinations peft or swiftlite cannot run, each with its reason. Rules of
+"""The rules of the peft tuners besides LoRA (--train_type boft, adalora) and of LISA's layer sampling
+(--lisa_activated_layers, a full fine-tune): which options apply to which tuner, and the combinations
+peft or swiftlite cannot run, each with its reason. Rules of
 config/rules.py's table, kept here so that module stays short. Import-light (no torch)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from swiftlite.config.tasks import task_spec
 BOFT_KEYS = ("boft_block_size", "boft_block_num", "boft_n_butterfly_factor", "boft_dropout")
 ADALORA_KEYS = ("adalora_target_r", "adalora_init_r", "adalora_tinit", "adalora_tfinal", "adalora_deltaT",
                 "adalora_beta1", "adalora_beta2", "adalora_orth_reg_weight")
+LISA_KEYS = ("lisa_activated_layers", "lisa_step_interval")
 #: LoRA's own options, by the tuner that has no use for them, with the reason.
 NOT_FOR = {
     "boft": {"lora_rank": "BOFT has no rank: its blocks are --boft_block_size/--boft_block_num",
@@ -88,3 +90,24 @@ def _adalora(c: RunConfig):
     if task_spec(c.task).own_options == "rlhf":
         return (f"--train_type adalora with swiftlite rlhf: AdaLoRA's rank allocation and orthogonal penalty are "
                 "run by the sft/pt step only: train it with swiftlite sft or pt")
+
+
+@rule("lisa options")
+def _lisa(c: RunConfig):
+    n, k = c.lora.lisa_activated_layers, c.lora.lisa_step_interval
+    if n < 0:
+        return f"--lisa_activated_layers {n}: must be >= 0 (0 turns LISA off)"
+    if k < 1:
+        return f"--lisa_step_interval {k}: must be >= 1 (optimizer steps between two draws of the layers)"
+    if n == 0:
+        if "lisa_step_interval" in c.explicit:
+            return (f"--lisa_step_interval {k} without --lisa_activated_layers: LISA is off (0 layers), so the "
+                    "interval does nothing: drop it, or give --lisa_activated_layers N")
+        return None
+    t = c.train.train_type
+    if t != "full":
+        return (f"--lisa_activated_layers {n} with --train_type {t}: LISA samples the decoder layers of a full "
+                "fine-tune (ms-swift: full only); add --train_type full, or drop --lisa_activated_layers")
+    if task_spec(c.task).own_options == "rlhf":
+        return (f"--lisa_activated_layers {n} with swiftlite rlhf: LISA's layer draws are run by the sft/pt step "
+                "only: train it with swiftlite sft or pt")

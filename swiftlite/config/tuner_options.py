@@ -1,6 +1,7 @@
 """The options of the peft tuners besides LoRA: BOFT (`--train_type boft`) and AdaLoRA (`--train_type
 adalora`), with ms-swift's names and defaults (swift/arguments/tuner_args.py: the dataclass values,
-not its docstring's). A base of schema.LoraConfig, kept here so that schema.py stays short; the shared
+not its docstring's); and LISA's layer sampling of a full fine-tune (`--lisa_activated_layers`, ms-swift's
+swift/trainers/arguments.py, run by train/lisa.py). A base of schema.LoraConfig, kept here so that schema.py stays short; the shared
 adapter options (--target_modules, --modules_to_save, --lora_alpha, --lora_dropout, --lora_bias) live
 in LoraConfig, and config/rules_tuners.py says which option applies to which tuner.
 """
@@ -19,7 +20,7 @@ LORA_TYPES = ("lora", "qlora")
 
 @dataclass(kw_only=True)
 class TunerOptions(Section):
-    """`boft_*` and `adalora_*`: read only by their own --train_type."""
+    """`boft_*` and `adalora_*`: read only by their own --train_type; `lisa_*`: by --train_type full."""
     boft_block_size: int = opt(4, "BOFT (peft boft_block_size): size of each orthogonal block; each adapted "
                                "layer's input width must be a multiple of it. Give it or --boft_block_num, "
                                "not both (0 = unset).")
@@ -38,3 +39,9 @@ class TunerOptions(Section):
     adalora_beta2: float = opt(0.85, "AdaLoRA (peft beta2): EMA factor of its uncertainty.")
     adalora_orth_reg_weight: float = opt(0.5, "AdaLoRA (peft orth_reg_weight): weight of the orthogonality "
                                          "penalty on A and B, added to each optimizer step's loss.")
+    lisa_activated_layers: int = opt(0, "LISA (full fine-tune only): train this many decoder layers at a time, "
+                                     "drawn at random, the others frozen; embeddings, final norm and lm_head "
+                                     "always train. 0: off. The draw is a function of --seed and the step, so a "
+                                     "resumed run trains the same layers. --parallelism single only.")
+    lisa_step_interval: int = opt(20, "LISA: draw the layers again every this many optimizer steps (at the start "
+                                  "of each step whose count of finished steps is a multiple of it, and of step 2).")
