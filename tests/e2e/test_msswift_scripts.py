@@ -100,6 +100,11 @@ SFT = [
     ("early_stop", f"sft {_C} --dataset {{messages}}#32 --split_dataset_ratio 0.25 --eval_steps 1 "
                    "--early_stop_interval 3 --metric_for_best_model loss",
      {"early_stop_interval": 3, "metric_for_best_model": "loss", "eval_steps": 1}),
+    # examples/train/tuners/lisa/train.sh: full training, 2 decoder layers drawn at a time (the tiny model has 2)
+    ("lisa", f"sft {_C} --tuner_type full --dataset {{self_cognition}}#16 --lisa_activated_layers 2 "
+             "--num_train_epochs 1 --learning_rate 1e-5 --eval_steps 100 --save_steps 100 --save_total_limit 2 "
+             "--logging_steps 5 --model_author swift --model_name swift-robot",
+     {"train_type": "full", "lisa_activated_layers": 2, "lisa_step_interval": 20, "model_author": ["swift"]}),
     # examples/train/plugins/loss_scale.sh, think_model/*.sh, full/dft.sh, base_to_chat/lora.sh
     ("loss_scale_all", f"sft {_C} {_LORA} --dataset {{self_cognition}}#16 --model_author swift "
                        "--model_name swift-robot --loss_scale all --loss_type loss_scale",
@@ -213,7 +218,7 @@ REFUSED = {
 
         ("--use_galore true", "GaLore"), ("--galore_optim_per_parameter true", "GaLore"),
         ("--galore_quantization true", "GaLore"),
-        ("--lisa_activated_layers 2", "LISA"), ("--llamapro_num_new_blocks 4", "tuner"),
+        ("--llamapro_num_new_blocks 4", "tuner"),
         ("--lora_ga_batch_size 2", "LoRA-GA"), ("--lora_ga_direction ArB2r", "LoRA-GA"),
         ("--lora_ga_iters 2", "LoRA-GA"), ("--lora_ga_max_length 1024", "LoRA-GA"),
         ("--lora_ga_scale stable", "LoRA-GA"), ("--lora_ga_stable_gamma 16", "LoRA-GA"),
