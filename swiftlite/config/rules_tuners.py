@@ -92,17 +92,12 @@ def _adalora(c: RunConfig):
                 "run by the sft/pt step only: train it with swiftlite sft or pt")
 
 
-@rule("lisa options")
-def _lisa(c: RunConfig):
-    n, k = c.lora.lisa_activated_layers, c.lora.lisa_step_interval
+@rule("lisa layers")
+def _lisa_layers(c: RunConfig):
+    n = c.lora.lisa_activated_layers
     if n < 0:
         return f"--lisa_activated_layers {n}: must be >= 0 (0 turns LISA off)"
-    if k < 1:
-        return f"--lisa_step_interval {k}: must be >= 1 (optimizer steps between two draws of the layers)"
     if n == 0:
-        if "lisa_step_interval" in c.explicit:
-            return (f"--lisa_step_interval {k} without --lisa_activated_layers: LISA is off (0 layers), so the "
-                    "interval does nothing: drop it, or give --lisa_activated_layers N")
         return None
     t = c.train.train_type
     if t != "full":
@@ -111,3 +106,14 @@ def _lisa(c: RunConfig):
     if task_spec(c.task).own_options == "rlhf":
         return (f"--lisa_activated_layers {n} with swiftlite rlhf: LISA's layer draws are run by the sft/pt step "
                 "only: train it with swiftlite sft or pt")
+
+
+@rule("lisa interval")
+def _lisa_interval(c: RunConfig):
+    # its own rule, reading the interval first: a bad interval leaves the layers' checks (the backend's) to run
+    k = c.lora.lisa_step_interval
+    if k < 1:
+        return f"--lisa_step_interval {k}: must be >= 1 (optimizer steps between two draws of the layers)"
+    if "lisa_step_interval" in c.explicit and c.lora.lisa_activated_layers == 0:
+        return (f"--lisa_step_interval {k} without --lisa_activated_layers: LISA is off (0 layers), so the "
+                "interval does nothing: drop it, or give --lisa_activated_layers N")

@@ -41,7 +41,8 @@ class TunerOptions(Section):
                                          "penalty on A and B, added to each optimizer step's loss.")
     lisa_activated_layers: int = opt(0, "LISA (full fine-tune only): train this many decoder layers at a time, "
                                      "drawn at random, the others frozen; embeddings, final norm and lm_head "
-                                     "always train. 0: off. The draw is a function of --seed and the step, so a "
-                                     "resumed run trains the same layers. --parallelism single only.")
+                                     "always train. 0: off. The draw is a function of --seed and the window's "
+                                     "first step (ms-swift: numpy's global state), so a resumed run trains the "
+                                     "same layers. --parallelism single only (docs/lora.md, LISA).")
     lisa_step_interval: int = opt(20, "LISA: draw the layers again every this many optimizer steps (at the start "
                                   "of each step whose count of finished steps is a multiple of it, and of step 2).")
