@@ -155,27 +155,31 @@ def with_lisa(engine: Any, model: Any, cfg: Any, start_step: int, total_steps: i
 
 @contextlib.contextmanager
 def resume_scope(model: Any, cfg: Any, path: Path | None) -> Iterator[None]:
-    """Around the load of a checkpoint: only the parameters that have optimizer state in it require grad.
+    """Around the load of a full fine-tune's checkpoint: only the parameters that have optimizer state in
+    it require grad.
 
     A fresh optimizer has no state; torch's state-dict API makes one for every parameter that requires
     grad before loading into it (a zero-gradient step), and DCP then wants each of those in the
     checkpoint. A LISA checkpoint holds state for the layers drawn so far only, so the others are frozen
     for the load: the resumed optimizer holds exactly the checkpoint's state, as the uninterrupted one
-    did. Everything is thawed afterwards; `with_lisa` then freezes the next window's layers."""
-    names = _optimizer_state_names(path) if lisa_on(cfg) and path is not None else None
+    did (and a full run without LISA can go on from such a checkpoint, --ignore-data-skip). A checkpoint
+    of a full run without LISA has state for every parameter: nothing changes. The flags are restored
+    afterwards; `with_lisa` then freezes the next window's layers."""
+    names = _optimizer_state_names(path) if cfg.train.train_type == "full" and path is not None else None
     if not names:
         yield
         return
     with_state: dict[int, bool] = {}
     for name, p in model.named_parameters(remove_duplicate=False):   # a tied weight: under any of its names
         with_state[id(p)] = with_state.get(id(p), False) or name in names
+    before = {id(p): p.requires_grad for p in model.parameters()}
     for p in model.parameters():
-        p.requires_grad_(with_state[id(p)])
+        p.requires_grad_(with_state[id(p)] and before[id(p)])
     try:
         yield
     finally:
         for p in model.parameters():
-            p.requires_grad_(True)
+            p.requires_grad_(before[id(p)])
 
 
 def _optimizer_state_names(path: Path) -> set[str]:

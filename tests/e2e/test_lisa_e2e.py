@@ -16,9 +16,10 @@ from tests.conftest import cli_env, run_cli
 from swiftlite.train.lisa import sample, window_start
 
 SEED = 4   # draws of 1 layer of 4 at steps done 0, 1, 2, 4: layers 0, 2, 3, 1 (each window another one)
-ARGS = ["sft", "--model", "tiny-llama", "--train_type", "full", "--torch_dtype", "fp32", "--lisa_activated_layers",
-        "1", "--lisa_step_interval", "2", "--max_steps", "6", "--per_device_train_batch_size", "2",
-        "--gradient_accumulation_steps", "1", "--learning_rate", "1e-3", "--seed", str(SEED), "--logging_steps", "1"]
+FULL = ["sft", "--model", "tiny-llama", "--train_type", "full", "--torch_dtype", "fp32", "--max_steps", "6",
+        "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1", "--learning_rate", "1e-3",
+        "--seed", str(SEED), "--logging_steps", "1"]
+ARGS = [*FULL, "--lisa_activated_layers", "1", "--lisa_step_interval", "2"]
 
 
 def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -76,6 +77,14 @@ def test_a_resumed_run_draws_the_same_layers_and_ends_with_the_same_weights(demo
     assert _draws(resumed.stdout) == [(4, "3"), (5, "1")]
     a, b = _weights(tmp_path / "whole" / "checkpoint-6"), _weights(tmp_path / "cut" / "checkpoint-6")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # a full run without LISA goes on from the LISA checkpoint (other run facts: --ignore_data_skip) and
+    # trains every layer, the one without optimizer state in the checkpoint (1) too
+    run_cli([*FULL, *data, "--output_dir", tmp_path / "full", "--ignore_data_skip", "true",
+             "--resume_from_checkpoint", tmp_path / "whole" / "checkpoint-3"])
+    layers, _ = _changed_layers(_weights(tmp_path / "whole" / "checkpoint-3"),
+                                _weights(tmp_path / "full" / "checkpoint-6"))
+    assert layers == {0, 1, 2, 3}
 
 
 @pytest.mark.parametrize("extra,expect", [
