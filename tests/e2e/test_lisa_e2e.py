@@ -99,3 +99,11 @@ def test_refused_before_launch(extra, expect, demo_data, tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and expect in lines[0] and "Traceback" not in proc.stderr, proc.stderr
     assert not out.exists()
+
+
+def test_dry_run_shows_the_plan_on_auto(demo_data, tmp_path):
+    """--parallelism auto on one CPU process picks single, which runs LISA; --dry-run says what will run."""
+    proc = run_cli([*ARGS, "--dataset", demo_data[0], "--output_dir", tmp_path / "run", "--dry-run"])
+    assert "backend:        single" in proc.stdout
+    assert "lisa:           1 decoder layers at a time, drawn again every 2 steps (and at step 2) from --seed 4" \
+        in proc.stdout
