@@ -93,7 +93,6 @@ class LisaLayers:
         from swiftlite.errors import UserError
         from swiftlite.models.loading import decoder_layers
         self.layers = decoder_layers(model)
-        self.model = model
         self.n_active = cfg.lora.lisa_activated_layers
         self.interval = cfg.lora.lisa_step_interval
         self.seed = cfg.train.seed
@@ -113,10 +112,6 @@ class LisaLayers:
             for p in layer.parameters():
                 p.requires_grad_(i in keep)
         return True
-
-    def thaw(self) -> None:
-        for p in self.model.parameters():
-            p.requires_grad_(True)
 
 
 class LisaEngine:
