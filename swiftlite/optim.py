@@ -13,6 +13,7 @@ import math
 from typing import TYPE_CHECKING
 
 from swiftlite import dtypes
+from swiftlite.config.galore_options import uses_galore
 
 if TYPE_CHECKING:
     import torch
@@ -118,14 +119,20 @@ WHOLE_MATRIX = {
 
 
 def optim_name(cfg: "RunConfig") -> str:
-    """The optimizer the run trains with: ms-swift's --optimizer plugin (muon) wins over --optim."""
-    return cfg.optim.optimizer or cfg.optim.optim
+    """The optimizer the run trains with: ms-swift's --optimizer plugin muon wins over --optim; its
+    galore plugin is GaLore around --optim (galore.build)."""
+    plugin = cfg.optim.optimizer
+    return plugin if plugin and plugin != "galore" else cfg.optim.optim
 
 
 def optim_problem(cfg: "RunConfig", choice: "object | None" = None) -> str | None:
     """Why --optim cannot run on this run's backend (`choice`: a parallel.base.BackendChoice), or
     None. Preflight asks before launch; `build_optimizer` asks again in the rank."""
     name = optim_name(cfg)
+    if uses_galore(cfg) and choice is not None and any(choice.record.shards):
+        return (f"--use_galore: GaLore projects each weight's whole gradient (an SVD of the matrix), and "
+                f"--parallelism {choice.name} gives each rank a slice (an FSDP shard or a ZeRO flat partition); "
+                "use --parallelism single or ddp")
     if name in WHOLE_MATRIX and choice is not None and any(choice.record.shards):
         return (f"--optim {name}: {WHOLE_MATRIX[name]}, and --parallelism {choice.name} gives each rank a slice "
                 "(an FSDP shard or a ZeRO flat partition); use --parallelism ddp/single, or an elementwise "
@@ -170,10 +177,13 @@ def build_optimizer(model: torch.nn.Module, cfg: "RunConfig") -> torch.optim.Opt
     why = optim_problem(cfg)
     if why:
         raise UserError(why)
+    name = optim_name(cfg)
+    if uses_galore(cfg):
+        from swiftlite import galore
+        return galore.build(model, cfg, name, param_groups(model, o.weight_decay))
     ratio = cfg.lora.lorap_lr_ratio if cfg.is_lora else None
     lr = cfg.learning_rate
     groups = param_groups(model, o.weight_decay, lr=lr, lorap_lr_ratio=ratio)
-    name = optim_name(cfg)
     if name == "adamw_torch_fused":
         fused = _fused_supported([p for g in groups for p in g["params"]])
         return torch.optim.AdamW(groups, lr=lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_epsilon,
@@ -311,4 +321,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: "RunConfig", total_st
     state_dict is plain data (`last_epoch`, `base_lrs`, `_last_lr`, the partial's empty __dict__):
     the torch engines save it as JSON (scheduler.json) and DeepSpeed, which gets it as a client
     object, in its own checkpoint; the schedule itself is rebuilt from the config at resume."""
+    if uses_galore(cfg) and cfg.optim.galore_optim_per_parameter:
+        # ms-swift's per-parameter GaLore builds each parameter's schedule over 2 x the run's steps with
+        # 2 x --warmup_steps (swift/optimizers/galore/utils.py); the rule refuses --warmup_ratio with it
+        return _hf_scheduler(optimizer, cfg.with_values(warmup_steps=2 * cfg.optim.warmup_steps), 2 * total_steps,
+                             _checked_kwargs(cfg))
     return _hf_scheduler(optimizer, cfg, total_steps, _checked_kwargs(cfg))

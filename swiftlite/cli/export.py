@@ -55,8 +55,7 @@ EXPORT_REFUSALS = {**{k: _UPLOAD for k in ("push_to_hub", "hub_model_id", "hub_p
 #: --quant_method values of ms-swift's export that are refused, with what they would need.
 QUANT_METHODS_REFUSED = {
     "gptq": "GPTQ calibrates on data with the gptqmodel package", "gptq_v2": "GPTQ calibrates on data",
-    "awq": "AWQ calibrates on data with the autoawq package", "fp8": "FP8 (transformers' FineGrainedFP8) is "
-    "not available here", "hqq": "HQQ needs the hqq package", "eetq": "EETQ needs the eetq package",
+    "awq": "AWQ calibrates on data with the autoawq package", "hqq": "HQQ needs the hqq package", "eetq": "EETQ needs the eetq package",
     "quanto": "quanto needs the optimum-quanto package"}
 
 
@@ -148,8 +147,10 @@ def export_cmd(
                             help="Replace --output if it exists (only once the new export is complete)"),
     quant_method: Optional[str] = typer.Option(None, "--quant-method", "--quant_method",
                                                help="bnb: write the export quantized by bitsandbytes (with "
-                                                    "--quant-bits 4 or 8; LoRA runs are merged first), as "
-                                                    "ms-swift's `swift export --quant_method bnb`."),
+                                                    "--quant-bits 4 or 8); fp8: block-wise FP8 (transformers' "
+                                                    "FineGrainedFP8 format, e4m3 weights with a scale per 128 x "
+                                                    "128 block; dense models); LoRA runs are merged first; as "
+                                                    "ms-swift's `swift export --quant_method bnb|fp8`."),
     quant_bits: Optional[int] = typer.Option(None, "--quant-bits", "--quant_bits",
                                              help="4 or 8, with --quant-method bnb."),
     bnb_4bit_quant_type: Optional[str] = typer.Option(None, "--bnb-4bit-quant-type", "--bnb_4bit_quant_type",
@@ -171,7 +172,7 @@ def export_cmd(
                                          "--cached_dataset` (ms-swift's; --use_chat_template false: pt rows)"),
 ) -> None:
     """Export a checkpoint to a 16-bit Hugging Face folder (vLLM, LMDeploy, transformers), or a
-    bitsandbytes-quantized one (--quant-method bnb)."""
+    bitsandbytes- or FP8-quantized one (--quant-method bnb|fp8)."""
     if ckpt is not None and adapters is not None and ckpt != adapters:
         raise UserError(f"--ckpt {ckpt} and --adapters {adapters}: both name the checkpoint; give one")
     model_only = ckpt is None and adapters is None
@@ -214,8 +215,8 @@ def model_folder(model: str) -> str:
 
 def bnb_options(method: str | None, bits: int | None, quant_type: str | None, double_quant: str | None,
                 compute_dtype: str | None):
-    """--quant_method bnb and its options -> export/quantize.BnbExport (None without --quant_method);
-    every mistake is named at once, in ms-swift's terms."""
+    """--quant_method bnb and its options -> export/quantize.BnbExport, fp8 -> export/fp8.Fp8Export
+    (None without --quant_method); every mistake is named at once, in ms-swift's terms."""
     from swiftlite import dtypes
     from swiftlite.errors import raise_all
     from swiftlite.export.quantize import BNB_4BIT_TYPES, BnbExport
@@ -223,10 +224,16 @@ def bnb_options(method: str | None, bits: int | None, quant_type: str | None, do
                              ("--bnb_4bit_compute_dtype", compute_dtype)) if v is not None]
     problems = []
     bnb = method is not None and method.lower() == "bnb"
+    if method is not None and method.lower() == "fp8":   # e4m3 in 128 x 128 blocks: nothing to choose
+        problems += [f"{f}: FP8's format has no such setting (e4m3 weights, a scale per 128 x 128 block)"
+                     for f in (["--quant_bits"] if bits is not None else []) + given4]
+        raise_all(problems)
+        from swiftlite.export.fp8 import Fp8Export
+        return Fp8Export()
     if method is not None and not bnb:
         why = QUANT_METHODS_REFUSED.get(method.lower(), "not a quantization method ms-swift's export has")
-        problems.append(f"--quant_method {method}: {why}; `swiftlite export` quantizes with bnb only "
-                        "(--quant_method bnb --quant_bits 4|8)")
+        problems.append(f"--quant_method {method}: {why}; `swiftlite export` quantizes with bnb "
+                        "(--quant_method bnb --quant_bits 4|8) or fp8")
     if not bnb:   # every option of a bnb export, named: it has nothing to apply to
         problems += [f"{f}: needs --quant_method bnb (a quantized export)"
                      for f in (["--quant_bits"] if bits is not None else []) + given4]

@@ -83,6 +83,11 @@ _OPTIM = ("not available: --optim takes the optimizers torch and transformers sh
           "XLA/NPU and other extra-package optimizers are not; for less optimizer memory use LoRA or --parallelism "
           "zero2/zero3/fsdp")
 REFUSED_VALUES: dict[tuple[str, str], str] = {
+    # HF's GaLore optimizers are ms-swift's --use_galore with --optim adamw/adafactor (its 8-bit and layer-wise
+    # ones stay under _OPTIM: bitsandbytes' 8-bit state, and steps inside backward that skip accumulation)
+    **{("optim", o): f"GaLore is --use_galore true with --optim {base} (and --galore_target_modules for HF's "
+                     "--optim_target_modules)" for o, base in (("galore_adamw", "adamw_torch"),
+                                                                ("galore_adafactor", "adafactor"))},
     **{("train_type", t): _TUNERS for t in ("longlora", "llamapro", "adapter", "vera",
                                             "fourierft", "reft", "bone", "lora_llm")},
     **{("quant_method", q): _QUANT for q in ("gptq", "awq", "hqq", "eetq", "quanto", "fp8", "aqlm")},
@@ -90,8 +95,6 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
         ("ppo", "PPO is not available"),
         ("gkd", "GKD (on-policy distillation) is not available; distil by running sft on the teacher's outputs"))},
     ("optimizer", "lorap"): "give --lorap_lr_ratio (ms-swift picks its lorap optimizer from it; so does swiftlite)",
-    ("optimizer", "galore"): "GaLore is not available; for less optimizer memory train a LoRA or shard the optimizer "
-                             "state (--parallelism zero2/zero3/fsdp)",
     **{("optimizer", o): "not available (MuonClip, per-module learning rates of multimodal models); --optim takes "
                          "adamw_torch_fused, adamw_torch, sgd, adagrad, rmsprop, adafactor, muon"
        for o in ("muonclip", "multimodal")},
@@ -99,8 +102,8 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
         "adamw_torch_xla", "adamw_torch_npu_fused", "adamw_anyprecision", "adamw_torch_4bit", "adamw_torch_8bit",
         "ademamix", "adamw_bnb_8bit", "adamw_8bit", "ademamix_8bit", "lion_8bit", "lion_32bit", "paged_adamw_32bit",
         "paged_adamw_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit", "paged_lion_32bit", "paged_lion_8bit",
-        "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit", "galore_adamw", "galore_adamw_8bit",
-        "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise",
+        "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit", "galore_adamw_8bit", "galore_adamw_layerwise",
+        "galore_adamw_8bit_layerwise", "galore_adafactor_layerwise",
         "lomo", "adalomo", "grokadamw", "schedule_free_radam", "schedule_free_adamw", "schedule_free_sgd",
         "apollo_adamw", "apollo_adamw_layerwise", "stable_adamw")},
 }

@@ -35,8 +35,8 @@ _HUB = "nothing is uploaded: upload the run's folder yourself (huggingface-cli u
 _LOG = "logging.jsonl gets a record every --logging-steps steps on rank 0 (the first step included): use --logging-steps"
 _DDP = ("DDP's settings are chosen by swiftlite (every parameter takes part, buffers are not broadcast); use "
         "--parallelism to pick the backend")
-_GALORE = ("GaLore is not available; for less optimizer memory train a LoRA (--train-type lora/qlora) or shard the "
-           "optimizer state (--parallelism zero2/zero3/fsdp)")
+_QGALORE = ("Q-GaLore (int8 weights and projections, q-galore-torch on bitsandbytes 0.40) is not available; GaLore "
+            "without quantization is: drop the Q-GaLore options and keep --use_galore true")
 _RAY = "Ray is not used: processes are started by torchrun or forked (--nproc-per-node, --nnodes, --launcher)"
 _TP = "tensor parallelism is not available: shard the model with --parallelism fsdp or zero3"
 _FREEZE = ("freezing or training parameters by name is not available: --train-type full trains every parameter; "
@@ -56,9 +56,6 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # swift/arguments/tuner_args.py: TunerArguments
     (_FREEZE, ("freeze_parameters", "freeze_parameters_regex", "freeze_parameters_ratio", "trainable_parameters",
                "trainable_parameters_regex", "target_parameters")),
-    ("LoRA-GA initialisation is not available: LoRA starts from peft's initialisation (see --init-weights)",
-     ("lora_ga_batch_size", "lora_ga_iters", "lora_ga_max_length", "lora_ga_direction", "lora_ga_scale",
-      "lora_ga_stable_gamma")),
     (_TUNER, ("fourier_n_frequency", "fourier_scaling", "vera_rank", "vera_projection_prng_key", "vera_dropout",
               "vera_d_initial", "adapter_act", "adapter_length", "llamapro_num_new_blocks", "llamapro_num_groups", "reft_layer_key", "reft_layers", "reft_rank",
               "reft_intervention_type", "reft_args")),
@@ -132,10 +129,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "batch_eval_metrics", "eval_do_concat_batches", "eval_use_gather_object", "prediction_loss_only",
                  "do_predict")),
     ("training callbacks are not loaded; a plugin (--external_plugins) can register a backend", ("callbacks",)),
-    (_GALORE, ("use_galore", "galore_target_modules", "galore_rank", "galore_update_proj_gap", "galore_scale",
-               "galore_proj_type", "galore_optim_per_parameter", "galore_with_embedding", "galore_quantization",
-               "galore_proj_quant", "galore_proj_bits", "galore_proj_group_size", "galore_cos_threshold",
-               "galore_gamma_proj", "galore_queue_size")),
+    (_QGALORE, ("galore_quantization", "galore_proj_quant", "galore_proj_bits", "galore_proj_group_size",
+                "galore_cos_threshold", "galore_gamma_proj", "galore_queue_size")),
     ("checkpoints are written atomically to disk (a partial one is never taken for the latest); flash/async "
      "checkpointing is not available: drop the flag", ("use_flash_ckpt", "enable_jit_checkpoint")),
     # swift/arguments/sft_args.py: SftArguments

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from swiftlite.config.schema import RunConfig, field_reads
 from swiftlite.config.tasks import task_spec
+from swiftlite.config.tuner_options import moves_base
 from swiftlite.config.vllm_options import VLLM_KEYS
 from swiftlite.config.data_options import TEMPLATE_NAMES
 from swiftlite.errors import Refusals, UserError
@@ -207,7 +208,7 @@ def _lora(c: RunConfig):
 
 
 #: --init_weights values (peft's init_lora_weights); pissa_niter_N is PiSSA by N subspace iterations.
-INIT_WEIGHTS = ("true", "false", "gaussian", "pissa", "pissa_niter_N", "olora", "loftq")
+INIT_WEIGHTS = ("true", "false", "gaussian", "pissa", "pissa_niter_N", "olora", "loftq", "lora-ga")
 
 
 @rule("lora variants")
@@ -216,18 +217,18 @@ def _lora_variants(c: RunConfig):
     w = lc.init_weights
     if w not in INIT_WEIGHTS and not re.fullmatch(r"pissa_niter_\d+", w):
         return (f"--init_weights {w}: not one of {', '.join(INIT_WEIGHTS)} (peft's init_lora_weights; ms-swift's "
-                "lora-ga and corda are not available)")
+                "corda is not available)")
     if w == "loftq" and c.quant_bits != 4:
         return ("--init_weights loftq fits A and B to the quantization error of a 4-bit base (peft's "
                 "replace_lora_weights_loftq): it needs --train-type qlora (or --quant-bits 4); on a 16-bit base use "
                 "pissa or olora")
-    if (w.startswith("pissa") or w == "olora") and c.quant_bits is not None:
-        return (f"--init_weights {w} moves the principal part of each base weight into the adapter and keeps the "
-                "residual in the base, which a bitsandbytes-quantized base cannot hold; use --train-type lora "
+    if moves_base(w) and c.quant_bits is not None:
+        return (f"--init_weights {w} moves part of each base weight into the adapter and keeps the residual "
+                "in the base, which a bitsandbytes-quantized base cannot hold; use --train-type lora "
                 "(16-bit base) or --init_weights true")
     if lc.lorap_lr_ratio is not None and not lc.lorap_lr_ratio > 0:
         return f"--lorap_lr_ratio must be > 0, got {lc.lorap_lr_ratio}"
-    if ((w.startswith("pissa") or w == "olora") and task_spec(c.task).own_options == "rlhf"
+    if (moves_base(w) and task_spec(c.task).own_options == "rlhf"
             and c.rlhf.rlhf_type in ("dpo", "kto", "grpo") and c.rlhf.ref_model is None):
         return (f"--init_weights {w}: the {c.rlhf.rlhf_type} reference is the base with the adapter off, which "
                 f"{w} has turned into the residual; give --ref_model (the model itself) or --init_weights true")
@@ -526,6 +527,7 @@ RUNS = {"count": 0}
 from swiftlite.config.rules_targets import TARGET_RULES  # noqa: E402,F401  (they join RULES here, in this order)
 from swiftlite.config.rules_data import cached_datasets  # noqa: E402,F401  (joins RULES here, after them)
 from swiftlite.config.rules_tuners import BOFT_KEYS  # noqa: E402,F401  (as rules_targets)
+from swiftlite.config.rules_galore import GALORE_OPTIMS  # noqa: E402,F401  (as rules_targets)
 
 
 def validate(cfg: RunConfig, *, check_paths: bool = True, refusals: Refusals | None = None) -> None:

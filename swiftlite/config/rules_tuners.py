@@ -10,6 +10,8 @@ from swiftlite.config.schema import RunConfig
 from swiftlite.config.tasks import task_spec
 
 BOFT_KEYS = ("boft_block_size", "boft_block_num", "boft_n_butterfly_factor", "boft_dropout")
+LORA_GA_KEYS = ("lora_ga_batch_size", "lora_ga_iters", "lora_ga_max_length", "lora_ga_direction", "lora_ga_scale",
+                "lora_ga_stable_gamma")
 ADALORA_KEYS = ("adalora_target_r", "adalora_init_r", "adalora_tinit", "adalora_tfinal", "adalora_deltaT",
                 "adalora_beta1", "adalora_beta2", "adalora_orth_reg_weight")
 LISA_KEYS = ("lisa_activated_layers", "lisa_step_interval")
@@ -90,6 +92,26 @@ def _adalora(c: RunConfig):
     if task_spec(c.task).own_options == "rlhf":
         return (f"--train_type adalora with swiftlite rlhf: AdaLoRA's rank allocation and orthogonal penalty are "
                 "run by the sft/pt step only: train it with swiftlite sft or pt")
+
+
+@rule("lora-ga")
+def _lora_ga(c: RunConfig):
+    lc = c.lora
+    if not (c.is_lora and lc.init_weights == "lora-ga"):
+        given = [k for k in LORA_GA_KEYS if k in c.explicit]
+        if given:
+            return f"{_flag(given[0])} is an option of LoRA-GA: add --init_weights lora-ga, or drop it"
+        return None
+    if min(lc.lora_ga_batch_size, lc.lora_ga_iters, lc.lora_ga_max_length, lc.lora_ga_stable_gamma) < 1:
+        return ("--lora_ga_batch_size, --lora_ga_iters, --lora_ga_max_length and --lora_ga_stable_gamma must be "
+                ">= 1")
+    if task_spec(c.task).own_options == "rlhf":
+        return ("--init_weights lora-ga with swiftlite rlhf: its gradients are estimated on sft/pt rows (the "
+                "token loss); use it with swiftlite sft or pt")
+    if c.data.streaming:
+        return ("--init_weights lora-ga with --streaming: the gradients are estimated on the first training rows "
+                "before training starts, which a stream reads only as training consumes them; drop one")
+    return None
 
 
 @rule("lisa layers")

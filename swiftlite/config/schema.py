@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar
 
 from swiftlite.config.access import Sealable, Section, field_reads, opt
 from swiftlite.config.data_options import TRUNCATION, DataConfig
+from swiftlite.config.galore_options import GaloreOptions
 from swiftlite.config.tuner_options import LORA_TYPES, PEFT_TYPES, TunerOptions
 from swiftlite.config.vllm_options import VllmOptions
 from swiftlite.dtypes import NAMES as _DTYPE_NAMES
@@ -119,8 +120,10 @@ class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*: config/tuner_opti
                             "false (both random: the adapter starts non-zero), gaussian, pissa or "
                             "pissa_niter_N (principal singular vectors; the base keeps the residual), olora "
                             "(QR; the base keeps the residual), loftq (QLoRA: A and B fitted to the 4-bit "
-                            "base's quantization error). Adapters saved from pissa/olora runs are converted "
-                            "to plain LoRA on the original base (peft's rank-2r conversion).",
+                            "base's quantization error), lora-ga (ms-swift's LoRA-GA, peft's lora_ga: A and B from "
+                            "the gradient of the first training rows, --lora_ga_*). Adapters saved from "
+                            "pissa/olora/lora-ga runs are converted to plain LoRA on the original base (peft's "
+                            "rank-2r conversion).",
                             normalize=lambda v: str(v).strip().lower())
     lorap_lr_ratio: float | None = opt(None, "LoRA+: the B matrices (and 1-D adapter tensors) train at "
                                        "learning rate x this ratio (ms-swift: 16 is typical). Default: off.")
@@ -211,7 +214,7 @@ class ParallelConfig(Section):
 
 
 @dataclass(kw_only=True)
-class OptimConfig(Section):
+class OptimConfig(GaloreOptions, Section):   # use_galore/galore_*: config/galore_options.py
     learning_rate: float | None = opt(None, "Peak learning rate (default 1e-4 for LoRA, 1e-5 for full).",
                                       aliases=("--lr",))
     weight_decay: float = opt(0.1, "AdamW weight decay.")
@@ -224,8 +227,8 @@ class OptimConfig(Section):
                      "every backend), adafactor (transformers' Adafactor, the schedule's lr), muon (torch.optim.Muon, "
                      "plain LoRA only); adafactor and muon need whole matrices: single/ddp.", choices=OPTIMIZERS)
     optimizer: str | None = opt(None, "ms-swift's optimizer plugin, which takes priority over --optim: muon "
-                                "(= --optim muon; the other plugins are refused with their alternative).",
-                                choices=("muon",))
+                                "(= --optim muon), galore (= --use_galore true); the other plugins are refused "
+                                "with their alternative.", choices=("muon", "galore"))
     lr_scheduler: str = opt("cosine", "Learning-rate schedule: transformers' get_scheduler, the lr of each step "
                             "as HF Trainer's (constant has no warm-up; reduce_lr_on_plateau and greedy are "
                             "refused: they step on a metric).", aliases=("--lr_scheduler_type",

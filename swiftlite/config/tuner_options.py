@@ -1,9 +1,10 @@
 """The options of the peft tuners besides LoRA: BOFT (`--train_type boft`) and AdaLoRA (`--train_type
-adalora`), with ms-swift's names and defaults (swift/arguments/tuner_args.py: the dataclass values,
-not its docstring's); and LISA's layer sampling of a full fine-tune (`--lisa_activated_layers`, ms-swift's
-swift/trainers/arguments.py, run by train/lisa.py). A base of schema.LoraConfig, kept here so that schema.py stays short; the shared
-adapter options (--target_modules, --modules_to_save, --lora_alpha, --lora_dropout, --lora_bias) live
-in LoraConfig, and config/rules_tuners.py says which option applies to which tuner.
+adalora`), and of LoRA-GA's initialisation (`--init_weights lora-ga`), with ms-swift's names and defaults
+(swift/arguments/tuner_args.py: the dataclass values, not its docstring's); and LISA's layer sampling of a
+full fine-tune (`--lisa_activated_layers`, ms-swift's swift/trainers/arguments.py, run by train/lisa.py).
+A base of schema.LoraConfig, kept here so that schema.py stays short; the shared adapter options
+(--target_modules, --modules_to_save, --lora_alpha, --lora_dropout, --lora_bias) live in LoraConfig, and
+config/rules_tuners.py says which option applies to which tuner.
 """
 
 from __future__ import annotations
@@ -16,11 +17,22 @@ from swiftlite.config.access import Section, opt
 PEFT_TYPES = ("lora", "qlora", "boft", "adalora")
 #: --train_type values whose adapter is peft's LoRA (cfg.is_lora): the LoRA variants apply to these.
 LORA_TYPES = ("lora", "qlora")
+#: LoRA-GA's choices (peft LoraGAConfig): how the gradient's singular vectors go to A and B, and B's scale.
+LORA_GA_DIRECTIONS = ("ArBr", "A2rBr", "ArB2r", "random")
+LORA_GA_SCALES = ("stable", "weight_svd", "gd_scale", "unit")
+
+
+def moves_base(init_weights: str) -> bool:
+    """--init_weights values with which peft starts the adapter non-zero and subtracts it from the base
+    (PiSSA, OLoRA: the principal part; LoRA-GA: s B0 A0 of the gradient's singular vectors), so that
+    the base in memory is no longer the model folder's and saved adapters are converted."""
+    return init_weights.startswith("pissa") or init_weights in ("olora", "lora-ga")
 
 
 @dataclass(kw_only=True)
 class TunerOptions(Section):
-    """`boft_*` and `adalora_*`: read only by their own --train_type; `lisa_*`: by --train_type full."""
+    """`boft_*` and `adalora_*`: read only by their own --train_type; `lora_ga_*` by --init_weights lora-ga;
+    `lisa_*` by --train_type full."""
     boft_block_size: int = opt(4, "BOFT (peft boft_block_size): size of each orthogonal block; each adapted "
                                "layer's input width must be a multiple of it. Give it or --boft_block_num, "
                                "not both (0 = unset).")
@@ -37,6 +49,14 @@ class TunerOptions(Section):
     adalora_deltaT: int = opt(1, "AdaLoRA (peft deltaT): optimizer steps between two rank allocations.")
     adalora_beta1: float = opt(0.85, "AdaLoRA (peft beta1): EMA factor of the importance (sensitivity).")
     adalora_beta2: float = opt(0.85, "AdaLoRA (peft beta2): EMA factor of its uncertainty.")
+    lora_ga_batch_size: int = opt(2, "LoRA-GA (--init_weights lora-ga): rows per gradient-estimation batch.")
+    lora_ga_iters: int = opt(2, "LoRA-GA: batches the gradient is averaged over before training (the first "
+                             "batch_size x iters training rows).")
+    lora_ga_max_length: int = opt(1024, "LoRA-GA: tokens of each row the gradient estimation reads.")
+    lora_ga_direction: str = opt("ArB2r", "LoRA-GA (peft direction): which of the gradient's top 2r singular "
+                                 "vectors initialise A and B.", choices=LORA_GA_DIRECTIONS)
+    lora_ga_scale: str = opt("stable", "LoRA-GA (peft scale): how B is scaled.", choices=LORA_GA_SCALES)
+    lora_ga_stable_gamma: int = opt(16, "LoRA-GA: gamma of the stable scale, out_features^0.25 / sqrt(gamma).")
     adalora_orth_reg_weight: float = opt(0.5, "AdaLoRA (peft orth_reg_weight): weight of the orthogonality "
                                          "penalty on A and B, added to each optimizer step's loss.")
     lisa_activated_layers: int = opt(0, "LISA (full fine-tune only): train this many decoder layers at a time, "

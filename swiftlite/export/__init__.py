@@ -118,8 +118,7 @@ def export(opts: ExportOptions) -> ExportResult:
             qreport = quantize_export(tmp, opts.quant, opts.dtype, max_shard, _trusts_code(src), log,
                                       check=opts.verify)
             append_readme(tmp, "## Quantization\n\n" + "\n".join(f"- {k}: {v}" for k, v in qreport.items())
-                          + "\n\nThis folder's weights are the 16-bit export above, quantized by transformers' "
-                          "bitsandbytes integration.\n")
+                          + "\n\nThis folder's weights are the 16-bit export above, " + _quant_note(opts.quant) + "\n")
             result.files, result.tensors, result.bytes = _folder_totals(tmp)
             if result.verify is not None:
                 result.verify.update(qreport)
@@ -142,7 +141,8 @@ def _check_ollama(opts: ExportOptions, src: Source) -> None:
     """--to_ollama: ollama imports a 16-bit safetensors folder, so a LoRA is merged first (as for a
     quantized export, and said); a bitsandbytes export is refused."""
     if opts.quant is not None:
-        raise UserError("--to_ollama with --quant_method bnb: ollama imports 16-bit safetensors (and quantizes "
+        raise UserError(f"--to_ollama with --quant_method {getattr(opts.quant, 'method', 'bnb')}: ollama imports "
+                        "16-bit safetensors (and quantizes "
                         "them itself: `ollama create --quantize q4_K_M`); drop --quant_method")
     if opts.model_only and opts.verify:
         raise UserError("--verify with --to_ollama on --model alone: the folder is used as it is, nothing is "
@@ -150,6 +150,11 @@ def _check_ollama(opts: ExportOptions, src: Source) -> None:
     if src.is_peft and not opts.merge_lora:
         opts.merge_lora = True
         opts.log("the LoRA is merged into its base first: ollama imports a full model")
+
+
+def _quant_note(quant) -> str:
+    note = getattr(quant, "note", None)
+    return note() if note else "quantized by transformers' bitsandbytes integration."
 
 
 def _trusts_code(src: Source) -> bool:

@@ -13,6 +13,7 @@ import torch
 
 from swiftlite.checkpoint import layout
 from swiftlite.checkpoint.readers import DCPReader, TensorReader, ZeroReader
+from swiftlite.config.tuner_options import moves_base
 from swiftlite.errors import UserError
 from swiftlite.export.source import Source
 from swiftlite.hf_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ADAPTER_WEIGHTS_BIN
@@ -102,9 +103,10 @@ def load_adapter(src: Source, log: Callable[[str], None]) -> Adapter:
             raise UserError(f"--ckpt {src.arg}: a --train_type {src.cfg.train.train_type} checkpoint without adapter/: "
                             "its adapter config (BOFT blocks, AdaLoRA rank pattern) is written there only; export a "
                             "checkpoint written with --save-hf-model true")
-        if lc.init_weights.startswith("pissa") or lc.init_weights == "olora":
+        if moves_base(lc.init_weights):
             raise UserError(f"--ckpt {src.arg}: a --init_weights {lc.init_weights} run's checkpoint without adapter/: "
-                            "its tensors are relative to the base PiSSA/OLoRA rewrote; export a checkpoint written "
+                            "its tensors are relative to the base PiSSA/OLoRA/LoRA-GA rewrote; export a checkpoint "
+                            "written "
                             "with --save-hf-model true (its adapter/ is converted to a plain LoRA of the base)")
         if src.weights is layout.CheckpointFormat.DCP:
             reader: TensorReader = DCPReader(src.dcp_dir)

@@ -12,7 +12,8 @@ are complete.
 ms-swift's defaults: nf4, double quantization on, compute dtype the export's --dtype; transformers keeps
 lm_head (and what it cannot quantize) in 16 bits. The quantized model is held in memory once (about a
 quarter of the bf16 size at 4 bits), on the GPU when there is one, else on the CPU (bitsandbytes' CPU
-backend). GPTQ, AWQ, FP8, HQQ and EETQ need calibration data or other kernels and are refused in the CLI.
+backend). FP8 is export/fp8.py; GPTQ, AWQ, HQQ and EETQ need calibration data or other kernels and
+are refused in the CLI.
 """
 
 from __future__ import annotations
@@ -58,14 +59,17 @@ class BnbExport:
 _WEIGHTS = ("config.json", "generation_config.json")
 
 
-def quantize_export(tmp: Path, q: BnbExport, dtype: str, max_shard: int, trust_remote_code: bool,
+def quantize_export(tmp: Path, q: Any, dtype: str, max_shard: int, trust_remote_code: bool,
                     log: Callable[[str], None], check: bool = False, source: Path | None = None) -> dict[str, Any]:
     """Replace the 16-bit export in `tmp` by its bitsandbytes-quantized form; or, given `source` (an HF
     folder exported as it is), write `source` quantized into `tmp`: transformers loads the folder
     itself, converting what it converts (a mixture of experts' per-expert tensors, which it fuses in
     memory), and saves it in the hub's layout again. `check` (--verify):
     reload the written folder and compare its tensors with the quantized model's in memory (equal,
-    bit for bit). Returns what the README records."""
+    bit for bit). Returns what the README records. An FP8 export (export/fp8.py) is written there."""
+    if not isinstance(q, BnbExport):
+        from swiftlite.export.fp8 import fp8_export
+        return fp8_export(tmp, q, dtype, max_shard, trust_remote_code, log, check, source)
     import torch
     from transformers import AutoModelForCausalLM
     device = {"": 0} if torch.cuda.is_available() else {"": "cpu"}

@@ -93,6 +93,8 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
         found.check(_refuse, optim_problem, run_cfg, facts.choice)
         from swiftlite.train.adalora import adalora_problem
         found.check(_refuse, adalora_problem, run_cfg, facts.choice)
+        from swiftlite.models.lora_ga import lora_ga_problem
+        found.check(_refuse, lora_ga_problem, run_cfg, facts.choice)
         from swiftlite.train.lisa import lisa_problem
         found.check(_refuse, lisa_problem, run_cfg, facts.choice)
         if resume is not None:

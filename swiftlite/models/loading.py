@@ -528,12 +528,14 @@ def add_neftune(model: "torch.nn.Module", alpha: float) -> None:
 
 def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any = None, *,
                   init_context: Any = None, skeleton: str | None = None,
-                  reentrant: bool = True, total_steps: int | None = None) -> "torch.nn.Module":
+                  reentrant: bool = True, total_steps: int | None = None,
+                  grad_rows: list[dict] | None = None) -> "torch.nn.Module":
     """load -> quantize -> LoRA -> activation checkpointing -> compile. Wrap + optimizer come next.
     `total_steps`: the run's optimizer steps (AdaLoRA's budget schedule is part of its peft config).
     `skeleton`: "shard" (the backend shards the skeleton, then fills it) or "fill" (filled here, at
     the end, before wrapping), see `load_model`. `reentrant`: checkpointing's default form when
-    --gradient_checkpointing_kwargs does not say (the backend record's `reentrant_checkpointing`)."""
+    --gradient_checkpointing_kwargs does not say (the backend record's `reentrant_checkpointing`).
+    `grad_rows`: LoRA-GA's gradient-estimation rows (models/lora_ga.py)."""
     check_attn_impl(cfg)  # preflight checks it too; a rank started another way gets the same line
     # quantization happens inside loading (bnb needs it there)
     model = load_model(cfg, source, world, init_context=init_context, attn_impl=cfg.model.attn_impl,
@@ -541,7 +543,7 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
     check_loaded_attention(cfg, model)
     if cfg.is_peft:
         from swiftlite.models.lora import apply_lora
-        model = apply_lora(model, cfg, total_steps)
+        model = apply_lora(model, cfg, total_steps, grad_rows)
     if cfg.train.neftune_noise_alpha:
         add_neftune(model, cfg.train.neftune_noise_alpha)
     if cfg.train.gradient_checkpointing:

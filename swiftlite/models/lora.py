@@ -125,12 +125,14 @@ def check_tuner(model: Any, cfg: "RunConfig", targets: str | list[str]) -> None:
             pass   # a BOFT base is never quantized (config/rules_tuners.py)
 
 
-def apply_lora(model: "torch.nn.Module", cfg: "RunConfig", total_steps: int | None = None) -> "torch.nn.Module":
+def apply_lora(model: "torch.nn.Module", cfg: "RunConfig", total_steps: int | None = None,
+               grad_rows: list[dict] | None = None) -> "torch.nn.Module":
     """Wrap with the run's peft adapter (LoRA, BOFT or AdaLoRA: models/tuners.peft_config); a target
-    list that matches nothing is an error listing what exists. `total_steps`: AdaLoRA's schedule."""
+    list that matches nothing is an error listing what exists. `total_steps`: AdaLoRA's schedule;
+    `grad_rows`: the training rows LoRA-GA estimates its gradients on (models/lora_ga.py)."""
     from swiftlite.models.quant import peft_without_bnb
     with peft_without_bnb(quantized=cfg.quant.quant_bits is not None):
-        return _wrap(model, cfg, total_steps)
+        return _wrap(model, cfg, total_steps, grad_rows)
 
 
 def _task_type(cfg: "RunConfig") -> str:
@@ -140,7 +142,8 @@ def _task_type(cfg: "RunConfig") -> str:
     return "SEQ_CLS" if reward_model(cfg) else "CAUSAL_LM"
 
 
-def _wrap(model: "torch.nn.Module", cfg: "RunConfig", total_steps: int | None) -> "torch.nn.Module":
+def _wrap(model: "torch.nn.Module", cfg: "RunConfig", total_steps: int | None,
+          grad_rows: list[dict] | None = None) -> "torch.nn.Module":
     import torch
     from peft import get_peft_model
 
@@ -153,6 +156,10 @@ def _wrap(model: "torch.nn.Module", cfg: "RunConfig", total_steps: int | None) -
     if cfg.quant.quant_bits == 4 and not any(type(m).__name__ == "Linear4bit" for m in model.modules()):
         raise UserError(f"--train-type {cfg.train.train_type}: no layer of {cfg.model.model} was quantized to "
                         "4-bit (bitsandbytes replaced no linear layer); use --lora")
+    from swiftlite.models.lora_ga import preprocess, uses_lora_ga
+    if uses_lora_ga(cfg) and targets == "all-linear":   # peft's preprocess_loraga reads names, not all-linear
+        targets = sorted({p.rsplit(".", 1)[-1] for p in linear_module_paths(model)
+                          if p.rsplit(".", 1)[-1] not in HEAD_NAMES})
     conf = peft_config(cfg, targets, _task_type(cfg), total_steps)
     # The LoRA A matrices are random: draw them from --seed alone, so every rank builds the same
     # adapter (the trainer seeds each rank differently for dropout; sharded backends keep each rank's
@@ -162,6 +169,8 @@ def _wrap(model: "torch.nn.Module", cfg: "RunConfig", total_steps: int | None) -
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(cfg.train.seed)
         from swiftlite.models.sharded import adapters_stay_real, deferred
+        if uses_lora_ga(cfg):   # the gradients get_peft_model initialises A and B from (same seed: same SVD)
+            preprocess(model, conf, cfg, grad_rows)
         try:
             with adapters_stay_real() if deferred(model) is not None else contextlib.nullcontext(), building(cfg):
                 peft_model = get_peft_model(model, conf)
@@ -177,11 +186,11 @@ def _wrap(model: "torch.nn.Module", cfg: "RunConfig", total_steps: int | None) -
 # -- LoRA variants (--use_dora, --use_rslora, --init_weights, --lora_bias) ----------------------------
 
 def mutates_base(cfg: "RunConfig") -> bool:
-    """PiSSA and OLoRA move the principal part of each adapted base weight into A0, B0 and leave the
-    residual W - s * B0 @ A0 in the base (peft), so the base in the model folder is no longer the
-    one the adapter is trained against."""
-    w = cfg.lora.init_weights
-    return cfg.is_lora and (w.startswith("pissa") or w == "olora")
+    """PiSSA and OLoRA move the principal part of each adapted base weight into A0, B0, LoRA-GA a
+    part made of the gradient's singular vectors, and each leaves the residual W - s * B0 @ A0 in the
+    base (peft), so the base in the model folder is no longer the one the adapter is trained against."""
+    from swiftlite.config.tuner_options import moves_base
+    return cfg.is_lora and moves_base(cfg.lora.init_weights)
 
 
 def reads_base(cfg: "RunConfig") -> str | None:

@@ -1,5 +1,5 @@
 """Which peft adapter a run trains: the one place that turns --train_type and its options into a peft
-config (LoraConfig, BOFTConfig or AdaLoraConfig), as ms-swift's prepare_adapter does
+config (LoraConfig, with LoRA-GA's LoraGAConfig, BOFTConfig or AdaLoraConfig), as ms-swift's prepare_adapter does
 (swift/pipelines/train/tuner.py). models/lora.py checks the targets, seeds and wraps.
 """
 
@@ -38,17 +38,22 @@ def peft_config(cfg: "RunConfig", targets: str | list[str], task_type: str, tota
             raise UserError(f"--adalora_tinit {lc.adalora_tinit} --adalora_tfinal {lc.adalora_tfinal} with "
                             f"{total_steps} optimizer steps: {str(e).splitlines()[0]}") from None
     from peft import LoraConfig
+    ga = None
+    if lc.init_weights == "lora-ga":
+        from peft import LoraGAConfig
+        ga = LoraGAConfig(direction=lc.lora_ga_direction, scale=lc.lora_ga_scale, stable_gamma=lc.lora_ga_stable_gamma)
     return LoraConfig(r=lc.lora_rank, lora_alpha=lc.lora_alpha, lora_dropout=lc.lora_dropout, bias=lc.lora_bias,
                       use_dora=lc.use_dora, use_rslora=lc.use_rslora, init_lora_weights=init_lora_weights(cfg),
-                      **shared)
+                      lora_ga_config=ga, **shared)
 
 
 def init_lora_weights(cfg: "RunConfig") -> bool | str:
-    """--init_weights as peft's init_lora_weights: true/false are booleans, the rest peft's names."""
+    """--init_weights as peft's init_lora_weights: true/false are booleans, the rest peft's names
+    (ms-swift's lora-ga is peft's lora_ga)."""
     w = cfg.lora.init_weights
     if w == "loftq":
         return True   # peft's LoftQ for a bitsandbytes base replaces these later (models/lora.apply_loftq)
-    return {"true": True, "false": False}.get(w, w)
+    return {"true": True, "false": False, "lora-ga": "lora_ga"}.get(w, w)
 
 
 @contextlib.contextmanager

@@ -186,6 +186,10 @@ class TorchEngine:
             raise UserError(f"--resume: {folder} holds no fp32 weights for {len(missing)} tensors of this model "
                             f"({', '.join(missing[:3])}); it was written for another model or train type")
         if not model_only:  # checked before anything is loaded
+            from swiftlite.config.galore_options import uses_galore
+            if uses_galore(self.cfg):
+                raise UserError(f"--resume: {folder} holds AdamW moments of whole matrices, and GaLore's are "
+                                "projected (--use_galore); add --resume_only_model true (fresh optimizer state)")
             fresh = get_optimizer_state_dict(self.inner, self.optimizer, options=self._opts(full_state_dict=True))
             saved = uni.param_groups
             check_groups(folder, len(saved), len(fresh["param_groups"]))

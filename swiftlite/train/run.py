@@ -188,9 +188,10 @@ def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> t
         probe = probe_factory(run_dir, world, start_guess, steps) if probe_factory else None
         if probe is not None:
             probe.start()
+        from swiftlite.models.lora_ga import estimation_rows
         model = prepare_model(cfg, source, world, init_context=init_context, skeleton=skeleton_mode(cfg, choice),
                               reentrant=choice.record.reentrant_checkpointing or not world.distributed,
-                              total_steps=steps)
+                              total_steps=steps, grad_rows=estimation_rows(cfg, train_data))
         engine = build_engine(model, cfg, world, steps, choice)   # optimizer built here (trap 2)
 
         from swiftlite.train.lisa import resume_scope, with_lisa

@@ -62,6 +62,17 @@ SFT = [
     ("full", f"sft {_C} --tuner_type full --dataset {{alpaca}}#8 {{alpaca}}#8 --torch_dtype bfloat16 "
              "--learning_rate 1e-5 --num_train_epochs 2",
      {"train_type": "full", "torch_dtype": "bf16", "learning_rate": 1e-5, "num_train_epochs": 2}),
+    # examples/train/tuners/lora-ga/train.sh
+    ("lora_ga", f"sft {_C} --tuner_type lora --dataset {{self_cognition}}#16 --num_train_epochs 1 --learning_rate 1e-4 "
+                "--lora_rank 8 --lora_alpha 32 --init_weights lora-ga --lora_ga_batch_size 2 --lora_ga_iters 2 "
+                "--lora_ga_max_length 1024 --lora_ga_direction ArB2r --lora_ga_scale stable --lora_ga_stable_gamma 16 "
+                "--model_author swift --model_name swift-robot",
+     {"init_weights": "lora-ga", "lora_ga_batch_size": 2, "lora_ga_iters": 2, "lora_ga_max_length": 1024,
+      "lora_ga_direction": "ArB2r", "lora_ga_scale": "stable", "lora_ga_stable_gamma": 16}),
+    # examples/train/tuners/galore/train_galore.sh
+    ("galore", f"sft {_C} --tuner_type full --dataset {{self_cognition}}#16 --learning_rate 1e-5 --use_galore true "
+               "--galore_optim_per_parameter true --model_author swift --model_name swift-robot",
+     {"use_galore": True, "galore_optim_per_parameter": True, "galore_rank": 128}),
     ("self_cognition", f"sft {_C} {_LORA} --dataset {{alpaca}}#8 {{self_cognition}}#8 --model_author swift "
                        "--model_name swift-robot",
      {"model_author": ["swift"], "model_name": ["swift-robot"]}),
@@ -216,12 +227,8 @@ REFUSED = {
     "sft": [
         ("--agent_template react_en", "template"),
 
-        ("--use_galore true", "GaLore"), ("--galore_optim_per_parameter true", "GaLore"),
-        ("--galore_quantization true", "GaLore"),
+        ("--galore_quantization true", "Q-GaLore"),
         ("--llamapro_num_new_blocks 4", "tuner"),
-        ("--lora_ga_batch_size 2", "LoRA-GA"), ("--lora_ga_direction ArB2r", "LoRA-GA"),
-        ("--lora_ga_iters 2", "LoRA-GA"), ("--lora_ga_max_length 1024", "LoRA-GA"),
-        ("--lora_ga_scale stable", "LoRA-GA"), ("--lora_ga_stable_gamma 16", "LoRA-GA"),
         ("--loss_scale react", "loss scale"), ("--max_model_len 512000", "max_position_embeddings"),
         ("--optim_args qk_clip_threshold=10000", "optimizer"),
         ("--reft_intervention_type LoreftIntervention", "tuner"), ("--response_prefix x", "template"),
@@ -233,7 +240,7 @@ REFUSED = {
     "export": [
         ("--device_map cpu", "device_map"), ("--hub_model_id m", "upload"), ("--hub_token t", "upload"),
         ("--push_to_hub true", "upload"), ("--use_hf true", "upload"), ("--load_data_args true", "args.json"),
-        ("--quant_method awq", "bnb only"), ("--quant_bits 4", "quantized export"),
+        ("--quant_method awq", "or fp8"), ("--quant_bits 4", "quantized export"),
         ("--quant_n_samples 256", "quantized export"), ("--quant_batch_size 1", "quantized export"),
         ("--bnb_4bit_quant_type nf4", "quantized export"), ("--bnb_4bit_use_double_quant true", "quantized export"),
         
@@ -247,7 +254,7 @@ REFUSED = {
 #: Refused by a later check (a value's choices, the value rules, the preflight of the machine): each its own
 #: line, exit 2, alone and in the same run as REFUSED["sft"]'s (every stage's refusals are listed together).
 REFUSED_LATER = [
-    ("--init_weights lora-ga", "lora-ga"), ("--attn_impl flash_attn", "GPU"), ("--use_liger_kernel true", "GPU"),
+    ("--attn_impl flash_attn", "GPU"), ("--use_liger_kernel true", "GPU"),
 ]
 
 

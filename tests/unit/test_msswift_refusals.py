@@ -85,13 +85,14 @@ def test_every_msswift_export_option_is_taken_or_refused_with_a_reason():
 
 def test_every_refused_flag_reported_at_once_in_order():
     with pytest.raises(UserErrors) as e:
-        parse_run_args(["--dataset", "d.jsonl", "--use_galore", "--galore_rank", "4", "--optim_args", "x",
+        parse_run_args(["--dataset", "d.jsonl", "--galore_quantization", "--galore_proj_bits", "8", "--optim_args", "x",
                         "--frobnicate", "3", "--lora_rnak", "4", "--use_ray", "true", "--lora-rank", "8"])
     lines = e.value.lines
     assert [ln.split(":")[0].split(" (")[0] for ln in lines] == [
-        "--use_galore", "--galore_rank", "--optim_args", "unknown option --frobnicate", "unknown option --lora_rnak",
+        "--galore_quantization", "--galore_proj_bits", "--optim_args", "unknown option --frobnicate",
+        "unknown option --lora_rnak",
         "--use_ray"]
-    assert "GaLore is not available" in lines[0] and "--train-type lora" in lines[0]
+    assert "Q-GaLore" in lines[0] and "is not available" in lines[0] and "--use_galore true" in lines[0]
     assert lines[3] == "unknown option --frobnicate"                      # no suggestion: nothing alike
     assert lines[4] == "unknown option --lora_rnak (did you mean --lora_rank?)"
 
@@ -112,10 +113,10 @@ def test_misspelling_suggests_the_flag():
 
 def test_config_file_keys_all_reported(tmp_path):
     p = tmp_path / "run.yaml"
-    p.write_text("dataset: [d.jsonl]\nuse_galore: true\nwarp_speed: 9\nmax_lenght: 5\n")
+    p.write_text("dataset: [d.jsonl]\ngalore_quantization: true\nwarp_speed: 9\nmax_lenght: 5\n")
     with pytest.raises(UserErrors) as e:
         load_config(str(p), {}, validate_paths=False)
-    assert e.value.lines[0].startswith(f"{p}: use_galore: GaLore is not available")
+    assert e.value.lines[0].startswith(f"{p}: galore_quantization: Q-GaLore")
     assert e.value.lines[1] == f"{p}: unknown option 'warp_speed'"
     assert e.value.lines[2] == f"{p}: unknown option 'max_lenght' (did you mean 'max_length'?)"
 
@@ -144,11 +145,11 @@ def _cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def test_cli_lists_every_refusal_one_line_each(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"messages": [{"role": "user", "content": "a"}, '
                                       '{"role": "assistant", "content": "b"}]}\n')
-    r = _cli(["sft", "--model", "tiny-llama-2l", "--dataset", "d.jsonl", "--use_galore", "true",
+    r = _cli(["sft", "--model", "tiny-llama-2l", "--dataset", "d.jsonl", "--galore_quantization", "true",
               "--enable_channel_loss", "true", "--frobnicate", "--output_dir", "out"], tmp_path)
     lines = r.stderr.splitlines()
     assert r.returncode == 2 and len(lines) == 3 and all(ln.startswith("error: ") for ln in lines), r.stderr
-    assert lines[0].startswith("error: --use_galore: GaLore") and lines[1].startswith("error: --enable_channel_loss: channel losses")
+    assert lines[0].startswith("error: --galore_quantization: Q-GaLore") and lines[1].startswith("error: --enable_channel_loss: channel losses")
     assert lines[2] == "error: unknown option --frobnicate"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]     # nothing written
     r = _cli(["export", "--ckpt", "out", "--push_to_hub", "true", "--hub_model_id", "me/m"], tmp_path)

@@ -1,0 +1,122 @@
+"""`swiftlite export --quant_method fp8` (ms-swift's examples/export/quantize/fp8.sh, `--model` a local
+folder): transformers' FineGrainedFP8 format written on the CPU, block by block with transformers' own
+quantization operation. The folder's stored FP8 weights times their block scales are the source's to
+FP8's rounding, transformers loads it (dequantizing, as it does without an FP8 GPU) with logits close to
+the source's; layers the blocks do not divide and the head stay 16-bit and are named in
+modules_to_not_convert; a LoRA checkpoint is merged first; a mixture of experts and wrong options are
+refused, nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import cli_env, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 folder: q/o/gate/up/down widths of 128 and 256 (FP8 blocks divide them), k/v 64 (not)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
+    d = tmp_path_factory.mktemp("fp8") / "tiny-qwen2"
+    conf = Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=TINY_VOCAB, max_position_embeddings=512,
+                       tie_word_embeddings=False, eos_token_id=258, pad_token_id=259, bos_token_id=None)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(conf).to(torch.bfloat16).save_pretrained(d)
+    AutoTokenizer.from_pretrained(TINY_TOKENIZER).save_pretrained(d)
+    return d
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    out = {}
+    for f in folder.glob("*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+def _dequantized(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (w.float().reshape(w.shape[0] // 128, 128, w.shape[1] // 128, 128)
+            * scale[:, None, :, None]).reshape(w.shape)
+
+
+def test_fp8_export_of_a_model_folder(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "fp8"
+    log = run_cli(["export", "--model", model_dir, "--quant_method", "fp8", "--output_dir", out, "--verify"]).stdout
+    assert "quantizing: FP8 e4m3" in log
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
+    assert qc["activation_scheme"] == "dynamic" and qc["dequantize"] is False
+    skipped = {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("k_proj", "v_proj")}
+    assert set(qc["modules_to_not_convert"]) == {"lm_head", *skipped}
+    src, got = _weights(model_dir), _weights(out)
+    fp8 = {k for k, v in got.items() if v.dtype == torch.float8_e4m3fn}
+    assert fp8 == {f"model.layers.{i}.{p}.weight" for i in range(2)
+                   for p in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    for name in fp8:
+        scale = got[name.replace(".weight", ".weight_scale_inv")]
+        assert scale.dtype == torch.float32 and scale.shape == (src[name].shape[0] // 128, src[name].shape[1] // 128)
+        ref = src[name].float()
+        err = float((_dequantized(got[name], scale) - ref).abs().max() / ref.abs().max())
+        assert 0 < err <= 2 ** -4, (name, err)                  # quantized, within e4m3's rounding
+    for name in ("lm_head.weight", "model.layers.0.self_attn.k_proj.weight", "model.embed_tokens.weight"):
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], src[name])
+    assert "to FP8 rounding" in (out / "README.md").read_text()          # --verify's reload check
+    assert (out / "tokenizer.json").is_file() and not list(tmp_path.glob(".*export-tmp*"))
+    # transformers loads it (dequantized on this CPU): the logits are the source model's, nearly
+    a = AutoModelForCausalLM.from_pretrained(model_dir)
+    b = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        la, lb = a(ids).logits.float().flatten(), b(ids).logits.float().flatten()
+    assert torch.nn.functional.cosine_similarity(la, lb, dim=0) > 0.99
+
+
+def test_lora_checkpoint_is_merged_then_quantized(model_dir, tmp_path):
+    from swiftlite.demo import write_demo_data
+    train, _ = write_demo_data(tmp_path / "data", n_train=32, n_val=4)
+    run = tmp_path / "run"
+    run_cli(["sft", "--model", model_dir, "--train_type", "lora", "--dataset", train, "--max_steps", "1",
+             "--gradient_accumulation_steps", "1", "--per_device_train_batch_size", "2", "--max_length", "32",
+             "--truncation_strategy", "right", "--learning_rate", "5e-2", "--output_dir", run],
+            env=cli_env(SWIFTLITE_CACHE=str(tmp_path / "cache")))
+    merged = tmp_path / "merged"
+    run_cli(["export", "--adapters", run / "checkpoint-1", "--merge_lora", "true", "-o", merged])
+    log = run_cli(["export", "--adapters", run / "checkpoint-1", "--quant_method", "fp8"]).stdout
+    out = run / "checkpoint-1-fp8"                               # ms-swift's <checkpoint>-<method> name
+    assert "the LoRA is merged into its base first" in log
+    ref, got = _weights(merged), _weights(out)
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert not torch.equal(ref[name], _weights(model_dir)[name])   # the merge moved it
+    deq = _dequantized(got[name], got[name.replace(".weight", ".weight_scale_inv")])
+    assert float((deq - ref[name].float()).abs().max() / ref[name].float().abs().max()) <= 2 ** -4
+
+
+def test_refusals(model_dir, tmp_path):
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
+    r = run_cli(["export", "--model", model_dir, "--quant_method", "fp8", "--quant_bits", "8", "--bnb_4bit_quant_type",
+                 "nf4", "--output_dir", tmp_path / "o"], check=False)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: --quant_bits: FP8's format has no such setting (e4m3 weights, a scale per 128 x 128 block)",
+        "error: --bnb_4bit_quant_type: FP8's format has no such setting (e4m3 weights, a scale per 128 x 128 block)"]
+    moe = tmp_path / "moe"
+    conf = Qwen3MoeConfig(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                          num_experts_per_tok=2, vocab_size=TINY_VOCAB, max_position_embeddings=512,
+                          tie_word_embeddings=False, eos_token_id=258, pad_token_id=259, bos_token_id=None)
+    Qwen3MoeForCausalLM(conf).to(torch.bfloat16).save_pretrained(moe)
+    AutoTokenizer.from_pretrained(TINY_TOKENIZER).save_pretrained(moe)
+    r = run_cli(["export", "--model", moe, "--quant_method", "fp8", "--output_dir", tmp_path / "o"], check=False)
+    assert r.returncode == 2 and "--quant_method fp8: moe is a mixture of experts" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
