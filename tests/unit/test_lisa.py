@@ -55,13 +55,19 @@ def _layer_of(name: str) -> int | None:
     return int(parts[2]) if parts[:2] == ["model", "layers"] else None
 
 
-def test_single_engine_changes_exactly_the_drawn_layers():
+@pytest.mark.parametrize("optim", [[], ["--optim", "adamw_torch"], ["--optim", "sgd"],
+                                   ["--use_galore", "true", "--galore_rank", "8", "--galore_update_proj_gap", "2"]],
+                         ids=["adamw_torch_fused", "adamw_torch", "sgd", "galore"])
+def test_single_engine_changes_exactly_the_drawn_layers(optim):
     """Steps 1..5 with N=1, K=2 (draws before steps 1, 2, 3 and 5): after each step the parameters that
     changed are the drawn layer's and every non-layer one; a layer of an earlier window keeps its weights
     bit for bit (AdamW with weight decay 0.1 and its moments would move it if its gradient were zeros)."""
+    if optim and optim[0] == "--use_galore":
+        pytest.importorskip("galore_torch")
     seed = 3
     cfg = cfg_of("--train_type", "full", "--lisa_activated_layers", "1", "--lisa_step_interval", "2",
-                 "--seed", str(seed), "--learning_rate", "1e-2", "--weight_decay", "0.1", "--torch_dtype", "fp32")
+                 "--seed", str(seed), "--learning_rate", "1e-2", "--weight_decay", "0.1", "--torch_dtype", "fp32",
+                 *optim)
     expected = [sample(seed, window_start(g, 2), 4, 1) for g in range(5)]
     assert expected[0] != expected[1] != expected[2] and expected[2] == expected[3] != expected[4]
     model = _model()
