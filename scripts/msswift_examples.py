@@ -288,8 +288,9 @@ def build_models(d: Path) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
-    # widths of 128 and 256, as real models' are multiples of FP8's 128 x 128 blocks (k/v at 64 are not: both cases)
-    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    # widths of 128 and 256, as real models' are multiples of FP8's 128 x 128 blocks (k/v at 64 are not: both
+    # cases); 4 layers: divisible by LLaMA-Pro's default --llamapro_num_new_blocks 4, as real models' 28 or 32 are
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=TINY_VOCAB, eos_token_id=258, pad_token_id=259,
                   bos_token_id=None, dtype="bfloat16")
     cfgs = {"qwen2": Qwen2Config(max_position_embeddings=32768, tie_word_embeddings=False, **common),

@@ -148,9 +148,18 @@ def optim_problem(cfg: "RunConfig", choice: "object | None" = None) -> str | Non
                     "values); use --optim adamw_torch_fused")
         if not cfg.is_peft or l.use_dora or l.lora_bias != "none" or l.modules_to_save:
             return ("--optim muon: torch.optim.Muon updates 2-D matrices only, and this run also trains "
-                    f"{'norms, biases and embeddings (a full fine-tune)' if not cfg.is_peft else '1-D tensors or whole modules (DoRA magnitudes, --lora_bias all, --modules-to-save)'}; "
+                    f"{_muon_other_tensors(cfg)}; "
                     "use it for a plain LoRA (every trainable tensor a matrix), or --optim adamw_torch_fused")
     return None
+
+
+def _muon_other_tensors(cfg: "RunConfig") -> str:
+    """What besides 2-D matrices a run that Muon refuses trains, in a phrase."""
+    if cfg.train.train_type == "llamapro":
+        return "the new blocks' norms (and biases, where the model has them)"
+    if not cfg.is_peft:
+        return "norms, biases and embeddings (a full fine-tune)"
+    return "1-D tensors or whole modules (DoRA magnitudes, --lora_bias all, --modules-to-save)"
 
 
 def build_optimizer(model: torch.nn.Module, cfg: "RunConfig") -> torch.optim.Optimizer:

@@ -73,13 +73,14 @@ def run_facts(cfg: "RunConfig", train_data: Any, global_batch: int) -> dict[str,
         value = cfg.flat()[key] if key != "optim" else (cfg.optim.optimizer or cfg.optim.optim)
         if value != default and (key == "optim" or cfg.is_peft):
             shape[key] = value
-    # The run's BOFT/AdaLoRA options off their default: they shape the adapter (blocks, ranks) and
-    # AdaLoRA's schedule, so a resume with others is a different run; LISA's (a full run) decide which
-    # layers each step trains and which have optimizer state.
+    # The run's BOFT/AdaLoRA/LLaMA-Pro options off their default: they shape the adapter (blocks, ranks),
+    # AdaLoRA's schedule or the expanded layers, so a resume with others is a different run; LISA's (a full
+    # run) decide which layers each step trains and which have optimizer state.
     from swiftlite.config import field_specs
-    from swiftlite.config.rules_tuners import ADALORA_KEYS, BOFT_KEYS, LISA_KEYS
+    from swiftlite.config.rules_tuners import ADALORA_KEYS, BOFT_KEYS, LISA_KEYS, LLAMAPRO_KEYS
     specs, flat = field_specs(), cfg.flat()
-    for key in {"boft": BOFT_KEYS, "adalora": ADALORA_KEYS, "full": LISA_KEYS}.get(cfg.train.train_type, ()):
+    for key in {"boft": BOFT_KEYS, "adalora": ADALORA_KEYS, "llamapro": LLAMAPRO_KEYS,
+                "full": LISA_KEYS}.get(cfg.train.train_type, ()):
         if flat[key] != specs[key].default:
             shape[key] = flat[key]
     return {"data": {"rows": len(train_data.rows), "tokens": tokens, "sha256": h.hexdigest()[:32]},
@@ -220,7 +221,8 @@ def export_weights(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", wo
 
 
 #: Run facts that change the shape of the saved weights: a model-only resume must agree on these.
-WEIGHT_SHAPE = ("train_type", "lora_rank", "target_modules", "quant_bits")
+WEIGHT_SHAPE = ("train_type", "lora_rank", "target_modules", "quant_bits", "llamapro_num_new_blocks",
+                "llamapro_num_groups")
 
 
 def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", choice: Any,

@@ -23,8 +23,9 @@ def models_cmd() -> None:
 def estimate_cmd(
     model: str = typer.Option("tiny-llama", "--model", help="Preset name or local HF folder (config.json only)."),
     train_type: Optional[str] = typer.Option(None, "--train-type", "--train_type",
-                                             help="full, lora, qlora, boft or adalora (default full; boft and "
-                                                  "adalora with ms-swift's default blocks and ranks)."),
+                                             help="full, lora, qlora, boft, adalora or llamapro (default full; "
+                                                  "boft, adalora and llamapro with ms-swift's default blocks "
+                                                  "and ranks: llamapro adds 4 layers and trains them)."),
     lora: bool = typer.Option(False, "--lora", help="Shorthand for --train-type lora."),
     qlora: bool = typer.Option(False, "--qlora", help="Shorthand for --train-type qlora (a 4-bit base)."),
     gpus: int = typer.Option(1, "--gpus", "--gpus-per-node", "--gpus_per_node", "--nproc-per-node", "--nproc_per_node",

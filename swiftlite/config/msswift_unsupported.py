@@ -22,7 +22,7 @@ from swiftlite.config.grpo_unsupported import GRPO_GROUPS
 MSSWIFT_COMMIT = "3602360a56 (2026-08-22)"
 
 _MM = "multimodal models are not supported (text causal LMs only): drop the flag"
-_TUNER = "is an option of an ms-swift tuner swiftlite does not have (it trains full, lora, qlora, boft or adalora): drop the flag"
+_TUNER = "is an option of an ms-swift tuner swiftlite does not have (it trains full, lora, qlora, boft, adalora or llamapro): drop the flag"
 _GKD = ("GKD / on-policy distillation (--rlhf_type gkd) is not available: the --rlhf_type choices are in `swiftlite rlhf --help`; "
         "distil by running sft on the teacher's outputs")
 _PPO = "PPO (--rlhf_type ppo) is not available: the --rlhf_type choices are in `swiftlite rlhf --help`"
@@ -57,7 +57,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (_FREEZE, ("freeze_parameters", "freeze_parameters_regex", "freeze_parameters_ratio", "trainable_parameters",
                "trainable_parameters_regex", "target_parameters")),
     (_TUNER, ("fourier_n_frequency", "fourier_scaling", "vera_rank", "vera_projection_prng_key", "vera_dropout",
-              "vera_d_initial", "adapter_act", "adapter_length", "llamapro_num_new_blocks", "llamapro_num_groups", "reft_layer_key", "reft_layers", "reft_rank",
+              "vera_d_initial", "adapter_act", "adapter_length", "reft_layer_key", "reft_layers", "reft_rank",
               "reft_intervention_type", "reft_args")),
     # swift/arguments/base_args/generation_args.py: GenerationArguments
     (_GEN, ("repetition_penalty", "num_beams", "stream", "stop_words", "logprobs",

@@ -52,8 +52,7 @@ def _flag(key: str) -> str:
 
 #: Options that only mean something for a LoRA adapter / a quantized base (refused on a full run when
 #: given explicitly, in a config file or as a flag: ms-swift's default train type is lora).
-LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "use_dora", "use_rslora",
-             "init_weights", "lorap_lr_ratio", "lora_bias")
+from swiftlite.config.tuner_options import LORA_ONLY  # noqa: E402  (rules_tuners reads it too)
 QUANT_ONLY = ("quant_bits", "quant_method", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
               "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")
 BNB_4BIT = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")

@@ -1,4 +1,4 @@
-"""The rules of the peft tuners besides LoRA (--train_type boft, adalora) and of LISA's layer sampling
+"""The rules of the tuners besides LoRA (--train_type boft, adalora, llamapro) and of LISA's layer sampling
 (--lisa_activated_layers, a full fine-tune): which options apply to which tuner, and the combinations
 peft or swiftlite cannot run, each with its reason. Rules of
 config/rules.py's table, kept here so that module stays short. Import-light (no torch)."""
@@ -14,6 +14,7 @@ LORA_GA_KEYS = ("lora_ga_batch_size", "lora_ga_iters", "lora_ga_max_length", "lo
                 "lora_ga_stable_gamma")
 ADALORA_KEYS = ("adalora_target_r", "adalora_init_r", "adalora_tinit", "adalora_tfinal", "adalora_deltaT",
                 "adalora_beta1", "adalora_beta2", "adalora_orth_reg_weight")
+LLAMAPRO_KEYS = ("llamapro_num_new_blocks", "llamapro_num_groups")
 LISA_KEYS = ("lisa_activated_layers", "lisa_step_interval")
 #: LoRA's own options, by the tuner that has no use for them, with the reason.
 NOT_FOR = {
@@ -36,7 +37,7 @@ def _flag(key: str) -> str:
 @rule("tuner options")
 def _tuner_options(c: RunConfig):
     t = c.train.train_type
-    for keys, owner in ((BOFT_KEYS, "boft"), (ADALORA_KEYS, "adalora")):
+    for keys, owner in ((BOFT_KEYS, "boft"), (ADALORA_KEYS, "adalora"), (LLAMAPRO_KEYS, "llamapro")):
         if t != owner:
             given = [k for k in keys if k in c.explicit]
             if given:
@@ -112,6 +113,33 @@ def _lora_ga(c: RunConfig):
         return ("--init_weights lora-ga with --streaming: the gradients are estimated on the first training rows "
                 "before training starts, which a stream reads only as training consumes them; drop one")
     return None
+
+
+@rule("llamapro options")
+def _llamapro(c: RunConfig):
+    """LLaMA-Pro trains whole new decoder blocks of a 16-bit model (models/llamapro.py); the layer count's
+    divisibility needs the model's config and is checked before launch (launch/preflight.py)."""
+    if c.train.train_type != "llamapro":
+        return None
+    lc = c.lora
+    if lc.llamapro_num_new_blocks < 1:
+        return f"--llamapro_num_new_blocks must be >= 1, got {lc.llamapro_num_new_blocks}"
+    if lc.llamapro_num_groups is not None and lc.llamapro_num_groups < 1:
+        return f"--llamapro_num_groups must be >= 1, got {lc.llamapro_num_groups}"
+    from swiftlite.config.tuner_options import LORA_ONLY
+    given = [k for k in LORA_ONLY if k in c.explicit]
+    if given:
+        return (f"{_flag(given[0])} does not apply to --train_type llamapro: it trains whole new decoder blocks, "
+                "no adapter: drop it")
+    if c.quant_bits is not None:
+        return (f"--quant_bits {c.quant_bits} with --train_type llamapro: the new blocks are copies of 16-bit layers "
+                "trained in full: drop --quant_bits")
+    if c.model.new_special_tokens:
+        return ("--new_special_tokens with --train_type llamapro: only the new blocks train, so the new tokens' "
+                "embeddings would stay untrained: drop it, or train them with --train_type full or lora")
+    if task_spec(c.task).own_options == "rlhf":
+        return ("--train_type llamapro with swiftlite rlhf: swiftlite expands and trains LLaMA-Pro blocks with sft "
+                "and pt only")
 
 
 @rule("lisa layers")

@@ -54,7 +54,7 @@ SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_key|credential"
 TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f"})
 
-TRAIN_TYPES = ("full", "lora", "qlora", "boft", "adalora")
+TRAIN_TYPES = ("full", "lora", "qlora", "boft", "adalora", "llamapro")
 DTYPES = _DTYPE_NAMES  # swiftlite/dtypes.py is the one dtype table
 #: transformers' scheduler names (SchedulerType), built by `transformers.get_scheduler` (optim.py);
 #: reduce_lr_on_plateau and greedy step on a metric and are refused there with the reason.
@@ -104,7 +104,7 @@ class ModelConfig(Section):
 
 
 @dataclass(kw_only=True)
-class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*: config/tuner_options.py
+class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*/llamapro_*: config/tuner_options.py
     lora_rank: int = opt(8, "LoRA rank r.", aliases=("--lora-r",))
     lora_alpha: int = opt(32, "LoRA alpha.")
     lora_dropout: float = opt(0.05, "LoRA dropout.")
@@ -215,7 +215,7 @@ class ParallelConfig(Section):
 
 @dataclass(kw_only=True)
 class OptimConfig(GaloreOptions, Section):   # use_galore/galore_*: config/galore_options.py
-    learning_rate: float | None = opt(None, "Peak learning rate (default 1e-4 for LoRA, 1e-5 for full).",
+    learning_rate: float | None = opt(None, "Peak learning rate (default 1e-5 for full, else 1e-4).",
                                       aliases=("--lr",))
     weight_decay: float = opt(0.1, "AdamW weight decay.")
     adam_beta1: float = opt(0.9, "AdamW beta1.")
@@ -243,7 +243,8 @@ class OptimConfig(GaloreOptions, Section):   # use_galore/galore_*: config/galor
 @dataclass(kw_only=True)
 class TrainConfig(Section):
     train_type: str = opt("lora", "full, lora, qlora (--full / --lora / --qlora are shorthands), boft or "
-                          "adalora (peft's BOFT and AdaLoRA adapters); lora as in ms-swift.",
+                          "adalora (peft's BOFT and AdaLoRA adapters), llamapro (LLaMA-Pro: new blocks "
+                          "inserted and trained, the rest frozen); lora as in ms-swift.",
                           aliases=("--tuner_type", "--tuner-type"), choices=TRAIN_TYPES)
     per_device_train_batch_size: int = opt(1, "Micro-batch size per process.", aliases=("--batch-size",))
     per_device_eval_batch_size: int = opt(1, "Batch size per process for validation (ms-swift's 1).")
@@ -523,7 +524,7 @@ class RunConfig(Sealable):
     def learning_rate(self) -> float:
         if self.optim.learning_rate is not None:
             return self.optim.learning_rate
-        return 1e-4 if self.is_peft else 1e-5
+        return 1e-5 if self.train.train_type == "full" else 1e-4   # ms-swift: 1e-5 for full, else 1e-4
 
 
 SECTIONS = ("model", "lora", "quant", "data", "parallel", "optim", "train", "checkpoint", "rlhf")

@@ -1,9 +1,10 @@
-"""The options of the peft tuners besides LoRA: BOFT (`--train_type boft`) and AdaLoRA (`--train_type
-adalora`), and of LoRA-GA's initialisation (`--init_weights lora-ga`), with ms-swift's names and defaults
-(swift/arguments/tuner_args.py: the dataclass values, not its docstring's); and LISA's layer sampling of a
-full fine-tune (`--lisa_activated_layers`, ms-swift's swift/trainers/arguments.py, run by train/lisa.py).
-A base of schema.LoraConfig, kept here so that schema.py stays short; the shared adapter options
-(--target_modules, --modules_to_save, --lora_alpha, --lora_dropout, --lora_bias) live in LoraConfig, and
+"""The options of the tuners besides LoRA: BOFT (`--train_type boft`), AdaLoRA (`--train_type adalora`)
+and LLaMA-Pro (`--train_type llamapro`, block expansion: models/llamapro.py), and of LoRA-GA's
+initialisation (`--init_weights lora-ga`), with ms-swift's names and defaults (swift/arguments/tuner_args.py:
+the dataclass values, not its docstring's); and LISA's layer sampling of a full fine-tune
+(`--lisa_activated_layers`, ms-swift's swift/trainers/arguments.py, run by train/lisa.py). A base of
+schema.LoraConfig, kept here so that schema.py stays short; the shared adapter options (--target_modules,
+--modules_to_save, --lora_alpha, --lora_dropout, --lora_bias) live in LoraConfig, and
 config/rules_tuners.py says which option applies to which tuner.
 """
 
@@ -17,6 +18,10 @@ from swiftlite.config.access import Section, opt
 PEFT_TYPES = ("lora", "qlora", "boft", "adalora")
 #: --train_type values whose adapter is peft's LoRA (cfg.is_lora): the LoRA variants apply to these.
 LORA_TYPES = ("lora", "qlora")
+#: Options that only mean something for an adapter (config/rules.py refuses them on a full run,
+#: rules_tuners.py on a llamapro one).
+LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "use_dora", "use_rslora",
+             "init_weights", "lorap_lr_ratio", "lora_bias")
 #: LoRA-GA's choices (peft LoraGAConfig): how the gradient's singular vectors go to A and B, and B's scale.
 LORA_GA_DIRECTIONS = ("ArBr", "A2rBr", "ArB2r", "random")
 LORA_GA_SCALES = ("stable", "weight_svd", "gd_scale", "unit")
@@ -31,8 +36,8 @@ def moves_base(init_weights: str) -> bool:
 
 @dataclass(kw_only=True)
 class TunerOptions(Section):
-    """`boft_*` and `adalora_*`: read only by their own --train_type; `lora_ga_*` by --init_weights lora-ga;
-    `lisa_*` by --train_type full."""
+    """`boft_*`, `adalora_*` and `llamapro_*`: read only by their own --train_type; `lora_ga_*` by --init_weights
+    lora-ga; `lisa_*` by --train_type full."""
     boft_block_size: int = opt(4, "BOFT (peft boft_block_size): size of each orthogonal block; each adapted "
                                "layer's input width must be a multiple of it. Give it or --boft_block_num, "
                                "not both (0 = unset).")
@@ -59,6 +64,14 @@ class TunerOptions(Section):
     lora_ga_stable_gamma: int = opt(16, "LoRA-GA: gamma of the stable scale, out_features^0.25 / sqrt(gamma).")
     adalora_orth_reg_weight: float = opt(0.5, "AdaLoRA (peft orth_reg_weight): weight of the orthogonality "
                                          "penalty on A and B, added to each optimizer step's loss.")
+    llamapro_num_new_blocks: int = opt(4, "LLaMA-Pro (--train_type llamapro): new decoder blocks; the model's "
+                                       "layer count must be divisible by it. Each is a copy of the layer before "
+                                       "it with o_proj/down_proj zeroed (the output is unchanged at step 0); only "
+                                       "the new blocks train.")
+    llamapro_num_groups: int | None = opt(None, "LLaMA-Pro groups: one new block after every "
+                                          "num_hidden_layers/groups layers, so groups blocks in all (ms-swift "
+                                          "inserts one per group); must divide the layer count. Default: "
+                                          "--llamapro_num_new_blocks.")
     lisa_activated_layers: int = opt(0, "LISA (full fine-tune only): train this many decoder layers at a time, "
                                      "drawn at random, the others frozen; embeddings, final norm and lm_head "
                                      "always train. 0: off. The draw is a function of --seed and the window's "

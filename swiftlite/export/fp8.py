@@ -139,7 +139,7 @@ def fp8_export(tmp: Path, q: Fp8Export, dtype: str, max_shard: int, trust_remote
         report = {"quantization": q.describe(dtype),
                   "fp8 layers": f"{len(names)} linear weights; kept {dtype}: {', '.join(skip) or 'none'}"}
         if check:
-            report["quantized reload"] = _reload_check(src, qdir, names, trust_remote_code)
+            report["quantized reload"] = _reload_check(src, qdir, names, skip, trust_remote_code)
         shutil.rmtree(tmp, ignore_errors=True)
         qdir.rename(tmp)
     except BaseException:
@@ -152,7 +152,7 @@ def _is_weight(name: str) -> bool:
     return name.endswith(".safetensors") or name == "model.safetensors.index.json"
 
 
-def _reload_check(src: Path, folder: Path, names: set[str], trust_remote_code: bool) -> str:
+def _reload_check(src: Path, folder: Path, names: set[str], skip: list[str], trust_remote_code: bool) -> str:
     """transformers loads the written folder (dequantizing where it cannot run FP8), and each quantized
     weight equals the 16-bit one to FP8's rounding, block by block."""
     import torch
@@ -161,7 +161,6 @@ def _reload_check(src: Path, folder: Path, names: set[str], trust_remote_code: b
     from swiftlite.checkpoint.readers import SafetensorsReader
     from swiftlite.export.reference import VerifyError
     # dequantize=True: the check is of the stored values, so they are read back as 16-bit weights on any device
-    skip = json.loads((folder / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
     again = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code,
                                                  quantization_config=_dequantizing(skip))
     live = dict(again.named_parameters())

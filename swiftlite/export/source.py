@@ -219,10 +219,14 @@ def local_snapshot(ms: Any, revision: str | None, what: str, hint: str = "") -> 
 
 
 def model_config_for(src: Source, ms: Any) -> Any:
-    """The base model's transformers config, as the run built it (model_config of its RunConfig)."""
+    """The base model's transformers config, as the run built it (model_config of its RunConfig; a
+    llamapro run's with its inserted layers)."""
     from swiftlite.config.tasks import reward_model
     from swiftlite.models.loading import load_tokenizer, model_config
     conf = model_config(src.cfg, ms)
+    if src.cfg.train.train_type == "llamapro":   # the run trained the expanded model (models/llamapro.py)
+        from swiftlite.models.llamapro import expanded_config
+        conf = expanded_config(conf, src.cfg)
     if reward_model(src.cfg):   # the run built the base's config with a one-output score head
         from transformers import AutoModelForSequenceClassification
         import torch

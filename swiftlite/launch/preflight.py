@@ -75,6 +75,8 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
         # a local folder: weights, no code of its own
         if found.check(lambda: source.check_folder(cfg.model.trust_remote_code) or True, about=("model",)):
             found.check(check_lora_targets, cfg, source)
+            from swiftlite.models.llamapro import check_model
+            found.check(check_model, cfg, source)
             from swiftlite.models.loading import check_moe_options
             found.check(check_moe_options, cfg, source)
             from swiftlite.train.lisa import check_layers
@@ -95,6 +97,8 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
         found.check(_refuse, adalora_problem, run_cfg, facts.choice)
         from swiftlite.models.lora_ga import lora_ga_problem
         found.check(_refuse, lora_ga_problem, run_cfg, facts.choice)
+        from swiftlite.models.llamapro import backend_problem
+        found.check(_refuse, backend_problem, run_cfg, facts.choice)
         from swiftlite.train.lisa import lisa_problem
         found.check(_refuse, lisa_problem, run_cfg, facts.choice)
         if resume is not None:

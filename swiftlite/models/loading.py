@@ -341,6 +341,8 @@ def sharded_weights(cfg: "RunConfig", src: ModelSource, dtype: "torch.dtype", at
     without safetensors files, or a checkpoint whose tensor names are not the model's own (weights
     transformers converts while loading). A built-in preset's source is its seeded weights."""
     from swiftlite.models import sharded as sharding
+    if cfg.train.train_type == "llamapro":
+        return None, "--train_type llamapro inserts copies of loaded layers, which the checkpoint does not name"
     if cfg.model.new_special_tokens and src.kind != "preset":
         return None, "--new_special_tokens grows the embeddings beyond the checkpoint's"
     if quantized and cfg.quant.quant_bits != 4:
@@ -530,7 +532,8 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
                   init_context: Any = None, skeleton: str | None = None,
                   reentrant: bool = True, total_steps: int | None = None,
                   grad_rows: list[dict] | None = None) -> "torch.nn.Module":
-    """load -> quantize -> LoRA -> activation checkpointing -> compile. Wrap + optimizer come next.
+    """load -> quantize -> LoRA (or LLaMA-Pro's new blocks) -> activation checkpointing -> compile. Wrap +
+    optimizer come next.
     `total_steps`: the run's optimizer steps (AdaLoRA's budget schedule is part of its peft config).
     `skeleton`: "shard" (the backend shards the skeleton, then fills it) or "fill" (filled here, at
     the end, before wrapping), see `load_model`. `reentrant`: checkpointing's default form when
@@ -541,9 +544,15 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
     model = load_model(cfg, source, world, init_context=init_context, attn_impl=cfg.model.attn_impl,
                        skeleton=skeleton)
     check_loaded_attention(cfg, model)
+    frozen_input = cfg.is_peft or cfg.train.train_type == "llamapro"   # the embeddings do not train
     if cfg.is_peft:
         from swiftlite.models.lora import apply_lora
         model = apply_lora(model, cfg, total_steps, grad_rows)
+    elif cfg.train.train_type == "llamapro":   # never on a skeleton (sharded_weights says why)
+        from swiftlite.models.llamapro import describe, expand
+        if world is None or world.is_main:
+            print(describe(cfg, model.config.num_hidden_layers), flush=True)
+        model = expand(model, cfg)
     if cfg.train.neftune_noise_alpha:
         add_neftune(model, cfg.train.neftune_noise_alpha)
     if cfg.train.gradient_checkpointing:
@@ -553,7 +562,7 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
             # hook it) still does the same: its deprecation notice says nothing to the user
             warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        if cfg.is_peft:
+        if frozen_input:   # reentrant checkpointing passes no gradient into a layer whose input needs none
             model.enable_input_require_grads()
     if cfg.parallel.compile:
         import torch

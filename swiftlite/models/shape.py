@@ -75,6 +75,18 @@ class ModelShape:
         total = sum(lin.in_features * lin.count for lin in self.linears if _targeted(lin.name, targets))
         return total // max(1, self.layers)
 
+    def expanded(self, new_layers: int) -> "ModelShape":
+        """This architecture with `new_layers` more decoder layers, each like the others (LLaMA-Pro's
+        inserted copies, models/llamapro.py): what a --train_type llamapro run holds."""
+        import dataclasses
+        if new_layers <= 0:
+            return self
+        n = self.layers + new_layers
+        return dataclasses.replace(
+            self, layers=n, n_params=self.n_params + new_layers * self.n_layer_params,
+            n_linear_params=self.n_linear_params + new_layers * self.n_layer_linear_params,
+            linears=tuple(lin._replace(count=lin.count * n // max(1, self.layers)) for lin in self.linears))
+
     @property
     def linear_out_rows(self) -> int:
         """Output rows of all quantizable linears (LLM.int8 keeps one fp32 scale per row)."""

@@ -107,6 +107,7 @@ class Workload:
     # BOFT's blocks and AdaLoRA's starting rank (`adapter_params`): read for those train types only
     boft_block: tuple[int, int, int] = (4, 0, 1)   # --boft_block_size, --boft_block_num, --boft_n_butterfly_factor
     adalora_init_r: int = 12
+    llamapro_blocks: int = 4             # --train_type llamapro: the inserted layers (the shape counts them)
     quant_bits: int | None = None        # None, 4 (nf4) or 8 (LLM.int8); qlora implies 4
     double_quant: bool = True            # nf4 double quantization of the absmax constants
     max_length: int = 2048
@@ -139,6 +140,8 @@ class Workload:
         if dtypes.normalize(self.dtype) in dtypes.NAMES:
             self.dtype = dtypes.normalize(self.dtype)   # bfloat16 -> bf16; anything else is reported as given
         self.quant_bits = base_bits(self.train_type, self.quant_bits)
+        if self.train_type == "llamapro":   # its blocks are copies of loaded layers: every rank loads whole
+            self.sharded_loading = False
         if self.gpus_per_node is None:
             self.gpus_per_node = self.world_size
         problem = self._problem()
@@ -204,6 +207,8 @@ class Workload:
         the count is the same at every step). BOFT: its blocks and scales (ModelShape.boft_params).
         Approximated: BOFT's forward also holds each adapted layer's rotated weight (out x in) until the
         backward; the activation formulas count LoRA's input copies instead."""
+        if self.train_type == "llamapro":   # whole new decoder layers, already in `shape` (ModelShape.expanded)
+            return self.llamapro_blocks * shape.n_layer_params
         if self.train_type == "boft":
             return shape.boft_params(*self.boft_block, targets=self.lora_targets)
         if self.train_type == "adalora":
@@ -211,6 +216,10 @@ class Workload:
                     + sum(self.adalora_init_r * lin.count for lin in shape.linears
                           if "all-linear" in self.lora_targets or lin.name in self.lora_targets))
         return shape.lora_params(self.lora_rank, self.lora_targets)
+
+    def trained_shape(self, shape: ModelShape) -> ModelShape:
+        """The model this workload trains: `shape` itself, or for llamapro with its inserted layers."""
+        return shape.expanded(self.llamapro_blocks) if self.train_type == "llamapro" else shape
 
 
 # --------------------------------------------------------------------------------------------------
@@ -279,6 +288,8 @@ def model_state_bytes(shape: ModelShape, workload: Workload, backend: str | Back
         n_other = shape.n_params - shape.n_linear_params
         frozen = _base_bytes(w, shape.n_linear_params, n_other, shape.linear_out_rows,
                              _frozen_elem(w, rec.memory_family))
+    elif w.train_type == "llamapro":   # the base layers, embeddings and head stay frozen in --torch-dtype
+        frozen = (shape.n_params - trainable) * _frozen_elem(w, rec.memory_family)
 
     def part(nbytes: int, sharded: bool) -> int:
         return _ceil_div(nbytes, n) if sharded else nbytes
@@ -383,7 +394,7 @@ def comm_volumes(shape: ModelShape, w: Workload, family: str) -> tuple[float, fl
     bytes reduced (the trainable parameters in the dtype the backend reduces in: the torch backends'
     gradient dtype, fp32 under master weights; DeepSpeed's 16-bit model dtype)."""
     trainable = trainable_params(shape, w)
-    if w.train_type == "full":
+    if w.train_type in ("full", "llamapro"):   # llamapro's trained blocks are part of shape.n_params
         gathered = shape.n_params * w.elem
     else:
         gathered = (_base_bytes(w, shape.n_linear_params, shape.n_params - shape.n_linear_params,
@@ -411,6 +422,8 @@ def unavailable_reason(w: Workload, backend: str | Backend) -> str:
     `loss_scaling`, a bitsandbytes base under offload, FSDP2 without `fully_shard`. (The same rules
     the resolver and the records' checks apply to a run config.)"""
     rec = backend_record(backend)
+    if w.train_type == "llamapro" and rec.memory_family not in ("single", "ddp", "fsdp", "hsdp"):
+        return "--train_type llamapro runs on single, ddp, fsdp and hsdp (models/llamapro.backend_problem)"
     if w.dtype == "fp16" and not rec.loss_scaling:
         return "fp16 needs loss scaling, which only the DeepSpeed backends provide"
     if w.quant_bits is not None and rec.memory_family == "zero3_offload":

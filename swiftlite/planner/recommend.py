@@ -198,6 +198,7 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
     is one. A reward model (rm) is counted as its causal LM: its one-output score head is smaller than lm_head
     and its logits, so the estimate is an upper bound there."""
     from swiftlite.config.tasks import task_spec
+    from swiftlite.models.llamapro import groups as llamapro_groups
     spec = task_spec(cfg.task)
     rlhf = spec.own_options == "rlhf"   # preference training: pairs, a reference, plain logits
     r = cfg.rlhf
@@ -213,7 +214,7 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         lora_targets=tuple(cfg.lora.target_modules) or ("all-linear",),
         lora_dropout=0.0 if cfg.train.train_type == "boft" else cfg.lora.lora_dropout,   # BOFT's drops blocks
         boft_block=(cfg.lora.boft_block_size, cfg.lora.boft_block_num, cfg.lora.boft_n_butterfly_factor),
-        adalora_init_r=cfg.lora.adalora_init_r,
+        adalora_init_r=cfg.lora.adalora_init_r, llamapro_blocks=llamapro_groups(cfg),
         quant_bits=cfg.quant_bits, double_quant=cfg.quant.bnb_4bit_use_double_quant,
         max_length=seq_len,
         micro_batch=cfg.train.per_device_train_batch_size * (1 if grpo else spec.sequences_per_sample),
@@ -266,8 +267,8 @@ def resolve_auto(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None
                             "on CPU)")
         return Decision("fsdp", f"{world_size} CPU processes: FSDP2 shards params, grads and optimizer "
                         "state (memory is not estimated on CPU)")
-    shape = shape or resolve_model(cfg.model.model).shape()
     workload = workload_from_config(cfg, world_size, gpu_memory_bytes, gpus_per_node)
+    shape = workload.trained_shape(shape or resolve_model(cfg.model.model).shape())
     decision = recommend(shape, workload)
     if decision.backend == "none":
         raise UserError(f"--parallelism auto: {decision.reason}; or pick --parallelism explicitly")

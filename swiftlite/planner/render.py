@@ -68,6 +68,7 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
         cpu_memory_bytes=parse_size(cpu_memory, "--cpu-memory") if cpu_memory is not None else None,
         loss_impl=loss_impl, pure_bf16=pure_bf16, hsdp_shard_size=hsdp_shard_size,
         generation_length=generation_length)
+    shape = workload.trained_shape(shape)   # llamapro: with its inserted layers (ms-swift's default 4)
     if parallelism not in (None, "auto"):
         return assess(shape, workload, parallelism)
     return recommend(shape, workload)

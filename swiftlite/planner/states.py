@@ -48,7 +48,8 @@ def _frozen_elem(w: Any, family: str) -> int:
 
 
 def trainable_params(shape: ModelShape, w: Any) -> int:
-    """Parameters the optimizer updates: all of them (full) or the adapter's (Workload.adapter_params)."""
+    """Parameters the optimizer updates: all of them (full) or the adapter's (Workload.adapter_params;
+    llamapro: its inserted layers)."""
     return shape.n_params if w.train_type == "full" else w.adapter_params(shape)
 
 

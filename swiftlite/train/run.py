@@ -188,6 +188,9 @@ def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> t
         probe = probe_factory(run_dir, world, start_guess, steps) if probe_factory else None
         if probe is not None:
             probe.start()
+        from swiftlite.models.llamapro import backend_problem
+        if backend_problem(cfg, choice):   # preflight refuses it; a rank started by another launcher too
+            raise UserError(backend_problem(cfg, choice))
         from swiftlite.models.lora_ga import estimation_rows
         model = prepare_model(cfg, source, world, init_context=init_context, skeleton=skeleton_mode(cfg, choice),
                               reentrant=choice.record.reentrant_checkpointing or not world.distributed,

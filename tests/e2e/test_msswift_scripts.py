@@ -111,7 +111,7 @@ SFT = [
     ("early_stop", f"sft {_C} --dataset {{messages}}#32 --split_dataset_ratio 0.25 --eval_steps 1 "
                    "--early_stop_interval 3 --metric_for_best_model loss",
      {"early_stop_interval": 3, "metric_for_best_model": "loss", "eval_steps": 1}),
-    # examples/train/tuners/lisa/train.sh: full training, 2 decoder layers drawn at a time (the tiny model has 2)
+    # examples/train/tuners/lisa/train.sh: full training, 2 of the tiny folder's 4 decoder layers at a time
     ("lisa", f"sft {_C} --tuner_type full --dataset {{self_cognition}}#16 --lisa_activated_layers 2 "
              "--num_train_epochs 1 --learning_rate 1e-5 --eval_steps 100 --save_steps 100 --save_total_limit 2 "
              "--logging_steps 5 --model_author swift --model_name swift-robot",
@@ -193,6 +193,11 @@ SFT = [
      {"rlhf_type": "simpo"}),
     ("simpo_full", f"rlhf --rlhf_type simpo {_C} --tuner_type full --dataset {{preference}}#16 --warmup_ratio 0.05",
      {"rlhf_type": "simpo", "train_type": "full", "warmup_ratio": 0.05}),
+    # examples/train/tuners/llamapro/train.sh (the tiny folder has 4 layers, so 4 new blocks divide them)
+    ("llamapro", f"sft {_C} --tuner_type llamapro --dataset {{self_cognition}}#16 --llamapro_num_new_blocks 4 "
+                 "--num_train_epochs 1 --learning_rate 1e-4 --eval_steps 100 --save_steps 100 --save_total_limit 2 "
+                 "--logging_steps 5 --model_author swift --model_name swift-robot",
+     {"train_type": "llamapro", "llamapro_num_new_blocks": 4, "llamapro_num_groups": None}),
     ("orpo_messages", f"rlhf --rlhf_type orpo {_C} --dataset {{preference}}#8 --num_train_epochs 1",
      {"rlhf_type": "orpo", "num_train_epochs": 1}),
 ]
@@ -228,7 +233,6 @@ REFUSED = {
         ("--agent_template react_en", "template"),
 
         ("--galore_quantization true", "Q-GaLore"),
-        ("--llamapro_num_new_blocks 4", "tuner"),
         ("--loss_scale react", "loss scale"), ("--max_model_len 512000", "max_position_embeddings"),
         ("--optim_args qk_clip_threshold=10000", "optimizer"),
         ("--reft_intervention_type LoreftIntervention", "tuner"), ("--response_prefix x", "template"),

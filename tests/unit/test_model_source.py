@@ -29,6 +29,7 @@ CONFIG_JSON_ELSEWHERE = {
     "export/verify.py": "re-reads the config.json export has just written",
     "rlhf/vllm_gen.py": "writes the policy's config.json for the vLLM engine it builds (no weights, no --model)",
     "export/quantize.py": "adds the quantization_config to the config.json of the export it quantizes",
+    "export/fp8.py": "adds the FP8 quantization_config to the config.json of the export it quantizes",
 }
 REPO = "acme/tiny-llama-like"
 
