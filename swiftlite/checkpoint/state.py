@@ -74,12 +74,13 @@ def run_facts(cfg: "RunConfig", train_data: Any, global_batch: int) -> dict[str,
         if value != default and (key == "optim" or cfg.is_peft):
             shape[key] = value
     # The run's BOFT/AdaLoRA/Bone/LLaMA-Pro options off their default: they shape the adapter (blocks, ranks),
-    # AdaLoRA's schedule or the expanded layers, so a resume with others is a different run.
+    # AdaLoRA's schedule or the expanded layers, so a resume with others is a different run; LISA's (a full
+    # run) decide which layers each step trains and which have optimizer state.
     from swiftlite.config import field_specs
-    from swiftlite.config.rules_tuners import ADALORA_KEYS, BOFT_KEYS, BONE_KEYS, LLAMAPRO_KEYS
+    from swiftlite.config.rules_tuners import ADALORA_KEYS, BOFT_KEYS, BONE_KEYS, LISA_KEYS, LLAMAPRO_KEYS
     specs, flat = field_specs(), cfg.flat()
-    for key in {"boft": BOFT_KEYS, "adalora": ADALORA_KEYS, "bone": BONE_KEYS,
-                "llamapro": LLAMAPRO_KEYS}.get(cfg.train.train_type, ()):
+    for key in {"boft": BOFT_KEYS, "adalora": ADALORA_KEYS, "bone": BONE_KEYS, "llamapro": LLAMAPRO_KEYS,
+                "full": LISA_KEYS}.get(cfg.train.train_type, ()):
         if flat[key] != specs[key].default:
             shape[key] = flat[key]
     return {"data": {"rows": len(train_data.rows), "tokens": tokens, "sha256": h.hexdigest()[:32]},

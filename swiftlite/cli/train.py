@@ -114,6 +114,9 @@ def print_plan(cfg: Any, plan: Any, choice: Any) -> None:
     print(f"batch:          per-device {t.per_device_train_batch_size} x {world} x accumulation "
           f"{t.gradient_accumulation_steps} = global {global_batch}")
     print(f"model:          {cfg.model.model} ({cfg.train.train_type}, {cfg.model.torch_dtype})")
+    if cfg.lora.lisa_activated_layers > 0:   # train/lisa.py
+        print(f"lisa:           {cfg.lora.lisa_activated_layers} decoder layers at a time, drawn again every "
+              f"{cfg.lora.lisa_step_interval} steps (and at step 2) from --seed {cfg.train.seed}")
     from swiftlite.train.tasks import task_of
     for line in task_of(cfg).dry_run_lines(cfg):   # rlhf: the method; its global batch counts pairs
         print(line)

@@ -37,7 +37,6 @@ _DDP = ("DDP's settings are chosen by swiftlite (every parameter takes part, buf
         "--parallelism to pick the backend")
 _QGALORE = ("Q-GaLore (int8 weights and projections, q-galore-torch on bitsandbytes 0.40) is not available; GaLore "
             "without quantization is: drop the Q-GaLore options and keep --use_galore true")
-_LISA = "LISA layer sampling is not available; train a LoRA (--train-type lora) or full (--train-type full)"
 _RAY = "Ray is not used: processes are started by torchrun or forked (--nproc-per-node, --nnodes, --launcher)"
 _TP = "tensor parallelism is not available: shard the model with --parallelism fsdp or zero3"
 _FREEZE = ("freezing or training parameters by name is not available: --train-type full trains every parameter; "
@@ -132,7 +131,6 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("training callbacks are not loaded; a plugin (--external_plugins) can register a backend", ("callbacks",)),
     (_QGALORE, ("galore_quantization", "galore_proj_quant", "galore_proj_bits", "galore_proj_group_size",
                 "galore_cos_threshold", "galore_gamma_proj", "galore_queue_size")),
-    (_LISA, ("lisa_activated_layers", "lisa_step_interval")),
     ("checkpoints are written atomically to disk (a partial one is never taken for the latest); flash/async "
      "checkpointing is not available: drop the flag", ("use_flash_ckpt", "enable_jit_checkpoint")),
     # swift/arguments/sft_args.py: SftArguments

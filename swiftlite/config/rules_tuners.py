@@ -1,5 +1,6 @@
-"""The rules of the tuners besides LoRA (--train_type boft, adalora, bone, llamapro): which options apply to which
-tuner, and the combinations peft or swiftlite cannot run, each with its reason. Rules of
+"""The rules of the tuners besides LoRA (--train_type boft, adalora, bone, llamapro) and of LISA's layer
+sampling (--lisa_activated_layers, a full fine-tune): which options apply to which tuner, and the
+combinations peft or swiftlite cannot run, each with its reason. Rules of
 config/rules.py's table, kept here so that module stays short. Import-light (no torch)."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ BONE_KEYS = ("reft_rank",)
 #: --init_weights values of --train_type bone: ms-swift's documented ones (swift/arguments/tuner_args.py),
 #: peft MissConfig's True, False and "bat".
 BONE_INIT_WEIGHTS = ("true", "false", "bat")
+LISA_KEYS = ("lisa_activated_layers", "lisa_step_interval")
 #: LoRA's own options, by the tuner that has no use for them, with the reason.
 NOT_FOR = {
     "boft": {"lora_rank": "BOFT has no rank: its blocks are --boft_block_size/--boft_block_num",
@@ -171,3 +173,30 @@ def _llamapro(c: RunConfig):
     if task_spec(c.task).own_options == "rlhf":
         return ("--train_type llamapro with swiftlite rlhf: swiftlite expands and trains LLaMA-Pro blocks with sft "
                 "and pt only")
+
+
+@rule("lisa layers")
+def _lisa_layers(c: RunConfig):
+    n = c.lora.lisa_activated_layers
+    if n < 0:
+        return f"--lisa_activated_layers {n}: must be >= 0 (0 turns LISA off)"
+    if n == 0:
+        return None
+    t = c.train.train_type
+    if t != "full":
+        return (f"--lisa_activated_layers {n} with --train_type {t}: LISA samples the decoder layers of a full "
+                "fine-tune (ms-swift: full only); add --train_type full, or drop --lisa_activated_layers")
+    if task_spec(c.task).own_options == "rlhf":
+        return (f"--lisa_activated_layers {n} with swiftlite rlhf: LISA's layer draws are run by the sft/pt step "
+                "only: train it with swiftlite sft or pt")
+
+
+@rule("lisa interval")
+def _lisa_interval(c: RunConfig):
+    # its own rule, reading the interval first: a bad interval leaves the layers' checks (the backend's) to run
+    k = c.lora.lisa_step_interval
+    if k < 1:
+        return f"--lisa_step_interval {k}: must be >= 1 (optimizer steps between two draws of the layers)"
+    if "lisa_step_interval" in c.explicit and c.lora.lisa_activated_layers == 0:
+        return (f"--lisa_step_interval {k} without --lisa_activated_layers: LISA is off (0 layers), so the "
+                "interval does nothing: drop it, or give --lisa_activated_layers N")

@@ -1,9 +1,11 @@
 """The options of the tuners besides LoRA: BOFT (`--train_type boft`), AdaLoRA (`--train_type adalora`),
 Bone (`--train_type bone`: peft's MiSS, formerly Bone) and LLaMA-Pro (`--train_type llamapro`, block
 expansion: models/llamapro.py), and of LoRA-GA's initialisation (`--init_weights lora-ga`), with ms-swift's
-names and defaults (swift/arguments/tuner_args.py: the dataclass values, not its docstring's). A base of
-schema.LoraConfig, kept here so that schema.py stays short; the shared adapter options (--target_modules,
---modules_to_save, --lora_alpha, --lora_dropout, --lora_bias, --init_weights) live in LoraConfig, and
+names and defaults (swift/arguments/tuner_args.py: the dataclass values, not its docstring's); and LISA's
+layer sampling of a full fine-tune (`--lisa_activated_layers`, ms-swift's swift/trainers/arguments.py, run
+by train/lisa.py). A base of schema.LoraConfig, kept here so that schema.py stays short; the shared adapter
+options (--target_modules, --modules_to_save, --lora_alpha, --lora_dropout, --lora_bias, --init_weights)
+live in LoraConfig, and
 config/rules_tuners.py says which option applies to which tuner.
 """
 
@@ -35,8 +37,8 @@ def moves_base(init_weights: str) -> bool:
 
 @dataclass(kw_only=True)
 class TunerOptions(Section):
-    """`boft_*`, `adalora_*`, `reft_rank` and `llamapro_*`: read only by their own --train_type; `lora_ga_*` by --init_weights
-    lora-ga."""
+    """`boft_*`, `adalora_*`, `reft_rank` and `llamapro_*`: read only by their own --train_type; `lora_ga_*`
+    by --init_weights lora-ga; `lisa_*` by --train_type full."""
     boft_block_size: int = opt(4, "BOFT (peft boft_block_size): size of each orthogonal block; each adapted "
                                "layer's input width must be a multiple of it. Give it or --boft_block_num, "
                                "not both (0 = unset).")
@@ -77,3 +79,10 @@ class TunerOptions(Section):
                          "layer, r x out_features parameters; ms-swift's name (its ReFT rank, which it also "
                          "gives Bone). Must be at most each adapted layer's input width; with --init_weights "
                          "bat both widths must be multiples of it.")
+    lisa_activated_layers: int = opt(0, "LISA (full fine-tune only): train this many decoder layers at a time, "
+                                     "drawn at random, the others frozen; embeddings, final norm and lm_head "
+                                     "always train. 0: off. The draw is a function of --seed and the window's "
+                                     "first step (ms-swift: numpy's global state), so a resumed run trains the "
+                                     "same layers. --parallelism single only (docs/lora.md, LISA).")
+    lisa_step_interval: int = opt(20, "LISA: draw the layers again every this many optimizer steps (at the start "
+                                  "of each step whose count of finished steps is a multiple of it, and of step 2).")

@@ -79,6 +79,8 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
             found.check(check_model, cfg, source)
             from swiftlite.models.loading import check_moe_options
             found.check(check_moe_options, cfg, source)
+            from swiftlite.train.lisa import check_layers
+            found.check(check_layers, cfg, source)
     # --torch-dtype auto, the model's context length (where they need the model's config or the GPU)
     # and the backend, once (swiftlite/job.py); a backend may come from a plugin
     facts = None
@@ -97,6 +99,8 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
         found.check(_refuse, lora_ga_problem, run_cfg, facts.choice)
         from swiftlite.models.llamapro import backend_problem
         found.check(_refuse, backend_problem, run_cfg, facts.choice)
+        from swiftlite.train.lisa import lisa_problem
+        found.check(_refuse, lisa_problem, run_cfg, facts.choice)
         if resume is not None:
             from swiftlite.checkpoint.state import weights_only_problem
             # a --save_only_model checkpoint, another format

@@ -1,7 +1,8 @@
 """Everything a training run needs before its first step, built in one visible order:
 
     world -> backend choice -> run folder -> resume point -> tokenizer -> data -> model -> engine
-    -> training state from the checkpoint -> the task's engine setup (rlhf: its reference)
+    -> training state from the checkpoint -> the engine's schedules (AdaLoRA, LISA: train/adalora.py,
+    train/lisa.py) -> the task's engine setup (rlhf: its reference)
 
 What differs between commands (data pipeline, batches, step function, validation, engine setup) is
 one entry of train/tasks.py's TASKS, looked up once here (`Run.task`).
@@ -196,12 +197,15 @@ def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> t
                               total_steps=steps, grad_rows=estimation_rows(cfg, train_data))
         engine = build_engine(model, cfg, world, steps, choice)   # optimizer built here (trap 2)
 
+        from swiftlite.train.lisa import resume_scope, with_lisa
+        log = print if world.is_main else (lambda *_: None)
         start_step = 0
         if resume_path is not None:
-            log = print if world.is_main else (lambda *_: None)
-            start_step = load_training_state(engine, resume_path, world, cfg, choice, facts, log=log)["global_step"]
+            with resume_scope(model, cfg, resume_path):   # LISA: the optimizer state of the layers drawn so far
+                start_step = load_training_state(engine, resume_path, world, cfg, choice, facts, log=log)["global_step"]
         from swiftlite.train.adalora import with_adalora
         engine = with_adalora(engine, model, cfg, start_step, resume_path)   # AdaLoRA's penalty, rank allocation
+        engine = with_lisa(engine, model, cfg, start_step, steps, log=log)   # LISA's frozen and drawn layers
         if probe is not None:
             probe.start_step = start_step
         run = Run(cfg=cfg, world=world, choice=choice, run_dir=run_dir, resume_path=resume_path,

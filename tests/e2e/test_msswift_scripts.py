@@ -116,6 +116,11 @@ SFT = [
     ("early_stop", f"sft {_C} --dataset {{messages}}#32 --split_dataset_ratio 0.25 --eval_steps 1 "
                    "--early_stop_interval 3 --metric_for_best_model loss",
      {"early_stop_interval": 3, "metric_for_best_model": "loss", "eval_steps": 1}),
+    # examples/train/tuners/lisa/train.sh: full training, 2 of the tiny folder's 4 decoder layers at a time
+    ("lisa", f"sft {_C} --tuner_type full --dataset {{self_cognition}}#16 --lisa_activated_layers 2 "
+             "--num_train_epochs 1 --learning_rate 1e-5 --eval_steps 100 --save_steps 100 --save_total_limit 2 "
+             "--logging_steps 5 --model_author swift --model_name swift-robot",
+     {"train_type": "full", "lisa_activated_layers": 2, "lisa_step_interval": 20, "model_author": ["swift"]}),
     # examples/train/plugins/loss_scale.sh, think_model/*.sh, full/dft.sh, base_to_chat/lora.sh
     ("loss_scale_all", f"sft {_C} {_LORA} --dataset {{self_cognition}}#16 --model_author swift "
                        "--model_name swift-robot --loss_scale all --loss_type loss_scale",
@@ -233,7 +238,6 @@ REFUSED = {
         ("--agent_template react_en", "template"),
 
         ("--galore_quantization true", "Q-GaLore"),
-        ("--lisa_activated_layers 2", "LISA"),
         ("--loss_scale react", "loss scale"), ("--max_model_len 512000", "max_position_embeddings"),
         ("--optim_args qk_clip_threshold=10000", "optimizer"),
         ("--reft_intervention_type LoreftIntervention", "tuner"), ("--response_prefix x", "template"),

@@ -71,6 +71,14 @@ def test_boft_and_adalora_runs_record_their_options_off_their_default():
     assert "reft_rank" not in run_facts(build_config({"train_type": "bone"}), DATA, 8)["shape"]
 
 
+def test_a_lisa_run_records_its_options_off_their_default():
+    """Which layers each step trains (and which have optimizer state) follows them: another value is
+    another run."""
+    lisa = run_facts(build_config({"train_type": "full", "lisa_activated_layers": 2}), DATA, 8)["shape"]
+    assert lisa["lisa_activated_layers"] == 2 and "lisa_step_interval" not in lisa
+    assert "lisa_activated_layers" not in run_facts(build_config({"train_type": "full"}), DATA, 8)["shape"]
+
+
 def test_compare_names_each_difference_data_without_values_shape_with_them():
     cfg = build_config({"train_type": "full", "max_length": 64})
     saved = run_facts(cfg, DATA, 8)
