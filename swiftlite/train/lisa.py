@@ -166,7 +166,13 @@ def resume_scope(model: Any, cfg: Any, path: Path | None) -> Iterator[None]:
         return
     with_state: dict[int, bool] = {}
     for name, p in model.named_parameters(remove_duplicate=False):   # a tied weight: under any of its names
-        with_state[id(p)] = with_state.get(id(p), False) or name in names
+        with_state[id(p)] = with_state.get(id(p), False) or _clean(name) in names
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if all(with_state[id(p)] for p in trainable) or not any(with_state[id(p)] for p in trainable):
+        # every parameter has its state (a checkpoint without LISA: nothing to do), or none matches (names
+        # this check cannot read): the load goes on as for any full run, which reports a real mismatch
+        yield
+        return
     before = {id(p): p.requires_grad for p in model.parameters()}
     for p in model.parameters():
         p.requires_grad_(with_state[id(p)] and before[id(p)])
@@ -175,6 +181,17 @@ def resume_scope(model: Any, cfg: Any, path: Path | None) -> Iterator[None]:
     finally:
         for p in model.parameters():
             p.requires_grad_(before[id(p)])
+
+
+#: Module names wrappers insert into a parameter's name that checkpoints (torch's state-dict API) leave
+#: out: FSDP1's and activation checkpointing's wrappers, torch.compile's.
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _clean(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
 
 
 def _optimizer_state_names(path: Path) -> set[str]:
