@@ -28,7 +28,6 @@ rounding (3 mantissa bits: |error| <= 2^-4 of the block's largest value, plus th
 from __future__ import annotations
 
 import json
-import shutil
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +105,7 @@ def fp8_export(tmp: Path, q: Fp8Export, dtype: str, max_shard: int, trust_remote
 
     from swiftlite import dtypes
     from swiftlite.checkpoint.readers import SafetensorsReader, stream
+    from swiftlite.export.quantize import copy_other_files, replacing
     from swiftlite.hf_io import write_sharded
     src = source or tmp
     names, skip = _plan(src, trust_remote_code)
@@ -126,30 +126,17 @@ def fp8_export(tmp: Path, q: Fp8Export, dtype: str, max_shard: int, trust_remote
             else:
                 yield name, t.to(half) if t.is_floating_point() else t
 
-    qdir = tmp.with_name(tmp.name + "-q")
-    shutil.rmtree(qdir, ignore_errors=True)
-    try:
+    with replacing(tmp) as qdir:
         write_sharded(tensors(), qdir, dtype=None, max_shard_size=max_shard)
         conf = json.loads((src / "config.json").read_text())
         conf["quantization_config"] = json.loads(qconf.to_json_string(use_diff=False))
         (qdir / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
-        for p in src.iterdir():
-            if p.is_file() and not (qdir / p.name).exists() and not _is_weight(p.name):
-                shutil.copy2(p, qdir / p.name)
+        copy_other_files(src, qdir)
         report = {"quantization": q.describe(dtype),
                   "fp8 layers": f"{len(names)} linear weights; kept {dtype}: {', '.join(skip) or 'none'}"}
         if check:
             report["quantized reload"] = _reload_check(src, qdir, names, skip, trust_remote_code)
-        shutil.rmtree(tmp, ignore_errors=True)
-        qdir.rename(tmp)
-    except BaseException:
-        shutil.rmtree(qdir, ignore_errors=True)
-        raise
     return report
-
-
-def _is_weight(name: str) -> bool:
-    return name.endswith(".safetensors") or name == "model.safetensors.index.json"
 
 
 def _reload_check(src: Path, folder: Path, names: set[str], skip: list[str], trust_remote_code: bool) -> str:

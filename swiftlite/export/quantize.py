@@ -18,11 +18,12 @@ are refused in the CLI.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from swiftlite import dtypes
 
@@ -78,9 +79,7 @@ def quantize_export(tmp: Path, q: Any, dtype: str, max_shard: int, trust_remote_
     model = AutoModelForCausalLM.from_pretrained(str(src), quantization_config=q.config(dtype),
                                                  dtype=dtypes.torch_dtype(dtype), device_map=device,
                                                  trust_remote_code=trust_remote_code)
-    qdir = tmp.with_name(tmp.name + "-q")
-    shutil.rmtree(qdir, ignore_errors=True)
-    try:
+    with replacing(tmp) as qdir:
         model.save_pretrained(str(qdir), max_shard_size=max_shard)
         qconf = json.loads((qdir / "config.json").read_text()).get("quantization_config")
         if not qconf:
@@ -89,19 +88,34 @@ def quantize_export(tmp: Path, q: Any, dtype: str, max_shard: int, trust_remote_
             conf = json.loads((tmp / "config.json").read_text())
             conf["quantization_config"] = qconf
             (qdir / "config.json").write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
-        weights = {p.name for p in qdir.iterdir()}
-        for p in src.iterdir():
-            if p.is_file() and p.name not in weights and p.name not in _WEIGHTS and not _is_weight(p.name):
-                shutil.copy2(p, qdir / p.name)
+        copy_other_files(src, qdir, skip=_WEIGHTS)
         report = {"quantization": q.describe(dtype)}
         if check:
             report["quantized reload"] = _reload_check(model, qdir, trust_remote_code, device)
-        shutil.rmtree(tmp)
+    return report
+
+
+@contextlib.contextmanager
+def replacing(tmp: Path) -> Iterator[Path]:
+    """A sibling folder to write the quantized form into; on success it replaces `tmp` (the export's
+    hidden work folder), on any failure it is removed and `tmp` is left as it was."""
+    qdir = tmp.with_name(tmp.name + "-q")
+    shutil.rmtree(qdir, ignore_errors=True)
+    try:
+        yield qdir
+        shutil.rmtree(tmp, ignore_errors=True)
         qdir.rename(tmp)
     except BaseException:
         shutil.rmtree(qdir, ignore_errors=True)
         raise
-    return report
+
+
+def copy_other_files(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
+    """The files of `src` the quantized save did not write (tokenizer, chat template, README, ...):
+    every file but the weights, those `dst` already has, and `skip`."""
+    for p in src.iterdir():
+        if p.is_file() and not (dst / p.name).exists() and p.name not in skip and not _is_weight(p.name):
+            shutil.copy2(p, dst / p.name)
 
 
 def _is_weight(name: str) -> bool:

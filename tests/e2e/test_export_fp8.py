@@ -19,28 +19,9 @@ from tests.conftest import cli_env, run_cli
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    """A tiny Qwen2 folder: q/o/gate/up/down widths of 128 and 256 (FP8 blocks divide them), k/v 64 (not)."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
-    d = tmp_path_factory.mktemp("fp8") / "tiny-qwen2"
-    conf = Qwen2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=TINY_VOCAB, max_position_embeddings=512,
-                       tie_word_embeddings=False, eos_token_id=258, pad_token_id=259, bos_token_id=None)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(conf).to(torch.bfloat16).save_pretrained(d)
-    AutoTokenizer.from_pretrained(TINY_TOKENIZER).save_pretrained(d)
-    return d
-
-
-def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    out = {}
-    for f in folder.glob("*.safetensors"):
-        out.update(load_file(f))
-    return out
+# the bnb tests' tiny Qwen2 folder: q/o/gate/up/down widths of 128 and 256 (FP8 blocks divide them),
+# k/v 64 (not); and their reader of a folder's tensors
+from tests.e2e.test_export_bnb import _weights, model_dir  # noqa: E402,F401  (a module-scoped fixture)
 
 
 def _dequantized(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
