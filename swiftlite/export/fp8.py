@@ -105,7 +105,7 @@ def fp8_export(tmp: Path, q: Fp8Export, dtype: str, max_shard: int, trust_remote
 
     from swiftlite import dtypes
     from swiftlite.checkpoint.readers import SafetensorsReader, stream
-    from swiftlite.export.quantize import copy_other_files, replacing
+    from swiftlite.export.output import copy_other_files, replacing
     from swiftlite.hf_io import write_sharded
     src = source or tmp
     names, skip = _plan(src, trust_remote_code)

@@ -3,13 +3,14 @@ the export dtype, and the atomic move into place."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -123,3 +124,30 @@ def move_into_place(tmp: Path, out: Path) -> None:
             make_readable(p)  # safetensors writes 0600; servers often run as another user
     make_readable(tmp)
     replace_dir(tmp, out, out.parent / f".{out.name}.export-old-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def replacing(tmp: Path) -> Iterator[Path]:
+    """A sibling folder to write the quantized form into; on success it replaces `tmp` (the export's
+    hidden work folder), on any failure it is removed and `tmp` is left as it was."""
+    qdir = tmp.with_name(tmp.name + "-q")
+    shutil.rmtree(qdir, ignore_errors=True)
+    try:
+        yield qdir
+        shutil.rmtree(tmp, ignore_errors=True)
+        qdir.rename(tmp)
+    except BaseException:
+        shutil.rmtree(qdir, ignore_errors=True)
+        raise
+
+
+def copy_other_files(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
+    """The files of `src` the quantized save did not write (tokenizer, chat template, README, ...):
+    every file but the weights, those `dst` already has, and `skip`."""
+    for p in src.iterdir():
+        if p.is_file() and not (dst / p.name).exists() and p.name not in skip and not _is_weight(p.name):
+            shutil.copy2(p, dst / p.name)
+
+
+def _is_weight(name: str) -> bool:
+    return name.endswith(".safetensors") or name == "model.safetensors.index.json"

@@ -18,14 +18,13 @@ are refused in the CLI.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from swiftlite import dtypes
+from swiftlite.export.output import copy_other_files, replacing
 
 BNB_4BIT_TYPES = ("nf4", "fp4")
 
@@ -93,33 +92,6 @@ def quantize_export(tmp: Path, q: Any, dtype: str, max_shard: int, trust_remote_
         if check:
             report["quantized reload"] = _reload_check(model, qdir, trust_remote_code, device)
     return report
-
-
-@contextlib.contextmanager
-def replacing(tmp: Path) -> Iterator[Path]:
-    """A sibling folder to write the quantized form into; on success it replaces `tmp` (the export's
-    hidden work folder), on any failure it is removed and `tmp` is left as it was."""
-    qdir = tmp.with_name(tmp.name + "-q")
-    shutil.rmtree(qdir, ignore_errors=True)
-    try:
-        yield qdir
-        shutil.rmtree(tmp, ignore_errors=True)
-        qdir.rename(tmp)
-    except BaseException:
-        shutil.rmtree(qdir, ignore_errors=True)
-        raise
-
-
-def copy_other_files(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
-    """The files of `src` the quantized save did not write (tokenizer, chat template, README, ...):
-    every file but the weights, those `dst` already has, and `skip`."""
-    for p in src.iterdir():
-        if p.is_file() and not (dst / p.name).exists() and p.name not in skip and not _is_weight(p.name):
-            shutil.copy2(p, dst / p.name)
-
-
-def _is_weight(name: str) -> bool:
-    return name.endswith(".safetensors") or name == "model.safetensors.index.json"
 
 
 def _reload_check(model: Any, folder: Path, trust_remote_code: bool, device: dict) -> str:
