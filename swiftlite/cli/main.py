@@ -33,6 +33,7 @@ COMMANDS = {
     "estimate": "swiftlite.cli.estimate:estimate_cmd",
     "export": "swiftlite.cli.export:export_cmd",
     "infer": "swiftlite.cli.infer:infer_cmd",
+    "rollout": "swiftlite.cli.rollout:rollout_cmd",
     "bench": "swiftlite.cli.bench:bench_cmd",
 }
 #: Commands whose function takes the raw argv (list[str]) and returns the exit code.

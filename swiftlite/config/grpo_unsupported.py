@@ -6,8 +6,15 @@ swiftlite has are RlhfConfig fields, schema.py, and shadow these rows). Import-l
 
 from __future__ import annotations
 
-_SERVER = ("is an option of --vllm-mode server (ms-swift's `swift rollout` server), which swiftlite does not have: "
-           "it runs vLLM colocated (--use-vllm true --vllm-mode colocate; docs/rlhf.md \"vLLM\"): drop the flag")
+_SERVER_PASS = ("the dataset's other columns reach the rollout server only for ms-swift's multi-turn and gym "
+                "schedulers, which swiftlite does not have (docs/rlhf.md \"Rollout server\"): drop the flag")
+_ASYNC = ("asynchronous generation (the next round sampled from the previous weights while training) is not "
+          "available: swiftlite syncs the weights, then samples each round (docs/rlhf.md \"Rollout server\"): drop "
+          "the flag")
+_DP = ("vLLM data parallelism is an option of the rollout server, and swiftlite's runs one engine per server: "
+       "start one `swiftlite rollout` per GPU group and list them in --vllm-server-host/--vllm-server-port")
+_FLAT = ("the weights always reach the rollout server tensor by tensor over the weight-sync group (NCCL on GPUs, "
+         "gloo on CPUs), one bucket being what the flag would change: drop the flag")
 _ENGINE = ("is not passed to swiftlite's colocated vLLM engine (the options it takes: docs/rlhf.md \"vLLM\"): drop "
            "the flag")
 _VARIANT = ("is an option of a GRPO variant swiftlite does not have (its GRPO: --loss-type grpo, bnpo, dr_grpo or "
@@ -16,9 +23,10 @@ _ROLLOUT = "multi-turn, tool and gym rollouts are not available: one completion 
 
 #: (reason, names), as config/msswift_unsupported.GROUPS.
 GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (f"this {_SERVER}", ("vllm_server_base_url", "vllm_server_group_port", "vllm_server_host",
-                         "vllm_server_pass_dataset", "vllm_server_port", "vllm_server_timeout", "vllm_data_parallel_size", "async_generate",
-                         "enable_flattened_weight_sync")),
+    (_SERVER_PASS, ("vllm_server_pass_dataset",)),
+    (_ASYNC, ("async_generate",)),
+    (_DP, ("vllm_data_parallel_size",)),
+    (_FLAT, ("enable_flattened_weight_sync",)),
     (f"this vLLM option {_ENGINE}",
      ("vllm_disable_cascade_attn", "vllm_disable_custom_all_reduce", "vllm_enable_expert_parallel",
       "vllm_engine_kwargs",

@@ -16,6 +16,7 @@ from pathlib import Path
 from swiftlite.config.schema import RunConfig, field_reads
 from swiftlite.config.tasks import task_spec
 from swiftlite.config.tuner_options import moves_base
+from swiftlite.config.rules_vllm import vllm_problem
 from swiftlite.config.vllm_options import VLLM_KEYS
 from swiftlite.config.data_options import TEMPLATE_NAMES
 from swiftlite.errors import Refusals, UserError
@@ -390,51 +391,6 @@ def _rlhf(c: RunConfig):
                 "logits at the answer tokens")
 
 
-def _vllm(c: RunConfig) -> str | None:
-    """--use_vllm and its options (config/vllm_options.py; rlhf/vllm_gen.py): ms-swift's mode rules, the
-    ranges, and a machine that can run it (a CUDA GPU and the vllm package), checked before launch."""
-    r = c.rlhf
-    if not r.use_vllm:
-        if r.vllm_mode is not None:
-            return "--vllm-mode needs --use-vllm true (ms-swift's rule)"
-        given = [k for k in VLLM_KEYS if k in c.explicit]
-        return f"{_flag(given[0])} applies to --use-vllm true (vLLM generation); drop it or add --use-vllm true" \
-            if given else None
-    if r.vllm_mode is None:
-        return "--use-vllm true needs --vllm-mode colocate (ms-swift requires the mode with --use_vllm)"
-    if r.vllm_mode == "server":
-        return ("--vllm-mode server: the `swift rollout` server client is not available in swiftlite; use --vllm-mode "
-                "colocate (a vLLM engine inside each training process)")
-    checks = [("vllm_gpu_memory_utilization", 0 < r.vllm_gpu_memory_utilization <= 1),
-              ("vllm_tensor_parallel_size", r.vllm_tensor_parallel_size >= 1),
-              ("vllm_max_model_len", r.vllm_max_model_len is None or r.vllm_max_model_len >= 1),
-              ("vllm_max_num_seqs", r.vllm_max_num_seqs is None or r.vllm_max_num_seqs >= 1),
-              ("sleep_level", r.sleep_level in (0, 1, 2)),
-              ("move_model_batches", r.move_model_batches is None or r.move_model_batches >= 1)]
-    for k, ok in checks:
-        if not ok:
-            return f"{_flag(k)} {getattr(r, k)}: out of range"
-    fsdp = c.parallel.parallelism in ("fsdp", "hsdp", "fsdp1") or c.parallel.fsdp
-    if r.move_model_batches and fsdp:
-        return ("--move-model-batches with FSDP: swiftlite's sync unshards every FSDP unit at once; use --deepspeed "
-                "zero3 for a batched sync, or drop the flag")
-    if r.offload_model and fsdp:
-        return (f"--offload-model with --parallelism {c.parallel.parallelism if not c.parallel.fsdp else 'fsdp'}: "
-                "FSDP's sharded parameters are not moved to CPU by swiftlite; use single, ddp or --deepspeed")
-    if c.lora.use_dora and c.is_lora:
-        return ("--use-vllm with --use-dora: the weight sync hands vLLM base + B@A x scale, which leaves out DoRA's "
-                "magnitude; drop one of them")
-    import importlib.util
-    missing = "vllm is not installed" if importlib.util.find_spec("vllm") is None else None
-    if missing is None:
-        import torch
-        missing = None if torch.cuda.is_available() else "no CUDA GPU is visible here"
-    if missing:
-        return (f"--use-vllm needs a CUDA GPU and the vllm package (pip install vllm): {missing}; without the flag "
-                "GRPO generates with transformers' generate")
-    return None
-
-
 @rule("grpo options")
 def _grpo(c: RunConfig):
     """ms-swift's GRPO argument checks that need no data, world size or plugin (those are in
@@ -475,7 +431,7 @@ def _grpo(c: RunConfig):
     if r.steps_per_generation is not None and r.steps_per_generation % ga:
         return (f"--steps-per-generation {r.steps_per_generation} is not a multiple of --gradient-accumulation-steps "
                 f"{ga}: an optimizer step would straddle two generation rounds")
-    why = _vllm(c)
+    why = vllm_problem(c)
     if why:
         return why
     if c.data.truncation_strategy == "right":

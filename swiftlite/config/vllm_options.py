@@ -1,5 +1,5 @@
-"""GRPO's vLLM options (--use_vllm true --vllm_mode colocate; swiftlite/rlhf/vllm_gen.py): ms-swift's
-names and defaults (swift/rlhf_trainers/args_mixin.py VllmArguments and RolloutTrainerArgumentsMixin,
+"""GRPO's vLLM options (--use_vllm true --vllm_mode colocate: swiftlite/rlhf/vllm_gen.py; --vllm_mode
+server: swiftlite/rollout/, a `swiftlite rollout` server): ms-swift's names and defaults (swift/rlhf_trainers/args_mixin.py VllmArguments and RolloutTrainerArgumentsMixin,
 the latter's overrides where it has them). A base of schema.RlhfConfig, kept here so that schema.py
 stays short; the vLLM options swiftlite does not have are refused by config/grpo_unsupported.py.
 """
@@ -35,12 +35,32 @@ class VllmOptions(Section):
                                          "whole model at once (other backends hold whole weights: no effect).")
     offload_model: bool = opt(False, "GRPO vLLM: move the policy's weights to CPU memory while vLLM generates.")
     offload_optimizer: bool = opt(False, "GRPO vLLM: move the optimizer state to CPU memory while vLLM generates.")
+    vllm_server_host: list[str] | None = opt(None, "GRPO --vllm-mode server: the `swiftlite rollout` server(s)' "
+                                             "host(s), one per server (ms-swift's; needed in server mode unless "
+                                             "--vllm-server-base-url is given).")
+    vllm_server_port: list[int] = opt(help="GRPO --vllm-mode server: the server(s)' HTTP port(s), one per host "
+                                      "(ms-swift's default: 8000).", factory=lambda: [8000])
+    vllm_server_base_url: list[str] | None = opt(None, "GRPO --vllm-mode server: the server(s)' URL(s) "
+                                                 "(http://host:port); replaces --vllm-server-host/--vllm-server-port.")
+    vllm_server_timeout: float = opt(240.0, "GRPO --vllm-mode server: seconds to wait for the server(s) to answer "
+                                     "at start (ms-swift's).")
+    vllm_server_group_port: list[int] | None = opt(None, "GRPO --vllm-mode server: the TCP port of each server's "
+                                                   "weight-sync group, opened by the server (default: 51216, "
+                                                   "51217, ... as ms-swift).")
 
 
 #: The keys above (config/rules.py lists them among GRPO's own).
 VLLM_KEYS = ("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_max_model_len", "vllm_max_num_seqs",
              "vllm_enable_prefix_caching", "vllm_enforce_eager", "vllm_enable_lora", "sleep_level",
              "move_model_batches", "offload_model",
-             "offload_optimizer")
+             "offload_optimizer", "vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout",
+             "vllm_server_group_port")
+#: The keys above that configure the colocated engine only: in server mode the rollout server has them
+#: (`swiftlite rollout --vllm_...`), so a training run in server mode refuses them (config/rules.py).
+COLOCATE_ONLY = ("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_max_model_len", "vllm_max_num_seqs",
+                 "vllm_enable_prefix_caching", "vllm_enforce_eager", "sleep_level", "offload_model",
+                 "offload_optimizer")
+#: The keys above that apply to server mode only.
+SERVER_ONLY = ("vllm_server_host", "vllm_server_base_url", "vllm_server_group_port")
 
-__all__ = ["VLLM_KEYS", "VllmOptions"]
+__all__ = ["COLOCATE_ONLY", "SERVER_ONLY", "VLLM_KEYS", "VllmOptions"]

@@ -5,7 +5,8 @@ every rank; docs/rlhf.md "GRPO").
 A round (rlhf/grpo_data.py's plan) runs when a step needs one that is not in memory: each rank samples
 the completions of its own micro-batches (rlhf/generate.py, one `generate` call per micro-batch, the
 weights gathered once for the round; with --use_vllm, rlhf/vllm_gen.py: one call to a colocated vLLM
-engine, the weights synced to it for the round), scores them with every reward function, and the
+engine, the weights synced to it for the round; with --vllm_mode server, rlhf/rollout_client.py: the
+same from `swiftlite rollout` servers), scores them with every reward function, and the
 [completions x functions] table is summed over ranks so that every rank forms the same group
 advantages (rlhf/grpo_loss.py). The round also keeps, per micro-batch, the reference's per-token
 log-probs (--beta > 0: the adapter disabled for LoRA, else the frozen copy of rlhf/frozen.py) and the
@@ -69,7 +70,7 @@ class GrpoBatches:
     reference_kind: str = ""
     options: Any = None                # cfg.rlhf
     log_path: Any = None               # completions.jsonl (main rank, --log_completions)
-    vllm: Any = None                   # rlhf/vllm_gen.VllmGenerator (--use_vllm), else generate's sampling
+    vllm: Any = None                   # vllm_gen.VllmGenerator or rollout_client.ServerGenerator (--use_vllm)
     current: Round | None = None
     table: Any = None                  # the round's completions table, until its first step returns it
 
@@ -116,7 +117,10 @@ def setup(run: Any) -> Any:
                     return token_logps(module, *t, temp, ctx)[0]
             b.reference = ref
             b.reference_kind = "the base model with the adapter disabled"
-    if cfg.rlhf.use_vllm:
+    if cfg.rlhf.use_vllm and cfg.rlhf.vllm_mode == "server":    # `swiftlite rollout` server(s)
+        from swiftlite.rlhf.rollout_client import ServerGenerator
+        b.vllm = ServerGenerator(cfg.rlhf, world=run.world)
+    elif cfg.rlhf.use_vllm:
         from swiftlite.models.loading import torch_dtype
         from swiftlite.rlhf.vllm_gen import VllmGenerator
         if cfg.rlhf.offload_model:
@@ -302,7 +306,8 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
 def _sample_round(engine: Any, b: GrpoBatches, rnd: int) -> list[tuple[torch.Tensor, ...]]:
     """(prompt_ids, prompt_mask, completion_ids, completion_mask) of each of this rank's micro-batches of
     round `rnd`: transformers' generate per micro-batch on the gathered weights, or (--use_vllm) one
-    call to the colocated vLLM engine, the weights synced to it for the round (rlhf/vllm_gen.py)."""
+    call to the colocated vLLM engine, the weights synced to it for the round (rlhf/vllm_gen.py), or
+    (--vllm_mode server) to the rollout server(s) (rlhf/rollout_client.py)."""
     plan, world, o = b.plan, b.world, b.options
     prompts, G = plan.prompts(rnd), plan.num_generations
     mine = plan.rank_micro_batches(world.rank)
@@ -312,7 +317,8 @@ def _sample_round(engine: Any, b: GrpoBatches, rnd: int) -> list[tuple[torch.Ten
               temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, device=world.device)
     if b.vllm is not None:
         from swiftlite.parallel.offload import offloaded
-        off = offloaded(engine, model=o.offload_model, optim=o.offload_optimizer, device=world.device)
+        off = None if o.vllm_mode == "server" else offloaded(engine, model=o.offload_model, optim=o.offload_optimizer,
+                                                            device=world.device)
         return b.vllm.generate_round(b.model, engine.root(), gathered, ids, seeds, offload=off, **kw)
     with gathered(engine.root()):            # the wrapper (FSDP1's root, the DeepSpeed engine) or the model
         return [sample(b.model, p, s, autocast=engine.autocast(), **kw) for p, s in zip(ids, seeds)]

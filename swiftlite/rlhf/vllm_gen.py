@@ -63,6 +63,17 @@ def sampling_params(SamplingParams: Any, seeds: list[int], *, temperature: float
                            stop_token_ids=list(eos_ids), seed=s, detokenize=False) for s in seeds]
 
 
+def output_token_ids(out: Any) -> list[int]:
+    """A vLLM RequestOutput's completion token ids, the stop token included: vLLM leaves a stop token of
+    `stop_token_ids` out of token_ids (it is the stop_reason), where generate keeps the EOS."""
+    c = out.outputs[0]
+    ids = list(c.token_ids)
+    stop = getattr(c, "stop_reason", None)
+    if getattr(c, "finish_reason", None) == "stop" and isinstance(stop, int) and (not ids or ids[-1] != stop):
+        ids.append(stop)
+    return ids
+
+
 def _dense(module: Any, name: str = "weight") -> torch.Tensor:
     """A module's weight as a dense tensor: a bitsandbytes 4-bit weight dequantized."""
     w = getattr(module, name)
@@ -293,14 +304,7 @@ class VllmGenerator:
             if sleeping:
                 self.llm.sleep(level=o.sleep_level)
         outs = outs[mine * len(prompts):(mine + 1) * len(prompts)]
-        comps = []
-        for out in outs:
-            c = out.outputs[0]
-            ids = list(c.token_ids)
-            stop = getattr(c, "stop_reason", None)      # a stop token vLLM left out of token_ids
-            if getattr(c, "finish_reason", None) == "stop" and isinstance(stop, int) and (not ids or ids[-1] != stop):
-                ids.append(stop)
-            comps.append(ids)
+        comps = [output_token_ids(out) for out in outs]
         result, k = [], 0
         for mb in micro_prompts:
             result.append(completion_layout(mb, comps[k:k + len(mb)], pad_id=pad_id, eos_ids=eos_ids, device=device))
@@ -308,5 +312,5 @@ class VllmGenerator:
         return result
 
 
-__all__ = ["VllmGenerator", "completion_layout", "engine_kwargs", "policy_weights", "sampling_params",
+__all__ = ["VllmGenerator", "completion_layout", "engine_kwargs", "output_token_ids", "policy_weights", "sampling_params",
            "vllm_model_dir", "weight_batches"]

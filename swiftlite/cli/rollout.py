@@ -1,0 +1,123 @@
+"""`swiftlite rollout`: its flags -> `swiftlite.rollout.server.RolloutOptions` (the server is in
+swiftlite/rollout/server.py, imported when the command runs).
+
+ms-swift's `swift rollout` flags: both spellings of every multi-word flag, a switch bare or with a
+value (`--vllm_enable_prefix_caching true`). ms-swift's rollout options swiftlite's server does not
+have are refused all at once, each with its reason (exit 2).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+import typer.core
+
+from swiftlite.errors import UserError
+
+_SCHEDULER = ("multi-turn and gym rollouts are not available: the server samples one completion per prompt and "
+              "seed, and the run scores them with --reward_funcs; drop the flag")
+#: ms-swift rollout options (RolloutArguments and the vLLM part of DeployArguments, ms-swift 3602360a) that
+#: swiftlite's server does not take, with their reasons.
+REFUSED = {
+    **{k: _SCHEDULER for k in ("multi_turn_scheduler", "max_turns", "use_gym_env", "gym_env", "context_manager",
+                               "vllm_use_async_engine")},
+    "external_plugins": "the server runs no plugins (a run's reward functions are the run's --external_plugins): "
+                        "drop the flag",
+    "vllm_max_lora_rank": "the server always gets the run's merged weights (base + B@A x scale), no LoRA adapter: "
+                          "drop the flag",
+    **{k: "the server takes the run's prompts as token ids and answers token ids: no chat template, tokenizer or "
+          "stop words of its own; drop the flag" for k in ("template", "system", "stop_words", "max_new_tokens",
+                                                           "temperature", "top_k", "top_p")},
+}
+SWITCHES = ("--vllm_enable_prefix_caching", "--vllm-enable-prefix-caching", "--vllm_enforce_eager",
+            "--vllm-enforce-eager", "--vllm_enable_lora", "--vllm-enable-lora")
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+class _RolloutCommand(typer.core.TyperCommand):
+    """All of ms-swift's refused options at once, and a bare switch read as `true` (as export's)."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        from swiftlite.errors import raise_all
+        known = {name for p in self.params for name in p.opts}
+        problems, out = [], []
+        for i, a in enumerate(args):
+            name = a.partition("=")[0]
+            key = name[2:].replace("-", "_") if name.startswith("--") else None
+            if key is not None and name not in known:
+                problems.append(f"{name}: {REFUSED.get(key, 'not an option of swiftlite rollout (swiftlite rollout --help)')}")
+            out.append(a)
+            if a in SWITCHES and (i + 1 == len(args) or args[i + 1].startswith("-")):
+                out.append("true")
+        raise_all(problems)
+        return super().parse_args(ctx, out)
+
+
+def _switch(flag: str, value: str) -> bool:
+    v = value.lower()
+    if v not in TRUE + FALSE:
+        raise UserError(f"{flag} {value}: true or false")
+    return v in TRUE
+
+
+def rollout_cmd(
+    model: str = typer.Option(..., "--model", help="The run's --model: an HF folder or hub id (a built-in preset "
+                                                   "with --infer_backend transformers)."),
+    host: str = typer.Option("0.0.0.0", "--host", help="Address to listen on (ms-swift's default)."),
+    port: int = typer.Option(8000, "--port", help="HTTP port (ms-swift's default); the run's --vllm_server_port."),
+    infer_backend: str = typer.Option("vllm", "--infer_backend", "--infer-backend",
+                                      help="vllm (ms-swift's only rollout engine; a CUDA GPU) or transformers "
+                                           "(swiftlite's addition: generate on any device, CPUs included)."),
+    torch_dtype: str = typer.Option("auto", "--torch_dtype", "--torch-dtype",
+                                    help="auto (the model's for vLLM; bf16 on GPU, fp32 on CPU for transformers), "
+                                         "bf16, fp16, fp32."),
+    seed: int = typer.Option(42, "--seed", help="Engine seed (each completion has its own seed from the run)."),
+    model_revision: Optional[str] = typer.Option(None, "--model_revision", "--model-revision",
+                                                 help="A hub model id's branch, tag or commit."),
+    tp: int = typer.Option(1, "--vllm_tensor_parallel_size", "--vllm-tensor-parallel-size",
+                           help="vLLM: GPUs one engine spans (tensor parallel)."),
+    gpu_mem: float = typer.Option(0.9, "--vllm_gpu_memory_utilization", "--vllm-gpu-memory-utilization",
+                                  help="vLLM: fraction of each GPU's memory the engine may take."),
+    max_model_len: Optional[int] = typer.Option(None, "--vllm_max_model_len", "--vllm-max-model-len",
+                                                help="vLLM: context length (default: the model's)."),
+    max_num_seqs: Optional[int] = typer.Option(None, "--vllm_max_num_seqs", "--vllm-max-num-seqs",
+                                               help="vLLM: most sequences at once (default 256)."),
+    prefix_caching: str = typer.Option("true", *SWITCHES[:2], help="vLLM: reuse shared prompt prefixes' KV cache."),
+    enforce_eager: str = typer.Option("false", *SWITCHES[2:4], help="vLLM: no CUDA graphs."),
+    dp: int = typer.Option(1, "--vllm_data_parallel_size", "--vllm-data-parallel-size", "--data_parallel_size",
+                           "--data-parallel-size", help="vLLM data parallelism: 1 only (one engine per server; "
+                                                        "start a server per GPU group and list them in the run)."),
+    enable_lora: str = typer.Option("false", *SWITCHES[4:], help="Accepted for ms-swift's commands: the run sends "
+                                                                 "merged weights, so no adapter is loaded."),
+) -> None:
+    """Serve GRPO's generation for runs in --vllm_mode server (ms-swift's `swift rollout`)."""
+    from swiftlite.rollout.server import RolloutOptions, serve
+    if infer_backend not in ("vllm", "transformers"):
+        raise UserError(f"--infer_backend {infer_backend}: vllm or transformers")
+    if torch_dtype.lower() not in ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
+        raise UserError(f"--torch_dtype {torch_dtype}: auto, bf16, fp16 or fp32")
+    dt = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype.lower(), torch_dtype.lower())
+    if tp < 1 or not 0 < gpu_mem <= 1:
+        raise UserError(f"--vllm_tensor_parallel_size {tp} --vllm_gpu_memory_utilization {gpu_mem}: >= 1 and in (0, 1]")
+    if dp != 1:
+        raise UserError(f"--vllm_data_parallel_size {dp}: vLLM data parallelism inside one server is not available; "
+                        "start one `swiftlite rollout` per GPU group (each with its --port) and list them in the run's "
+                        "--vllm_server_host/--vllm_server_port")
+    if tp > 1 and infer_backend == "transformers":
+        raise UserError("--vllm_tensor_parallel_size with --infer_backend transformers: one process generates; use vllm")
+    raise typer.Exit(serve(RolloutOptions(
+        model=model, host=host, port=port, infer_backend=infer_backend, torch_dtype=dt, seed=seed,
+        model_revision=model_revision, vllm_tensor_parallel_size=tp, vllm_gpu_memory_utilization=gpu_mem,
+        vllm_max_model_len=max_model_len, vllm_max_num_seqs=max_num_seqs,
+        vllm_enable_prefix_caching=_switch("--vllm_enable_prefix_caching", prefix_caching),
+        vllm_enforce_eager=_switch("--vllm_enforce_eager", enforce_eager),
+        vllm_enable_lora=_switch("--vllm_enable_lora", enable_lora))))
+
+
+rollout_cmd.command_settings = {"cls": _RolloutCommand}
+
+
+def register(app: typer.Typer) -> None:
+    """Add `rollout` to an app of your own (swiftlite's app takes it from COMMANDS in cli/main.py)."""
+    app.command("rollout", cls=_RolloutCommand)(rollout_cmd)

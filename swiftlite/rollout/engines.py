@@ -1,0 +1,142 @@
+"""The two engines a `swiftlite rollout` server generates with. Both answer the same five calls, made
+one at a time from the server's engine thread (rollout/server.py):
+
+- `info()`: what the run needs to know before it syncs: the number of engine workers (the weight-sync
+  group's size less the run), the engine's dtype and device type, and its parameters' names and shapes
+  where the engine keeps the model class's own names (transformers) so the run can check them first;
+- `join(host, port, world_size, backend, timeout_s)`: every worker joins the weight-sync group
+  (rlhf/weight_group.py) as ranks 0 .. W-1;
+- `receive(name, dtype, shape)`: one tensor broadcast by the run, loaded under that name;
+- `after_sync()`: the weights of a round are all in (vLLM: its prefix cache is stale now);
+- `generate(groups, seeds, sampling)`: completions, token ids, one list per group of prompts.
+
+`vllm` (ms-swift's only rollout engine): `vllm.LLM` with swiftlite's worker extension
+(rollout/vllm_worker.py) receiving the tensors inside vLLM's workers and handing them to the model's
+`load_weights`, which maps the model class's names onto vLLM's fused layers; one SamplingParams per
+completion with the completion's seed (rlhf/vllm_gen.py's, as colocate mode). Needs a CUDA GPU.
+
+`transformers` (swiftlite's addition, for CPUs): the model loaded as `swiftlite infer` loads it, each
+group sampled by `rlhf/generate.sample`, the function a run without --use_vllm samples with, on the
+same per-completion seeds and micro-batches: a run in server mode then samples what it would have
+sampled in-process, given the same weights and dtype (tests/e2e/test_rollout_server.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from swiftlite.errors import UserError
+
+
+@dataclass
+class Sampling:
+    """One /infer/ request's sampling settings (the run's --temperature, --top_p, --top_k,
+    --max_completion_length and its tokenizer's stop and pad ids)."""
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_token_ids: list[int]
+    pad_id: int
+
+
+class TransformersEngine:
+    name = "transformers"
+
+    def __init__(self, model: Any):
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.params = dict(model.named_parameters())      # tied weights once, under their first name
+        self.group: Any = None
+
+    def info(self) -> dict[str, Any]:
+        dtype = next(iter(self.params.values())).dtype
+        return {"world_size": 1, "engine": self.name, "device": self.device.type,
+                "dtype": str(dtype).removeprefix("torch."),
+                "params": {n: list(p.shape) for n, p in self.params.items()}}
+
+    def join(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        from swiftlite.rlhf.weight_group import join
+        self.close()
+        self.group = join(host, port, 0, world_size, backend=backend, timeout_s=timeout_s)
+
+    def receive(self, name: str, dtype: str, shape: list[int]) -> None:
+        from swiftlite.rlhf.weight_group import dtype_of
+        if self.group is None:
+            raise UserError("a weight arrived before the run joined the weight-sync group (/init_communicator/)")
+        dev = self.device if self.group.backend == "nccl" else torch.device("cpu")
+        buf = torch.empty(shape, dtype=dtype_of(dtype), device=dev)
+        self.group.broadcast(buf)           # received first, always: the run's broadcast waits for it
+        p = self.params.get(name)
+        if p is None or list(p.shape) != list(shape):
+            raise UserError(f"the rollout server's model has no parameter {name} of shape {list(shape)}: start "
+                            "`swiftlite rollout` with the run's --model")
+        with torch.no_grad():
+            p.copy_(buf)
+
+    def after_sync(self) -> None:
+        pass
+
+    def generate(self, groups: list[list[list[int]]], seeds: list[list[int]], s: Sampling) -> list[list[list[int]]]:
+        from swiftlite.rlhf.generate import sample
+        out = []
+        for prompts, sd in zip(groups, seeds):
+            _, _, cids, cmask = sample(self.model, prompts, sd, pad_id=s.pad_id, eos_id=list(s.stop_token_ids),
+                                       max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                                       top_k=s.top_k, device=self.device)
+            out.append([cids[j, :int(cmask[j].sum())].tolist() for j in range(len(prompts))])
+        return out
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, llm: Any, workers: int, dtype: str):
+        self.llm, self.workers, self.dtype = llm, workers, dtype
+
+    def info(self) -> dict[str, Any]:
+        # vLLM's parameters are its own fused layers (qkv_proj, gate_up_proj): the run's names are the
+        # model class's, which load_weights maps; so no table to check names against here.
+        return {"world_size": self.workers, "engine": self.name, "device": "cuda", "dtype": self.dtype,
+                "params": None}
+
+    def join(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        self.llm.collective_rpc("swiftlite_join", args=(host, port, world_size, backend, timeout_s))
+
+    def receive(self, name: str, dtype: str, shape: list[int]) -> None:
+        self.llm.collective_rpc("swiftlite_receive", args=(name, dtype, list(shape)))
+
+    def after_sync(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def generate(self, groups: list[list[list[int]]], seeds: list[list[int]], s: Sampling) -> list[list[list[int]]]:
+        from vllm import SamplingParams
+
+        from swiftlite.rlhf.vllm_gen import output_token_ids, sampling_params
+        prompts = [p for g in groups for p in g]
+        params = sampling_params(SamplingParams, [x for sd in seeds for x in sd], temperature=s.temperature,
+                                 top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens, eos_ids=s.stop_token_ids)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False)
+        comps = [output_token_ids(o) for o in outs]
+        result, k = [], 0
+        for g in groups:
+            result.append(comps[k:k + len(g)])
+            k += len(g)
+        return result
+
+    def close(self) -> None:
+        try:
+            self.llm.collective_rpc("swiftlite_leave")
+        except Exception:   # the engine is shutting down with the server: nothing left to release
+            pass
+
+
+__all__ = ["Sampling", "TransformersEngine", "VllmEngine"]
