@@ -49,6 +49,29 @@ def group_ports(o: Any, n: int) -> list[int]:
     return list(g) if len(g) == n else [g[0] + i for i in range(n)]
 
 
+def _get(url: str, timeout: float) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_for_servers(urls: list[str], timeout_s: float) -> None:
+    """Until every server answers /health/ (ms-swift's check_server), at most --vllm_server_timeout;
+    checked before launch (train/tasks.py) and again by the run's main process."""
+    end = time.monotonic() + timeout_s
+    for url in urls:
+        while True:
+            try:
+                _get(url + "/health/", timeout=5)
+                break
+            except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+                if time.monotonic() > end:
+                    raise UserError(f"--vllm-mode server: no `swiftlite rollout` answered at {url} within "
+                                    f"{timeout_s:g} s (--vllm-server-timeout); start it first: swiftlite rollout "
+                                    f"--model <the run's model> --port {urllib.parse.urlparse(url).port or 80}"
+                                    ) from None
+                time.sleep(0.5)
+
+
 class RolloutClient:
     """The main process's connection to the servers (module docstring)."""
 
@@ -56,7 +79,7 @@ class RolloutClient:
         self.urls, self.ports, self.device = urls, ports, torch.device(device)
         self.infos: list[dict] = []
         self.groups: list[Any] = []
-        self._wait(timeout_s)
+        wait_for_servers(urls, timeout_s)
 
     def _req(self, i: int, path: str, body: dict | None = None, *, timeout: float | None = None) -> dict:
         url = self.urls[i] + path
@@ -74,22 +97,6 @@ class RolloutClient:
             raise UserError(f"rollout server {self.urls[i]}: {why}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise UserError(f"rollout server {self.urls[i]} did not answer {path} ({getattr(e, 'reason', e)})") from None
-
-    def _wait(self, timeout_s: float) -> None:
-        """Until every server answers /health/ (ms-swift's check_server), at most --vllm_server_timeout."""
-        end = time.monotonic() + timeout_s
-        for i, url in enumerate(self.urls):
-            while True:
-                try:
-                    self._req(i, "/health/", timeout=5)
-                    break
-                except UserError:
-                    if time.monotonic() > end:
-                        raise UserError(f"--vllm-mode server: no `swiftlite rollout` answered at {url} within "
-                                        f"{timeout_s:g} s (--vllm-server-timeout); start it first: swiftlite rollout "
-                                        f"--model <the run's model> --port {urllib.parse.urlparse(url).port or 80}"
-                                        ) from None
-                    time.sleep(0.5)
 
     def connect(self, join_timeout_s: float = 600.0) -> None:
         """Join each server's weight-sync group as its last rank."""
@@ -224,4 +231,4 @@ class ServerGenerator:
             self.client.close()
 
 
-__all__ = ["GROUP_PORT", "RolloutClient", "ServerGenerator", "group_ports", "server_urls"]
+__all__ = ["GROUP_PORT", "RolloutClient", "ServerGenerator", "group_ports", "server_urls", "wait_for_servers"]
