@@ -19,9 +19,33 @@ resolved), and run as `python -m swiftlite ...` with:
   LoRA checkpoint trained here first (the scripts name the output of an earlier training run);
 - `--max_steps 2` appended to a training command; nothing else changes.
 
+Rollout servers (`swift rollout`, the generation server of GRPO's `--vllm_mode server`):
+
+- extracted: a script's live `swift rollout` commands; a script whose training command has `--vllm_mode
+  server` and that has no live one gets the rollout commands of its commented-out blocks
+  (`# CUDA_VISIBLE_DEVICES=6,7 \\` / `# swift rollout \\` / `#     --model ...`, each line's `#` stripped:
+  the README says to start that server first);
+- run as `python -m swiftlite rollout ...` in the background before the script's training commands, the
+  flags kept, `--model` replaced as above; the training starts once every server's `GET /health/` answers
+  200 (--rollout-wait seconds at most). A server that exits first (no GPU, a refused flag) classifies the
+  script from its exit as a failed command would (error text `rollout: ...`), and the training does not run.
+  The servers are stopped after the training (SIGTERM, then SIGKILL); one that exited on its own meanwhile
+  makes the script a crash;
+- addresses: a script's servers all run on this machine, and the written port may be taken here (as
+  MASTER_PORT's), so each server port a rollout command names (`--port`, ms-swift's 8000 when none,
+  `<node1_port>` placeholders too) becomes a free port, given to the server as `--port` and, by value, to the
+  training command's `--vllm_server_port` (or the port of its `--vllm_server_base_url`); a value naming none
+  of the script's servers becomes the only server's port; a training command relying on the 8000 default
+  gets `--vllm_server_port`. Every `--vllm_server_host` (`xxx`, `<node1_ip>`, 127.0.0.1) becomes 127.0.0.1;
+- --rollout-backend transformers appends `--infer_backend transformers` to every rollout command (default:
+  as written, vLLM, which needs a GPU), so that a CPU machine runs these scripts end to end; such results say
+  `rollout: transformers` (the json's `rollout` field, the table's error column).
+
 Each command runs first with --dry-run, then for real (in a fresh folder whose `examples/` is the mirror's, so
 relative paths in a script resolve as they do in ms-swift's repository root; the nodes of a multi-node pair
-run at once). The table: script, class, first line of the error:
+run at once, whether two scripts or consecutive commands of one script, each its NODE_RANK). Scripts run one
+group at a time (a script, or the scripts of a multi-node pair), so servers of different groups never overlap.
+The table: script, class, first line of the error:
 
 - runs: every command of the script exited 0, dry run and real run (`export` has no dry run: it runs once);
 - refused: exit 2 with one `error:` line per refused flag and no traceback (the first is shown, with how many
@@ -31,26 +55,30 @@ run at once). The table: script, class, first line of the error:
 - crash: anything else (a traceback, another exit code, a timeout).
 
 Skipped, each with its reason: multimodal models or data, Megatron, files without a `swift sft|pt|rlhf|export`
-command (infer, deploy, sample, app), ms-swift's Python entry under another launcher (accelerate, torchrun,
-deepspeed: no `swift` command), and training types swiftlite does not have (classification, embedding,
-reranker, GKD, PPO, ...).
+command (infer, deploy, sample, app, a rollout server alone), ms-swift's Python entry under another launcher
+(accelerate, torchrun, deepspeed: no `swift` command), and training types swiftlite does not have
+(classification, embedding, reranker, GKD, PPO, ...).
 
     python scripts/msswift_examples.py [--only SUBSTR ...] [--json out.json] [--timeout 600]
+        [--rollout-backend {vllm,transformers}] [--rollout-wait 120] [--list]
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +86,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MIRROR = Path("/work/.mirror/modelscope+ms-swift/repo")
 COMMANDS = ("sft", "pt", "rlhf", "export")
+ROLLOUT = "rollout"      # `swift rollout`: a training command's generation server
+SERVER_PORT = "8000"     # ms-swift's default `swift rollout --port` and `--vllm_server_port`
 
 # ---------------------------------------------------------------- reading the scripts
 
@@ -71,24 +101,45 @@ OTHER_TASKS = {"seq_cls", "embedding", "reranker", "generative_reranker"}
 OTHER_RLHF = {"gkd", "ppo", "opsd", "gym"}
 
 
+def opt_values(argv: list[str], name: str) -> list[str] | None:
+    """The values of --name in argv (None when absent; [] for a bare flag)."""
+    for i, a in enumerate(argv):
+        if a == f"--{name}":
+            vals = []
+            for b in argv[i + 1:]:
+                if b.startswith("--"):
+                    break
+                vals.append(b)
+            return vals
+    return None
+
+
+def set_opt(argv: list[str], name: str, values: list[str]) -> list[str]:
+    """argv with the values of --name replaced (--name appended when absent)."""
+    for i, a in enumerate(argv):
+        if a == f"--{name}":
+            j = i + 1
+            while j < len(argv) and not argv[j].startswith("--"):
+                j += 1
+            return [*argv[:i + 1], *values, *argv[j:]]
+    return [*argv, f"--{name}", *values]
+
+
 @dataclass
 class Command:
     script: str
-    sub: str                  # sft | pt | rlhf | export
+    sub: str                  # sft | pt | rlhf | export | rollout
     env: dict[str, str]
     argv: list[str]           # after `swift SUB`
+    commented: bool = False   # a rollout command from a commented-out block
 
     def opt(self, name: str) -> list[str] | None:
         """The values of --name (None when absent; [] for a bare flag)."""
-        for i, a in enumerate(self.argv):
-            if a == f"--{name}":
-                vals = []
-                for b in self.argv[i + 1:]:
-                    if b.startswith("--"):
-                        break
-                    vals.append(b)
-                return vals
-        return None
+        return opt_values(self.argv, name)
+
+    def server_mode(self) -> bool:
+        """A GRPO training command that asks a running rollout server for its generations."""
+        return self.sub == "rlhf" and (self.opt("vllm_mode") or [""])[0] == "server"   # ms-swift: no default mode
 
 
 def git_show(mirror: Path, path: str) -> str:
@@ -142,8 +193,23 @@ def _expand(s: str, shell: dict[str, str]) -> str:
 ASSIGN = re.compile(r"^(?:export\s+)?([A-Za-z_]\w*)=(\S*)$")
 
 
+def _split(line: str, shell: dict[str, str]) -> tuple[dict[str, str], list[str]] | None:
+    """(leading VAR=value assignments, the rest) of one command line; None when the shell can't split it."""
+    try:
+        toks = shlex.split(_expand(line, shell))
+    except ValueError:
+        return None
+    env: dict[str, str] = {}
+    i = 0
+    while i < len(toks) and re.match(r"^[A-Za-z_]\w*=", toks[i]):
+        k, _, v = toks[i].partition("=")
+        env[k] = v
+        i += 1
+    return env, toks[i:]
+
+
 def extract(path: str, text: str, platform: dict[str, str]) -> tuple[list[Command], list[str]]:
-    """The swift commands of one script, and the other launchers found in it."""
+    """The swift commands of one script (rollout servers included), and the other launchers found in it."""
     shell = dict(platform)
     cmds, launchers = [], []
     for line in logical_lines(text):
@@ -151,37 +217,69 @@ def extract(path: str, text: str, platform: dict[str, str]) -> tuple[list[Comman
         if m:
             shell[m.group(1)] = _expand(m.group(2).strip("'\""), shell)
             continue
-        try:
-            toks = shlex.split(_expand(line, shell))
-        except ValueError:
+        split = _split(line, shell)
+        if split is None:
             continue
-        env: dict[str, str] = {}
-        i = 0
-        while i < len(toks) and re.match(r"^[A-Za-z_]\w*=", toks[i]):
-            k, _, v = toks[i].partition("=")
-            env[k] = v
-            i += 1
-        rest = toks[i:]
+        env, rest = split
         if len(rest) >= 2 and rest[0] == "swift" and rest[1] in COMMANDS:
             if re.search(r"\$\{?(RANK|WORLD_SIZE|MASTER_ADDR)\b", text):
                 # a platform script (PAI-DLC): the platform sets these in the process environment too
                 env = {**{k: v for k, v in platform.items() if k not in env}, **env}
             cmds.append(Command(path, rest[1], env, rest[2:]))
+        elif rest[:2] == ["swift", ROLLOUT]:
+            cmds.append(Command(path, ROLLOUT, env, rest[2:]))
         elif rest and rest[0] in ("accelerate", "torchrun", "deepspeed", "python") and "swift/cli" in line:
             launchers.append(rest[0])
         elif rest and rest[0] == "megatron":
             launchers.append("megatron")
         elif len(rest) >= 2 and rest[0] == "swift":
             launchers.append(f"swift {rest[1]}")
+    if not any(c.sub == ROLLOUT for c in cmds) and any(c.server_mode() for c in cmds):
+        cmds[:0] = commented_rollouts(path, text, shell)
     return cmds, launchers
+
+
+def commented_rollouts(path: str, text: str, shell: dict[str, str]) -> list[Command]:
+    """The `swift rollout` commands of a script's commented-out blocks (`# swift rollout \\` / `#     --model ...`):
+    each run of comment lines with its `#` stripped, read as shell lines."""
+    blocks, cur = [], []
+    for raw in [*text.splitlines(), ""]:
+        m = re.match(r"\s*#(.*)$", raw)
+        if m:
+            cur.append(m.group(1))
+        elif cur:
+            blocks.append("\n".join(cur))
+            cur = []
+    out = []
+    for block in blocks:
+        for line in logical_lines(block):
+            split = _split(line, shell)
+            if split and split[1][:2] == ["swift", ROLLOUT]:
+                out.append(Command(path, ROLLOUT, split[0], split[1][2:], commented=True))
+    return out
+
+
+def node_steps(cmds: list[Command]) -> list[list[Command]]:
+    """A script's commands in run order, one list per step: consecutive commands that are the nodes of one
+    multi-node job (NNODES > 1, each its NODE_RANK) share a step, as they must run at once."""
+    steps: list[list[Command]] = []
+    for c in cmds:
+        nn, last = c.env.get("NNODES", "1") or "1", steps[-1] if steps else []
+        if (int(nn) > 1 and "NODE_RANK" in c.env and last and len(last) < int(nn)
+                and all(p.env.get("NNODES") == nn and p.env.get("NODE_RANK") not in (None, c.env["NODE_RANK"])
+                        for p in last)):
+            last.append(c)
+        else:
+            steps.append([c])
+    return steps
 
 
 def skip_reason(path: str, cmds: list[Command], launchers: list[str]) -> str | None:
     text_all = " ".join(" ".join(c.argv) for c in cmds)
     if "megatron" in path or "megatron" in launchers:
         return "Megatron (its training half runs under `megatron sft`)"
-    if not cmds:
-        other = sorted({lch for lch in launchers})
+    if all(c.sub == ROLLOUT for c in cmds):
+        other = sorted({*launchers, *(f"swift {c.sub}" for c in cmds)})   # a rollout server alone
         if any(lch in ("accelerate", "torchrun", "deepspeed", "python") for lch in other):
             return f"ms-swift's Python entry under {'/'.join(x for x in other if not x.startswith('swift'))}, no swift command"
         return f"no swift sft/pt/rlhf/export command ({', '.join(other) or 'none'})"
@@ -329,10 +427,20 @@ def local_model(hub: str, models: dict[str, Path]) -> str:
     return str(models["llama" if "llama" in h else "qwen2"])
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (their sockets held open together while asking)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 PLACEHOLDER = re.compile(r"x{2,}|vx-|/path/to|<", re.I)
@@ -366,9 +474,83 @@ def translate(cmd: Command, models: dict[str, Path], files: dict[str, Path], ckp
         else:
             out += [tok, *vals]
         i = j
-    if cmd.sub != "export":
+    if cmd.sub not in ("export", ROLLOUT):
         out += ["--max_steps", "2"]
     return env, out
+
+
+# ---------------------------------------------------------------- rollout servers: this machine's ports
+
+def server_ports(rollouts: list[Command], ports: list[int]) -> dict[str, int]:
+    """Each server port a script's rollout commands name (`--port`, 8000 when none, placeholders too) -> one of
+    the free ports given, in order."""
+    out: dict[str, int] = {}
+    for c in rollouts:
+        written = (c.opt("port") or [SERVER_PORT])[0]
+        if written not in out:
+            out[written] = ports[len(out)]
+    return out
+
+
+def rollout_argv(argv: list[str], ports: dict[str, int], backend: str | None) -> list[str]:
+    """A rollout command's argv listening on its port here, with --infer_backend BACKEND when one is given."""
+    argv = set_opt(argv, "port", [str(ports[(opt_values(argv, "port") or [SERVER_PORT])[0]])])
+    return set_opt(argv, "infer_backend", [backend]) if backend else argv
+
+
+URL = re.compile(r"^(?P<scheme>[A-Za-z][\w+.-]*://)?(?P<host>\[[^\]]*\]|[^/:]*)(?::(?P<port>[^/]*))?(?P<rest>/.*)?$")
+
+
+def training_argv(argv: list[str], ports: dict[str, int]) -> list[str]:
+    """A server-mode training command's argv pointed at the script's servers on this machine: every host
+    127.0.0.1, every port through `ports` (by value; one naming no server is the only server's port when the
+    script has one), `--vllm_server_port` added where the command relies on the 8000 default."""
+    only = [str(p) for p in ports.values()][:1] if len(ports) == 1 else []
+
+    def port(written: str) -> str:
+        return str(ports[written]) if written in ports else (only or [written])[0]
+    urls = opt_values(argv, "vllm_server_base_url")
+    if urls:
+        new = []
+        for u in urls:
+            m = URL.match(u)
+            new.append(f"{m['scheme'] or ''}127.0.0.1:{port(m['port'] or SERVER_PORT)}{m['rest'] or ''}" if m else u)
+        return set_opt(argv, "vllm_server_base_url", new)
+    hosts = opt_values(argv, "vllm_server_host")
+    if hosts:
+        argv = set_opt(argv, "vllm_server_host", ["127.0.0.1"] * len(hosts))
+    written = opt_values(argv, "vllm_server_port") or [SERVER_PORT] * max(1, len(hosts or []))
+    return set_opt(argv, "vllm_server_port", [port(w) for w in written])
+
+
+Step = tuple[dict, list[str], str]   # (env, swiftlite argv, subcommand)
+
+
+@dataclass
+class Plan:
+    """One script, translated: its rollout servers and its training commands, step by step."""
+    script: str
+    servers: list[tuple[dict, list[str]]]   # (env, argv of `swiftlite rollout`)
+    steps: list[list[Step]]                 # the commands of a step run at once (the nodes of a pair)
+    rollout: str = ""                       # the servers' backend; "" when the script has none
+
+
+def make_plan(path: str, cmds: list[Command], models: dict[str, Path], files: dict[str, Path], ckpt: Path | None,
+              port: int, backend: str | None) -> Plan:
+    rollouts = [c for c in cmds if c.sub == ROLLOUT]
+    ports = server_ports(rollouts, free_ports(len(rollouts)))
+    servers = []
+    for c in rollouts:
+        env, argv = translate(c, models, files, None, port)
+        servers.append((env, rollout_argv(argv, ports, backend)))
+    steps = []
+    for step in node_steps([c for c in cmds if c.sub != ROLLOUT]):
+        steps.append([])
+        for c in step:
+            env, argv = translate(c, models, files, ckpt, port)
+            steps[-1].append((env, training_argv(argv, ports) if rollouts and c.server_mode() else argv, c.sub))
+    written = next((v for c in rollouts for v in c.opt("infer_backend") or []), "vllm")
+    return Plan(path, servers, steps, (backend or written) if rollouts else "")
 
 
 # ---------------------------------------------------------------- running
@@ -384,6 +566,7 @@ class Result:
     error: str = ""
     commands: list[list[str]] = field(default_factory=list)
     seconds: float = 0.0
+    rollout: str = ""      # the rollout servers' backend (vllm | transformers); "" without a server
 
 
 def base_env() -> dict[str, str]:
@@ -421,37 +604,128 @@ def run_one(sub: str, env: dict[str, str], argv: list[str], cwd: Path, timeout: 
         return 124, f"timeout after {timeout:.0f} s"
 
 
-def run_group(group: list[tuple[str, list[tuple[dict, list[str], str]]]], work: Path, timeout: float) -> list[Result]:
-    """Run the scripts of a group (one script, or the nodes of a multi-node pair at once) command by command."""
-    results = {s: Result(s, "runs") for s, _ in group}
+class Server:
+    """A `swiftlite rollout` process in the background, its output in files of the script's folder."""
+
+    def __init__(self, env: dict[str, str], argv: list[str], cwd: Path, k: int):
+        self.port = int((opt_values(argv, "port") or [SERVER_PORT])[0])
+        self.out, self.err = cwd / f"rollout-{k}.stdout", cwd / f"rollout-{k}.stderr"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "swiftlite", ROLLOUT, *argv], cwd=cwd,
+                                         env={**base_env(), **env}, stdout=out, stderr=err, start_new_session=True)
+
+    def output(self) -> str:
+        """Its stderr (and the tail of its stdout after a failure), as run_one gives a command's."""
+        err = self.err.read_text(errors="replace")
+        return err + ("" if self.proc.returncode == 0 else self.out.read_text(errors="replace")[-2000:])
+
+    def wait_ready(self, seconds: float) -> int | None:
+        """None once GET /health/ answers 200; its exit code if it exits first; 124 after `seconds`."""
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # no proxy for 127.0.0.1
+        end = time.time() + seconds
+        while True:
+            if self.proc.poll() is not None:
+                return self.proc.returncode
+            try:
+                with opener.open(f"http://127.0.0.1:{self.port}/health/", timeout=2) as r:
+                    if r.status == 200:
+                        return None
+            except (OSError, http.client.HTTPException):   # not listening yet, or not answering
+                pass
+            if time.time() >= end:
+                return 124
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """SIGTERM (it ends cleanly), then SIGKILL to its process group after a few seconds."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)   # what is left: the server itself or its workers
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+
+
+def start_servers(plans: list[Plan], cwds: dict[str, Path], results: dict[str, Result], ready_s: float,
+                  servers: list[tuple[str, Server]]) -> None:
+    """Start every plan's rollout servers (appended to `servers`) and wait for their /health/; a script whose
+    server exits first (or never answers) gets its class from that exit."""
+    for p in plans:
+        for k, (env, argv) in enumerate(p.servers):
+            results[p.script].commands.append([*(f"{a}={b}" for a, b in env.items()), "swiftlite", ROLLOUT, *argv])
+            servers.append((p.script, Server(env, argv, cwds[p.script], k)))
+    end = time.time() + ready_s
+    for s, srv in servers:
+        if results[s].cls != "runs":
+            continue
+        rc = srv.wait_ready(max(0.0, end - time.time()))
+        if rc is None:
+            continue
+        if rc == 124 and srv.proc.poll() is None:
+            last = "".join(f" ({ln[:300]})" for ln in srv.err.read_text(errors="replace").splitlines()[-1:])
+            cls, first = "crash", f"its /health/ did not answer within {ready_s:.0f} s{last}"
+        else:
+            cls, first = classify(rc, srv.output())
+            if cls == "runs":
+                cls, first = "crash", "exit 0 before its /health/ answered"
+        results[s].cls, results[s].error = cls, f"rollout: {first}"
+
+
+def run_group(plans: list[Plan], work: Path, timeout: float, ready_s: float = 120) -> list[Result]:
+    """Run the scripts of a group (one script, or the nodes of a multi-node pair at once): their rollout servers
+    first, then command by command (a step's commands at once), then the servers stopped."""
+    results = {p.script: Result(p.script, "runs", rollout=p.rollout) for p in plans}
     cwds = {}
-    for s, _ in group:
-        cwd = work / "runs" / s.replace("/", "__")
+    for p in plans:
+        cwd = work / "runs" / p.script.replace("/", "__")
         shutil.rmtree(cwd, ignore_errors=True)
         cwd.mkdir(parents=True)
         (cwd / "examples").symlink_to(work / "mirror" / "examples")
-        cwds[s] = cwd
+        cwds[p.script] = cwd
     t0 = time.time()
-    steps = max(len(c) for _, c in group)
-    for k in range(steps):
-        for dry in (True, False):
-            # `swift export` has no dry run (ms-swift's neither): it runs once
-            todo = [(s, cmds[k]) for s, cmds in group if k < len(cmds) and results[s].cls == "runs"
-                    and not (dry and cmds[k][2] == "export")]
-            if not todo:
-                continue
-            with ThreadPoolExecutor(len(todo)) as ex:
-                futs = {s: ex.submit(run_one, c[2], c[0], c[1], cwds[s], timeout, dry) for s, c in todo}
-            for s, c in todo:
-                rc, err = futs[s].result()
-                if dry or c[2] == "export":
-                    results[s].commands.append([*(f"{a}={b}" for a, b in c[0].items()), "swiftlite", c[2], *c[1]])
-                cls, first = classify(rc, err)
-                if cls != "runs":
-                    results[s].cls, results[s].error = cls, ("dry-run: " if dry else "run: ") + first
+    servers: list[tuple[str, Server]] = []
+    try:
+        start_servers(plans, cwds, results, ready_s, servers)
+        healthy = {s for s, _ in servers if results[s].cls == "runs"}
+        for k in range(max((len(p.steps) for p in plans), default=0)):
+            for dry in (True, False):
+                # `swift export` has no dry run (ms-swift's neither): it runs once
+                todo = [(p.script, c) for p in plans if k < len(p.steps) and results[p.script].cls == "runs"
+                        for c in p.steps[k] if not (dry and c[2] == "export")]
+                if not todo:
+                    continue
+                with ThreadPoolExecutor(len(todo)) as ex:
+                    futs = [ex.submit(run_one, c[2], c[0], c[1], cwds[s], timeout, dry) for s, c in todo]
+                for (s, c), fut in zip(todo, futs):
+                    rc, err = fut.result()
+                    if dry or c[2] == "export":
+                        results[s].commands.append([*(f"{a}={b}" for a, b in c[0].items()), "swiftlite", c[2], *c[1]])
+                    cls, first = classify(rc, err)
+                    if cls != "runs" and results[s].cls == "runs":
+                        results[s].cls, results[s].error = cls, ("dry-run: " if dry else "run: ") + first
+        for s, srv in servers:   # a server that exited on its own during the training: a crash
+            if s in healthy and srv.proc.poll() is not None:
+                first = classify(srv.proc.returncode, srv.output())[1] or f"exit {srv.proc.returncode}"
+                note = f"rollout exited during the training: {first}"
+                if note not in results[s].error:
+                    results[s].error = f"{results[s].error} / {note}" if results[s].error else note
+                results[s].cls = "crash"
+    finally:
+        for _, srv in servers:
+            srv.stop()
     for r in results.values():
         r.seconds = time.time() - t0
     return list(results.values())
+
+
+def note(r: Result) -> str:
+    """The table's mark of a result whose rollout servers did not run as the script wrote them (vLLM)."""
+    return f"[rollout: {r.rollout}] " if r.rollout not in ("", "vllm") else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -462,6 +736,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per command")
     ap.add_argument("--list", action="store_true", help="print the extracted commands and skips, run nothing")
+    ap.add_argument("--rollout-backend", choices=("vllm", "transformers"), default=None,
+                    help="--infer_backend for every `swift rollout` server (default: as the script writes it)")
+    ap.add_argument("--rollout-wait", type=float, default=120,
+                    help="seconds for a rollout server's /health/ to answer")
     args = ap.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="msswift-examples-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -479,7 +757,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skip  {p}: {why}")
         for p, cmds in todo:
             for c in cmds:
-                print(f"run   {p}: {' '.join(f'{k}={v}' for k, v in c.env.items())} swift {c.sub} {shlex.join(c.argv)}")
+                where = "  (commented out in the script)" if c.commented else ""
+                print(f"run   {p}: {' '.join(f'{k}={v}' for k, v in c.env.items())} swift {c.sub} {shlex.join(c.argv)}"
+                      + where)
         print(f"{len(todo)} to run, {len(skipped)} skipped")
         return 0
     if not (work / "mirror" / "examples").is_dir():
@@ -503,7 +783,6 @@ def main(argv: list[str] | None = None) -> int:
     # group the nodes of a multi-node pair (NNODES > 1 with a NODE_RANK) in one folder: they run together
     groups: dict[str, list] = {}
     for path, cmds in todo:
-        tr = []
         nodes = any(int(c.env.get("NNODES", "1") or 1) > 1 and "NODE_RANK" in c.env for c in cmds)
         key = str(Path(path).parent) + "#nodes" if nodes else path
         groups.setdefault(key, []).append((path, cmds))
@@ -518,16 +797,16 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(run_copy, ignore_errors=True)
                 shutil.copytree(ckpt.parent, run_copy, ignore=shutil.ignore_patterns("*-merged"))
                 own = run_copy / ckpt.name
-            group.append((path, [(*translate(c, models, files, own, port), c.sub) for c in cmds]))
-        for r in run_group(group, work, args.timeout):
+            group.append(make_plan(path, cmds, models, files, own, port, args.rollout_backend))
+        for r in run_group(group, work, args.timeout, args.rollout_wait):
             results.append(r)
-            print(f"{r.cls:8s} {r.seconds:6.1f}s  {r.script}  {r.error}", flush=True)
+            print(f"{r.cls:8s} {r.seconds:6.1f}s  {r.script}  {note(r)}{r.error}", flush=True)
     counts: dict[str, int] = {}
     for r in results:
         counts[r.cls] = counts.get(r.cls, 0) + 1
     print("\n| script | class | first error line |\n|---|---|---|")
     for r in results:
-        print(f"| {r.script} | {r.cls} | {r.error.replace('|', '/')} |")
+        print(f"| {r.script} | {r.cls} | {(note(r) + r.error).replace('|', '/')} |")
     print("\nskipped:")
     for p, why in skipped:
         print(f"  {p}: {why}")

@@ -1,0 +1,187 @@
+"""scripts/msswift_examples.py's rollout servers: the `swift rollout` commands it extracts (live, or from a
+commented-out block when the training is in server mode), and the ports and hosts it gives the servers and
+the training commands. Pure functions on small inline scripts: no server, no network."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def mx():
+    spec = importlib.util.spec_from_file_location("msswift_examples", ROOT / "scripts" / "msswift_examples.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod   # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+PLATFORM = {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+TRAIN = """
+CUDA_VISIBLE_DEVICES=0,1 \\
+NPROC_PER_NODE=2 \\
+swift rlhf \\
+    --rlhf_type grpo \\
+    --model Qwen/Qwen2.5-7B-Instruct \\
+    --use_vllm true \\
+    --vllm_mode {mode} \\
+    --vllm_server_host 127.0.0.1 \\
+    --vllm_server_port 8000 \\
+    --dataset AI-MO/NuminaMath-TIR#1000
+"""
+
+# examples/train/grpo/external/grpo_7b.sh's shape: the server only in a comment block at the top
+COMMENTED = """# 8 * 80 G (6 for training, 2 for rollout)
+# Before running this script, please run the following `swift rollout` script first
+# CUDA_VISIBLE_DEVICES=6,7 \\
+# swift rollout \\
+#     --model Qwen/Qwen2.5-7B-Instruct \\
+#     --data_parallel_size 2
+""" + TRAIN
+
+# examples/train/grpo/internal/real.sh's shape: a live server command
+LIVE = """CUDA_VISIBLE_DEVICES=2 \\
+swift rollout \\
+    --model Qwen/Qwen3-1.7B
+
+# CUDA_VISIBLE_DEVICES=3 \\
+# swift rollout \\
+#     --model Qwen/Other-Model
+""" + TRAIN
+
+
+def _extract(mx, text, mode="server"):
+    return mx.extract("examples/x.sh", text.replace("{mode}", mode), PLATFORM)
+
+
+def test_commented_rollout_used_in_server_mode(mx):
+    cmds, launchers = _extract(mx, COMMENTED)
+    assert [c.sub for c in cmds] == ["rollout", "rlhf"] and launchers == []
+    ro = cmds[0]
+    assert ro.commented and ro.env == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    assert ro.argv == ["--model", "Qwen/Qwen2.5-7B-Instruct", "--data_parallel_size", "2"]
+    assert cmds[1].server_mode() and not cmds[1].commented
+    assert mx.skip_reason("examples/x.sh", cmds, launchers) is None
+
+
+def test_commented_rollout_ignored_without_server_mode(mx):
+    cmds, _ = _extract(mx, COMMENTED, mode="colocate")
+    assert [c.sub for c in cmds] == ["rlhf"] and not cmds[0].server_mode()
+
+
+def test_live_rollout_wins_over_commented(mx):
+    cmds, launchers = _extract(mx, LIVE)
+    assert [(c.sub, c.commented) for c in cmds] == [("rollout", False), ("rlhf", False)]
+    assert cmds[0].argv == ["--model", "Qwen/Qwen3-1.7B"] and cmds[0].env == {"CUDA_VISIBLE_DEVICES": "2"}
+    assert launchers == []
+
+
+def test_indented_commented_block_between_prose(mx):
+    # run_grpo_sudoku_server.sh's shape: numbered prose, another command, then the server, indented
+    text = """# ====
+#    1. Start the env server:
+#       TEXTARENA_ENV_ID=Sudoku-v0 \\
+#         python examples/start_sudoku_server.py
+#
+#    2. Start vLLM rollout server (separate terminal):
+#       CUDA_VISIBLE_DEVICES=0 \\
+#       swift rollout \\
+#           --model Qwen/Qwen3.5-4B \\
+#           --max_turns 3\\
+#           --use_gym_env true
+#
+#    3. This script starts training in server mode
+""" + TRAIN
+    cmds, _ = _extract(mx, text)
+    assert [c.sub for c in cmds] == ["rollout", "rlhf"]
+    assert cmds[0].argv == ["--model", "Qwen/Qwen3.5-4B", "--max_turns", "3", "--use_gym_env", "true"]
+
+
+def test_rollout_alone_is_skipped(mx):
+    cmds, launchers = _extract(mx, "CUDA_VISIBLE_DEVICES=0 swift rollout --model Qwen/Qwen3-1.7B\n")
+    assert [c.sub for c in cmds] == ["rollout"]
+    assert mx.skip_reason("examples/x.sh", cmds, launchers) == "no swift sft/pt/rlhf/export command (swift rollout)"
+
+
+def test_multimodal_rollout_model_is_skipped(mx):
+    cmds, launchers = _extract(mx, "swift rollout --model Qwen/Qwen2.5-VL-7B-Instruct\n" + TRAIN)
+    assert mx.skip_reason("examples/x.sh", cmds, launchers).startswith("multimodal model")
+
+
+def _cmd(mx, argv, sub="rollout", env=None):
+    return mx.Command("examples/x.sh", sub, env or {}, argv)
+
+
+def test_ports_two_placeholder_servers(mx):
+    # server_multi_node.sh: two servers on `<nodeN_port>`, the training names both hosts and ports
+    rollouts = [_cmd(mx, ["--model", "M", "--port", f"<node{n}_port>"]) for n in (1, 2)]
+    ports = mx.server_ports(rollouts, [41001, 41002])
+    assert ports == {"<node1_port>": 41001, "<node2_port>": 41002}
+    assert mx.rollout_argv(rollouts[1].argv, ports, None) == ["--model", "M", "--port", "41002"]
+    train = ["--use_vllm", "true", "--vllm_server_host", "<node1_ip>", "<node2_ip>",
+             "--vllm_server_port", "<node1_port>", "<node2_port>", "--max_steps", "2"]
+    assert mx.training_argv(train, ports) == ["--use_vllm", "true", "--vllm_server_host", "127.0.0.1", "127.0.0.1",
+                                              "--vllm_server_port", "41001", "41002", "--max_steps", "2"]
+
+
+def test_ports_default_8000(mx):
+    ports = mx.server_ports([_cmd(mx, ["--model", "M"])], [42000])
+    assert ports == {"8000": 42000}
+    # the server gets --port; a training command without a port (the 8000 default) gets --vllm_server_port
+    assert mx.rollout_argv(["--model", "M"], ports, "transformers") == [
+        "--model", "M", "--port", "42000", "--infer_backend", "transformers"]
+    assert mx.training_argv(["--vllm_mode", "server", "--vllm_server_host", "xxx"], ports) == [
+        "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port", "42000"]
+    # a port naming no server (sudoku: server on 8000, training on 8001) is the only server's
+    assert mx.training_argv(["--vllm_server_port", "8001"], ports) == ["--vllm_server_port", "42000"]
+    assert mx.training_argv(["--vllm_server_base_url", "http://10.0.0.1:8000/v1", "http://<ip>"], ports) == [
+        "--vllm_server_base_url", "http://127.0.0.1:42000/v1", "http://127.0.0.1:42000"]
+
+
+def test_backend_replaces_written_one(mx):
+    ports = {"8000": 43000}
+    assert mx.rollout_argv(["--infer_backend", "vllm", "--model", "M"], ports, "transformers") == [
+        "--infer_backend", "transformers", "--model", "M", "--port", "43000"]
+    assert mx.rollout_argv(["--infer_backend", "vllm"], ports, None) == ["--infer_backend", "vllm", "--port", "43000"]
+
+
+def test_node_steps(mx):
+    a = _cmd(mx, [], "rlhf", {"NNODES": "2", "NODE_RANK": "0"})
+    b = _cmd(mx, [], "rlhf", {"NNODES": "2", "NODE_RANK": "1"})
+    c = _cmd(mx, [], "export")
+    assert mx.node_steps([a, b, c]) == [[a, b], [c]]
+    assert mx.node_steps([a, a]) == [[a], [a]]       # the same rank twice: one after the other
+    assert mx.node_steps([c, c]) == [[c], [c]]
+
+
+def test_plan_wires_servers_to_training(mx):
+    text = """swift rollout --model Qwen/Qwen2.5-7B-Instruct --port <node1_port>
+swift rollout --model Qwen/Qwen2.5-7B-Instruct --port <node2_port>
+NNODES=2 NODE_RANK=0 MASTER_PORT=29500 swift rlhf --rlhf_type grpo --model Qwen/Qwen2.5-7B-Instruct \\
+    --use_vllm true --vllm_mode server --vllm_server_host <node1_ip> <node2_ip> \\
+    --vllm_server_port <node1_port> <node2_port> --dataset AI-MO/NuminaMath-TIR#1000
+NNODES=2 NODE_RANK=1 MASTER_ADDR=<node3_ip> MASTER_PORT=29500 swift rlhf --rlhf_type grpo \\
+    --model Qwen/Qwen2.5-7B-Instruct --use_vllm true --vllm_mode server --vllm_server_host <node1_ip> <node2_ip> \\
+    --vllm_server_port <node1_port> <node2_port> --dataset AI-MO/NuminaMath-TIR#1000
+"""
+    cmds, _ = _extract(mx, text)
+    models = {k: Path(f"/m/{k}") for k in ("qwen2", "llama", "moe", "awq", "gptq")}
+    files = {"grpo": Path("/d/grpo.jsonl")}
+    plan = mx.make_plan("examples/x.sh", cmds, models, files, None, 29999, "transformers")
+    assert plan.rollout == "transformers" and len(plan.steps) == 1 and len(plan.steps[0]) == 2
+    served = [int(mx.opt_values(argv, "port")[0]) for _, argv in plan.servers]
+    assert len(set(served)) == 2 and all(mx.opt_values(argv, "model") == ["/m/qwen2"] for _, argv in plan.servers)
+    for env, argv, sub in plan.steps[0]:
+        assert sub == "rlhf" and env["MASTER_PORT"] == "29999" and env.get("MASTER_ADDR", "127.0.0.1") == "127.0.0.1"
+        assert [int(p) for p in mx.opt_values(argv, "vllm_server_port")] == served
+        assert mx.opt_values(argv, "vllm_server_host") == ["127.0.0.1", "127.0.0.1"]
+        assert mx.opt_values(argv, "dataset") == ["/d/grpo.jsonl#1000"]
+    assert mx.make_plan("examples/x.sh", [c for c in cmds if c.sub != "rollout"], models, files, None, 1,
+                        "transformers").rollout == ""
