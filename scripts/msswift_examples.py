@@ -5,7 +5,8 @@ Reads ms-swift's public repository (a bare git mirror; default /work/.mirror/mod
 command of a text-LLM script is extracted (shell variables, `$(expr ...)` and line continuations
 resolved), and run as `python -m swiftlite ...` with:
 
-- its environment assignments kept, except NPROC_PER_NODE capped at 2 (this machine has 2 cores) and
+- its environment assignments kept, except NPROC_PER_NODE capped at 2 (this machine has 2 cores; --max-nproc N
+  for another cap, where a script's batch sizes need its own process count, such as GRPO's groups) and
   CUDA_VISIBLE_DEVICES dropped; MASTER_PORT becomes a free port (the written one may be taken here), and a
   placeholder MASTER_ADDR (`xxx.xxx.xxx.xxx`, the other node's script) this machine's 127.0.0.1;
 - `--model` (and `--ref_model`, `--reward_model`, `--teacher_model`) replaced by a local tiny folder
@@ -38,7 +39,9 @@ Rollout servers (`swift rollout`, the generation server of GRPO's `--vllm_mode s
   of the script's servers becomes the only server's port; a training command relying on the 8000 default
   gets `--vllm_server_port`. Every `--vllm_server_host` (`xxx`, `<node1_ip>`, 127.0.0.1) becomes 127.0.0.1;
 - --rollout-backend transformers appends `--infer_backend transformers` to every rollout command (default:
-  as written, vLLM, which needs a GPU), so that a CPU machine runs these scripts end to end; such results say
+  as written, vLLM, which needs a GPU) and drops its `--vllm_tensor_parallel_size` (how vLLM shards its engine
+  over GPUs; the transformers engine is one process), so that a CPU machine runs these scripts end to end
+  (their training commands as written); such results say
   `rollout: transformers` (the json's `rollout` field, the table's error column).
 
 Each command runs first with --dry-run, then for real (in a fresh folder whose `examples/` is the mirror's, so
@@ -123,6 +126,17 @@ def set_opt(argv: list[str], name: str, values: list[str]) -> list[str]:
                 j += 1
             return [*argv[:i + 1], *values, *argv[j:]]
     return [*argv, f"--{name}", *values]
+
+
+def drop_opt(argv: list[str], name: str) -> list[str]:
+    """argv without --name and its values."""
+    for i, a in enumerate(argv):
+        if a == f"--{name}":
+            j = i + 1
+            while j < len(argv) and not argv[j].startswith("--"):
+                j += 1
+            return [*argv[:i], *argv[j:]]
+    return argv
 
 
 @dataclass
@@ -446,12 +460,16 @@ def free_port() -> int:
 PLACEHOLDER = re.compile(r"x{2,}|vx-|/path/to|<", re.I)
 
 
+#: NPROC_PER_NODE's cap (--max-nproc): 2 by default, the cores here.
+NPROC_CAP = {"n": 2}
+
+
 def translate(cmd: Command, models: dict[str, Path], files: dict[str, Path], ckpt: Path | None,
               port: int) -> tuple[dict[str, str], list[str]]:
     """(env, swiftlite argv) for one command: only the model, datasets and placeholder checkpoints replaced."""
     env = {k: v for k, v in cmd.env.items() if k != "CUDA_VISIBLE_DEVICES"}
     if "NPROC_PER_NODE" in env:
-        env["NPROC_PER_NODE"] = str(min(2, int(env["NPROC_PER_NODE"] or 1)))
+        env["NPROC_PER_NODE"] = str(min(NPROC_CAP["n"], int(env["NPROC_PER_NODE"] or 1)))
     if "MASTER_PORT" in env:
         env["MASTER_PORT"] = str(port)
     if PLACEHOLDER.search(env.get("MASTER_ADDR", "")):   # `xxx.xxx.xxx.xxx`: node 0's address, this machine here
@@ -495,6 +513,8 @@ def server_ports(rollouts: list[Command], ports: list[int]) -> dict[str, int]:
 def rollout_argv(argv: list[str], ports: dict[str, int], backend: str | None) -> list[str]:
     """A rollout command's argv listening on its port here, with --infer_backend BACKEND when one is given."""
     argv = set_opt(argv, "port", [str(ports[(opt_values(argv, "port") or [SERVER_PORT])[0]])])
+    if backend == "transformers":   # vLLM's GPU sharding of its engine: the transformers engine is one process
+        argv = drop_opt(argv, "vllm_tensor_parallel_size")
     return set_opt(argv, "infer_backend", [backend]) if backend else argv
 
 
@@ -576,6 +596,9 @@ def base_env() -> dict[str, str]:
     env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("OMP_NUM_THREADS", "1")
+    # no network here: W&B and SwanLab write their runs locally, as for a user logged in offline
+    env.setdefault("WANDB_MODE", "offline")
+    env.setdefault("SWANLAB_MODE", "offline")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
@@ -738,9 +761,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print the extracted commands and skips, run nothing")
     ap.add_argument("--rollout-backend", choices=("vllm", "transformers"), default=None,
                     help="--infer_backend for every `swift rollout` server (default: as the script writes it)")
+    ap.add_argument("--max-nproc", type=int, default=2, help="cap of NPROC_PER_NODE (default 2)")
     ap.add_argument("--rollout-wait", type=float, default=120,
                     help="seconds for a rollout server's /health/ to answer")
     args = ap.parse_args(argv)
+    NPROC_CAP["n"] = args.max_nproc
     work = args.work or Path(tempfile.mkdtemp(prefix="msswift-examples-"))
     work.mkdir(parents=True, exist_ok=True)
     # The platform variables a DLC script reads ($WORLD_SIZE, $RANK as the node count and rank): one node here.
