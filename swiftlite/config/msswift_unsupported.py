@@ -250,6 +250,9 @@ def misspelling_of(name: str, known: list[str]) -> str | None:
     letters), dashes and underscores folded. Only a typo is a suggestion: a different word that looks
     alike (--use_galore, --use_rslora) is a different option, and ms-swift's own names have their rows."""
     key = name.lstrip("-").replace("-", "_")
+    folded = [k.lstrip("-").replace("-", "_") for k in known]
+    if key in folded:   # a known name is nobody's typo (--vllm_server_port is not --vllm_server_host)
+        return None
     limit = 1 if len(key) < 8 else 2
     best = None
     for k in known:

@@ -110,12 +110,10 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
     found.check(check_report_to, run_cfg)
     found.check(check_scheduler, run_cfg)
     from swiftlite.train.tasks import task_of
-    found.check(task_of(run_cfg).check, run_cfg, needs=("external_plugins",))   # GRPO: reward names (plugins register theirs)
+    task = task_of(run_cfg)
+    found.check(task.check, run_cfg, needs=("external_plugins",))   # GRPO: reward names (plugins register theirs)
     found.raise_all()
-    r = run_cfg.rlhf
-    if run_cfg.task == "rlhf" and r.rlhf_type == "grpo" and r.use_vllm and r.vllm_mode == "server":
-        from swiftlite.rlhf.rollout_client import server_urls, wait_for_servers
-        wait_for_servers(server_urls(r), r.vllm_server_timeout)   # ms-swift connects at start too; once all else passed
+    task.wait_for_services(run_cfg)          # GRPO's rollout servers: once all else passed
     d, t = run_cfg.data, run_cfg.train
     if t.eval_strategy != "no" and "eval_strategy" in cfg.explicit and not (d.val_dataset or d.split_dataset_ratio > 0):
         # ms-swift's rule (sft_args.py): without validation data the eval strategy becomes no

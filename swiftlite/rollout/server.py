@@ -87,15 +87,15 @@ def build_engine(o: RolloutOptions) -> Any:
                    max_num_seqs=o.vllm_max_num_seqs or 256, enable_prefix_caching=o.vllm_enable_prefix_caching,
                    enforce_eager=o.vllm_enforce_eager, skip_tokenizer_init=True,
                    worker_extension_cls="swiftlite.rollout.vllm_worker.WeightReceiver")
-    mc = llm.llm_engine.model_config
-    return VllmEngine(llm, o.vllm_tensor_parallel_size, str(mc.dtype).removeprefix("torch."))
+    core = llm.llm_engine      # vLLM's own engine object (the dtype "auto" resolved to), not a training engine
+    return VllmEngine(llm, o.vllm_tensor_parallel_size, str(core.model_config.dtype).removeprefix("torch."))
 
 
 class EngineThread:
-    """Runs the engine's calls one at a time, in the order they were queued (module docstring)."""
+    """Runs the inference backend's calls one at a time, in the order they were queued (module docstring)."""
 
-    def __init__(self, engine: Any):
-        self.engine = engine
+    def __init__(self, backend: Any):
+        self.backend = backend
         self.jobs: queue.Queue = queue.Queue()
         self.failed: str | None = None          # a queued call's error, reported by the next waiting request
         threading.Thread(target=self._loop, name="swiftlite-rollout-engine", daemon=True).start()
@@ -147,9 +147,9 @@ def make_handler(work: EngineThread, timeout_s: float = 1800.0) -> type:
         groups, seeds = body["groups"], body["seeds"]
         if len(groups) != len(seeds) or any(len(g) != len(sd) for g, sd in zip(groups, seeds)):
             raise UserError("/infer/: one seed per prompt")
-        return {"completions": work.call(lambda: work.engine.generate(groups, seeds, s))}
+        return {"completions": work.call(lambda: work.backend.generate(groups, seeds, s))}
 
-    e = work.engine
+    e = work.backend
     routes: dict[tuple[str, str], Callable[[dict], Any]] = {
         ("GET", "/health/"): lambda b: {"status": "ok"},
         ("GET", "/get_world_size/"): lambda b: work.call(e.info),
@@ -202,8 +202,8 @@ def make_handler(work: EngineThread, timeout_s: float = 1800.0) -> type:
 def serve(o: RolloutOptions, *, ready: Callable[[str], None] | None = None) -> int:
     """Load the engine, then serve until SIGTERM/SIGINT; returns the exit code."""
     import signal
-    engine = build_engine(o)
-    work = EngineThread(engine)
+    backend = build_engine(o)
+    work = EngineThread(backend)
     httpd = ThreadingHTTPServer((o.host, o.port), make_handler(work))
     httpd.daemon_threads = True
 
@@ -212,7 +212,7 @@ def serve(o: RolloutOptions, *, ready: Callable[[str], None] | None = None) -> i
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     host, port = httpd.server_address[:2]
-    msg = f"swiftlite rollout: {engine.name} engine on {o.model}, serving http://{host}:{port}"
+    msg = f"swiftlite rollout: {backend.name} engine on {o.model}, serving http://{host}:{port}"
     print(msg, file=sys.stderr, flush=True)
     if ready is not None:
         ready(msg)
@@ -221,7 +221,7 @@ def serve(o: RolloutOptions, *, ready: Callable[[str], None] | None = None) -> i
     finally:
         httpd.server_close()
         work.stop()
-        engine.close()
+        backend.close()
     return 0
 
 

@@ -53,6 +53,10 @@ class Task:
         """The task's own checks that need neither the data nor a process group (preflight runs them,
         --dry-run included); a UserError refuses the run."""
 
+    def wait_for_services(self, cfg: Any) -> None:
+        """Wait for what the run needs outside itself (GRPO's rollout servers); preflight calls it once
+        every other check has passed, so a missing service refuses the run before anything is written."""
+
     def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
                      progress: Callable[[str, int], Any] | None = None) -> Any:
         """(train, validation or None, BatchPlan), with every check a run needs before it starts."""
@@ -216,6 +220,12 @@ class GrpoTask(Task):
     def check(self, cfg: Any) -> None:
         from swiftlite.plugin import check_reward_funcs
         check_reward_funcs(cfg.rlhf.reward_funcs)
+
+    def wait_for_services(self, cfg: Any) -> None:
+        r = cfg.rlhf
+        if r.use_vllm and r.vllm_mode == "server":    # ms-swift connects at start too
+            from swiftlite.rlhf.rollout_client import server_urls, wait_for_servers
+            wait_for_servers(server_urls(r), r.vllm_server_timeout)
 
     def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
                      progress: Callable[[str, int], Any] | None = None) -> Any:

@@ -106,7 +106,7 @@ def _model(seed=0):
 
 
 def _options(**kw):
-    o = dict(vllm_gpu_memory_utilization=0.5, vllm_tensor_parallel_size=1, vllm_max_model_len=96,
+    o = dict(vllm_mode="colocate", vllm_gpu_memory_utilization=0.5, vllm_tensor_parallel_size=1, vllm_max_model_len=96,
              vllm_max_num_seqs=None, vllm_enable_prefix_caching=True, vllm_enforce_eager=True, vllm_enable_lora=False, sleep_level=0,
              move_model_batches=None, offload_model=False, offload_optimizer=False, max_completion_length=6,
              temperature=0.7, top_p=0.9, top_k=5, reward_weights=None, scale_rewards=None, log_completions=False,
