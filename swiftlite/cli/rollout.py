@@ -8,6 +8,7 @@ have are refused all at once, each with its reason (exit 2).
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import typer
@@ -40,7 +41,7 @@ class _RolloutCommand(typer.core.TyperCommand):
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
         from swiftlite.errors import raise_all
-        known = {name for p in self.params for name in p.opts}
+        known = {name for p in self.params for name in p.opts} | set(ctx.help_option_names)
         problems, out = [], []
         for i, a in enumerate(args):
             name = a.partition("=")[0]
@@ -106,13 +107,17 @@ def rollout_cmd(
                         "--vllm_server_host/--vllm_server_port")
     if tp > 1 and infer_backend == "transformers":
         raise UserError("--vllm_tensor_parallel_size with --infer_backend transformers: one process generates; use vllm")
+    lora = _switch("--vllm_enable_lora", enable_lora)
+    if lora:   # accepted so that ms-swift's commands start; said, as the run says it (docs/rlhf.md "Rollout server")
+        print("--vllm_enable_lora true: the run sends its merged weights every round, so no LoRA adapter is loaded "
+              "(the completions are the same)", file=sys.stderr, flush=True)
     raise typer.Exit(serve(RolloutOptions(
         model=model, host=host, port=port, infer_backend=infer_backend, torch_dtype=dt, seed=seed,
         model_revision=model_revision, vllm_tensor_parallel_size=tp, vllm_gpu_memory_utilization=gpu_mem,
         vllm_max_model_len=max_model_len, vllm_max_num_seqs=max_num_seqs,
         vllm_enable_prefix_caching=_switch("--vllm_enable_prefix_caching", prefix_caching),
         vllm_enforce_eager=_switch("--vllm_enforce_eager", enforce_eager),
-        vllm_enable_lora=_switch("--vllm_enable_lora", enable_lora))))
+        vllm_enable_lora=lora)))
 
 
 rollout_cmd.command_settings = {"cls": _RolloutCommand}

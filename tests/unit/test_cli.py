@@ -65,6 +65,16 @@ def test_every_table_entry_is_a_command_and_in_help(capsys):
         assert f"\n  {name} " in out
 
 
+@pytest.mark.parametrize("name", [n for n in cli_main.COMMANDS])
+def test_every_command_answers_help(name, capsys):
+    """`swiftlite NAME --help` prints the command's usage and exits 0 (a command that parses its own
+    argv, as rollout's refusal table does, must still let --help through)."""
+    code = main([name, "--help"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert f"swiftlite {name}" in out.out + out.err
+
+
 def test_missing_command_module_is_an_import_error(monkeypatch):
     """A table entry whose module is missing fails loudly; it is never silently left out."""
     monkeypatch.setitem(cli_main.COMMANDS, "ghost", "swiftlite.cli.no_such_module:ghost_cmd")
