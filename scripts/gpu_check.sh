@@ -258,6 +258,30 @@ else
   say "grpo-vllm skipped: no vllm package or no CUDA GPU here"
 fi
 
+# -- 3d. GRPO against a rollout server (--use_vllm true --vllm_mode server, `swiftlite rollout`), 2 LoRA steps ----
+# (docs/rlhf.md "Rollout server"): the server's engine is vLLM where vllm is importable on a GPU, else the
+# transformers engine (on the GPU: the weight sync then crosses over NCCL; in the CPU rehearsal over gloo).
+# Server and run share the one GPU. The server's log is rollout_server.log in $WORK.
+RB=transformers RARGS=()
+if [[ "$DRYRUN" != 1 ]] && "$PY" -c "import vllm, torch; assert torch.cuda.is_available()" >/dev/null 2>&1; then
+  RB=vllm RARGS=(--vllm_gpu_memory_utilization 0.3 --vllm_max_model_len 1024)
+fi
+[[ -f "$WORK/grpo_data/grpo_train.jsonl" ]] || step grpo-data 60 "$PY" -m swiftlite.rlhf.grpo_demo data "$WORK/grpo_data"
+RPORT=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+GPORT=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+"$PY" -m swiftlite rollout --model "$MODEL" --port "$RPORT" --host 127.0.0.1 --infer_backend "$RB" \
+  "${RARGS[@]}" > "$WORK/rollout_server.log" 2>&1 &
+RPID=$!
+step "grpo-server-$RB" "$RUN_LIMIT" "$PY" -m swiftlite rlhf --rlhf_type grpo --model "$MODEL" --train-type lora \
+  --dataset "$WORK/grpo_data/grpo_train.jsonl" --external_plugins "$REPO/scripts/grpo_exact_reward.py" \
+  --reward_funcs exact --num_generations 4 --per_device_train_batch_size 4 --max_completion_length 16 \
+  --use_vllm true --vllm_mode server --vllm_server_host 127.0.0.1 --vllm_server_port "$RPORT" \
+  --vllm_server_group_port "$GPORT" --vllm_server_timeout 300 --torch-dtype "$DTYPE" --max-steps 2 \
+  --logging-steps 1 --save-strategy no --log_completions true --output-dir "$WORK/grpo_server"
+kill "$RPID" 2>/dev/null || true
+wait "$RPID" 2>/dev/null || true
+tail -5 "$WORK/rollout_server.log" >> "$LOG" 2>/dev/null || true
+
 # -- 4. results to $OUT ------------------------------------------------------------------------------
 for f in bench.json bench.md bench.png; do
   [[ -f "$WORK/bench/$f" ]] && cp "$WORK/bench/$f" "$OUT/$f"

@@ -62,7 +62,12 @@ def _switch(flag: str, value: str) -> bool:
     return v in TRUE
 
 
+#: The engine options of --infer_backend vllm (their parameter names in rollout_cmd).
+VLLM_ONLY = ("gpu_mem", "max_model_len", "max_num_seqs", "prefix_caching", "enforce_eager")
+
+
 def rollout_cmd(
+    ctx: typer.Context,
     model: str = typer.Option(..., "--model", help="The run's --model: an HF folder or hub id (a built-in preset "
                                                    "with --infer_backend transformers)."),
     host: str = typer.Option("0.0.0.0", "--host", help="Address to listen on (ms-swift's default)."),
@@ -107,6 +112,13 @@ def rollout_cmd(
                         "--vllm_server_host/--vllm_server_port")
     if tp > 1 and infer_backend == "transformers":
         raise UserError("--vllm_tensor_parallel_size with --infer_backend transformers: one process generates; use vllm")
+    if infer_backend == "transformers":
+        # by the source's name: typer carries a click of its own, whose ParameterSource is another enum
+        given = [p.opts[0] for p in ctx.command.params
+                 if p.name in VLLM_ONLY and getattr(ctx.get_parameter_source(p.name), "name", "") != "DEFAULT"]
+        if given:   # ms-swift's commands carry them; the transformers engine has no such settings: said
+            print(f"{', '.join(given)}: vLLM engine options, not used by --infer_backend transformers",
+                  file=sys.stderr, flush=True)
     lora = _switch("--vllm_enable_lora", enable_lora)
     if lora:   # accepted so that ms-swift's commands start; said, as the run says it (docs/rlhf.md "Rollout server")
         print("--vllm_enable_lora true: the run sends its merged weights every round, so no LoRA adapter is loaded "
