@@ -106,12 +106,13 @@ def check_finite(engine: Any, step: int) -> None:
     import torch
 
     from swiftlite.distributed import all_reduce_sum
+    from swiftlite.parallel.base import local_values
     bad = 0.0
     with torch.no_grad():
         for p in engine.module.parameters():
             if not p.requires_grad:
                 continue
-            local = p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
+            local = local_values(p)   # a ZeRO-3 partition's padding is uninitialised memory: left out
             if local.is_floating_point() and local.numel() and not bool(torch.isfinite(local).all()):
                 bad = 1.0
                 break
