@@ -255,9 +255,9 @@ def misspelling_of(name: str, known: list[str]) -> str | None:
         return None
     limit = 1 if len(key) < 8 else 2
     best = None
-    for k in known:
-        d = _distance(key, k.lstrip("-").replace("-", "_"))
-        if 0 < d <= limit:
+    for k, f in zip(known, folded):
+        d = _distance(key, f)
+        if d <= limit:
             rank = (d, _distance(name, k))  # a tie goes to the user's own spelling (--lora_rank for --lora_rnak)
             if best is None or rank < best[0]:
                 best = (rank, k)
