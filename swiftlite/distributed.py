@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 from swiftlite import env as envvars
 
@@ -85,6 +86,24 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def local_values(p: Any) -> Any:
+    """The values of parameter `p` this rank holds (here, not in parallel/, so that checkpoint/ reads it
+    without importing the backends), flat where sharded: a DTensor's local shard (FSDP2);
+    a ZeRO-3 partition (`ds_tensor`) less its padding, since DeepSpeed rounds every partition up to
+    ceil(numel / world) and allocates the padding with torch.empty, so on world sizes that do not
+    divide a parameter the last ranks' tails hold whatever was in memory (nan included); else `p`."""
+    if hasattr(p, "to_local"):
+        return p.to_local()
+    part = getattr(p, "ds_tensor", None)
+    if part is None:
+        return p
+    import torch.distributed as dist
+    size = getattr(part, "ds_numel", part.numel())
+    rank = dist.get_rank(group=getattr(p, "ds_process_group", None)) if dist.is_initialized() else 0
+    start = rank * size
+    return part.reshape(-1).narrow(0, 0, max(0, min(size, p.ds_numel - start)))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -106,7 +106,7 @@ def check_finite(engine: Any, step: int) -> None:
     import torch
 
     from swiftlite.distributed import all_reduce_sum
-    from swiftlite.parallel.base import local_values
+    from swiftlite.distributed import local_values
     bad = 0.0
     with torch.no_grad():
         for p in engine.module.parameters():

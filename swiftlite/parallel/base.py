@@ -310,23 +310,6 @@ def tensor_bytes(t: Any) -> int:
     return local.numel() * local.element_size()
 
 
-def local_values(p: Any) -> Any:
-    """The values of parameter `p` this rank holds, flat where sharded: a DTensor's local shard (FSDP2);
-    a ZeRO-3 partition (`ds_tensor`) less its padding, since DeepSpeed rounds every partition up to
-    ceil(numel / world) and allocates the padding with torch.empty, so on world sizes that do not
-    divide a parameter the last ranks' tails hold whatever was in memory (nan included); else `p`."""
-    if hasattr(p, "to_local"):
-        return p.to_local()
-    part = getattr(p, "ds_tensor", None)
-    if part is None:
-        return p
-    import torch.distributed as dist
-    size = getattr(part, "ds_numel", part.numel())
-    rank = dist.get_rank(group=getattr(p, "ds_process_group", None)) if dist.is_initialized() else 0
-    start = rank * size
-    return part.reshape(-1).narrow(0, 0, max(0, min(size, p.ds_numel - start)))
-
-
 def load_plugins(paths: list[str]) -> None:
     """Run the user's `--external-plugins` Python files (ms-swift's flag): they may register backends.
     These are files the user names on the command line, run like any script of theirs."""

@@ -12,7 +12,7 @@ import torch
 
 from swiftlite.checkpoint.state import check_finite
 from swiftlite.errors import UserError
-from swiftlite.parallel.base import local_values
+from swiftlite.distributed import local_values
 
 
 def _zero3_param(full: torch.Tensor, rank: int, world: int, pad_value: float) -> torch.nn.Parameter:
