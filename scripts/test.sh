@@ -1,11 +1,24 @@
 #!/usr/bin/env bash
-# Set up (or reuse) the venv, then run the whole test suite. Extra arguments go to pytest.
+# Set up (or reuse) the venv, then run the test suite. Extra arguments go to pytest.
+#   scripts/test.sh            the CI suite: every test but those marked `long`
+#   scripts/test.sh --all      every test, `long` ones included (memory measurements on 24M-157M-parameter
+#                              models and the further cases of claims the CI suite checks once)
+# A `-m EXPR` of your own replaces the default selection.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+select=(-m "not long")
+args=()
+for a in "$@"; do
+  case "$a" in
+    --all) select=() ;;
+    -m|-m=*) select=(); args+=("$a") ;;
+    *) args+=("$a") ;;
+  esac
+done
 bash scripts/setup_env.sh
 # shellcheck disable=SC1091
 . "${SWIFTLITE_VENV:-.venv}/bin/activate"
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export TOKENIZERS_PARALLELISM=false
 export SWIFTLITE_CACHE=${SWIFTLITE_CACHE:-$PWD/.cache/swiftlite}
-exec python -m pytest -q --durations=20 "$@"
+exec python -m pytest -q --durations=30 "${select[@]}" "${args[@]}"

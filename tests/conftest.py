@@ -115,3 +115,15 @@ def pytest_collection_modifyitems(config, items):
         kind = Path(str(item.fspath)).parent.name
         if kind in ("unit", "distributed", "e2e", "faults", "bad_inputs"):
             item.add_marker(getattr(pytest.mark, kind))
+
+
+def cases(items, long=(), ids=lambda c: c[0]):
+    """pytest.param for each case of a parametrized test, id `ids(case)`; the ids in `long` are marked
+    `long` (run by `scripts/test.sh --all`, not by CI: the CI suite checks the claim on the others)."""
+    out = []
+    for c in items:
+        cid = ids(c)
+        out.append(pytest.param(c, id=cid, marks=[pytest.mark.long] if cid in long else []))
+    unknown = set(long) - {ids(c) for c in items}
+    assert not unknown, f"long names no case: {sorted(unknown)}"
+    return out

@@ -110,7 +110,7 @@ def test_zero3_matches_torch(reference, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["zero2_offload", "zero3_offload"])
+@pytest.mark.parametrize("preset", [pytest.param("zero2_offload", marks=pytest.mark.long), "zero3_offload"])
 def test_cpu_offload_matches_torch(reference, tmp_path, preset):
     got = _torchrun(preset, tmp_path)
     _assert_parity(got, reference)

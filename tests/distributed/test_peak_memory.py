@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_env, run_cli
+from tests.conftest import cases, cli_env, run_cli
 
 TOLERANCE = 0.25
 MAX_LENGTH, MICRO_BATCH = 256, 4
@@ -135,7 +135,7 @@ def _check(name, model, backend, train_type, nproc, demo_data, tmp_path, loss_im
     return est, records
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", cases(CASES, long=("single-lora", "single-qlora", "ddp-full", "zero2-full")))
 def test_estimated_peak_within_25_percent_of_measured(case, mid_model, demo_data, tmp_path):
     name, backend, train_type, nproc = case
     _check(name, mid_model, backend, train_type, nproc, demo_data, tmp_path)
@@ -149,7 +149,8 @@ LOSS_CASES = [  # (id, --parallelism, --train-type, processes, --loss-impl)
 ]
 
 
-@pytest.mark.parametrize("case", LOSS_CASES, ids=[c[0] for c in LOSS_CASES])
+@pytest.mark.parametrize("case", cases(LOSS_CASES, long=("64k-single-lora-chunked", "64k-single-full-chunked",
+                                                          "64k-fsdp-lora-chunked")))
 def test_estimated_peak_with_the_loss_impl_within_25_percent(case, big_vocab_model, demo_data, tmp_path):
     name, backend, train_type, nproc, loss_impl = case
     _check(name, big_vocab_model, backend, train_type, nproc, demo_data, tmp_path, loss_impl)
@@ -164,7 +165,7 @@ BF16_CASES = [  # (id, --parallelism, --train-type, processes): fp32 master weig
 ]
 
 
-@pytest.mark.parametrize("case", BF16_CASES, ids=[c[0] for c in BF16_CASES])
+@pytest.mark.parametrize("case", cases(BF16_CASES, long=("ddp-bf16-full", "zero2_offload-bf16-full")))
 def test_estimated_peak_bf16_within_25_percent(case, mid_model, demo_data, tmp_path):
     name, backend, train_type, nproc = case
     est, records = _check(name, mid_model, backend, train_type, nproc, demo_data, tmp_path, dtype="bf16")
@@ -188,7 +189,7 @@ def sharded_files_model(tmp_path_factory) -> Path:
     return _mid_llama(tmp_path_factory.mktemp("mid_llama_64k_sharded"), 65_536, max_shard_size="100MB")
 
 
-@pytest.mark.parametrize("files", ["four", "one"])
+@pytest.mark.parametrize("files", ["four", pytest.param("one", marks=pytest.mark.long)])
 def test_load_phase_fsdp_sharded_reads(files, sharded_files_model, big_vocab_model, demo_data, tmp_path):
     """fsdp x 2 loads by sharded reads (planner/load.py): each rank holds its half of the fp32 weights
     plus, in host memory, its rows of every tensor of the open file (the pages it touched stay mapped

@@ -24,7 +24,8 @@ def _node_env(rank: int, port: int) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("backend", [[], ["--deepspeed", "zero2"]], ids=["auto", "zero2"])
+@pytest.mark.parametrize("backend", [pytest.param([], id="auto"),
+                                     pytest.param(["--deepspeed", "zero2"], id="zero2", marks=pytest.mark.long)])
 def test_dlc_env_same_world_in_dry_run_and_run(demo_data, tmp_path, backend):
     train, _ = demo_data
     out = tmp_path / "out"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, cases, run_cli
 
 pytestmark = pytest.mark.distributed
 
@@ -88,7 +88,7 @@ CASES = [  # (id, backend, processes, train type, extra flags, model: "split"/"t
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", cases(CASES, long=("fsdp-preset-lora", "fsdp1-tied-full", "fsdp1-qlora")))
 def test_sharded_loading_trains_bit_for_bit_like_the_whole_model(case, split_model, tied_model, demo_data,
                                                                   tmp_path):
     name, backend, nproc, train_type, extra, which = case
@@ -143,7 +143,8 @@ def big_model(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", MEMORY_CASES, ids=[f"{b}x{n}-{t}" for b, n, t, _ in MEMORY_CASES])
+@pytest.mark.parametrize("case", cases(MEMORY_CASES, long=("fsdpx4-lora", "fsdp1x4-lora", "hsdpx4-full"),
+                                   ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}"))
 def test_no_rank_holds_the_whole_model(case, big_model, demo_data, tmp_path):
     backend, nproc, train_type, part = case
     script = _script()
@@ -203,7 +204,7 @@ def _zero3_scaled(tmp_path: Path, model_params: float) -> str:
     return str(path)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("backend", ["fsdp", "zero3"])
 def test_qlora_peak_per_rank_falls_from_one_to_two_to_four_processes(backend, big_model, demo_data, tmp_path):
     """Issue 21, acceptance 3, on the 157M model: QLoRA, the worst rank's peak (load and training) at

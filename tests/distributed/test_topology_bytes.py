@@ -32,7 +32,7 @@ import pytest
 
 from tests.conftest import ROOT, run_cli
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+pytestmark = [pytest.mark.long, pytest.mark.distributed]
 pytest.importorskip("deepspeed")
 
 TOL = 0.10

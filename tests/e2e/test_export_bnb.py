@@ -59,7 +59,7 @@ def _dequantized(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
     return out, kind
 
 
-@pytest.mark.parametrize("bits,tol", [(4, 0.2), (8, 0.01)])
+@pytest.mark.parametrize("bits,tol", [(4, 0.2), pytest.param(8, 0.01, marks=pytest.mark.long)])
 def test_bnb_export_of_a_model_folder(model_dir, tmp_path, bits, tol):
     out = tmp_path / f"q{bits}"
     flags = ["--bnb_4bit_quant_type", "nf4", "--bnb_4bit_use_double_quant", "true"] if bits == 4 else []

@@ -111,7 +111,7 @@ def test_resume_gives_the_uninterrupted_run(demo_data, tmp_path):
     assert exported.config.num_hidden_layers == 4 and len(exported.model.layers) == 4
 
 
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp", "hsdp"])
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp", pytest.param("hsdp", marks=pytest.mark.long)])
 def test_two_processes_match_one(parallelism, demo_data, tmp_path):
     _sft(demo_data, tmp_path / "one")
     extra = ["--hsdp_shard_size", "1"] if parallelism == "hsdp" else []   # two replicas of one shard each

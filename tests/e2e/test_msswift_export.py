@@ -94,6 +94,7 @@ def test_adapter_folder_and_false_spellings(lora_run, tmp_path):
     assert (tmp_path / "a" / "model.safetensors").is_file() and (tmp_path / "b" / "model.safetensors").is_file()
 
 
+@pytest.mark.long
 def test_merge_lora_on_a_full_run_is_an_error(tmp_path):
     from swiftlite.demo import write_demo_data
     train, _ = write_demo_data(tmp_path / "data", n_train=16, n_val=4)
