@@ -127,3 +127,16 @@ def cases(items, long=(), ids=lambda c: c[0]):
     unknown = set(long) - {ids(c) for c in items}
     assert not unknown, f"long names no case: {sorted(unknown)}"
     return out
+
+
+class LazyRuns(dict):
+    """A module's training runs, each made the first time a test asks for it (`train(key)`), then
+    kept: a test left out (`-m "not long"`) costs nothing, and the runs the others share still run once."""
+
+    def __init__(self, train):
+        super().__init__()
+        self._train = train
+
+    def __missing__(self, key):
+        self[key] = value = self._train(key)
+        return value

@@ -37,7 +37,7 @@ from tests.conftest import ROOT, cli_env
 TOLERANCE = 0.25
 WORKER = Path(__file__).with_name("_terms_worker.py")
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.long   # calibration of the planner's terms, minutes on 2 cores
 
 
 def _run(mode: str, backend: str, tmp_path: Path) -> list[dict]:
@@ -87,7 +87,7 @@ def test_zero2_offload_host_step_transient(tmp_path):
         _close(predicted, rec["step_rise"], f"zero2_offload rank{r} step()")
 
 
-@pytest.mark.parametrize("backend", [pytest.param("zero2", marks=pytest.mark.long), "zero3"])
+@pytest.mark.parametrize("backend", ["zero2", "zero3"])
 def test_zero_step_transient(backend, tmp_path):
     from swiftlite.planner.transients import step_transient_bytes
     shape, w = _shape_and_work()
@@ -122,8 +122,7 @@ def _zero3_optimizer_offload_json(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("backend", ["zero2_offload", pytest.param("zero3_offload_optimizer.json", marks=pytest.mark.long),
-                                     pytest.param("zero3_offload", marks=pytest.mark.long)])
+@pytest.mark.parametrize("backend", ["zero2_offload", "zero3_offload_optimizer.json", "zero3_offload"])
 def test_offload_families_split(backend, tmp_path):
     from swiftlite import planner as plan
     from swiftlite.planner.transients import host_step_transient_bytes

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, read_losses, run_cli
+from tests.conftest import ROOT, LazyRuns, read_losses, run_cli
 
 STEPS = 10
 REL_LOSS = 1e-5      # padding-free vs padded: the same computation up to summation order
@@ -50,17 +50,16 @@ def runs(data, tmp_path_factory):
     }
     forms = {"padded": ["--padding_free", "false"], "pf": [],
              "packed": ["--packing", "--max-length", 128]}
-    wanted = [("single", "padded"), ("single", "pf"), ("fsdp", "padded"), ("fsdp", "pf"),
-              ("zero3", "padded"), ("zero3", "pf"), ("single", "packed"), ("fsdp", "packed")]
-    out = {}
-    for backend, form in wanted:
+
+    def train_one(key):   # (backend, form), trained when a test first asks for it
+        backend, form = key
         d = root / f"{backend}_{form}"
         proc = run_cli(["sft", "--model", "tiny-llama", "--train-type", "full", "--dataset", train,
                         "--val-dataset", val, "--eval-steps", 5,
                         "--torch-dtype", "fp32", "--learning-rate", "1e-3", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", STEPS, "--logging-steps", 1,
                         "--output-dir", d, "--seed", 7, *backends[backend], *forms[form]], timeout=600)
-        out[backend, form] = (d, proc.stdout)
-    return out
+        return d, proc.stdout
+    return LazyRuns(train_one)
 
 
 def _close(a: dict, b: dict, rel: float, what: str):
@@ -70,7 +69,7 @@ def _close(a: dict, b: dict, rel: float, what: str):
     return worst
 
 
-@pytest.mark.parametrize("backend", ["single", "fsdp", "zero3"])
+@pytest.mark.parametrize("backend", ["single", "fsdp", pytest.param("zero3", marks=pytest.mark.long)])
 def test_padding_free_equals_padded(runs, backend):
     (pf, pf_out), (padded, padded_out) = runs[backend, "pf"], runs[backend, "padded"]
     assert "padding-free batches (default" in pf_out and "padded batches (--padding_free false)" in padded_out

@@ -189,7 +189,8 @@ def sharded_files_model(tmp_path_factory) -> Path:
     return _mid_llama(tmp_path_factory.mktemp("mid_llama_64k_sharded"), 65_536, max_shard_size="100MB")
 
 
-@pytest.mark.parametrize("files", ["four", pytest.param("one", marks=pytest.mark.long)])
+@pytest.mark.long
+@pytest.mark.parametrize("files", ["four", "one"])
 def test_load_phase_fsdp_sharded_reads(files, sharded_files_model, big_vocab_model, demo_data, tmp_path):
     """fsdp x 2 loads by sharded reads (planner/load.py): each rank holds its half of the fp32 weights
     plus, in host memory, its rows of every tensor of the open file (the pages it touched stay mapped

@@ -53,7 +53,7 @@ def test_two_ddp_processes_match_one(demo_data, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("parallelism", ["fsdp", "zero2"])
+@pytest.mark.parametrize("parallelism", ["fsdp", pytest.param("zero2", marks=pytest.mark.long)])
 def test_refused_on_sharding_backends(parallelism, demo_data, tmp_path):
     out = tmp_path / "run"
     proc = run_cli([*BASE, "--dataset", demo_data[0], "--output_dir", out, "--nproc_per_node", "2",

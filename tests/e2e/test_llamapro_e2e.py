@@ -131,7 +131,7 @@ def test_two_processes_match_one(parallelism, demo_data, tmp_path):
             assert torch.equal(a[k], b[k]), k   # frozen on every backend: never touched
 
 
-@pytest.mark.parametrize("parallelism", ["fsdp1", "zero2"])
+@pytest.mark.parametrize("parallelism", ["fsdp1", pytest.param("zero2", marks=pytest.mark.long)])
 def test_sharding_backends_refused_before_launch(parallelism, demo_data, tmp_path):
     out = tmp_path / "run"
     proc = _sft(demo_data, out, 4, "--nproc_per_node", "2", "--parallelism", parallelism, check=False)

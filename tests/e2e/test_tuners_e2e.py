@@ -103,8 +103,14 @@ def test_bone_trains_saves_reloads_and_exports(init, demo_data, tmp_path):
 
 # bone-bat on zero3: MiSS's bat forward reads the base weight outside the base layer's own forward, which
 # ZeRO-3 gathers as an external parameter on access
-@pytest.mark.parametrize("kind,parallelism", [("bone", "ddp"), ("bone", "fsdp"), ("bone", "zero3"), ("bone-bat", "zero3"),
-                                              ("boft", "ddp"), ("boft", "fsdp"), ("boft", "fsdp1"), ("boft", "zero2"),
+# One case per tuner and sharding family runs in CI; the rest are `long` (scripts/test.sh --all).
+_L = pytest.mark.long
+
+
+@pytest.mark.parametrize("kind,parallelism", [pytest.param("bone", "ddp", marks=_L), ("bone", "fsdp"),
+                                              pytest.param("bone", "zero3", marks=_L), ("bone-bat", "zero3"),
+                                              pytest.param("boft", "ddp", marks=_L), pytest.param("boft", "fsdp", marks=_L),
+                                              ("boft", "fsdp1"), pytest.param("boft", "zero2", marks=_L),
                                               ("boft", "zero3"), ("adalora", "ddp")])
 def test_two_processes_match_one(kind, parallelism, demo_data, tmp_path):
     extra = {"boft": BOFT, "bone": BONE, "bone-bat": [*BONE, "--init_weights", "bat"]}.get(kind, ADALORA)
@@ -124,7 +130,7 @@ def test_two_processes_match_one(kind, parallelism, demo_data, tmp_path):
                 == json.loads((two / "adapter_config.json").read_text())["rank_pattern"])
 
 
-@pytest.mark.parametrize("parallelism", ["fsdp", "zero2", "zero3"])
+@pytest.mark.parametrize("parallelism", ["fsdp", pytest.param("zero2", marks=_L), pytest.param("zero3", marks=_L)])
 def test_adalora_refused_on_sharding_backends(parallelism, demo_data, tmp_path):
     out = tmp_path / "run"
     proc = run_cli(["sft", *BASE, *ADALORA, "--dataset", demo_data[0], "--output_dir", out, "--nproc_per_node", "2",
