@@ -166,7 +166,7 @@ def _params_per_rank(out: Path) -> list[int]:
     return [json.loads(f.read_text())["params"] for f in sorted((out / "logs").glob("state_rank*.json"))]
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "zero3"])
+@pytest.mark.parametrize("backend", ["fsdp", pytest.param("zero3", marks=pytest.mark.long)])
 def test_qlora_base_bytes_per_rank_are_one_nth_of_one_process(backend, split_model, demo_data, tmp_path):
     """Issue 21, acceptance 3: the 4-bit base is sharded (fsdp: quantized as it arrives, the packed
     bytes sharded; zero3: partitioned by deepspeed.initialize, its storage dtype being the compute

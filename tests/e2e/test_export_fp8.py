@@ -62,6 +62,7 @@ def test_fp8_export_of_a_model_folder(model_dir, tmp_path):
     assert torch.nn.functional.cosine_similarity(la, lb, dim=0) > 0.99
 
 
+@pytest.mark.long   # the same path as test_export_bnb's, which CI runs
 def test_lora_checkpoint_is_merged_then_quantized(model_dir, tmp_path):
     from swiftlite.demo import write_demo_data
     train, _ = write_demo_data(tmp_path / "data", n_train=32, n_val=4)

@@ -63,8 +63,9 @@ def test_each_step_changes_exactly_the_drawn_layers(demo_data, tmp_path):
         prev = now
 
 
-@pytest.mark.parametrize("optim", [[], ["--use_galore", "true", "--galore_rank", "8", "--galore_update_proj_gap", "2"]],
-                         ids=["adamw", "galore"])
+@pytest.mark.parametrize("optim", [pytest.param([], id="adamw"),
+                                   pytest.param(["--use_galore", "true", "--galore_rank", "8", "--galore_update_proj_gap", "2"],
+                                                id="galore", marks=pytest.mark.long)])
 def test_a_resumed_run_draws_the_same_layers_and_ends_with_the_same_weights(optim, demo_data, tmp_path):
     """Stopped after step 4 with checkpoint-3 (optimizer state for layers 0, 2, 3 only), resumed: the layer
     drawn at step 5 (1) gets its first state then, as in the run that was never stopped. GaLore too (its

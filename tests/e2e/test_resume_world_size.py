@@ -97,6 +97,7 @@ def test_zero3_resumes_on_one_and_four_processes(root):
     assert verify_checkpoint(ckpt / "ds_universal") is None      # and its conversion has its own manifest
 
 
+@pytest.mark.long
 def test_zero2_resumes_on_four_and_after_a_kill_during_conversion_on_one(root):
     from swiftlite.checkpoint.store import verify_checkpoint
     full = full_run(root, "zero2")

@@ -65,7 +65,7 @@ def _uninterrupted(data, backend):
 
 
 @pytest.mark.parametrize("backend,how,launcher", [("fsdp", "all", "fork"), ("zero3", "launcher", "fork"),
-                                                 ("fsdp", "launcher", "torchrun")])
+                                                 pytest.param("fsdp", "launcher", "torchrun", marks=pytest.mark.long)])
 def test_signal_saves_the_step_and_resume_is_exact(data, backend, how, launcher):
     full = _uninterrupted(data, backend)
     env = env_for(data / "cache")
