@@ -101,12 +101,12 @@ def test_bone_trains_saves_reloads_and_exports(init, demo_data, tmp_path):
     _export_verifies(tmp_path / "run" / "checkpoint-4", tmp_path)
 
 
-# bone-bat on zero3: MiSS's bat forward reads the base weight outside the base layer's own forward, which
-# ZeRO-3 gathers as an external parameter on access
-# One case per tuner and sharding family runs in CI; the rest are `long` (scripts/test.sh --all).
+# The pairs marked long repeat a tuner on a backend family another pair already covers in CI.
 _L = pytest.mark.long
 
 
+# bone-bat on zero3: MiSS's bat forward reads the base weight outside the base layer's own forward, which
+# ZeRO-3 gathers as an external parameter on access
 @pytest.mark.parametrize("kind,parallelism", [pytest.param("bone", "ddp", marks=_L), ("bone", "fsdp"),
                                               pytest.param("bone", "zero3", marks=_L), ("bone-bat", "zero3"),
                                               pytest.param("boft", "ddp", marks=_L), pytest.param("boft", "fsdp", marks=_L),
