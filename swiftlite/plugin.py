@@ -1,7 +1,8 @@
 """GRPO reward functions: ms-swift's plugin shape and its built-ins (`--reward_funcs`, docs/rlhf.md).
 
 A plugin file passed with `--external_plugins` registers its rewards in `orms`, as an ms-swift plugin
-does (an ms-swift plugin file ports by changing `from swift.rewards import ORM, orms` to the line below):
+does. ms-swift's own plugin files run unedited: while one runs, its `from swift.rewards import ORM, orms`
+imports this module (swiftlite.plugin_imports). A plugin written for swiftlite imports it by name:
 
     from swiftlite.plugin import ORM, orms
 

@@ -314,6 +314,8 @@ def load_plugins(paths: list[str]) -> None:
     """Run the user's `--external-plugins` Python files (ms-swift's flag): they may register backends.
     These are files the user names on the command line, run like any script of theirs."""
     import importlib.util
+
+    from swiftlite.plugin_imports import msswift_aliases, plugin_import_error
     for p in paths:
         path = Path(p).expanduser()
         if not path.is_file() or path.suffix != ".py":
@@ -325,48 +327,14 @@ def load_plugins(paths: list[str]) -> None:
         import sys
         sys.modules[name] = mod
         try:
-            spec.loader.exec_module(mod)
+            with msswift_aliases():  # ms-swift's `from swift.rewards import ORM, orms` is swiftlite.plugin's
+                spec.loader.exec_module(mod)
         except ImportError as e:  # before any process starts: one line naming the import, not a traceback
             del sys.modules[name]
-            raise UserError(_plugin_import_error(p, path, e)) from None
+            raise UserError(plugin_import_error(p, path, e)) from None
         except SyntaxError as e:
             del sys.modules[name]
             raise UserError(f"--external_plugins {p}:{e.lineno}: syntax error ({e.msg})") from None
-
-
-#: What an ms-swift plugin file's imports become here (the part of ms-swift a plugin uses -> swiftlite's).
-_SWIFT_PORTS = {
-    "swift.rewards": "reward functions: `from swift.rewards import ORM, orms` becomes `from swiftlite.plugin import "
-                     "ORM, orms` (docs/rlhf.md)",
-    "swift.template": "ms-swift's Python templates are not used: conversations are rendered with the tokenizer's "
-                      "chat template (or --template FILE.jinja); drop the registration",
-    "swift.model": "ms-swift's model registrations are not used: swiftlite reads the architecture from the model "
-                   "folder's config.json; drop the registration",
-}
-
-
-def _plugin_import_error(given: str, path: Path, e: ImportError) -> str:
-    """`--external_plugins p.py:LINE: import X failed (No module named 'swift'): what to change`."""
-    import traceback
-    line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__))
-                 if Path(f.filename).resolve() == path.resolve()), None)
-    text = ""
-    if line is not None:
-        try:
-            text = path.read_text(encoding="utf-8").splitlines()[line - 1].strip()
-        except (OSError, IndexError, UnicodeDecodeError):
-            pass
-    where = f"--external_plugins {given}" + (f":{line}" if line else "")
-    what = f"`{text}` failed ({e})" if text else str(e)
-    missing = (getattr(e, "name", None) or "").split(".")[0]
-    if missing == "swift":
-        port = next((v for k, v in _SWIFT_PORTS.items() if k in text), None)
-        return (f"{where}: {what}: this is an ms-swift plugin file; " +
-                (port or "swiftlite plugins import swiftlite instead of swift (rewards: swiftlite.plugin; "
-                 "backends: swiftlite.parallel.base.register_backend)"))
-    if missing:
-        return f"{where}: {what}: install {missing} in this environment, or remove the import"
-    return f"{where}: {what}"
 
 
 __all__ += ["BUILTIN_MODULES", "Check", "LIKE_POLICY", "OPTION_FLAGS", "load_plugins", "parallelism_names",

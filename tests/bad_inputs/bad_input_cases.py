@@ -380,8 +380,9 @@ CASES: list[Case] = [
     Case("msswift-export-push-to-hub", ["export", "--ckpt", "runs/x", "--push_to_hub", "true"],
          "error: --push_to_hub: nothing is uploaded: upload the exported folder yourself"),
     Case("msswift-plugin-file", ["sft", *GOOD, *DATA, "--external_plugins", "plugin.py", "--dry-run"],
-         "error: --external_plugins plugin.py:1: `from swift.rewards import ORM, orms` failed (No module named 'swift')",
-         setup=write("plugin.py", "from swift.rewards import ORM, orms\n")),
+         "error: --external_plugins plugin.py:2: `from swift.utils import get_logger` failed (No module named "
+         "'swift.utils')",
+         setup=write("plugin.py", "from swift.rewards import ORM, orms\nfrom swift.utils import get_logger\n")),
     Case("msswift-awq-folder", ["sft", "--model", "awq", "--max-steps", "2", *DATA],
          "error: --model awq: a pre-quantized AWQ model (config.json quantization_config)",
          setup=both(write("awq/config.json", json.dumps({"model_type": "llama", "quantization_config": {
@@ -394,8 +395,8 @@ CASES: list[Case] = [
     Case("stages-rule-plugin-and-target", ["sft", *GOOD, *DATA, "--learning_rate", "-1", "--external_plugins",
                                            "plugin.py", "--target_modules", "foo"],
          "error: --learning-rate must be > 0, got -1.0",
-         setup=write("plugin.py", "from swift.rewards import ORM, orms\n"),
-         more=("error: --external_plugins plugin.py:1: `from swift.rewards import ORM, orms` failed",
+         setup=write("plugin.py", "from swift.template import Template\n"),
+         more=("error: --external_plugins plugin.py:1: `from swift.template import Template` failed",
                "error: --target-modules foo: foo is not a module of tiny-llama-2l")),
     Case("stages-rule-and-target", ["sft", *GOOD, *DATA, "--warmup_ratio", "2", "--target_modules", "q_proj", "norm"],
          "error: --warmup-ratio must be in [0, 1), got 2.0",

@@ -21,15 +21,45 @@ def _cfg(argv):
     return load_config(config_file, values, validate_paths=False)
 
 
-def test_msswift_plugin_names_the_import_and_the_port(tmp_path):
+def test_msswift_reward_plugin_runs_unedited_and_registers_here(tmp_path, monkeypatch):
+    """ms-swift's gsm8k_plugin.py shape: `from swift.rewards import ORM, orms` is swiftlite.plugin's registry."""
+    import sys
+    import types
+
+    from swiftlite.plugin import ORM, orms
+    p = tmp_path / "msswift_plugin.py"
+    p.write_text("from typing import List\n\nfrom swift.rewards import ORM, orms\n\n\n"
+                 "class Exact(ORM):\n"
+                 "    def __call__(self, completions, solution, **kwargs) -> List[float]:\n"
+                 "        return [float(c == s) for c, s in zip(completions, solution)]\n\n\n"
+                 "orms['msswift_exact'] = Exact\n")
+    # an installed ms-swift must neither receive the registration nor be replaced for other code
+    fake = types.ModuleType("swift")
+    fake.marker = True
+    monkeypatch.setitem(sys.modules, "swift", fake)
+    monkeypatch.delitem(orms, "msswift_exact", raising=False)
+    load_plugins([str(p)])
+    cls = orms["msswift_exact"]
+    assert issubclass(cls, ORM)
+    assert cls(None)(["4", "5"], solution=["4", "4"]) == [1.0, 0.0]
+    assert sys.modules["swift"] is fake and "swift.rewards" not in sys.modules
+    del orms["msswift_exact"]
+
+
+def test_msswift_plugin_importing_more_of_ms_swift_names_the_import(tmp_path):
     p = tmp_path / "plugin.py"
-    p.write_text("import re\n\nfrom swift.rewards import ORM, orms\n")
+    p.write_text("import re\n\nfrom swift.rewards import ORM, orms\nfrom swift.template import Template\n")
     with pytest.raises(UserError) as e:
         load_plugins([str(p)])
     assert str(e.value) == (
-        f"--external_plugins {p}:3: `from swift.rewards import ORM, orms` failed (No module named 'swift'): this "
-        "is an ms-swift plugin file; reward functions: `from swift.rewards import ORM, orms` becomes `from "
-        "swiftlite.plugin import ORM, orms` (docs/rlhf.md)")
+        f"--external_plugins {p}:4: `from swift.template import Template` failed (No module named 'swift.template'): "
+        "this ms-swift plugin imports a part of ms-swift swiftlite does not have; ms-swift's Python templates are "
+        "not used: conversations are rendered with the tokenizer's chat template (or --template FILE.jinja); drop "
+        "the registration")
+    p.write_text("from swift.rewards import AsyncORM\n")
+    with pytest.raises(UserError, match=r"plugin\.py:1: `from swift.rewards import AsyncORM` failed .*other reward "
+                                        r"kinds \(AsyncORM, PRM, reward-model plugins\) are not available"):
+        load_plugins([str(p)])
 
 
 def test_plugin_with_a_missing_package_names_it(tmp_path):

@@ -1,0 +1,96 @@
+"""What an ms-swift plugin file's `swift.*` imports mean while swiftlite runs it (`--external_plugins`).
+
+ms-swift's own example plugins (examples/train/grpo/plugin/gsm8k/gsm8k_plugin.py, ...) begin with
+`from swift.rewards import ORM, orms` and register their rewards in that `orms`. swiftlite's reward
+registry has the same shape (swiftlite.plugin: `ORM(args)`, `__call__(completions, **columns)`,
+`orms[name] = cls`), so while a plugin file runs, `swift.rewards` (and `swift.rewards.orm`) *is*
+swiftlite.plugin: such a file runs unedited and its rewards land where `--reward_funcs` looks.
+
+Only that part of ms-swift has a counterpart here. Any other `swift.*` module a plugin imports (its
+templates, model registrations, inference engines, multi-turn schedulers) fails to import as it would
+without ms-swift, and the loader turns that into one line naming the import and what to do instead
+(`plugin_import_error`). The aliases exist only while a plugin file executes: they are put in
+`sys.modules` for that and taken out after, so an installed ms-swift is neither shadowed for other
+code nor used by the plugin (its registrations would land in ms-swift's registry, where this run never
+looks: a reward that silently does not exist).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+import types
+from pathlib import Path
+from typing import Iterator
+
+#: ms-swift module -> the swiftlite module that stands for it while a plugin file runs
+ALIASES = {"swift.rewards": "swiftlite.plugin", "swift.rewards.orm": "swiftlite.plugin"}
+
+#: What an ms-swift plugin file's other imports become here (the part of ms-swift a plugin uses -> swiftlite's).
+PORTS = {
+    "swift.rewards": "swift.rewards here is swiftlite.plugin, which has ORM and orms (docs/rlhf.md); other reward "
+                     "kinds (AsyncORM, PRM, reward-model plugins) are not available",
+    "swift.template": "ms-swift's Python templates are not used: conversations are rendered with the tokenizer's "
+                      "chat template (or --template FILE.jinja); drop the registration",
+    "swift.model": "ms-swift's model registrations are not used: swiftlite reads the architecture from the model "
+                   "folder's config.json; drop the registration",
+}
+
+
+class _SwiftParent(types.ModuleType):
+    """The `swift` package a plugin sees: only the aliased submodules exist under it."""
+
+    __path__: list[str] = []     # a package, so `import swift.rewards` looks for the submodule
+
+
+@contextlib.contextmanager
+def msswift_aliases() -> Iterator[None]:
+    """`swift` and `swift.rewards` resolve to swiftlite's counterparts inside the block; sys.modules after
+    the block is as before it (an installed ms-swift's entries are put back)."""
+    import importlib
+    names = ["swift", *ALIASES]
+    saved = {n: sys.modules[n] for n in names if n in sys.modules}
+    # an installed ms-swift's other submodules stay reachable through sys.modules only by their full
+    # name; hide them too, so `from swift.utils import x` fails the same way with or without ms-swift
+    hidden = {n: sys.modules.pop(n) for n in list(sys.modules) if n.startswith("swift.") and n not in ALIASES}
+    parent = _SwiftParent("swift", "ms-swift's plugin-facing modules, as swiftlite provides them")
+    sys.modules["swift"] = parent
+    for name, target in ALIASES.items():
+        mod = importlib.import_module(target)
+        sys.modules[name] = mod
+    parent.rewards = sys.modules["swift.rewards"]  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for n in names:
+            sys.modules.pop(n, None)
+        for n in [n for n in sys.modules if n.startswith("swift.")]:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)
+        sys.modules.update(hidden)
+
+
+def plugin_import_error(given: str, path: Path, e: ImportError) -> str:
+    """`--external_plugins p.py:LINE: import X failed (No module named 'swift.x'): what to change`."""
+    import traceback
+    line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__))
+                 if Path(f.filename).resolve() == path.resolve()), None)
+    text = ""
+    if line is not None:
+        try:
+            text = path.read_text(encoding="utf-8").splitlines()[line - 1].strip()
+        except (OSError, IndexError, UnicodeDecodeError):
+            pass
+    where = f"--external_plugins {given}" + (f":{line}" if line else "")
+    what = f"`{text}` failed ({e})" if text else str(e)
+    missing = (getattr(e, "name", None) or "").split(".")[0]
+    # `from swift.rewards import AsyncORM` fails naming swiftlite.plugin (the alias): still ms-swift's import
+    if missing == "swift" or re.match(r"(from|import)\s+swift(\.|\s|$)", text):
+        port = next((v for k, v in PORTS.items() if k in text), None)
+        return (f"{where}: {what}: this ms-swift plugin imports a part of ms-swift swiftlite does not have; " +
+                (port or "of ms-swift, plugins here can import swift.rewards (ORM, orms: swiftlite.plugin); "
+                 "a backend registers with swiftlite.parallel.base.register_backend"))
+    if missing:
+        return f"{where}: {what}: install {missing} in this environment, or remove the import"
+    return f"{where}: {what}"
