@@ -32,15 +32,139 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+#: Commands a test may run inside the pytest process (`run_cli`): those that train, export or plan in the
+#: calling process. Each CLI subprocess pays about 7 s of imports (torch, transformers, peft, bitsandbytes)
+#: before doing a few seconds of work; in-process, the suite pays them once.
+IN_PROCESS_COMMANDS = {"sft", "pt", "rlhf", "export", "estimate", "infer", "models"}
+
+#: Single-process commands with DeepSpeed (--parallelism zero*, offload presets, a JSON) still get their
+#: own process: DeepSpeed and transformers' zero3 hook keep process-wide state that the next run would see.
+#: Environment variables that make a command more than this one process (a launcher forks ranks, a
+#: platform names a world) or make it end the process on purpose (SWIFTLITE_FAULT: kill, exit, hang).
+_OWN_PROCESS_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NNODES", "NODE_RANK", "SLURM_PROCID", "SLURM_NTASKS",
+                     "SWIFTLITE_FAULT", "PET_NNODES", "MASTER_ADDR")
+
+
+def wants_own_process(args: list[str], env: dict[str, str]) -> bool:
+    """True where `run_cli` must start `python -m swiftlite`: anything but one single-process command."""
+    if os.environ.get("SWIFTLITE_TEST_SUBPROCESS") == "1":   # run every command as its own process
+        return True
+    if not args or str(args[0]) not in IN_PROCESS_COMMANDS:
+        return True
+    if env.get("NPROC_PER_NODE", "1") not in ("", "1"):
+        return True
+    for i, a in enumerate(args[:-1]):
+        flag = a.replace("_", "-")
+        if flag in ("--nproc-per-node", "--nnodes") and args[i + 1] != "1":
+            return True
+        if flag in ("--parallelism", "--parallelism-type", "--deepspeed") and _deepspeed(args[i + 1]):
+            return True    # DeepSpeed keeps process-wide state (its comm backend, transformers' zero3 hook)
+        if flag == "--config" and any(w in Path(args[i + 1]).read_text(errors="replace")
+                                      for w in ("nproc", "zero", "deepspeed", ".json")):
+            return True    # a config file that may start ranks or choose DeepSpeed
+    if any(a.replace("_", "-").startswith(("--nproc-per-node=", "--nnodes=")) and not a.endswith("=1")
+           for a in args):
+        return True
+    if any(k.startswith("MALLOC_") for k in env):
+        return True    # allocator settings are read at start-up: a memory measurement's process
+    return any(env.get(k) for k in _OWN_PROCESS_VARS)
+
+
+def _deepspeed(value: str) -> bool:
+    v = value.lower()
+    return v.startswith("zero") or v.endswith(".json") or "offload" in v
+
+
 def run_cli(args: list[str], *, timeout: float = 600, check: bool = True, env: dict | None = None,
-            cwd: str | Path | None = None) -> subprocess.CompletedProcess:
-    """`python -m swiftlite ARGS` in a subprocess; on failure (check=True) show its output."""
-    proc = subprocess.run([sys.executable, "-m", "swiftlite", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=env or cli_env(), cwd=cwd)
+            cwd: str | Path | None = None, own_process: bool = False) -> subprocess.CompletedProcess:
+    """`swiftlite ARGS`; on failure (check=True) show its output.
+
+    A single-process command runs in this process (`main_in_process`), with `env` as its whole
+    environment and its output captured, as a subprocess would see and give them. `own_process=True`
+    (or a command that launches ranks, injects a fault, or sets SWIFTLITE_TEST_SUBPROCESS=1) starts
+    `python -m swiftlite` instead: for what a fresh interpreter shows (first-time warnings, memory
+    high-water marks) or what must not happen to the test process (a kill, a hang)."""
+    env = env or cli_env()
+    args = [str(a) for a in args]
+    if own_process or wants_own_process(args, env):
+        proc = subprocess.run([sys.executable, "-m", "swiftlite", *args], capture_output=True,
+                              text=True, timeout=timeout, env=env, cwd=cwd)
+    else:
+        proc = main_in_process(args, env=env, cwd=cwd)
     if check and proc.returncode != 0:
-        raise AssertionError(f"swiftlite {' '.join(map(str, args))} exited {proc.returncode}\n"
+        raise AssertionError(f"swiftlite {' '.join(args)} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def main_in_process(args: list[str], *, env: dict[str, str] | None = None,
+                    cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """swiftlite's CLI entry in this process, as `python -m swiftlite ARGS` would run it.
+
+    What a fresh process would not inherit is set for the call and put back after: the environment
+    (`env`, whole), the working directory, sys.argv, one intra-op thread (cli_env's OMP_NUM_THREADS=1,
+    which torch reads only at start-up), signal handlers, warning filters, logging handlers, the plugin
+    registries (`--external_plugins` files register rewards and backends). An exception the CLI does
+    not turn into an exit code is printed as the interpreter would, exit 1."""
+    import contextlib
+    import io
+    import logging
+    import signal
+    import traceback
+    import warnings
+
+    import torch
+
+    from swiftlite.cli import main
+    from swiftlite.parallel import base as backends
+    from swiftlite.plugin import orms
+    env = env if env is not None else cli_env()
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
+    saved_threads = torch.get_num_threads()
+    sigs = [s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)]
+    saved_sigs = {s: signal.getsignal(s) for s in sigs}
+    roots = [logging.getLogger(), logging.getLogger("swiftlite")]
+    saved_handlers = [(lg, list(lg.handlers), lg.level) for lg in roots]
+    backends._load_builtins()
+    saved_orms, saved_backends = dict(orms), (dict(backends._REGISTRY), dict(backends._ALIASES))
+    out, err = io.StringIO(), io.StringIO()
+    rc = 1
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.setdefault("SWIFTLITE_CACHE", saved_env.get("SWIFTLITE_CACHE", ""))
+    if cwd is not None:
+        os.chdir(cwd)
+    sys.argv = ["swiftlite", *args]
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", saved_threads)))
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(list(args))
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:
+                traceback.print_exc()
+                rc = 1
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv = saved_argv
+        torch.set_num_threads(saved_threads)
+        for s, h in saved_sigs.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        for lg, handlers, level in saved_handlers:
+            for h in lg.handlers[:]:
+                if h not in handlers:
+                    lg.removeHandler(h)
+                    h.close()
+            lg.setLevel(level)
+        orms.clear()
+        orms.update(saved_orms)
+        for live, kept in zip((backends._REGISTRY, backends._ALIASES), saved_backends):
+            live.clear()
+            live.update(kept)
+    return subprocess.CompletedProcess(["swiftlite", *args], rc, out.getvalue(), err.getvalue())
 
 
 def run_plan_job(worker: Path, plan: list[dict], root: Path, name: str, procs: int, timeout: float) -> None:

@@ -62,9 +62,6 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # swift/arguments/base_args/generation_args.py: GenerationArguments
     (_GEN, ("repetition_penalty", "num_beams", "stream", "stop_words", "logprobs",
             "top_logprobs", "structured_outputs_regex")),
-    # quant_args.py
-    ("HQQ is not available: quantizing at load time is bitsandbytes only (--quant-method bnb --quant-bits 4|8)",
-     ("hqq_axis",)),
     # data_args.py: DataArguments
     ("validation rows are read in file order (a loss over all of them does not depend on it): drop the flag",
      ("val_dataset_shuffle",)),

@@ -55,7 +55,7 @@ def _flag(key: str) -> str:
 #: given explicitly, in a config file or as a flag: ms-swift's default train type is lora).
 from swiftlite.config.tuner_options import LORA_ONLY  # noqa: E402  (rules_tuners reads it too)
 QUANT_ONLY = ("quant_bits", "quant_method", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
-              "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")
+              "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "hqq_axis")
 BNB_4BIT = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")
 
 
@@ -155,15 +155,36 @@ def _parallel_knobs(c: RunConfig):
 @rule("quantization")
 def _quant(c: RunConfig):
     q = c.quant.quant_bits
-    if q is not None and q not in (4, 8):
+    if c.quant.quant_method == "hqq":
+        from swiftlite.models.hqq import BITS
+        if c.quant_bits is None:
+            return "--quant-method hqq needs --quant-bits (1, 2, 3, 4 or 8), or --train-type qlora (4)"
+        if c.quant_bits not in BITS:
+            return f"--quant-bits with --quant-method hqq must be 1, 2, 3, 4 or 8 (HQQ's bit widths), got {q}"
+    elif q is not None and q not in (4, 8):
         return f"--quant-bits must be 4 or 8 (bitsandbytes 4-bit nf4/fp4 or 8-bit LLM.int8), got {q}"
     if c.train.train_type == "full" and q is not None:
         return "--quant-bits needs --train-type lora/qlora (a quantized base cannot be trained in full)"
 
 
+@rule("hqq options")
+def _hqq(c: RunConfig):
+    if c.quant.hqq_axis is not None:
+        if c.quant.quant_method != "hqq":
+            return "--hqq-axis applies to --quant-method hqq"
+        if c.quant.hqq_axis not in (0, 1):
+            return f"--hqq-axis must be 0 or 1, got {c.quant.hqq_axis}"
+    if c.quant.quant_method == "hqq":
+        given = [k for k in BNB_4BIT if k in c.explicit]
+        if given:
+            return f"{_flag(given[0])} is a bitsandbytes option; this run's base is quantized with HQQ (--quant-method hqq)"
+
+
 @rule("bitsandbytes options")
 def _bnb(c: RunConfig):
     q = c.quant
+    if q.quant_method == "hqq":
+        return None   # _hqq's
     if q.quant_method == "bnb" and c.quant_bits is None:
         return "--quant-method bnb needs --quant-bits 4 or 8 (or --train-type qlora, which means 4)"
     if c.quant_bits != 4:

@@ -134,9 +134,14 @@ class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*/reft_rank/llamapro
 
 @dataclass(kw_only=True)
 class QuantConfig(Section):
-    quant_method: str | None = opt(None, "How the base is quantized at load time: bnb (bitsandbytes) is the only "
-                                   "method; --quant-bits alone means bnb too.", choices=("bnb",))
-    quant_bits: int | None = opt(None, "Quantize the base with bitsandbytes (4 or 8). --qlora implies 4.")
+    quant_method: str | None = opt(None, "How the base is quantized at load time: bnb (bitsandbytes: 4-bit nf4/fp4 "
+                                   "or 8-bit; --quant-bits alone means bnb) or hqq (the hqq package: 1, 2, 3, 4 or "
+                                   "8 bits, no calibration; single, ddp or ZeRO-1/2, whose ranks hold whole "
+                                   "parameters).", choices=("bnb", "hqq"))
+    quant_bits: int | None = opt(None, "Bits of the quantized base: 4 or 8 with bitsandbytes, 1/2/3/4/8 with "
+                                 "--quant-method hqq. --qlora implies 4.")
+    hqq_axis: int | None = opt(None, "HQQ's grouping axis, 0 or 1 (ms-swift's flag; default: transformers' "
+                               "HqqConfig default, 1).")
     bnb_4bit_quant_type: str = opt("nf4", "4-bit quantization type.", choices=("nf4", "fp4"))
     bnb_4bit_use_double_quant: bool = opt(True, "Double quantization of the 4-bit constants.")
     bnb_4bit_compute_dtype: str | None = opt(None, "Matmul dtype of the 4-bit layers: always --torch-dtype here "
@@ -514,8 +519,15 @@ class RunConfig(Sealable):
         return self.train.train_type in LORA_TYPES
 
     @property
+    def quant_method(self) -> str | None:
+        """Who quantizes the base: "hqq" (--quant-method hqq), "bnb" (any other quantized run), None."""
+        if self.quant_bits is None:
+            return None
+        return "hqq" if self.quant.quant_method == "hqq" else "bnb"
+
+    @property
     def quant_bits(self) -> int | None:
-        """Bits of the bitsandbytes base: --quant-bits, else 4 for --train-type qlora, else None
+        """Bits of the quantized base: --quant-bits, else 4 for --train-type qlora, else None
         (the one place that says "qlora means 4 bits")."""
         if self.quant.quant_bits is not None:
             return self.quant.quant_bits

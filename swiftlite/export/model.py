@@ -38,7 +38,11 @@ def load_base_for_lora(src: Source, ms: Any, log: Callable[[str], None]) -> tupl
         from swiftlite.models.quant import disable_cpu_repack
         disable_cpu_repack(model)
         reader: TensorReader = ModelReader(model)
-        if q == 4:
+        if cfg.quant_method == "hqq":
+            desc = (f"{name}, quantized with HQQ to {q} bits exactly as in training, then dequantized with "
+                    f"HQQLinear.dequantize ({reader.quantized} layers); LoRA merged into the dequantized weights "
+                    "(what was trained against), not into the original weights")
+        elif q == 4:
             how = (f"{cfg.quant.bnb_4bit_quant_type} 4-bit"
                    f"{' + double quant' if cfg.quant.bnb_4bit_use_double_quant else ''}, compute {run_dtype}")
             desc = (f"{name}, quantized {how} exactly as in training, then dequantized with "
@@ -243,8 +247,9 @@ def export_adapter(src: Source, opts: ExportOptions, tmp: Path, out: Path) -> Ex
     base_desc = (f"{src.cfg.model.model} (built-in, random init with seed {src.cfg.train.seed})"
                  if ms.kind == "preset" else ms.ref)
     if src.cfg.quant.quant_bits:
-        base_desc += (f"; trained against its {src.cfg.quant.quant_bits}-bit quantized form "
-                      f"({src.cfg.quant.bnb_4bit_quant_type if src.cfg.quant.quant_bits == 4 else 'int8'})")
+        kind = ("hqq" if src.cfg.quant_method == "hqq" else
+                src.cfg.quant.bnb_4bit_quant_type if src.cfg.quant.quant_bits == 4 else "int8")
+        base_desc += f"; trained against its {src.cfg.quant.quant_bits}-bit quantized form ({kind})"
     infer_base = src.cfg.model.model + (f" --seed {src.cfg.train.seed}" if ms.kind == "preset" else "")
     info = {"kind": "adapter", "dtype": opts.dtype, "output_name": out.name, "base_desc": base_desc,
             "final_path": str(out), "base_is_builtin": ms.kind == "preset", "hub_base": ms.hub_id,

@@ -15,6 +15,7 @@ from swiftlite import dtypes
 from swiftlite.config.tasks import task_spec
 from swiftlite.checkpoint import layout
 from swiftlite.checkpoint.readers import ModelReader, st_dtype, tensor_value
+from swiftlite.models.hqq import is_hqq_layer
 from swiftlite.export.adapter import load_adapter
 from swiftlite.export.output import ExportResult
 from swiftlite.export.reference import VerifyError, reference_model, reference_tokenizer
@@ -212,7 +213,9 @@ def verify_export(folder: Path, src: Source, opts: ExportOptions, result: Export
     diff = float((exp_logits - ref_logits).abs().max())
     rel = diff / scale
     cal = None
-    if not any(getattr(p, "quant_state", None) is not None or p.dtype == torch.int8 for p in ref.parameters()):
+    quantized = any(getattr(p, "quant_state", None) is not None or p.dtype == torch.int8 for p in ref.parameters()) \
+        or any(is_hqq_layer(m) for m in ref.modules())   # a quantized base computes in its own dtype
+    if not quantized:
         ref.to(dtype)  # the training-side model itself at the export dtype: what rounding alone costs
         with torch.no_grad():
             cal = float((ref(input_ids=ids).logits.float() - ref_logits).abs().max()) / scale
@@ -254,7 +257,7 @@ def reference_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             continue
         if isinstance(mod, LoraLayer):
             base = mod.get_base_layer()
-            w = tensor_value(base, "weight", base.weight).float()
+            w = tensor_value(base, "weight", getattr(base, "weight", None)).float()   # HQQ: no .weight
             merged = w + mod.get_delta_weight(name).float().reshape(w.shape)
             if mod.use_dora.get(name):   # peft's DoRA merge: magnitude / row norm of the merged weight
                 dora = mod.lora_magnitude_vector[name]
@@ -283,6 +286,8 @@ def reference_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             non_persistent = getattr(mod, "_non_persistent_buffers_set", set())
             own = list(mod.named_parameters(recurse=False))
             own += [(n, b) for n, b in mod.named_buffers(recurse=False) if n not in non_persistent]
+            if is_hqq_layer(mod):   # an HQQ layer no adapter wraps: its weight, not the packed W_q
+                own = [("weight", None)] + ([("bias", mod.bias)] if mod.bias is not None else [])
             for n, t in own:
                 out[f"{mname}.{n}" if mname else n] = tensor_value(mod, n, t)
     return out

@@ -101,6 +101,8 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
         found.check(_refuse, backend_problem, run_cfg, facts.choice)
         from swiftlite.train.lisa import lisa_problem
         found.check(_refuse, lisa_problem, run_cfg, facts.choice)
+        from swiftlite.models.hqq import hqq_problem
+        found.check(_refuse, hqq_problem, run_cfg, facts.choice)
         if resume is not None:
             from swiftlite.checkpoint.state import weights_only_problem
             # a --save_only_model checkpoint, another format

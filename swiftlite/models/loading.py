@@ -225,8 +225,8 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
     if cfg.model.torch_dtype == "auto":  # a config built without a resolution (export, infer): a concrete copy
         cfg = cfg.with_values(torch_dtype=_auto_dtype_here(cfg, model_config(cfg, src)))
     dtype = torch_dtype(cfg.model.torch_dtype)
-    quant = None
-    if cfg.quant.quant_bits:
+    quant = None   # bitsandbytes' config: transformers quantizes as it loads (HQQ: after, models/hqq.py)
+    if cfg.quant_method == "bnb":
         from swiftlite.models.quant import bnb_config
         quant = bnb_config(cfg)
     attn = {"attn_implementation": attn_impl} if attn_impl else {}
@@ -260,6 +260,7 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
         if quant is not None:
             from swiftlite.models.quant import quantize_in_place
             model = quantize_in_place(model, cfg)
+        model = _hqq(cfg, model)
         return _with_pad_id(cfg, src, model) if head else model
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": cfg.model.trust_remote_code, **attn}
     if quant is not None:
@@ -283,7 +284,19 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
     if quant is not None:
         from swiftlite.models.quant import disable_cpu_repack
         disable_cpu_repack(model)  # trap 1, for every quantized load (train, infer, export)
+    model = _hqq(cfg, model)
     return _with_pad_id(cfg, src, model) if head else model
+
+
+def _hqq(cfg: "RunConfig", model: "torch.nn.Module") -> "torch.nn.Module":
+    """The 16-bit model quantized with HQQ where --quant-method hqq asks (transformers 5 no longer does it
+    at load: models/hqq.py)."""
+    if cfg.quant_method != "hqq":
+        return model
+    from swiftlite.models import hqq
+    if not hqq.available():
+        raise UserError(hqq.missing_package())
+    return hqq.quantize(model, cfg)
 
 
 def check_moe_options(cfg: "RunConfig", source: ModelSource | None = None) -> None:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 # Layer types LoRA can adapt, by class name: torch Linear, bitsandbytes' quantized Linear layers,
 # and transformers' Conv1D (GPT-2 style), which peft also treats as linear.
-LINEAR_TYPES = ("Linear", "Linear4bit", "Linear8bitLt", "Conv1D")
+LINEAR_TYPES = ("Linear", "Linear4bit", "Linear8bitLt", "Conv1D", "HQQLinear")
 HEAD_NAMES = ("lm_head",)  # output heads: never part of all-linear (peft excludes them too)
 
 
@@ -86,8 +86,12 @@ def check_targets(model: "torch.nn.Module", cfg: "RunConfig") -> str | list[str]
                             f"(its modules: {', '.join(tops)})")
     from swiftlite.models.source import is_moe
     moe = is_moe(getattr(model, "config", None))
-    if not named and not moe:
+    # peft's own all-linear finds torch and bitsandbytes Linear layers, not HQQ's: list them by name
+    hqq = any(type(m).__name__ == "HQQLinear" for m in modules.values())
+    if not named and not moe and not hqq:
         return "all-linear"
+    if not named:
+        return sorted(names)
     # peft takes "all-linear" only as the whole value: with extra names, all-linear's layer names are
     # listed. So they are for a mixture of experts, whose fused expert weights (3-D parameters, not
     # Linear layers) peft's all-linear would also wrap, without dropout: ms-swift's all-linear is the
@@ -171,7 +175,8 @@ def _wrap(model: "torch.nn.Module", cfg: "RunConfig", total_steps: int | None,
     disable_cpu_repack(model)  # trap 1, whatever path loaded the quantized base (preset or folder)
     lc = cfg.lora
     targets = check_targets(model, cfg)
-    if cfg.quant.quant_bits == 4 and not any(type(m).__name__ == "Linear4bit" for m in model.modules()):
+    if cfg.quant_method == "bnb" and cfg.quant.quant_bits == 4 and \
+            not any(type(m).__name__ == "Linear4bit" for m in model.modules()):
         raise UserError(f"--train-type {cfg.train.train_type}: no layer of {cfg.model.model} was quantized to "
                         "4-bit (bitsandbytes replaced no linear layer); use --lora")
     from swiftlite.models.lora_ga import preprocess, uses_lora_ga

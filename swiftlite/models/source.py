@@ -131,7 +131,8 @@ class ModelSource:
             raise UserError(f"--model {self.name}: a pre-quantized {method.upper()} model (config.json "
                             "quantization_config); swiftlite trains 16/32-bit weights (full, lora) or quantizes "
                             "them itself at load time with bitsandbytes (--train-type qlora, or lora with "
-                            "--quant-bits 4|8): pass the original 16-bit model")
+                            "--quant-bits 4|8) or HQQ (--quant-method hqq --quant-bits 1|2|3|4|8): pass the "
+                            "original 16-bit model")
         folder = Path(self.ref)
         weights = [p for p in folder.iterdir()
                    if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")]

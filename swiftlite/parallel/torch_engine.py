@@ -119,20 +119,22 @@ class TorchEngine:
         return StateDictOptions(**kw)
 
     def _trainable_state(self) -> dict[str, torch.Tensor] | None:
-        """The model part of a checkpoint for LoRA on an 8-bit (LLM.int8) base: the trainable
+        """The model part of a checkpoint for LoRA on an 8-bit (LLM.int8) or HQQ base: the trainable
         parameters by name, as the tensors themselves (DCP saves from and loads into them).
 
         torch's get_model_state_dict walks every key of `module.state_dict()`, and bitsandbytes'
-        8-bit layers add SCB/weight_format keys that are not module attributes, so it fails even
-        with ignore_frozen_params. The frozen base is reloaded from the model at resume anyway.
-        None for every other model (torch's own state-dict functions)."""
+        8-bit layers add SCB/weight_format keys that are not module attributes (HQQ layers: their
+        metadata, nbits, shape, scale, ...), so it fails even with ignore_frozen_params. The frozen
+        base is reloaded from the model at resume anyway. None for every other model (torch's own
+        state-dict functions)."""
         if not (self._frozen_ok and self._has_int8):
             return None
         return {name: p.detach() for name, p in self.inner.named_parameters() if p.requires_grad}
 
     @functools.cached_property
     def _has_int8(self) -> bool:
-        return any(type(m).__name__ == "Linear8bitLt" for m in self.inner.modules())
+        """Layers whose state_dict keys are not attributes: bitsandbytes' 8-bit ones, HQQ's."""
+        return any(type(m).__name__ in ("Linear8bitLt", "HQQLinear") for m in self.inner.modules())
 
     def save(self, path: str, *, model_only: bool = False) -> None:
         """Sharded save with DCP: each rank writes its own shards; names are the model's own.

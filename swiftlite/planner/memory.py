@@ -109,8 +109,9 @@ class Workload:
     adalora_init_r: int = 12
     llamapro_blocks: int = 4             # --train_type llamapro: the inserted layers (the shape counts them)
     bone_rank: int = 4                             # --reft_rank
-    quant_bits: int | None = None        # None, 4 (nf4) or 8 (LLM.int8); qlora implies 4
+    quant_bits: int | None = None        # None, 4 (nf4) or 8 (LLM.int8); qlora implies 4; 1/2/3/4/8 with hqq
     double_quant: bool = True            # nf4 double quantization of the absmax constants
+    quant_method: str = "bnb"            # bnb (bitsandbytes) or hqq: who quantizes the base (states.quantized_bytes)
     max_length: int = 2048
     micro_batch: int = 1
     gradient_checkpointing: bool = False
@@ -154,7 +155,10 @@ class Workload:
             return f"--train-type {self.train_type!r}: choose from {', '.join(TRAIN_TYPES)}"
         if self.dtype not in dtypes.NAMES:
             return f"--torch-dtype {self.dtype!r}: choose from {', '.join(dtypes.NAMES)}"
-        if self.quant_bits not in (None, 4, 8):
+        if self.quant_method == "hqq":
+            if self.quant_bits not in (None, 1, 2, 3, 4, 8):
+                return f"--quant-bits with --quant-method hqq must be 1, 2, 3, 4 or 8, got {self.quant_bits}"
+        elif self.quant_bits not in (None, 4, 8):
             return f"--quant-bits must be 4 or 8, got {self.quant_bits}"
         if self.train_type == "full" and self.quant_bits is not None:
             return "--quant-bits needs --train-type lora/qlora (a quantized base cannot be trained in full)"
@@ -431,6 +435,8 @@ def unavailable_reason(w: Workload, backend: str | Backend) -> str:
         return "--train_type llamapro runs on single, ddp, fsdp and hsdp (models/llamapro.backend_problem)"
     if w.dtype == "fp16" and not rec.loss_scaling:
         return "fp16 needs loss scaling, which only the DeepSpeed backends provide"
+    if w.quant_bits is not None and w.quant_method == "hqq" and rec.shards[0]:
+        return "an HQQ-quantized base runs on backends that keep parameters whole: single, ddp, zero1/zero2 (models/hqq.py)"
     if w.quant_bits is not None and rec.memory_family == "zero3_offload":
         return "DeepSpeed offload cannot move bitsandbytes-quantized weights"
     if rec.memory_family in ("fsdp", "hsdp") and not w.fsdp2_available:

@@ -217,6 +217,7 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         boft_block=(cfg.lora.boft_block_size, cfg.lora.boft_block_num, cfg.lora.boft_n_butterfly_factor),
         adalora_init_r=cfg.lora.adalora_init_r, bone_rank=cfg.lora.reft_rank, llamapro_blocks=llamapro_groups(cfg),
         quant_bits=cfg.quant_bits, double_quant=cfg.quant.bnb_4bit_use_double_quant,
+        quant_method=cfg.quant_method or "bnb",
         max_length=seq_len,
         micro_batch=cfg.train.per_device_train_batch_size * (1 if grpo else spec.sequences_per_sample),
         reference="copy" if copy else "none", generation_length=seq_len if grpo and seq_len else 0,

@@ -23,7 +23,13 @@ def quantized_bytes(n_weights: int, w: Any, out_rows: int = 0) -> int:
     nf4: 4 bits per weight plus one absmax per 64-weight block: fp32 (32/64 = 0.5 bit) or, with double
     quantization, 8-bit absmax plus an fp32 constant per 256 blocks (8/64 + 32/16384 = 0.127 bit).
     LLM.int8: 1 byte per weight plus an fp32 scale per output row.
+    HQQ (`w.quant_method == "hqq"`, models/hqq.py): the packed weights plus a scale and a zero point per
+    group of 64 weights in the compute dtype; 3-bit ones are packed 10 groups to an int32 (3.2 bits a
+    weight, plus up to 9 groups' padding per layer, which only tiny layers notice).
     """
+    if getattr(w, "quant_method", "bnb") == "hqq":
+        bits = 3.2 if w.quant_bits == 3 else w.quant_bits
+        return int(math.ceil(n_weights * bits / 8 + 2 * w.elem * n_weights / 64))
     if w.quant_bits == 4:
         absmax = n_weights / 64 + 4 * n_weights / (64 * 256) if w.double_quant else 4 * n_weights / 64
         return int(math.ceil(n_weights / 2 + absmax))

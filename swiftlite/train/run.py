@@ -73,9 +73,9 @@ def skeleton_mode(cfg: RunConfig, choice: Any) -> str | None:
     mode = None
     if choice.record.loading == "sharded" and cfg.parallel.sharded_loading:
         mode = "shard"
-    elif cfg.quant_bits == 4 and choice.record.loading == "partitioned":
+    elif cfg.quant_bits == 4 and cfg.quant_method == "bnb" and choice.record.loading == "partitioned":
         mode = "shard"   # ZeRO-3 fills the 4-bit skeleton layer by layer, partitioning each (parallel/deepspeed.py)
-    elif cfg.quant_bits == 4 and choice.record.loading != "sharded":
+    elif cfg.quant_bits == 4 and cfg.quant_method == "bnb" and choice.record.loading != "sharded":
         mode = "fill"
     check_skeleton(cfg, mode)
     return mode

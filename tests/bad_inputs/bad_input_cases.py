@@ -299,7 +299,7 @@ CASES: list[Case] = [
     Case("msswift-dft-with-fused-kernel", ["sft", *GOOD, *DATA, "--enable_dft_loss", "true", "--loss_impl", "cce"],
          "--enable-dft-loss with --loss-impl cce: the fused kernel returns only the summed loss"),
     Case("msswift-quant-gptq", ["sft", *GOOD, *DATA, "--quant_method", "gptq", "--quant_bits", "4"],
-         "--quant_method gptq: quantizing at load time is bitsandbytes only"),
+         "--quant_method gptq: quantizing at load time is bitsandbytes (--quant_method bnb --quant_bits 4|8) or HQQ"),
     Case("msswift-quant-method-no-bits", ["sft", *GOOD, *DATA, "--quant_method", "bnb"],
          "--quant-method bnb needs --quant-bits 4 or 8"),
     Case("msswift-compute-dtype", ["sft", *GOOD, *DATA, "--qlora", "--bnb_4bit_compute_dtype", "bfloat16"],
@@ -383,6 +383,15 @@ CASES: list[Case] = [
          "error: --external_plugins plugin.py:2: `from swift.utils import get_logger` failed (No module named "
          "'swift.utils')",
          setup=write("plugin.py", "from swift.rewards import ORM, orms\nfrom swift.utils import get_logger\n")),
+    # --quant_method hqq (models/hqq.py): sharding backends, HQQ's bit widths, bitsandbytes options
+    Case("hqq-fsdp", ["sft", *GOOD, *DATA, "--quant_method", "hqq", "--quant_bits", "4", "--parallelism", "fsdp",
+                      "--nproc_per_node", "2"],
+         "error: --quant-method hqq with --parallelism fsdp: HQQ layers keep their packed weights and their scales "
+         "in separate objects, which FSDP and ZeRO-3 cannot shard"),
+    Case("hqq-bits-and-bnb-option", ["sft", *GOOD, *DATA, "--quant_method", "hqq", "--quant_bits", "6",
+                                     "--bnb_4bit_quant_type", "fp4"],
+         "error: --quant-bits with --quant-method hqq must be 1, 2, 3, 4 or 8 (HQQ's bit widths), got 6",
+         more=("error: --bnb-4bit-quant-type is a bitsandbytes option",)),
     Case("msswift-awq-folder", ["sft", "--model", "awq", "--max-steps", "2", *DATA],
          "error: --model awq: a pre-quantized AWQ model (config.json quantization_config)",
          setup=both(write("awq/config.json", json.dumps({"model_type": "llama", "quantization_config": {

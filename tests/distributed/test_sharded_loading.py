@@ -70,7 +70,7 @@ def _train(model, data, out, backend, nproc, train_type, *extra) -> tuple[list[d
                     "--parallelism", backend, "--nproc-per-node", nproc, "--torch-dtype", "fp32",
                     "--max-length", 64, "--per-device-train-batch-size", 2, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", 3,
                     "--learning-rate", "1e-3", "--logging-steps", 1, "--save-strategy", "no",
-                    "--output-dir", out, *extra])
+                    "--output-dir", out, *extra], own_process=True)
     rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     return [r for r in rows if "loss" in r], proc.stdout
 
@@ -122,7 +122,7 @@ def test_a_checkpoint_named_differently_from_the_model_is_loaded_whole_and_says_
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     proc = run_cli(["sft", "--model", folder, "--dataset", demo_data[0], "--parallelism", "fsdp",
                     "--nproc-per-node", 2, "--torch-dtype", "fp32", "--max-length", 64, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", 1,
-                    "--save-strategy", "no", "--output-dir", tmp_path / "out"], check=False)
+                    "--save-strategy", "no", "--output-dir", tmp_path / "out"], check=False, own_process=True)
     lines = [ln for ln in proc.stdout.splitlines() if "sharded loading is off" in ln]
     assert len(lines) == 1 and "model.norm.weight" in lines[0], proc.stdout + proc.stderr
 

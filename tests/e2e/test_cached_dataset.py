@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.test_msswift_scripts import main_in_process
+from tests.e2e.test_msswift_scripts import in_process as main_in_process
 
 
 @pytest.fixture(scope="module")

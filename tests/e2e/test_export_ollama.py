@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.test_msswift_scripts import main_in_process
+from tests.e2e.test_msswift_scripts import in_process as main_in_process
 
 #: Qwen2.5's chat template, reduced to what shapes one exchange: a default system turn when the
 #: conversation has none.

@@ -15,8 +15,6 @@ are subprocesses.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shlex
@@ -24,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, cli_env, read_losses, run_cli
+from tests.conftest import ROOT, cli_env, main_in_process, read_losses, run_cli
 
 #: The flags of ms-swift's text-LLM sft/pt/rlhf(dpo, orpo, simpo)/export example scripts at 3602360a.
 SCRIPT_FLAGS = frozenset("""
@@ -299,20 +297,10 @@ def _fill(command: str, model: Path, files: dict, out: Path) -> list[str]:
     return shlex.split(command.format(M=model, O=out, **files))
 
 
-def main_in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
-    """swiftlite's CLI entry in this process; os.environ and the working directory are restored after."""
-    from swiftlite.cli import main
-    saved, old = dict(os.environ), os.getcwd()
-    err = io.StringIO()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            rc = main(argv)
-    finally:
-        os.chdir(old)
-        os.environ.clear()
-        os.environ.update(saved)
-    return rc, err.getvalue()
+def in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
+    """(exit code, stderr) of `swiftlite ARGV` run in this process in `cwd` (conftest.main_in_process)."""
+    p = main_in_process(argv, cwd=cwd)
+    return p.returncode, p.stderr
 
 
 def _resolved(run: Path) -> dict:
@@ -351,7 +339,7 @@ def test_single_process_commands(world):
     for name, command, expected in SFT:
         out = root / "runs" / name
         argv = _fill(command, model, files, out) + ["--max_steps", "2"]
-        rc, err = main_in_process(argv, root)
+        rc, err = in_process(argv, root)
         if rc != 0:
             failures.append(f"{name}: exit {rc}: {err.strip().splitlines()[-3:]}")
             continue
@@ -368,10 +356,10 @@ def test_in_process_is_what_a_subprocess_does(world, tmp_path):
     root, model, files = world
     command = SFT[0][1]
     a, b = tmp_path / "inproc", tmp_path / "subproc"
-    rc, err = main_in_process(_fill(command, model, files, a) + ["--max_steps", "2", "--logging_steps", "1"], root)
+    rc, err = in_process(_fill(command, model, files, a) + ["--max_steps", "2", "--logging_steps", "1"], root)
     assert rc == 0, err
     run_cli(_fill(command, model, files, b) + ["--max_steps", "2", "--logging_steps", "1"], cwd=root,
-            env=cli_env(SWIFTLITE_CACHE=os.environ["SWIFTLITE_CACHE"]))
+            env=cli_env(SWIFTLITE_CACHE=os.environ["SWIFTLITE_CACHE"]), own_process=True)
     ra, rb = _resolved(a), _resolved(b)
     ra.pop("output_dir"), rb.pop("output_dir")
     assert ra == rb
@@ -386,11 +374,11 @@ def test_cached_dataset_commands(world, name, export, command, expected):
     """The export writes the tokenized folders; the run trains on them alone (no --dataset)."""
     root, model, files = world
     cache, out = root / "cached" / name, root / "runs" / name
-    rc, err = main_in_process(shlex.split(export.format(M=model, C=cache, **files)), root)
+    rc, err = in_process(shlex.split(export.format(M=model, C=cache, **files)), root)
     assert rc == 0, err
     assert (cache / "train" / "swiftlite_cached.json").is_file() and (cache / "val").is_dir()
     argv = shlex.split(command.format(M=model, O=out, C=cache, **files)) + ["--max_steps", "2"]
-    rc, err = main_in_process(argv, root)
+    rc, err = in_process(argv, root)
     assert rc == 0, err
     _check(out, {k: [x.format(C=cache) for x in v] if isinstance(v, list) else v for k, v in expected.items()}, argv)
     assert max(read_losses(out)) == 2
@@ -411,11 +399,11 @@ def test_export_merge_lora(world):
     """`swift export --adapters <ckpt> --merge_lora true` (examples/export/merge_lora.sh): <ckpt>-merged."""
     root, model, files = world
     run = root / "runs" / "for_export"
-    rc, err = main_in_process(_fill(f"sft {_C} {_LORA} --dataset {{messages}}#16 --save_steps 2", model, files, run)
+    rc, err = in_process(_fill(f"sft {_C} {_LORA} --dataset {{messages}}#16 --save_steps 2", model, files, run)
                               + ["--max_steps", "2"], root)
     assert rc == 0, err
     ckpt = run / "checkpoint-2"
-    rc, err = main_in_process(["export", "--adapters", str(ckpt), "--merge_lora", "true"], root)
+    rc, err = in_process(["export", "--adapters", str(ckpt), "--merge_lora", "true"], root)
     assert rc == 0, err
     merged = Path(f"{ckpt}-merged")
     cfg = json.loads((merged / "config.json").read_text())
@@ -428,7 +416,7 @@ def test_export_ollama(world):
     FROM M (tests/e2e/test_export_ollama.py checks its TEMPLATE against the chat template)."""
     root, model, files = world
     out = root / "Qwen2.5-1.5B-Instruct-ollama"
-    rc, err = main_in_process(["export", "--model", str(model), "--to_ollama", "true", "--output_dir", str(out)], root)
+    rc, err = in_process(["export", "--model", str(model), "--to_ollama", "true", "--output_dir", str(out)], root)
     assert rc == 0, err
     assert (out / "Modelfile").read_text().splitlines()[0] == f"FROM {Path(model).resolve()}"
 
@@ -446,7 +434,7 @@ def test_refused_flags_all_in_one_run(world, sub, tmp_path):
         argv = _fill(f"sft {_C} --dataset {{messages}}", model, files, out)
     for flag, _ in rows:
         argv += shlex.split(flag)
-    rc, err = main_in_process(argv, tmp_path)
+    rc, err = in_process(argv, tmp_path)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == 2 and "Traceback" not in err, err
     assert all(ln.startswith("error: ") for ln in lines), err
@@ -468,7 +456,7 @@ def test_refused_later_one_line(world, flag, word, tmp_path):
     root, model, files = world
     out = tmp_path / "out"
     argv = _fill(f"sft {_C} --dataset {{messages}}", model, files, out) + shlex.split(flag)
-    rc, err = main_in_process(argv, tmp_path)
+    rc, err = in_process(argv, tmp_path)
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == 2 and "Traceback" not in err and len(lines) == 1 and lines[0].startswith("error: "), err
     _named(flag, word, lines, err)

@@ -1,4 +1,4 @@
-"""The weights of an in-memory model, as its forward uses them (bitsandbytes layers dequantized)."""
+"""The weights of an in-memory model, as its forward uses them (bitsandbytes and HQQ layers dequantized)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,25 @@ class ModelReader(TensorReader):
     """Weights of an in-memory model (built-in presets, bitsandbytes-quantized bases).
 
     A 4-bit layer's weight is dequantized with bitsandbytes.functional.dequantize_4bit when read, an
-    8-bit one with int8_vectorwise_dequant: the values the run's forward used."""
+    8-bit one with int8_vectorwise_dequant, an HQQ layer's (packed `W_q` and its metadata) with
+    HQQLinear.dequantize, under the name `weight` the 16-bit model has: the values the run's forward used."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.tensors: dict[str, tuple[torch.nn.Module, str, torch.Tensor]] = {}
         self.info = {}
         self.quantized = 0
+        from swiftlite.models.hqq import is_hqq_layer
         for mname, mod in model.named_modules():
+            if is_hqq_layer(mod):
+                full = f"{mname}.weight"
+                self.tensors[full] = (mod, "weight", None)
+                self.info[full] = (torch.Size((mod.out_features, mod.in_features)), mod.compute_dtype)
+                self.quantized += 1
+                if mod.bias is not None:
+                    self.tensors[f"{mname}.bias"] = (mod, "bias", mod.bias)
+                    self.info[f"{mname}.bias"] = (torch.Size(mod.bias.shape), mod.bias.dtype)
+                continue
             own = list(mod.named_parameters(recurse=False))
             non_persistent = getattr(mod, "_non_persistent_buffers_set", set())
             own += [(n, b) for n, b in mod.named_buffers(recurse=False) if n not in non_persistent]
@@ -47,7 +58,10 @@ class ModelReader(TensorReader):
 
 
 def tensor_value(mod: torch.nn.Module, n: str, t: torch.Tensor) -> torch.Tensor:
-    """A module's parameter as the forward uses it: bitsandbytes 4-bit/8-bit weights dequantized."""
+    """A module's parameter as the forward uses it: bitsandbytes 4-bit/8-bit and HQQ weights dequantized."""
+    from swiftlite.models.hqq import dequantized_weight, is_hqq_layer
+    if is_hqq_layer(mod) and n == "weight":   # packed W_q and its metadata: no tensor of that name exists
+        return dequantized_weight(mod)
     qs = getattr(t, "quant_state", None)
     if qs is not None:
         import bitsandbytes.functional as bf
