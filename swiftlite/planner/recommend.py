@@ -253,7 +253,7 @@ def resolve_auto(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None
 
     On CPU (`gpu_memory_bytes` None) memory is not the constraint: one process runs "single", several
     run "fsdp", several nodes "hsdp" (fp16 runs go to DeepSpeed ZeRO-2, the only backend with loss
-    scaling). On GPU the
+    scaling; an HQQ base, which no sharding backend takes, to DDP). On GPU the
     memory model decides (`recommend`); pass `shape` when the model is a hub id (this reads only
     presets and local folders). A run that fits nowhere is a UserError naming the smallest need.
     """
@@ -262,6 +262,9 @@ def resolve_auto(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None
             return Decision("zero2", "fp16 needs loss scaling, which only the DeepSpeed backends provide")
         if world_size == 1:
             return Decision("single", "one process on CPU: no parallelism needed")
+        if cfg.quant_method == "hqq":
+            return Decision("ddp", f"{world_size} CPU processes with an HQQ base, whose layers FSDP cannot shard "
+                            "(models/hqq.py): DDP replicates it")
         nnodes = cfg.parallel.nnodes or 1
         if nnodes > 1:
             return Decision("hsdp", f"{nnodes} nodes of CPU processes: HSDP shards within each node and "

@@ -121,3 +121,13 @@ def test_sharding_backends_are_refused_the_whole_parameter_ones_are_not():
     for name in ("single", "ddp", "zero2", "zero2_offload"):
         assert hqq_problem(cfg, choice(name)) is None
     assert hqq_problem(_cfg("--quant_bits", "4"), choice("fsdp")) is None   # bitsandbytes: every backend
+
+
+def test_auto_and_the_planner_pick_backends_that_keep_whole_parameters():
+    from swiftlite.planner.memory import Workload, unavailable_reason
+    from swiftlite.planner.recommend import resolve_auto
+    assert resolve_auto(_cfg("--quant_method", "hqq", "--quant_bits", "4"), 2, None).backend == "ddp"
+    assert resolve_auto(_cfg("--quant_bits", "4"), 2, None).backend == "fsdp"     # bitsandbytes: sharded
+    w = Workload(train_type="lora", quant_bits=4, quant_method="hqq", world_size=8)
+    assert "HQQ" in unavailable_reason(w, "fsdp") and "HQQ" in unavailable_reason(w, "zero3")
+    assert unavailable_reason(w, "ddp") == "" and unavailable_reason(w, "zero2") == ""
