@@ -131,7 +131,8 @@ def main_in_process(args: list[str], *, env: dict[str, str] | None = None,
     rc = 1
     os.environ.clear()
     os.environ.update(env)
-    os.environ.setdefault("SWIFTLITE_CACHE", saved_env.get("SWIFTLITE_CACHE", ""))
+    if "SWIFTLITE_CACHE" in saved_env:   # the session's cache (_isolated_cache), never the user's
+        os.environ.setdefault("SWIFTLITE_CACHE", saved_env["SWIFTLITE_CACHE"])
     if cwd is not None:
         os.chdir(cwd)
     sys.argv = ["swiftlite", *args]
