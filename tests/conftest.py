@@ -83,7 +83,8 @@ def run_cli(args: list[str], *, timeout: float = 600, check: bool = True, env: d
     environment and its output captured, as a subprocess would see and give them. `own_process=True`
     (or a command that launches ranks, injects a fault, or sets SWIFTLITE_TEST_SUBPROCESS=1) starts
     `python -m swiftlite` instead: for what a fresh interpreter shows (first-time warnings, memory
-    high-water marks) or what must not happen to the test process (a kill, a hang)."""
+    high-water marks) or what must not happen to the test process (a kill, a hang, a plugin that
+    patches torch or swiftlite functions for good)."""
     env = env or cli_env()
     args = [str(a) for a in args]
     if own_process or wants_own_process(args, env):

@@ -54,8 +54,11 @@ def single(tmp_path_factory):
                                           for w in ["abcd", "bcda", "cdab", "dabc"]))
     (d / "counter.py").write_text(COUNTER)
     env = cli_env(GRPO_COUNTS=str(d / "counts_single"))
+    # own process: the counter plugin wraps torch.distributed's collectives and swiftlite's sampler for
+    # good, which in this process would outlive the run
     run_cli(["rlhf", *ARGS, "--dataset", d / "data.jsonl", "--external-plugins", d / "counter.py",
-             "--parallelism", "single", "--gradient-accumulation-steps", "2", "--output-dir", d / "single"], env=env)
+             "--parallelism", "single", "--gradient-accumulation-steps", "2", "--output-dir", d / "single"], env=env,
+            own_process=True)
     return d
 
 
