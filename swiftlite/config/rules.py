@@ -56,6 +56,8 @@ def _flag(key: str) -> str:
 from swiftlite.config.tuner_options import LORA_ONLY  # noqa: E402  (rules_tuners reads it too)
 QUANT_ONLY = ("quant_bits", "quant_method", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
               "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "hqq_axis")
+#: --quant_bits values HQQ takes (transformers' HqqConfig: nbits in 1, 2, 3, 4, 8; models/hqq.py).
+HQQ_BITS = (1, 2, 3, 4, 8)
 BNB_4BIT = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")
 
 
@@ -156,10 +158,9 @@ def _parallel_knobs(c: RunConfig):
 def _quant(c: RunConfig):
     q = c.quant.quant_bits
     if c.quant.quant_method == "hqq":
-        from swiftlite.models.hqq import BITS
         if c.quant_bits is None:
             return "--quant-method hqq needs --quant-bits (1, 2, 3, 4 or 8), or --train-type qlora (4)"
-        if c.quant_bits not in BITS:
+        if c.quant_bits not in HQQ_BITS:
             return f"--quant-bits with --quant-method hqq must be 1, 2, 3, 4 or 8 (HQQ's bit widths), got {q}"
     elif q is not None and q not in (4, 8):
         return f"--quant-bits must be 4 or 8 (bitsandbytes 4-bit nf4/fp4 or 8-bit LLM.int8), got {q}"

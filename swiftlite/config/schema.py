@@ -22,6 +22,7 @@ from typing import Any, Callable, ClassVar
 from swiftlite.config.access import Sealable, Section, field_reads, opt
 from swiftlite.config.data_options import TRUNCATION, DataConfig
 from swiftlite.config.galore_options import GaloreOptions
+from swiftlite.config.quant_options import QuantConfig
 from swiftlite.config.tuner_options import LORA_TYPES, PEFT_TYPES, TunerOptions
 from swiftlite.config.vllm_options import VllmOptions
 from swiftlite.dtypes import NAMES as _DTYPE_NAMES
@@ -130,25 +131,6 @@ class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*/reft_rank/llamapro
                                        "learning rate x this ratio (ms-swift: 16 is typical). Default: off.")
     lora_bias: str = opt("none", "Biases trained with the adapter (peft bias): none, or all (every bias of "
                          "the model, saved with the adapter).", choices=("none", "all"))
-
-
-@dataclass(kw_only=True)
-class QuantConfig(Section):
-    quant_method: str | None = opt(None, "How the base is quantized at load time: bnb (bitsandbytes: 4-bit nf4/fp4 "
-                                   "or 8-bit; --quant-bits alone means bnb) or hqq (the hqq package: 1, 2, 3, 4 or "
-                                   "8 bits, no calibration; single, ddp or ZeRO-1/2, whose ranks hold whole "
-                                   "parameters).", choices=("bnb", "hqq"))
-    quant_bits: int | None = opt(None, "Bits of the quantized base: 4 or 8 with bitsandbytes, 1/2/3/4/8 with "
-                                 "--quant-method hqq. --qlora implies 4.")
-    hqq_axis: int | None = opt(None, "HQQ's grouping axis, 0 or 1 (ms-swift's flag; default: transformers' "
-                               "HqqConfig default, 1).")
-    bnb_4bit_quant_type: str = opt("nf4", "4-bit quantization type.", choices=("nf4", "fp4"))
-    bnb_4bit_use_double_quant: bool = opt(True, "Double quantization of the 4-bit constants.")
-    bnb_4bit_compute_dtype: str | None = opt(None, "Matmul dtype of the 4-bit layers: always --torch-dtype here "
-                                             "(accepted when equal to it).", choices=DTYPES, normalize=_dtype_name)
-    bnb_4bit_quant_storage: str | None = opt(None, "Storage dtype of the packed 4-bit weights: always --torch-dtype "
-                                             "here, so FSDP/ZeRO-3 can shard them (accepted when equal to it).",
-                                             choices=DTYPES, normalize=_dtype_name)
 
 
 @dataclass(kw_only=True)
@@ -521,9 +503,7 @@ class RunConfig(Sealable):
     @property
     def quant_method(self) -> str | None:
         """Who quantizes the base: "hqq" (--quant-method hqq), "bnb" (any other quantized run), None."""
-        if self.quant_bits is None:
-            return None
-        return "hqq" if self.quant.quant_method == "hqq" else "bnb"
+        return None if self.quant_bits is None else ("hqq" if self.quant.quant_method == "hqq" else "bnb")
 
     @property
     def quant_bits(self) -> int | None:

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
     from swiftlite.config import RunConfig
 
-#: --quant_bits values HQQ takes (transformers' HqqConfig: nbits in 1, 2, 3, 4, 8).
-BITS = (1, 2, 3, 4, 8)
+from swiftlite.config.rules import HQQ_BITS as BITS  # noqa: E402,F401  (--quant_bits values HQQ takes)
+
 #: transformers' HqqConfig default group size (weights sharing one scale and zero point).
 GROUP_SIZE = 64
 #: transformers' HqqConfig default axis when none is given (the axis faster backends need).
