@@ -43,7 +43,7 @@ GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "rlsd_lambda", "rlsd_lambda_decay_steps", "rlsd_lambda_warmup_steps", "rlsd_negative_only",
       "rlsd_reweight_clip_range", "chord_enable_phi_function", "chord_mu_decay_steps", "chord_mu_peak",
       "chord_mu_valley", "chord_mu_warmup_steps", "chord_sft_dataset", "chord_sft_per_device_train_batch_size",
-      "teacher_kl_coef", "teacher_tag_key", "ref_model_sync_steps", "ref_model_mixup_alpha", "sync_ref_model")),
+      "teacher_tag_key", "ref_model_sync_steps", "ref_model_mixup_alpha", "sync_ref_model")),
     ("reward models are not available as GRPO rewards: write a reward function (--external-plugins, swiftlite.plugin)",
      ("reward_model", "reward_model_plugin")),
     (_ROLLOUT, ("gym_env", "use_gym_env", "max_turns", "multi_turn_scheduler")),

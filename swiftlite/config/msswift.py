@@ -94,7 +94,7 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
     **{("quant_method", q): _QUANT for q in ("gptq", "awq", "eetq", "quanto", "fp8", "aqlm")},
     **{("rlhf_type", t): why for t, why in (
         ("ppo", "PPO is not available"),
-        ("gkd", "GKD (on-policy distillation) is not available; distil by running sft on the teacher's outputs"))},
+        ("gkd", "GKD is not available; on-policy distillation is --rlhf_type grpo --teacher_model M (docs/rlhf.md)"))},
     ("optimizer", "lorap"): "give --lorap_lr_ratio (ms-swift picks its lorap optimizer from it; so does swiftlite)",
     **{("optimizer", o): "not available (MuonClip, per-module learning rates of multimodal models); --optim takes "
                          "adamw_torch_fused, adamw_torch, sgd, adagrad, rmsprop, adafactor, muon"

@@ -17,6 +17,8 @@ from swiftlite.config.schema import RunConfig, field_reads
 from swiftlite.config.tasks import task_spec
 from swiftlite.config.tuner_options import moves_base
 from swiftlite.config.rules_vllm import vllm_problem
+from swiftlite.config.rules_teacher import teacher_problem
+from swiftlite.config.teacher_options import TEACHER_KEYS
 from swiftlite.config.vllm_options import VLLM_KEYS
 from swiftlite.config.data_options import TEMPLATE_NAMES
 from swiftlite.errors import Refusals, UserError
@@ -346,7 +348,7 @@ GRPO_KEYS = ("reward_funcs", "reward_weights", "num_generations", "max_completio
              "top_k", "epsilon", "epsilon_high", "num_iterations", "importance_sampling_level", "scale_rewards",
              "log_completions", "overlong_filter", "advantage_estimator", "kl_in_reward", "steps_per_generation", "generation_batch_size", "use_vllm", "vllm_mode", *VLLM_KEYS, "cosine_min_len_value_wrong",
              "cosine_max_len_value_wrong", "cosine_min_len_value_correct", "cosine_max_len_value_correct",
-             "cosine_max_len", "repetition_n_grams", "repetition_max_penalty", "soft_max_length", "soft_cache_length")
+             "cosine_max_len", "repetition_n_grams", "repetition_max_penalty", "soft_max_length", "soft_cache_length", *TEACHER_KEYS)
 #: RlhfConfig keys (schema.py): `swiftlite rlhf` options, refused elsewhere when given.
 RLHF_KEYS = ("rlhf_type", "beta", "loss_type", "rpo_alpha", "label_smoothing", "cpo_alpha", "simpo_gamma",
              "ref_model", "precompute_ref_log_probs", "desirable_weight", "undesirable_weight",
@@ -430,14 +432,12 @@ def _grpo(c: RunConfig):
         return None
     if r.loss_type is not None and r.loss_type not in GRPO_LOSS_TYPES:
         return f"--loss-type {r.loss_type} does not apply to GRPO: choose from {', '.join(GRPO_LOSS_TYPES)}"
-    if not r.reward_funcs:
-        return "--rlhf-type grpo needs --reward-funcs (built-in: accuracy, format, cosine, repetition, soft_overlong)"
+    why = teacher_problem(c)
+    if why:
+        return why
     if r.reward_weights is not None and len(r.reward_weights) != len(r.reward_funcs):
         return (f"--reward-weights has {len(r.reward_weights)} values for {len(r.reward_funcs)} --reward-funcs "
                 "(one weight per function)")
-    if r.num_generations < 2:
-        return (f"--num-generations {r.num_generations}: GRPO needs at least 2 completions per prompt (the "
-                "advantages are relative to the group)")
     checks = [("max_completion_length", r.max_completion_length >= 1), ("temperature", r.temperature > 0),
               ("top_p", 0 < r.top_p <= 1), ("top_k", r.top_k == -1 or r.top_k >= 1), ("epsilon", r.epsilon >= 0),
               ("epsilon_high", r.epsilon_high is None or r.epsilon_high >= 0), ("num_iterations", r.num_iterations >= 1),

@@ -23,6 +23,7 @@ from swiftlite.config.access import Sealable, Section, field_reads, opt
 from swiftlite.config.data_options import TRUNCATION, DataConfig
 from swiftlite.config.galore_options import GaloreOptions
 from swiftlite.config.quant_options import QuantConfig
+from swiftlite.config.teacher_options import TeacherOptions
 from swiftlite.config.tuner_options import LORA_TYPES, PEFT_TYPES, TunerOptions
 from swiftlite.config.vllm_options import VllmOptions
 from swiftlite.dtypes import NAMES as _DTYPE_NAMES
@@ -348,7 +349,7 @@ class CheckpointConfig(Section):
 
 
 @dataclass(kw_only=True)
-class RlhfConfig(VllmOptions, Section):   # GRPO's vLLM options: config/vllm_options.py
+class RlhfConfig(VllmOptions, TeacherOptions, Section):   # GRPO: config/vllm_options.py, teacher_options.py
     """`swiftlite rlhf` only (ms-swift's flag names); a sft/pt run that sets one is refused (rules.py)."""
     rlhf_type: str = opt("dpo", "Preference method: dpo or kto (unpaired rows with a label; both with a reference "
                          "model), orpo, simpo or cpo (none); rm (a reward model: a score head on the pairs); "

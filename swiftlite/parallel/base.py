@@ -183,10 +183,11 @@ class Backend:
         return _resolve_ref(self.factory)(*args)
 
     def frozen(self, model: Any, cfg: "RunConfig", world: World, engine: Engine,
-               choice: "BackendChoice") -> FrozenModel:
+               choice: "BackendChoice", **own: Any) -> FrozenModel:
         """DPO's frozen reference copy of `model` laid out as this backend lays out the policy `engine`
-        (a record that names none: `LIKE_POLICY`)."""
-        return _resolve_ref(self.frozen_copy or LIKE_POLICY)(model, cfg, world, engine, choice)
+        (a record that names none: `LIKE_POLICY`). `own`: a layout of the copy's own that only its
+        backend knows (DeepSpeed's `own_config`: GRPO's --teacher_deepspeed), passed on when given."""
+        return _resolve_ref(self.frozen_copy or LIKE_POLICY)(model, cfg, world, engine, choice, **own)
 
     def model_init_context(self, cfg: "RunConfig", world: World, model_config: Callable[[], Any],
                            choice: "BackendChoice") -> Any:

@@ -49,8 +49,8 @@ from swiftlite.checkpoint.layout import DS_TAG, CheckpointFormat, step_of
 from swiftlite.distributed import World
 from swiftlite.errors import UserError
 from swiftlite.parallel.base import Backend, BackendChoice, FrozenModel, register_backend
-from swiftlite.parallel.ds_config import (QUANTIZED_KEYS, ds_stage, load_ds_config, offload_devices,
-                                          quantized_settings, resolve_ds_config)
+from swiftlite.parallel.ds_config import (ds_stage, load_ds_config, offload_devices,  # noqa: F401
+                                          quantized_comm_problem, resolve_ds_config)
 from swiftlite.parallel.ds_env import (DEFAULT_EXT_DIR, _prepare_deepspeed, check_extension_locks,  # noqa: F401
                                        ds_env_defaults, stale_extension_locks)
 from swiftlite.parallel.resolve import ds_source
@@ -452,18 +452,21 @@ def model_init_context(cfg: "RunConfig", world: World, model_config: Any, choice
 
 
 def frozen_copy(model: "torch.nn.Module", cfg: "RunConfig", world: World, engine: DeepSpeedEngine,
-                choice: BackendChoice | None = None) -> FrozenModel:
+                choice: BackendChoice | None = None, *, own_config: dict[str, Any] | None = None,
+                replica: bool = False) -> FrozenModel:
     """DPO's frozen reference copy (`Backend.frozen_copy`): `deepspeed.initialize` without optimizer on
     the policy's JSON. ZeRO-3 partitions it like the policy; ZeRO-1/2, which shard optimizer state only,
-    keep a replica (stage 0)."""
+    keep a replica (stage 0). `own_config`: the copy's own ZeRO-3 JSON instead (GRPO's
+    --teacher_deepspeed, `teacher_ds_config`), whatever the policy's stage; `replica`: a replica
+    (stage 0) whatever the policy's stage (a --teacher_deepspeed of stage 0-2)."""
     import copy
 
     import deepspeed
-    conf = copy.deepcopy(engine.ds_config)
+    conf = copy.deepcopy(own_config if own_config is not None else engine.ds_config)
     for k in ("optimizer", "scheduler"):
         conf.pop(k, None)
     zero = dict(conf.get("zero_optimization") or {})
-    if zero.get("stage", 0) != 3:
+    if zero.get("stage", 0) != 3 or replica:
         zero = {"stage": 0}
     zero.pop("offload_optimizer", None)
     conf["zero_optimization"] = zero
@@ -530,27 +533,6 @@ def check_config(cfg: "RunConfig", world_size: int, choice: BackendChoice) -> st
         return ("--torch-dtype fp16: this machine has no GPU, and DeepSpeed's CPU accelerator supports fp16 only "
                 "on CPUs with AVX512-FP16 (this one lacks it); use bf16 or fp32")
     return None
-
-
-def quantized_comm_problem(ds: dict[str, Any], cfg: "RunConfig", *, cuda: bool | None = None) -> str | None:
-    """ZeRO++ qwZ/qgZ run DeepSpeed's quantizer op (QuantizerBuilder: CUDA kernels). On the CPU
-    accelerator that op is a NotImplementedBuilder whose load() raises "This op had not been
-    implemented on CPU backend" at the first all-gather (deepspeed/ops/op_builder/cpu/no_impl.py):
-    refused before launch instead, whether a flag or the JSON asks for it."""
-    keys = quantized_settings(ds)
-    if not keys:
-        return None
-    if cuda is None:
-        import torch
-        cuda = torch.cuda.is_available()
-    if cuda:
-        return None
-    key = keys[0]
-    flag = QUANTIZED_KEYS.get(key)
-    what = flag if flag and getattr(cfg.parallel, key, False) else f"DeepSpeed config zero_optimization.{key}=true"
-    return (f"{what} (ZeRO++ quantized communication) needs DeepSpeed's CUDA quantizer kernels, which its CPU "
-            "accelerator lacks (\"This op had not been implemented on CPU backend\"); this run has no GPU: drop it "
-            "(hpZ, zero_hpz_partition_size, runs on CPU)")
 
 
 def fp16_available() -> bool:

@@ -424,3 +424,26 @@ def ds_config_family(ds: dict[str, Any]) -> str:
         return "zero3pp" if hpz == "auto" or (isinstance(hpz, int) and not isinstance(hpz, bool) and hpz > 1) \
             else "zero3"
     return "zero2_offload" if optimizer != "none" else "zero2"
+
+
+def quantized_comm_problem(ds: dict[str, Any], cfg: "RunConfig", *, cuda: bool | None = None) -> str | None:
+    """ZeRO++ qwZ/qgZ run DeepSpeed's quantizer op (QuantizerBuilder: CUDA kernels). On the CPU
+    accelerator that op is a NotImplementedBuilder whose load() raises "This op had not been
+    implemented on CPU backend" at the first all-gather (deepspeed/ops/op_builder/cpu/no_impl.py):
+    refused before launch instead, whether a flag or the JSON asks for it."""
+    keys = quantized_settings(ds)
+    if not keys:
+        return None
+    if cuda is None:
+        import torch
+        cuda = torch.cuda.is_available()
+    if cuda:
+        return None
+    key = keys[0]
+    flag = QUANTIZED_KEYS.get(key)
+    what = flag if flag and getattr(cfg.parallel, key, False) else f"DeepSpeed config zero_optimization.{key}=true"
+    return (f"{what} (ZeRO++ quantized communication) needs DeepSpeed's CUDA quantizer kernels, which its CPU "
+            "accelerator lacks (\"This op had not been implemented on CPU backend\"); this run has no GPU: drop it "
+            "(hpZ, zero_hpz_partition_size, runs on CPU)")
+
+

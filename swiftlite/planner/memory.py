@@ -135,6 +135,9 @@ class Workload:
     shard_file_bytes: int | None = None  # largest safetensors file of the checkpoint (None: unknown,
                                          # planner/load.py HF_SHARD_BYTES)
     reference: str = "none"              # rlhf DPO: "copy" (a frozen reference copy) or "none"
+    teacher_params: int = 0              # GRPO --teacher_model: the frozen teacher's parameters (0: none, or
+                                         # the policy's base with the adapter disabled)
+    teacher_partitioned: bool = False    # --teacher_deepspeed of stage 3: the teacher sharded over all ranks
     generation_length: int = 0           # GRPO: prompt + completion tokens a generated sequence reaches
                                          # (0: no generation); micro_batch sequences are generated at once
 
@@ -516,13 +519,22 @@ def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> M
 
 
 def reference_bytes(shape: ModelShape, w: Workload, backend: str | Backend) -> int:
-    """DPO's frozen reference copy per rank (rlhf/frozen.py; 0 unless w.reference == "copy"): the weights
-    in the compute dtype, no grads or optimizer state, laid out like the policy's parameters (sharded
-    under fsdp/fsdp1/zero3, over a shard group under hsdp; a replica under single/ddp/ZeRO-1/2)."""
+    """DPO's frozen reference copy per rank (rlhf/frozen.py; 0 unless w.reference == "copy"), plus GRPO's
+    frozen teacher (w.teacher_params): the weights in the compute dtype, no grads or optimizer state,
+    laid out like the policy's parameters (sharded under fsdp/fsdp1/zero3, over a shard group under
+    hsdp; a replica under single/ddp/ZeRO-1/2)."""
     rec = backend_record(backend)
     n = 1 if rec.memory_family == "single" else _sharding_ranks(w, rec.memory_family)
     nbytes = shape.n_params * w.elem if w.reference == "copy" else 0
-    return _ceil_div(nbytes, n) if rec.shards[0] else nbytes
+    ref = _ceil_div(nbytes, n) if rec.shards[0] else nbytes
+    # GRPO's teacher (rlhf/teacher.py): a frozen copy of its own size, laid out the same way, or by a
+    # --teacher_deepspeed of stage 3 partitioned over every rank
+    teacher = w.teacher_params * w.elem
+    if w.teacher_partitioned:
+        teacher = _ceil_div(teacher, max(1, w.world_size))
+    elif rec.shards[0]:
+        teacher = _ceil_div(teacher, n)
+    return ref + teacher
 
 
 def kv_cache_bytes(shape: ModelShape, w: Workload) -> int:

@@ -221,6 +221,8 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         max_length=seq_len,
         micro_batch=cfg.train.per_device_train_batch_size * (1 if grpo else spec.sequences_per_sample),
         reference="copy" if copy else "none", generation_length=seq_len if grpo and seq_len else 0,
+        teacher_params=_teacher_params(cfg) if grpo else 0,
+        teacher_partitioned=grpo and (r.teacher_deepspeed or "").startswith("zero3"),
         gradient_checkpointing=cfg.train.gradient_checkpointing, world_size=world_size,
         gpus_per_node=gpus_per_node or cfg.parallel.nproc_per_node or world_size,
         gpu_memory_bytes=gpu_memory_bytes, fsdp2_available=_has_fsdp2(),
@@ -228,6 +230,15 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         pure_bf16=cfg.parallel.pure_bf16, hsdp_shard_size=cfg.parallel.hsdp_shard_size,
         shard_file_bytes=largest_shard_file(cfg.model.model),
         sharded_loading=bool(getattr(cfg.parallel, "sharded_loading", True)))
+
+
+def _teacher_params(cfg: "RunConfig") -> int:
+    """GRPO's frozen teacher's parameter count (rlhf/teacher.py): 0 without --teacher_model, or when the
+    teacher is the policy's own base with the adapter disabled (no copy)."""
+    from swiftlite.config.rules_teacher import same_model
+    if cfg.rlhf.teacher_model is None or (same_model(cfg) and cfg.is_peft):
+        return 0
+    return resolve_model(cfg.rlhf.teacher_model).shape().n_params
 
 
 def _has_fsdp2() -> bool:

@@ -4,6 +4,8 @@ record (`Backend.frozen_copy`, parallel/base.py: a replica under single/DDP, FSD
 mesh, FSDP1, DeepSpeed without optimizer; a record that names none, a plugin's, gets the layout of its
 policy's torch engine, parallel/frozen_copy.py `like_policy`, and the run says which in one line). A
 backend that cannot lay one out says so and points to --precompute-ref-log-probs, which needs no copy.
+GRPO's teacher (--teacher_model, rlhf/teacher.py) is built here too, with the same layout, or on a
+DeepSpeed run with --teacher_deepspeed by the teacher's own ZeRO config.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from swiftlite.parallel.base import FrozenModel
 Frozen = FrozenModel
 
 
-def _ref_config(cfg: Any) -> Any:
-    """The run's config for loading the reference: its model (or --ref_model), full weights, no
-    activation checkpointing (no backward) and no compile."""
-    return cfg.with_values(model=cfg.rlhf.ref_model or cfg.model.model, train_type="full", quant_bits=None,
-                           gradient_checkpointing=False, compile=False)
+def _ref_config(cfg: Any, model: str | None = None) -> Any:
+    """The run's config for loading the reference (or `model`, GRPO's teacher): its model (or
+    --ref_model), full weights, no activation checkpointing (no backward) and no compile."""
+    return cfg.with_values(model=model or cfg.rlhf.ref_model or cfg.model.model, train_type="full", quant_bits=None,
+                           quant_method=None, gradient_checkpointing=False, compile=False)
 
 
 @contextlib.contextmanager
@@ -40,19 +42,28 @@ def _built_whole():
         hf_ds._hf_deepspeed_config_weak_ref = saved
 
 
-def build_frozen(run: Any) -> Frozen:
-    """Load the reference (the starting weights, or --ref_model) and lay it out like the policy."""
+def build_frozen(run: Any, model: str | None = None, teacher_deepspeed: str | None = None) -> Frozen:
+    """Load the reference (the starting weights, or --ref_model; or `model`, GRPO's teacher) and lay it
+    out like the policy, or (`teacher_deepspeed`, a DeepSpeed run's --teacher_deepspeed) by that ZeRO
+    config: stage 3 partitions the copy, the other stages keep a replica."""
     from swiftlite.models.loading import model_config, prepare_model, resolve_model
-    cfg = _ref_config(run.cfg)
+    cfg = _ref_config(run.cfg, model)
     source = resolve_model(cfg.model.model)
-    init = run.choice.record.model_init_context(cfg, run.world, lambda: model_config(cfg, source), run.choice)
+    record = run.choice.record
+    own: dict[str, Any] = {}
+    if teacher_deepspeed is not None:
+        from swiftlite.parallel.ds_teacher import partitioned_init, teacher_ds_config
+        ds = teacher_ds_config(teacher_deepspeed, cfg, run.world, getattr(model_config(cfg, source), "hidden_size", None))
+        own = {"own_config": ds} if ds is not None else {"replica": True}
+        init = partitioned_init(ds, cfg, run.world) if ds is not None and source.kind != "preset" else None
+    else:
+        init = record.model_init_context(cfg, run.world, lambda: model_config(cfg, source), run.choice)
     with _built_whole() if source.kind == "preset" else contextlib.nullcontext():
         model = prepare_model(cfg, source, run.world, init_context=init)
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()
-    record = run.choice.record
-    frozen = record.frozen(model, cfg, run.world, run.engine, run.choice)
+    frozen = record.frozen(model, cfg, run.world, run.engine, run.choice, **own)
     if record.frozen_copy is None and run.world.is_main:
         print(f"reference copy: --parallelism {record.name} names no frozen_copy (Backend.frozen_copy); laid out "
               f"like its policy engine: {frozen.layout}", flush=True)

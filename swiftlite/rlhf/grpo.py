@@ -12,6 +12,8 @@ advantages (rlhf/grpo_loss.py). The round also keeps, per micro-batch, the refer
 log-probs (--beta > 0: the adapter disabled for LoRA, else the frozen copy of rlhf/frozen.py) and the
 generating policy's (only when a round serves more than one optimizer step: --num-iterations > 1 or
 --steps-per-generation > GA; otherwise the ratio is 1 and TRL uses the live log-probs, detached).
+With --teacher_model (on-policy distillation, rlhf/teacher.py) the round also takes the teacher's
+per-token log-probs, and each completion's advantage becomes one per token.
 
 Normalisation: each micro-batch's loss is TRL's for its --loss-type; grpo, bnpo and dr_grpo
 backpropagate loss / GA (TRL's accumulation scaling), dapo its token sum over the round's tokens x GA /
@@ -38,6 +40,7 @@ from swiftlite.metrics import StepStats
 from swiftlite.rlhf.generate import completion_seed, gathered, sample, token_logps
 from swiftlite.rlhf.grpo_loss import (ESTIMATOR_DEFAULTS, GrpoLoss, advantages, clip_stats, micro_batch_loss,
                                       token_terms)
+from swiftlite.rlhf.teacher import k3_sum, token_advantages
 
 #: The completions table of --log_completions and each rank's generation round in a checkpoint (a
 #: resume inside a round continues with it): named in checkpoint/layout.py with the run's other files.
@@ -68,6 +71,8 @@ class GrpoBatches:
     tokenizer: Any = None
     reference: Any = None              # callable(prompt_ids, prompt_mask, completion_ids, completion_mask)
     reference_kind: str = ""
+    teacher: Any = None                # --teacher_model (rlhf/teacher.py): the same call, the teacher's log-probs
+    teacher_kind: str = ""
     options: Any = None                # cfg.rlhf
     log_path: Any = None               # completions.jsonl (main rank, --log_completions)
     vllm: Any = None                   # vllm_gen.VllmGenerator or rollout_client.ServerGenerator (--use_vllm)
@@ -117,6 +122,8 @@ def setup(run: Any) -> Any:
                     return token_logps(module, *t, temp, ctx)[0]
             b.reference = ref
             b.reference_kind = "the base model with the adapter disabled"
+    from swiftlite.rlhf.teacher import setup_teacher
+    b.teacher, b.teacher_kind = setup_teacher(run)
     if cfg.rlhf.use_vllm and cfg.rlhf.vllm_mode == "server":    # `swiftlite rollout` server(s)
         from swiftlite.rlhf.rollout_client import ServerGenerator
         b.vllm = ServerGenerator(cfg.rlhf, world=run.world)
@@ -238,15 +245,18 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
             texts[c] = tok.decode(c_ids[j, :n].tolist(), skip_special_tokens=True)
         micro[tuple(mb)]["truncated"] = torch.tensor([truncated[c] for c in mb], device=c_mask.device)
     # the reference's and the sampling policy's log-probs (the old ones: --num_iterations > 1 or
-    # --steps_per_generation > GA; both: --kl_in_reward, whose KL goes into the rewards below)
+    # --steps_per_generation > GA; both: --kl_in_reward, whose KL goes into the rewards below), and the
+    # teacher's (--teacher_model: its log-ratio to the sampling policy joins the advantages below)
     in_reward = b.loss.kl_in_reward and b.loss.beta != 0.0
     kl_of: dict[int, float] = {}
+    distil: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}   # key -> (teacher, old) log-probs
+    k3 = [0.0, 0.0]
     for key, t in micro.items():
         args = (t["prompt_ids"], t["prompt_mask"], t["completion_ids"], t["completion_mask"])
         if b.loss.beta != 0.0:
             with torch.no_grad():
                 t["ref_logps"] = b.reference(*args)
-        if b.needs_old or in_reward:
+        if b.needs_old or in_reward or b.teacher is not None:
             from swiftlite.rlhf.reference import root_module
             module, ctx = root_module(engine)
             with torch.no_grad():
@@ -256,6 +266,12 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
             if in_reward:   # ms-swift's per-completion KL: sum over its tokens of log p_policy - log p_ref
                 kl = ((old - t["ref_logps"]) * t["completion_mask"]).sum(-1)
                 kl_of.update(zip(key, kl.tolist()))
+            if b.teacher is not None:
+                with torch.no_grad():
+                    teacher = b.teacher(*args)
+                distil[key] = (teacher, old)
+                part = k3_sum(teacher, old, t["completion_mask"])
+                k3 = [k3[0] + part[0], k3[1] + part[1]]
     # rewards of this rank's completions, then the whole round's table on every rank
     N, F = plan.round_completions, len(b.rewards)
     mine_c = [c for mb in mine for c in mb]
@@ -269,7 +285,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
                   messages=[r["prompt"] + [{"role": "assistant", "content": t}] for r, t in zip(rows, comps)],
                   trainer_state=type("TrainerState", (), {"global_step": step})())
     wheres = [r["where"] for r in rows]
-    table = [0.0] * (N * F + 3 * N)                     # + completion lengths, truncated flags, KL
+    table = [0.0] * (N * F + 3 * N + 2)                 # + completion lengths, truncated flags, KL, teacher k3
     for f, r in enumerate(b.rewards):
         for c, v in zip(mine_c, _call_reward(r, comps, kwargs, wheres)):
             table[c * F + f] = v
@@ -277,16 +293,20 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
         table[N * F + c] = float(lengths[c])
         table[N * F + N + c] = truncated[c]
         table[N * F + 2 * N + c] = kl_of.get(c, 0.0)
+    table[-2:] = k3
     table = all_reduce_sum(table) if world.world_size > 1 else table
     rpf = torch.tensor(table[:N * F], dtype=torch.float32).view(N, F)
     lens = torch.tensor(table[N * F:N * F + N], dtype=torch.float32)
     cut = torch.tensor(table[N * F + N:N * F + 2 * N], dtype=torch.float32)
-    kl = torch.tensor(table[N * F + 2 * N:], dtype=torch.float32) if in_reward else None
+    kl = torch.tensor(table[N * F + 2 * N:N * F + 3 * N], dtype=torch.float32) if in_reward else None
     weights = torch.tensor(o.reward_weights or [1.0] * F, dtype=torch.float32)
     adv, rewards, std_zero = advantages(rpf, weights, G, estimator_choices(o)[0], o.advantage_estimator, kl,
                                         b.loss.beta)
     for key, t in micro.items():
         t["advantages"] = adv[torch.tensor(key)].to(world.device)
+        if key in distil:     # [completions, tokens]: + coef x (log p_teacher - log p_old) per token
+            t["advantages"] = token_advantages(t["advantages"], *distil[key], t["completion_mask"],
+                                               o.teacher_kl_coef)
     from swiftlite.rlhf.grpo_loss import nanstd
     metrics = {"reward": float(torch.nanmean(rewards)), "reward_std": float(nanstd(rewards)),
                "frac_reward_zero_std": float(std_zero.float().mean()),
@@ -295,6 +315,8 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
                "completions/clipped_ratio": float(cut.mean())}
     if kl is not None:   # ms-swift's kl metric under --kl_in_reward: the completions' mean summed KL
         metrics["kl"] = float(kl.mean())
+    if b.teacher is not None:   # ms-swift's teacher_kl: the k3 token mean (rlhf/teacher.py)
+        metrics["teacher_kl"] = table[-2] / max(1.0, table[-1])
     for f, r in enumerate(b.rewards):
         metrics[f"rewards/{r.name}/mean"] = float(torch.nanmean(rpf[:, f]))
         metrics[f"rewards/{r.name}/std"] = float(nanstd(rpf[:, f]))

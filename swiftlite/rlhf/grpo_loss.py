@@ -67,7 +67,8 @@ def advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_genera
     reinforce_plus_plus  A = r - mean(group), divided by the std of A itself (over the group or batch);
     `kl` ([N], --kl_in_reward): beta x each completion's KL to the reference is subtracted from its
     reward first. frac_reward_zero_std always reads the group's reward std."""
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    # no reward function (on-policy distillation alone, rlhf/teacher.py): every reward is 0, as ms-swift's
+    unscorable = torch.isnan(rewards_per_func).all(dim=1) & (rewards_per_func.shape[1] > 0)
     rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
     rewards[unscorable] = float("nan")
     if kl is not None and beta != 0.0:
@@ -113,10 +114,11 @@ class TokenTerms:
 
 def token_terms(o: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
                 adv: torch.Tensor, mask: torch.Tensor | None = None) -> TokenTerms:
-    """Per-token clipped surrogate plus beta x k3 KL ([B, T] each; adv is [B]). `mask` (the completion
-    tokens) is needed by the sequence importance levels; their `ratio` is [B, 1]."""
+    """Per-token clipped surrogate plus beta x k3 KL ([B, T] each; adv is [B], or [B, T] per token: a
+    teacher's, rlhf/teacher.py). `mask` (the completion tokens) is needed by the sequence importance
+    levels; their `ratio` is [B, 1]."""
     old = logps.detach() if old_logps is None else old_logps
-    a = adv.unsqueeze(1)
+    a = adv if adv.dim() == 2 else adv.unsqueeze(1)
     log_ratio = logps - old
     if o.importance_sampling_level == "token":
         ratio = torch.exp(log_ratio)
@@ -172,8 +174,9 @@ def micro_batch_loss(o: GrpoLoss, per_token_loss: torch.Tensor, mask: torch.Tens
 
 def clip_stats(o: GrpoLoss, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Masked sums of TRL's clip indicators ([B, T] -> per-completion sums of low/high/region), and the
-    per-completion token counts, so that means over any set of micro-batches can be formed."""
-    a = adv.unsqueeze(1)
+    per-completion token counts, so that means over any set of micro-batches can be formed. `adv`: [B]
+    or [B, T] (token_terms)."""
+    a = adv if adv.dim() == 2 else adv.unsqueeze(1)
     low = ((ratio < 1 - o.epsilon) & (a < 0)).to(ratio.dtype)
     high = ((ratio > 1 + o.epsilon_high) & (a > 0)).to(ratio.dtype)
     region = ((low + high) > 0).to(ratio.dtype)

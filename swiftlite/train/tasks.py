@@ -219,7 +219,9 @@ class GrpoTask(Task):
 
     def check(self, cfg: Any) -> None:
         from swiftlite.plugin import check_reward_funcs
+        from swiftlite.rlhf.teacher import check_teacher
         check_reward_funcs(cfg.rlhf.reward_funcs)
+        check_teacher(cfg)
 
     def wait_for_services(self, cfg: Any) -> None:
         r = cfg.rlhf
@@ -251,18 +253,22 @@ class GrpoTask(Task):
         b = run.batches
         o, p = b.loss, b.plan
         ref = f", reference: {b.reference_kind}" if b.reference is not None else ""
+        ref += (f", teacher: {b.teacher_kind}, --teacher-kl-coef {b.options.teacher_kl_coef:g}"
+                if b.teacher is not None else "")
         from swiftlite.rlhf.grpo import estimator_choices
         scale, in_reward = estimator_choices(b.options)
         adv = (f"; {b.options.advantage_estimator} advantages, scaled by {scale}"
                + (", KL in the rewards" if in_reward and o.beta != 0.0 else ""))
         return (f"grpo ({o.loss_type} loss, beta {o.beta:g}{ref}{adv}; {p.num_generations} completions per prompt, "
-                f"{p.round_prompts} prompts per generation round, rewards {', '.join(r.key for r in b.rewards)}), ")
+                f"{p.round_prompts} prompts per generation round, rewards "
+                f"{', '.join(r.key for r in b.rewards) or 'none'}), ")
 
     def dry_run_lines(self, cfg: Any) -> list[str]:
         r = cfg.rlhf
         return [f"grpo:           {r.loss_type or 'grpo'} loss, beta {0.04 if r.beta is None else r.beta:g}, "
-                f"{r.num_generations} completions per prompt, rewards {', '.join(r.reward_funcs)}; batches count "
-                "completions"]
+                f"{r.num_generations} completions per prompt, rewards {', '.join(r.reward_funcs) or 'none'}"
+                + (f", teacher {r.teacher_model} (x {r.teacher_kl_coef:g} per token)" if r.teacher_model else "")
+                + "; batches count completions"]
 
 
 #: rlhf methods whose task is not PreferenceTask's pairs (by --rlhf_type).

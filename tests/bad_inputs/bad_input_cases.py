@@ -383,6 +383,16 @@ CASES: list[Case] = [
          "error: --external_plugins plugin.py:2: `from swift.utils import get_logger` failed (No module named "
          "'swift.utils')",
          setup=write("plugin.py", "from swift.rewards import ORM, orms\nfrom swift.utils import get_logger\n")),
+    # GRPO's teacher (rlhf/teacher.py): --teacher_deepspeed off DeepSpeed, a teacher's option without one
+    Case("grpo-teacher-deepspeed-on-ddp", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--teacher_model", "tiny-llama",
+                                           "--num_generations", "1", "--teacher_deepspeed", "zero3",
+                                           "--parallelism", "ddp", "--teacher_model_server", "http://x:8000"],
+         "error: --teacher_model_server: an option of GKD (--rlhf_type gkd) or of a teacher form swiftlite does not "
+         "have",
+         more=("error: --teacher-deepspeed zero3 applies to a DeepSpeed run (--deepspeed zero2, ...)",)),
+    Case("grpo-no-rewards-no-teacher", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--num_generations", "1"],
+         "error: --rlhf-type grpo needs --reward-funcs (built-in: accuracy, format, cosine, repetition, soft_overlong) "
+         "or --teacher-model (on-policy distillation)"),
     # --quant_method hqq (models/hqq.py): sharding backends, HQQ's bit widths, bitsandbytes options
     Case("hqq-fsdp", ["sft", *GOOD, *DATA, "--quant_method", "hqq", "--quant_bits", "4", "--parallelism", "fsdp",
                       "--nproc_per_node", "2"],

@@ -14,7 +14,7 @@ from swiftlite.cli import parse_run_args
 from swiftlite.config import load_config
 from swiftlite.errors import UserError
 from swiftlite.parallel import hsdp as hsdp_mod
-from swiftlite.parallel.deepspeed import quantized_comm_problem
+from swiftlite.parallel.ds_config import quantized_comm_problem
 from swiftlite.parallel.ds_config import PRESET_DIR, resolve_ds_config
 from swiftlite.parallel.fsdp2 import check_cpu_offload, reshard_after_forward
 from swiftlite.planner import choose_backend as resolve_backend
