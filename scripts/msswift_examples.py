@@ -16,6 +16,7 @@ resolved), and run as `python -m swiftlite ...` with:
 - `--dataset` / `--val_dataset` replaced by local files of the same format (`#N` and `:subset` kept as
   `#N`): alpaca rows, chat messages, tool-calling rows (ms-swift's agent format), query/response,
   self-cognition rows (query/response/tag with {{NAME}}/{{AUTHOR}}), preference pairs, KTO rows, GRPO prompts with a solution column, plain text;
+  GRPO's `--chord_sft_dataset` (CHORD's expert rows) by the chat-messages file;
 - a placeholder checkpoint path (`--adapters`/`--ckpt_dir output/vx-xxx/checkpoint-xxx`) replaced by a
   LoRA checkpoint trained here first (the scripts name the output of an earlier training run);
 - `--max_steps 2` appended to a training command; nothing else changes.
@@ -487,6 +488,8 @@ def translate(cmd: Command, models: dict[str, Path], files: dict[str, Path], ckp
             out += [tok, *[local_model(v, models) for v in vals]]
         elif name in ("dataset", "val_dataset") and vals:
             out += [tok, *[local_dataset(v, files, cmd) for v in vals]]
+        elif name == "chord_sft_dataset" and vals:   # CHORD's expert rows: sft data (ms-swift preprocesses them so)
+            out += [tok, *[str(files["messages"]) + (f"#{v.partition('#')[2]}" if "#" in v else "") for v in vals]]
         elif name in ("adapters", "ckpt_dir", "resume_from_checkpoint") and vals and PLACEHOLDER.search(vals[0]):
             out += [tok, *([str(ckpt)] if ckpt else vals)]
         else:

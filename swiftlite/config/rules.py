@@ -17,6 +17,7 @@ from swiftlite.config.schema import RunConfig, field_reads
 from swiftlite.config.tasks import task_spec
 from swiftlite.config.tuner_options import moves_base
 from swiftlite.config.rules_vllm import vllm_problem
+from swiftlite.config.chord_options import CHORD_KEYS, chord_problem
 from swiftlite.config.rules_teacher import teacher_problem
 from swiftlite.config.teacher_options import TEACHER_KEYS
 from swiftlite.config.vllm_options import VLLM_KEYS
@@ -348,7 +349,7 @@ GRPO_KEYS = ("reward_funcs", "reward_weights", "num_generations", "max_completio
              "top_k", "epsilon", "epsilon_high", "num_iterations", "importance_sampling_level", "scale_rewards",
              "log_completions", "overlong_filter", "advantage_estimator", "kl_in_reward", "steps_per_generation", "generation_batch_size", "use_vllm", "vllm_mode", *VLLM_KEYS, "cosine_min_len_value_wrong",
              "cosine_max_len_value_wrong", "cosine_min_len_value_correct", "cosine_max_len_value_correct",
-             "cosine_max_len", "repetition_n_grams", "repetition_max_penalty", "soft_max_length", "soft_cache_length", *TEACHER_KEYS)
+             "cosine_max_len", "repetition_n_grams", "repetition_max_penalty", "soft_max_length", "soft_cache_length", *TEACHER_KEYS, *CHORD_KEYS)
 #: RlhfConfig keys (schema.py): `swiftlite rlhf` options, refused elsewhere when given.
 RLHF_KEYS = ("rlhf_type", "beta", "loss_type", "rpo_alpha", "label_smoothing", "cpo_alpha", "simpo_gamma",
              "ref_model", "precompute_ref_log_probs", "desirable_weight", "undesirable_weight",
@@ -432,7 +433,7 @@ def _grpo(c: RunConfig):
         return None
     if r.loss_type is not None and r.loss_type not in GRPO_LOSS_TYPES:
         return f"--loss-type {r.loss_type} does not apply to GRPO: choose from {', '.join(GRPO_LOSS_TYPES)}"
-    why = teacher_problem(c)
+    why = teacher_problem(c) or chord_problem(r, c.explicit)
     if why:
         return why
     if r.reward_weights is not None and len(r.reward_weights) != len(r.reward_funcs):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 from swiftlite.config.access import Sealable, Section, field_reads, opt
+from swiftlite.config.chord_options import ChordOptions
 from swiftlite.config.data_options import TRUNCATION, DataConfig
 from swiftlite.config.galore_options import GaloreOptions
 from swiftlite.config.quant_options import QuantConfig
@@ -349,7 +350,7 @@ class CheckpointConfig(Section):
 
 
 @dataclass(kw_only=True)
-class RlhfConfig(VllmOptions, TeacherOptions, Section):   # GRPO: config/vllm_options.py, teacher_options.py
+class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, Section):   # GRPO: config/*_options.py
     """`swiftlite rlhf` only (ms-swift's flag names); a sft/pt run that sets one is refused (rules.py)."""
     rlhf_type: str = opt("dpo", "Preference method: dpo or kto (unpaired rows with a label; both with a reference "
                          "model), orpo, simpo or cpo (none); rm (a reward model: a score head on the pairs); "

@@ -62,6 +62,8 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
         found.check(check_spec, spec, "--dataset")
     for spec in cfg.data.val_dataset:
         found.check(check_spec, spec, "--val-dataset")
+    for spec in cfg.rlhf.chord_sft_dataset:
+        found.check(check_spec, spec, "--chord-sft-dataset")
     from swiftlite.data import cached
     for flag, specs in (("--cached_dataset", cfg.data.cached_dataset), ("--cached_val_dataset", cfg.data.cached_val_dataset)):
         for spec in specs:

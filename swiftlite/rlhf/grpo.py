@@ -13,7 +13,8 @@ log-probs (--beta > 0: the adapter disabled for LoRA, else the frozen copy of rl
 generating policy's (only when a round serves more than one optimizer step: --num-iterations > 1 or
 --steps-per-generation > GA; otherwise the ratio is 1 and TRL uses the live log-probs, detached).
 With --teacher_model (on-policy distillation, rlhf/teacher.py) the round also takes the teacher's
-per-token log-probs, and each completion's advantage becomes one per token.
+per-token log-probs, and each completion's advantage becomes one per token. With --chord_sft_dataset
+(CHORD, rlhf/chord.py) each micro-batch is followed by one of expert rows, its SFT loss weighted by mu.
 
 Normalisation: each micro-batch's loss is TRL's for its --loss-type; grpo, bnpo and dr_grpo
 backpropagate loss / GA (TRL's accumulation scaling), dapo its token sum over the round's tokens x GA /
@@ -40,6 +41,7 @@ from swiftlite.metrics import StepStats
 from swiftlite.rlhf.generate import completion_seed, gathered, sample, token_logps
 from swiftlite.rlhf.grpo_loss import (ESTIMATOR_DEFAULTS, GrpoLoss, advantages, clip_stats, micro_batch_loss,
                                       token_terms)
+from swiftlite.rlhf.chord import ChordData, mu_schedule, sft_loss
 from swiftlite.rlhf.teacher import k3_sum, token_advantages
 
 #: The completions table of --log_completions and each rank's generation round in a checkpoint (a
@@ -73,6 +75,7 @@ class GrpoBatches:
     reference_kind: str = ""
     teacher: Any = None                # --teacher_model (rlhf/teacher.py): the same call, the teacher's log-probs
     teacher_kind: str = ""
+    chord: Any = None                  # rlhf/chord.ChordData (--chord_sft_dataset): the expert rows
     options: Any = None                # cfg.rlhf
     log_path: Any = None               # completions.jsonl (main rank, --log_completions)
     vllm: Any = None                   # vllm_gen.VllmGenerator or rollout_client.ServerGenerator (--use_vllm)
@@ -90,8 +93,11 @@ def grpo_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) ->
     beta = 0.04 if r.beta is None else r.beta
     loss = GrpoLoss(r.loss_type or "grpo", beta, r.epsilon, r.epsilon if r.epsilon_high is None else r.epsilon_high,
                     r.max_completion_length, r.importance_sampling_level, estimator_choices(r)[1])
+    sft = getattr(train, "sft", None)
+    chord = None if sft is None else ChordData(sft.rows, r.chord_sft_per_device_train_batch_size, cfg.train.seed,
+                                               world.rank, tokenizer.pad_token_id)
     return GrpoBatches(train.rows, plan, tokenizer.pad_token_id, world, build_rewards(r.reward_funcs, r), loss,
-                       options=r, tokenizer=tokenizer)
+                       options=r, tokenizer=tokenizer, chord=chord)
 
 
 def estimator_choices(r: Any) -> tuple[str, bool]:
@@ -389,7 +395,11 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     temp = b.options.temperature
     micro = b.plan.micro_batches(j, world.rank)
     loss_sum, tokens, comp_tokens = 0.0, 0, 0
-    sums = {"kl": 0.0, "entropy": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "clip_n": 0.0, "kept": 0.0}
+    sums = {"kl": 0.0, "entropy": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "clip_n": 0.0, "kept": 0.0,
+            "chord": 0.0}
+    r = b.options
+    mu = 0.0 if b.chord is None else mu_schedule(step, r.chord_mu_warmup_steps, r.chord_mu_decay_steps,
+                                                 r.chord_mu_peak, r.chord_mu_valley)
     from swiftlite.rlhf.reference import root_module
     for i, mb in enumerate(micro):
         t = cur.micro[tuple(mb)]
@@ -397,15 +407,28 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
         # --overlong_filter: the loss and its metrics leave out completions cut at the length limit
         # (ms-swift masks them after the round is scored: advantages and dapo's normalizer keep them)
         lmask = mask * (t["truncated"] == 0).to(mask.dtype)[:, None] if b.options.overlong_filter else mask
-        with engine.micro_batch(last=i == len(micro) - 1):
+        last = i == len(micro) - 1
+        with engine.micro_batch(last=last and not mu):
             module, ctx = root_module(engine)
             logps, ent = token_logps(module, t["prompt_ids"], t["prompt_mask"], t["completion_ids"], mask, temp, ctx,
                                      entropy=True)
             terms = token_terms(o, logps, t.get("old_logps"), t.get("ref_logps"), t["advantages"], lmask)
             objective = micro_batch_loss(o, terms.per_token_loss, lmask, accumulation=ga, round_tokens=cur.tokens,
                                          steps_per_generation=S, world_size=world.world_size)
+            if b.chord is not None:            # CHORD: (1 - mu) x GRPO's + mu x SFT / GA (rlhf/chord.py)
+                objective = (1.0 - mu) * objective
             engine.backward(objective)
         loss_sum += float(objective.detach())
+        if mu:   # the expert batch: a micro-batch of its own in the step's accumulation
+            batch = b.chord.batch(step * len(micro) + i, world.device)
+            with engine.micro_batch(last=last):
+                module, ctx = root_module(engine)
+                sft, _ = sft_loss(module, batch, ctx, r.chord_enable_phi_function)
+                part = mu * sft / ga
+                engine.backward(part)
+            loss_sum += float(part.detach())
+            sums["chord"] += float(sft.detach())
+            tokens += int(batch["attention_mask"].sum())
         m = lmask.float()
         sums["kept"] += float(m.sum())   # the tokens the loss and its metrics see
         tokens += int(t["prompt_mask"].sum() + mask.sum())
@@ -433,6 +456,9 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     out["clip_ratio/low_mean"] = agg["low"] / clip_n
     out["clip_ratio/high_mean"] = agg["high"] / clip_n
     out["clip_ratio/region_mean"] = agg["region"] / clip_n
+    if b.chord is not None:   # mu of this step; the expert batches' mean cross-entropy (0 when mu is 0)
+        out["chord_mu"] = mu
+        out["chord_sft_loss"] = agg["chord"] / (len(micro) * world.world_size)
     # loss: the sum over ranks of what each backpropagated, over the ranks (the backends' average): the
     # mean micro-batch loss (grpo, bnpo, dr_grpo), dapo's token sum over its normalizer
     tables, b.table = ({"completions": b.table} if b.table is not None else {}), None

@@ -64,6 +64,9 @@ class PromptData(Tokenized):
     """Tokenized prompts: rows {"input_ids", "labels" (all ignored: nothing is a target of the data
     itself), "prompt" (messages), "columns" (the row), "where"}."""
 
+    #: CHORD's expert rows (--chord_sft_dataset, tokenized as sft's; rlhf/chord.py), or None
+    sft: Tokenized | None = None
+
     def targets(self, i: int) -> int:
         return 0
 
@@ -207,12 +210,31 @@ def prepare_prompts(cfg: Any, tokenizer: Any, world_size: int, *,
                                 progress=progress, columns=d.columns)
     train, _ = train_and_validation(d, tok, t.seed, unit="prompt")
     check_rewards(rewards, train, "--reward_funcs")
+    if r.chord_sft_dataset:
+        train.sft = _chord_rows(cfg, tokenizer, progress)
     plan = GrpoPlan(len(train.rows), t.per_device_train_batch_size, world_size, t.gradient_accumulation_steps,
                     t.seed, r.num_generations, S, r.num_iterations)
     if plan.steps_per_epoch == 0:
         raise UserError(f"--dataset has {len(train.rows)} usable prompts, fewer than one generation round of "
                         f"{plan.round_prompts} prompts ({per_round} completions / --num-generations {r.num_generations})")
     return train, None, plan
+
+
+def _chord_rows(cfg: Any, tokenizer: Any, progress: Callable[[str, int], Any] | None) -> Tokenized:
+    """CHORD's expert rows: --chord_sft_dataset tokenized as sft's rows (the chat template, the answers
+    the targets), with the run's --max-length, --system and --truncation-strategy (ms-swift's sft default,
+    delete, unless given)."""
+    from swiftlite.data.pipeline import tokenize_specs
+    d, t = cfg.data, cfg.train
+    sft = tokenize_specs(cfg.rlhf.chord_sft_dataset, tokenizer, task="sft", max_length=d.max_length, packing=False,
+                         skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress,
+                         truncation_strategy=d.truncation_strategy if "truncation_strategy" in cfg.explicit else "delete",
+                         system=system_prompt(d.system), seed=t.seed, load_from_cache_file=d.load_from_cache_file,
+                         columns=d.columns)
+    if not sft.rows:
+        raise UserError(f"--chord-sft-dataset {' '.join(cfg.rlhf.chord_sft_dataset)}: no usable row (every row "
+                        "lacks an answer to learn or is longer than --max-length)")
+    return sft
 
 
 __all__ = ["GrpoPlan", "PromptData", "check_rewards", "prepare_prompts", "to_prompt", "tokenize_prompts"]

@@ -255,6 +255,8 @@ class GrpoTask(Task):
         ref = f", reference: {b.reference_kind}" if b.reference is not None else ""
         ref += (f", teacher: {b.teacher_kind}, --teacher-kl-coef {b.options.teacher_kl_coef:g}"
                 if b.teacher is not None else "")
+        ref += (f", CHORD: {len(b.chord.rows)} expert rows, {b.chord.per_device} per micro-batch"
+                if b.chord is not None else "")
         from swiftlite.rlhf.grpo import estimator_choices
         scale, in_reward = estimator_choices(b.options)
         adv = (f"; {b.options.advantage_estimator} advantages, scaled by {scale}"
