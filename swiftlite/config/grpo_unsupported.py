@@ -36,7 +36,7 @@ GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("vllm_max_lora_rank",)),
     (f"this {_VARIANT}",
      ("delta", "off_policy_sequence_mask_delta", "rollout_importance_sampling_mode",
-      "rollout_importance_sampling_threshold", "log_rollout_offpolicy_metrics", "top_entropy_quantile",
+      "rollout_importance_sampling_threshold", "top_entropy_quantile",
       "advantage_reweight", "dynamic_sample",
       "max_resample_times", "completion_length_limit_scope", "tau_pos", "tau_neg", "real_tau", "fipo_clip_high_only",
       "fipo_clip_range", "fipo_decay_rate", "fipo_safety_threshold", "sdar_gate_beta", "sdar_loss_coef",

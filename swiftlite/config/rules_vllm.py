@@ -25,6 +25,9 @@ def vllm_problem(c: RunConfig) -> str | None:
     if r.vllm_mode is None:
         return ("--use-vllm true needs --vllm-mode colocate or server (ms-swift requires the mode with --use_vllm)")
     if r.vllm_mode == "server":
+        if r.log_rollout_offpolicy_metrics:
+            return ("--log-rollout-offpolicy-metrics with --vllm-mode server: the rollout server does not return "
+                    "its sampling log-probs; use --vllm-mode colocate or transformers' generate, or drop the flag")
         return _vllm_server(c)
     given = [k for k in SERVER_ONLY if k in c.explicit]
     if given:

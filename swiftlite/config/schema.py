@@ -413,6 +413,8 @@ class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, Section):   # GRPO: 
                                 "group's advantages, and dapo's normalizer still counts them, as ms-swift).")
     log_completions: bool = opt(False, "GRPO: write every sampled completion with its rewards to "
                                 "<output-dir>/completions.jsonl (step, prompt, completion, rewards, advantage).")
+    log_rollout_offpolicy_metrics: bool = opt(False, "GRPO: log rollout_correction/* (ms-swift's): the sampling "
+                                              "log-probs (vLLM's or generate's) against the training policy's.")
     steps_per_generation: int | None = opt(None, "GRPO: micro-batch steps served by one generation round (its "
                                            "size is per-device x processes x this many completions). Default: "
                                            "--gradient-accumulation-steps (one round per optimizer step).")

@@ -23,17 +23,25 @@ from swiftlite.parallel.gather import gathered
 
 
 class GumbelSampler:
-    """A logits processor adding per-row Gumbel noise (-log(-log U)), U from the row's generator."""
+    """A logits processor adding per-row Gumbel noise (-log(-log U)), U from the row's generator.
+    `record` (a list): each step appends the [B] log-probabilities, under the processed distribution
+    (temperature, top-k, top-p: the scores this processor receives), of the tokens greedy decoding then
+    picks, the argmax of scores + noise (vLLM's processed_logprobs; --log_rollout_offpolicy_metrics)."""
 
-    def __init__(self, generators: list[torch.Generator]):
+    def __init__(self, generators: list[torch.Generator], record: list | None = None):
         self.generators = generators
+        self.record = record
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         noise = torch.empty_like(scores, dtype=torch.float32)
         for b, g in enumerate(self.generators):
             u = torch.rand(scores.shape[-1], generator=g, device=g.device, dtype=torch.float32)
             noise[b] = -torch.log(-torch.log(u.clamp(min=1e-20, max=1 - 1e-7)))
-        return scores.float() + noise
+        noisy = scores.float() + noise
+        if self.record is not None:
+            pick = noisy.argmax(-1, keepdim=True)
+            self.record.append(torch.log_softmax(scores.float(), -1).gather(-1, pick).squeeze(-1))
+        return noisy
 
 
 def completion_seed(seed: int, rnd: int, c: int) -> int:
@@ -42,10 +50,11 @@ def completion_seed(seed: int, rnd: int, c: int) -> int:
 
 
 def sample(model: Any, prompts: list[list[int]], seeds: list[int], *, pad_id: int, eos_id: int | list[int],
-           max_new_tokens: int, temperature: float, top_p: float, top_k: int, device: Any, autocast: Any = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           max_new_tokens: int, temperature: float, top_p: float, top_k: int, device: Any, autocast: Any = None,
+           logprobs: bool = False) -> tuple[torch.Tensor, ...]:
     """Sample one completion per prompt: (prompt_ids [B, P] left-padded, prompt_mask, completion_ids [B, C]
-    (pad after the first EOS), completion_mask [B, C] (1 up to and including the first EOS))."""
+    (pad after the first EOS), completion_mask [B, C] (1 up to and including the first EOS)), and with
+    `logprobs` the sampled tokens' log-probabilities at generation [B, C] (GumbelSampler's record)."""
     from transformers import GenerationConfig, LogitsProcessorList
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
@@ -62,7 +71,8 @@ def sample(model: Any, prompts: list[list[int]], seeds: list[int], *, pad_id: in
         procs.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
         procs.append(TopPLogitsWarper(top_p))
-    procs.append(GumbelSampler(gens))
+    record: list | None = [] if logprobs else None
+    procs.append(GumbelSampler(gens, record))
     gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad_id,
                           eos_token_id=eos_id, temperature=None, top_p=None, top_k=None, use_cache=True)
     was_training = model.training
@@ -81,7 +91,10 @@ def sample(model: Any, prompts: list[list[int]], seeds: list[int], *, pad_id: in
                                                                                   device=completion.device))
     cmask = (torch.arange(n, device=completion.device).unsqueeze(0) <= first.unsqueeze(1)).long()
     completion = torch.where(cmask.bool(), completion, torch.full_like(completion, pad_id))
-    return ids, mask, completion, cmask
+    if not logprobs:
+        return ids, mask, completion, cmask
+    lp = torch.stack(record, dim=1)[:, :n] if record else torch.zeros(len(prompts), 0, device=completion.device)
+    return ids, mask, completion, cmask, lp
 
 
 def token_logps(module: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,

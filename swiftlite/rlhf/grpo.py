@@ -42,6 +42,7 @@ from swiftlite.rlhf.generate import completion_seed, gathered, sample, token_log
 from swiftlite.rlhf.grpo_loss import (ESTIMATOR_DEFAULTS, GrpoLoss, advantages, clip_stats, micro_batch_loss,
                                       token_terms)
 from swiftlite.rlhf.chord import ChordData, mu_schedule, sft_loss
+from swiftlite.rlhf.offpolicy import merge, offpolicy_metrics
 from swiftlite.rlhf.teacher import k3_sum, token_advantages
 
 #: The completions table of --log_completions and each rank's generation round in a checkpoint (a
@@ -241,9 +242,13 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     truncated: dict[int, float] = {}
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     mine = plan.rank_micro_batches(world.rank)
-    for mb, (p_ids, p_mask, c_ids, c_mask) in zip(mine, _sample_round(engine, b, rnd)):
+    offp = bool(o.log_rollout_offpolicy_metrics)
+    rollout_of: dict[tuple[int, ...], torch.Tensor] = {}    # the sampling log-probs (rlhf/offpolicy.py)
+    for mb, (p_ids, p_mask, c_ids, c_mask, *lp) in zip(mine, _sample_round(engine, b, rnd)):
         micro[tuple(mb)] = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids,
                             "completion_mask": c_mask}
+        if lp:
+            rollout_of[tuple(mb)] = lp[0]
         for j, c in enumerate(mb):
             n = int(c_mask[j].sum())
             lengths[c] = n
@@ -257,18 +262,21 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     kl_of: dict[int, float] = {}
     distil: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}   # key -> (teacher, old) log-probs
     k3 = [0.0, 0.0]
+    offpolicy: list[dict[str, float]] = []
     for key, t in micro.items():
         args = (t["prompt_ids"], t["prompt_mask"], t["completion_ids"], t["completion_mask"])
         if b.loss.beta != 0.0:
             with torch.no_grad():
                 t["ref_logps"] = b.reference(*args)
-        if b.needs_old or in_reward or b.teacher is not None:
+        if b.needs_old or in_reward or b.teacher is not None or offp:
             from swiftlite.rlhf.reference import root_module
             module, ctx = root_module(engine)
             with torch.no_grad():
                 old = token_logps(module, *args, o.temperature, ctx)[0]
             if b.needs_old:
                 t["old_logps"] = old
+            if offp:
+                offpolicy.append(offpolicy_metrics(old, rollout_of[key], t["completion_mask"]))
             if in_reward:   # ms-swift's per-completion KL: sum over its tokens of log p_policy - log p_ref
                 kl = ((old - t["ref_logps"]) * t["completion_mask"]).sum(-1)
                 kl_of.update(zip(key, kl.tolist()))
@@ -323,6 +331,8 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
         metrics["kl"] = float(kl.mean())
     if b.teacher is not None:   # ms-swift's teacher_kl: the k3 token mean (rlhf/teacher.py)
         metrics["teacher_kl"] = table[-2] / max(1.0, table[-1])
+    if offp:
+        metrics.update(merge([m for part in _gather_objects(offpolicy, world) for m in part]))
     for f, r in enumerate(b.rewards):
         metrics[f"rewards/{r.name}/mean"] = float(torch.nanmean(rpf[:, f]))
         metrics[f"rewards/{r.name}/std"] = float(nanstd(rpf[:, f]))
@@ -349,7 +359,8 @@ def _sample_round(engine: Any, b: GrpoBatches, rnd: int) -> list[tuple[torch.Ten
                                                             device=world.device)
         return b.vllm.generate_round(b.model, engine.root(), gathered, ids, seeds, offload=off, **kw)
     with gathered(engine.root()):            # the wrapper (FSDP1's root, the DeepSpeed engine) or the model
-        return [sample(b.model, p, s, autocast=engine.autocast(), **kw) for p, s in zip(ids, seeds)]
+        return [sample(b.model, p, s, autocast=engine.autocast(), logprobs=bool(o.log_rollout_offpolicy_metrics),
+                       **kw) for p, s in zip(ids, seeds)]
 
 
 def _completion_ids(micro: dict, c: int) -> list[int]:

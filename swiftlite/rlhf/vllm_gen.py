@@ -53,14 +53,31 @@ def engine_kwargs(o: Any, *, model_dir: str, dtype: str, rank: int, per_device: 
                 enable_prefix_caching=o.vllm_enable_prefix_caching, enforce_eager=o.vllm_enforce_eager,
                 enable_sleep_mode=o.sleep_level > 0,
                 seed=rank // tp, distributed_executor_backend="external_launcher", load_format="dummy",
-                skip_tokenizer_init=True)
+                skip_tokenizer_init=True,
+                # --log_rollout_offpolicy_metrics: the sampled tokens' log-probs after temperature, top-k
+                # and top-p (ms-swift's setting, vLLM >= 0.10.2), what the training side computes
+                **({"logprobs_mode": "processed_logprobs"} if getattr(o, "log_rollout_offpolicy_metrics", False)
+                   else {}))
 
 
 def sampling_params(SamplingParams: Any, seeds: list[int], *, temperature: float, top_p: float, top_k: int,
-                    max_tokens: int, eos_ids: list[int]) -> list[Any]:
-    """One SamplingParams per completion (n=1), its seed the completion's own."""
+                    max_tokens: int, eos_ids: list[int], logprobs: bool = False) -> list[Any]:
+    """One SamplingParams per completion (n=1), its seed the completion's own; `logprobs`: the sampled
+    token's log-probability with each token (vLLM's logprobs=0)."""
+    extra = {"logprobs": 0} if logprobs else {}
     return [SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                           stop_token_ids=list(eos_ids), seed=s, detokenize=False) for s in seeds]
+                           stop_token_ids=list(eos_ids), seed=s, detokenize=False, **extra) for s in seeds]
+
+
+def output_logprobs(out: Any, n: int) -> list[float]:
+    """The sampled tokens' log-probabilities of a vLLM RequestOutput (sampled with logprobs=0), one per
+    token of `output_token_ids` (n of them); nan where vLLM gave none (the stop token it leaves out)."""
+    c = out.outputs[0]
+    vals = [float("nan")] * n
+    for k, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs or [])):
+        if k < n and lp and tok in lp:
+            vals[k] = float(lp[tok].logprob)
+    return vals
 
 
 def output_token_ids(out: Any) -> list[int]:
@@ -282,8 +299,9 @@ class VllmGenerator:
         eos_ids = list(eos_id) if isinstance(eos_id, list) else [eos_id]
         prompts = [p for mb in micro_prompts for p in mb]
         seeds = [s for mb in micro_seeds for s in mb]
+        want_lp = bool(getattr(self.o, "log_rollout_offpolicy_metrics", False))
         params = sampling_params(SamplingParams, seeds, temperature=temperature, top_p=top_p, top_k=top_k,
-                                 max_tokens=max_new_tokens, eos_ids=eos_ids)
+                                 max_tokens=max_new_tokens, eos_ids=eos_ids, logprobs=want_lp)
         tp = self.o.vllm_tensor_parallel_size
         if tp > 1:                     # the group generates for all its processes; each keeps its share
             parts: list[Any] = [None] * tp
@@ -292,7 +310,7 @@ class VllmGenerator:
             all_prompts = [p for pr, _ in parts for p in pr]
             params = [q for _, sd in parts for q in sampling_params(
                 SamplingParams, sd, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new_tokens,
-                eos_ids=eos_ids)]
+                eos_ids=eos_ids, logprobs=want_lp)]
         else:
             all_prompts, mine = prompts, 0
         o = self.o
@@ -307,10 +325,16 @@ class VllmGenerator:
         comps = [output_token_ids(out) for out in outs]
         result, k = [], 0
         for mb in micro_prompts:
-            result.append(completion_layout(mb, comps[k:k + len(mb)], pad_id=pad_id, eos_ids=eos_ids, device=device))
+            layout = completion_layout(mb, comps[k:k + len(mb)], pad_id=pad_id, eos_ids=eos_ids, device=device)
+            if want_lp:   # [B, C] as the completion ids, nan past each completion's tokens
+                C = layout[2].shape[1]
+                lps = [output_logprobs(out, len(c))[:C] for out, c in zip(outs[k:k + len(mb)], comps[k:k + len(mb)])]
+                layout = (*layout, torch.tensor([v + [float("nan")] * (C - len(v)) for v in lps],
+                                                dtype=torch.float32, device=device))
+            result.append(layout)
             k += len(mb)
         return result
 
 
-__all__ = ["VllmGenerator", "completion_layout", "engine_kwargs", "output_token_ids", "policy_weights", "sampling_params",
+__all__ = ["VllmGenerator", "completion_layout", "engine_kwargs", "output_logprobs", "output_token_ids", "policy_weights", "sampling_params",
            "vllm_model_dir", "weight_batches"]
