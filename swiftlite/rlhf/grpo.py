@@ -165,11 +165,13 @@ class GrpoEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, *, model_only: bool = False) -> None:
+        """The engine's state (`model_only`, --save_only_model: its weights only), then the round, which
+        only a full checkpoint's resume reads."""
         from pathlib import Path
-        self._engine.save(path)
+        self._engine.save(path, model_only=model_only)
         cur = self._batches.current
-        if cur is not None:
+        if cur is not None and not model_only:
             torch.save({"index": cur.index, "micro": [(list(k), {n: t.cpu() for n, t in v.items()})
                                                       for k, v in cur.micro.items()],
                         "metrics": cur.metrics, "tokens": cur.tokens},

@@ -200,9 +200,9 @@ class RlhfEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, *, model_only: bool = False) -> None:
         from pathlib import Path
-        self._engine.save(path)
+        self._engine.save(path, model_only=model_only)
         if self._world.is_main:
             save_tables(str(Path(path) / REF_LOGPS_FILE), self._tables)
 

@@ -1,7 +1,8 @@
 """--log_rollout_offpolicy_metrics through the CLI (transformers' generate): in fp32 the log-probs
 recorded while sampling equal the training policy's on the same tokens (kl 0, ppl ratio 1: the record
 is read at the right tokens), and with --top_k they are the processed distribution's (vLLM's
-processed_logprobs), higher than the unfiltered training log-probs."""
+processed_logprobs), higher than the unfiltered training log-probs. And --save_only_model through the
+rlhf engines, which ms-swift's distillation scripts carry."""
 
 from __future__ import annotations
 
@@ -46,3 +47,26 @@ def test_top_k_samples_from_the_processed_distribution(data, tmp_path):
     # renormalised over 5 tokens: each sampled token's rollout log-prob is above its full-vocabulary one
     assert s["rollout_correction/log_ppl_diff_min"] > 0
     assert s["rollout_correction/rollout_ppl"] < s["rollout_correction/training_ppl"]
+
+
+def test_grpo_and_dpo_write_weights_only_checkpoints(data, tmp_path):
+    """--save_only_model through the rlhf engines (GRPO's round, DPO's precomputed reference table): the
+    checkpoint holds the weights and no optimizer state (ms-swift's opd_rl.sh and on_policy_distillation.sh
+    carry the flag)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    run_cli([*COMMON, "--dataset", data, "--output-dir", tmp_path / "g", "--save-only-model", "true",
+             "--save-steps", "2", "--steps-per-generation", "4", "--gradient-accumulation-steps", "1"])
+    ck = tmp_path / "g" / "checkpoint-2"
+    keys = set(FileSystemReader(str(ck / "dcp")).read_metadata().state_dict_metadata)
+    assert keys and all(k.startswith("model") for k in keys)
+    assert not list(ck.glob("grpo_round*"))        # mid-round state: a full checkpoint's only
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": "yes", "rejected": "no"}) + "\n"
+                             for i in range(8)))
+    run_cli(["rlhf", "--rlhf-type", "dpo", "--model", "tiny-llama-2l", "--torch-dtype", "fp32", "--dataset", pairs,
+             "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "1", "--max-steps", "2",
+             "--save-steps", "2", "--save-only-model",
+             "true", "--precompute-ref-log-probs", "true", "--parallelism", "single", "--save-hf-model", "false",
+             "--output-dir", tmp_path / "d"])
+    d = tmp_path / "d" / "checkpoint-2"
+    assert all(k.startswith("model") for k in FileSystemReader(str(d / "dcp")).read_metadata().state_dict_metadata)
