@@ -180,6 +180,12 @@ class GrpoEngine:
 
 def _load_round(ckpt: Any, world: Any, rnd: int) -> Round:
     f = ckpt / layout.round_file(world.rank)
+    state = ckpt / layout.TRAINER_STATE
+    if not f.is_file() and state.is_file() and json.loads(state.read_text()).get("save_only_model"):
+        raise UserError(f"{ckpt.name}: resuming inside GRPO generation round {rnd} needs that round's completions, "
+                        "which a --save_only_model checkpoint does not keep; resume a full checkpoint, or one saved "
+                        "at a round's start (--save-steps a multiple of the steps per round), or start a new run "
+                        "from its weights")
     if not f.is_file():
         raise UserError(f"{ckpt.name}: resuming inside GRPO generation round {rnd} needs {f.name}, which this "
                         "checkpoint lacks (saved with another number of processes?); resume with the world size "

@@ -60,6 +60,11 @@ def test_grpo_and_dpo_write_weights_only_checkpoints(data, tmp_path):
     keys = set(FileSystemReader(str(ck / "dcp")).read_metadata().state_dict_metadata)
     assert keys and all(k.startswith("model") for k in keys)
     assert not list(ck.glob("grpo_round*"))        # mid-round state: a full checkpoint's only
+    again = run_cli([*COMMON, "--dataset", data, "--output-dir", tmp_path / "g", "--save-only-model", "true",
+                     "--save-steps", "2", "--steps-per-generation", "4", "--gradient-accumulation-steps", "1",
+                     "--max-steps", "4", "--resume", "true"], check=False)
+    assert again.returncode == 2 and "needs that round's completions, which a --save_only_model checkpoint does " \
+        "not keep" in again.stderr
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": "yes", "rejected": "no"}) + "\n"
                              for i in range(8)))
