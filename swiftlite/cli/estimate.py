@@ -44,7 +44,11 @@ def estimate_cmd(
     dtype: str = typer.Option("bf16", "--torch-dtype", "--torch_dtype", "--dtype", help="bf16, fp16 or fp32."),
     lora_rank: int = typer.Option(8, "--lora-rank", "--lora_rank", help="LoRA rank (all-linear targets)."),
     quant_bits: Optional[int] = typer.Option(None, "--quant-bits", "--quant_bits",
-                                             help="4 or 8: quantized base for LoRA (--qlora implies 4)."),
+                                             help="Quantized base for LoRA: 4 or 8 (bitsandbytes; --qlora implies "
+                                                  "4), or 1, 2, 3, 4, 8 with --quant-method hqq."),
+    quant_method: str = typer.Option("bnb", "--quant-method", "--quant_method",
+                                     help="Who quantizes the base: bnb (bitsandbytes) or hqq (packed bits plus a "
+                                          "scale and zero point per 64 weights; single, ddp and ZeRO-1/2 only)."),
     loss_impl: str = typer.Option("chunked", "--loss-impl", "--loss_impl",
                                   help="chunked (the default: no full logits), plain, liger or cce."),
     pure_bf16: bool = typer.Option(False, "--pure-bf16", "--pure_bf16",
@@ -66,6 +70,9 @@ def estimate_cmd(
                                               help="GRPO: tokens generated per completion (ms-swift's default 512)."),
     beta: float = typer.Option(0.04, "--beta", help="GRPO: the KL weight; 0: no reference copy (ms-swift's "
                                                    "default 0.04)."),
+    teacher_model: Optional[str] = typer.Option(None, "--teacher-model", "--teacher_model",
+                                                help="GRPO: a frozen teacher (preset or local folder) whose weights "
+                                                     "are counted with the reference copy (on-policy distillation)."),
     precompute_ref_log_probs: bool = typer.Option(False, "--precompute-ref-log-probs", "--precompute_ref_log_probs",
                                                   help="DPO with precomputed reference log-probs: no copy."),
     sharded_loading: bool = typer.Option(True, "--sharded-loading/--no-sharded-loading",
@@ -93,7 +100,7 @@ def estimate_cmd(
                             hsdp_shard_size=hsdp_shard_size, rlhf_type=rlhf_type,
                             precompute_ref_log_probs=precompute_ref_log_probs, parallelism=parallelism,
                             sharded_loading=sharded_loading, max_completion_length=max_completion_length,
-                            beta=beta)
+                            beta=beta, quant_method=quant_method, teacher_model=teacher_model)
     if as_json:
         print(to_json(decision))
     else:

@@ -28,7 +28,8 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
                  quant_bits: int | None = None, cpu_memory: str | None = None, loss_impl: str = "chunked",
                  pure_bf16: bool = False, hsdp_shard_size: int | None = None, rlhf_type: str | None = None,
                  precompute_ref_log_probs: bool = False, parallelism: str | None = None,
-                 sharded_loading: bool = True, max_completion_length: int = 512, beta: float = 0.04) -> Decision:
+                 sharded_loading: bool = True, max_completion_length: int = 512, beta: float = 0.04,
+                 quant_method: str = "bnb", teacher_model: str | None = None) -> Decision:
     """Estimate every backend for `model` on `nodes` x `gpus` GPUs and recommend one; with
     `parallelism` (a backend name or a DeepSpeed .json file), estimate that one and say whether it
     fits (recommend.assess).
@@ -38,8 +39,16 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     `hsdp_shard_size` None: the hsdp row shards over one node's GPUs. Bad values raise a UserError
     naming the flag. GRPO (`rlhf_type` "grpo"): `micro_batch` counts completions, `max_length` is the
     prompt's, and the generation round (KV cache of prompt + `max_completion_length` tokens, the
-    weights the backend gathers) is counted; `beta` 0 means no reference copy.
+    weights the backend gathers) is counted; `beta` 0 means no reference copy; `teacher_model` (GRPO's
+    on-policy distillation) adds the teacher's weights to the reference. `quant_method` hqq counts HQQ's
+    packed bits (`quant_bits` 1, 2, 3, 4 or 8; the sharding backends, which cannot hold it, are n/a).
     """
+    if quant_method not in ("bnb", "hqq"):
+        raise UserError(f"--quant-method {quant_method!r}: choose bnb or hqq")
+    if quant_method == "hqq" and quant_bits is None:
+        raise UserError("--quant-method hqq needs --quant-bits (1, 2, 3, 4 or 8)")
+    if teacher_model is not None and rlhf_type != "grpo":
+        raise UserError("--teacher-model needs --rlhf-type grpo (on-policy distillation)")
     if hsdp_shard_size is not None and (not isinstance(hsdp_shard_size, int) or hsdp_shard_size <= 0
                                         or (gpus * nodes) % hsdp_shard_size):
         raise UserError(f"--hsdp-shard-size {hsdp_shard_size}: it must divide the {gpus * nodes} GPUs")
@@ -67,7 +76,8 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
         world_size=gpus * nodes, gpus_per_node=gpus, gpu_memory_bytes=parse_size(gpu_memory, "--gpu-memory"),
         cpu_memory_bytes=parse_size(cpu_memory, "--cpu-memory") if cpu_memory is not None else None,
         loss_impl=loss_impl, pure_bf16=pure_bf16, hsdp_shard_size=hsdp_shard_size,
-        generation_length=generation_length)
+        generation_length=generation_length, quant_method=quant_method,
+        teacher_params=resolve_model(teacher_model).shape().n_params if teacher_model else 0)
     shape = workload.trained_shape(shape)   # llamapro: with its inserted layers (ms-swift's default 4)
     if parallelism not in (None, "auto"):
         return assess(shape, workload, parallelism)
