@@ -212,6 +212,9 @@ def _quant_offload(c: RunConfig):
         return ("--cpu-offload with a bitsandbytes-quantized base (--qlora/--quant-bits) is not supported: FSDP "
                 "offload moves parameters only, and each quantized layer's quantization state (absmax, codebook) "
                 "would stay on the CPU; drop --cpu-offload (the 4-bit base is already a quarter of the size)")
+    if c.parallel.compile and c.quant_method == "hqq":
+        return ("--compile with an HQQ-quantized base is not available: hqq's layers dequantize in Python on "
+                "every call, which swiftlite has not compiled or measured; drop --compile with --quant-method hqq")
     if c.parallel.compile:
         return ("--compile with a bitsandbytes-quantized base: dynamo recompiles every decoder layer around the "
                 "4/8-bit matmuls until its recompile limit, then runs them eagerly (minutes of compiling, no "

@@ -100,6 +100,8 @@ def test_lora_wraps_every_hqq_layer_and_trains_only_the_adapter():
     (("--quant_method", "hqq", "--quant_bits", "4", "--hqq_axis", "2"), "--hqq-axis must be 0 or 1"),
     (("--quant_method", "hqq", "--quant_bits", "4", "--bnb_4bit_quant_type", "fp4"),
      "--bnb-4bit-quant-type is a bitsandbytes option; this run's base is quantized with HQQ"),
+    (("--quant_method", "hqq", "--quant_bits", "4", "--compile", "true"),
+     "--compile with an HQQ-quantized base is not available"),
 ])
 def test_rules(argv, words):
     with pytest.raises(UserError, match=words.replace("(", r"\(").replace(")", r"\)")):
