@@ -74,3 +74,24 @@ def test_mu_zero_is_plain_grpo_and_phi_shrinks_the_expert_loss(files, tmp_path):
     _, full = _grpo(files, tmp_path / "half", *_chord(files, "0.5"), "--parallelism", "single")
     _, phi = _grpo(files, tmp_path / "phi", *_chord(files, "0.5", "true"), "--parallelism", "single")
     assert 0 < phi[0]["chord_sft_loss"] < 0.25 * full[0]["chord_sft_loss"]   # p (1 - p) <= 1/4
+
+
+def test_resume_continues_the_same_losses_with_a_teacher_and_chord(files, tmp_path):
+    """A run stopped after checkpoint-2 and resumed gives the uninterrupted run's steps 3 and 4 bit for
+    bit: the expert batches are a function of the step, the teacher is frozen, the round state is saved."""
+    args = ["rlhf", *COMMON, *GRPO, "--dataset", files / "prompts.jsonl", "--per-device-train-batch-size", "2",
+            "--parallelism", "single", "--teacher-model", "tiny-llama", "--save-steps", "2",
+            "--lr-scheduler", "constant", "--num-iterations", "2",
+            "--chord-sft-dataset", files / "expert.jsonl", "--chord-sft-per-device-train-batch-size", "1",
+            "--chord-mu-warmup-steps", "1", "--chord-mu-decay-steps", "2", "--chord-mu-peak", "0.8",
+            "--chord-mu-valley", "0.1"]
+    run_cli([*args, "--max-steps", "4", "--output-dir", tmp_path / "whole"])
+    run_cli([*args, "--max-steps", "2", "--output-dir", tmp_path / "cut"])
+    proc = run_cli([*args, "--max-steps", "4", "--resume", "true", "--output-dir", tmp_path / "cut"])
+    assert "resuming from checkpoint-2" in proc.stdout
+    whole = _steps(tmp_path / "whole")
+    cut = {s["step"]: s for s in _steps(tmp_path / "cut")}
+    assert [s["chord_mu"] for s in whole] == pytest.approx([0.0, 0.8, 0.45, 0.1])
+    for s in whole:
+        for k in ("loss", "grad_norm", "teacher_kl", "chord_sft_loss"):
+            assert cut[s["step"]][k] == s[k], (s["step"], k)
