@@ -79,8 +79,12 @@ class FakeLLM:
             stopped = n < sp.max_tokens or rng.random() < 0.5
             if stopped:
                 ids[-1] = sp.stop_token_ids[0]
+            # with logprobs=0: the sampled token's log-prob with each token (vLLM leaves the stop token out)
+            lps = ([{t: SimpleNamespace(logprob=-0.1 * (k + 1))} for k, t in enumerate(ids[:-1] if stopped else ids)]
+                   if getattr(sp, "logprobs", None) == 0 else None)
             outs.append(SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], outputs=[SimpleNamespace(
-                token_ids=ids, finish_reason="stop" if stopped else "length",
+                token_ids=ids[:-1] if stopped and lps is not None else ids,
+                finish_reason="stop" if stopped else "length", logprobs=lps,
                 stop_reason=sp.stop_token_ids[0] if stopped else None)]))
         return outs
 
@@ -110,7 +114,7 @@ def _options(**kw):
              vllm_max_num_seqs=None, vllm_enable_prefix_caching=True, vllm_enforce_eager=True, vllm_enable_lora=False, sleep_level=0,
              move_model_batches=None, offload_model=False, offload_optimizer=False, max_completion_length=6,
              temperature=0.7, top_p=0.9, top_k=5, reward_weights=None, scale_rewards=None, log_completions=False,
-             advantage_estimator="grpo", kl_in_reward=None, overlong_filter=False)
+             advantage_estimator="grpo", kl_in_reward=None, overlong_filter=False, log_rollout_offpolicy_metrics=False)
     o.update(kw)
     return SimpleNamespace(**o)
 
@@ -249,6 +253,39 @@ def test_sleep_level_and_offload_order(fake_vllm, monkeypatch):
         sum(1 for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
     assert state["moved"] == ["cpu"] * n_tensors                     # all in CPU memory while vLLM generates
     assert moved == ["cpu"] * n_tensors + ["cpu"] * n_tensors        # and back to the device (cpu here) after
+
+
+def test_offpolicy_metrics_read_vllms_log_probs(fake_vllm):
+    """--log_rollout_offpolicy_metrics on the colocated path: the engine is asked for processed log-probs,
+    each completion token gets vLLM's (the stop token, which vLLM leaves out, none), and the round's
+    rollout_correction/* come from them."""
+    from swiftlite.rlhf import grpo
+    model = _model(1)
+    gen = vllm_gen.VllmGenerator(_options(log_rollout_offpolicy_metrics=True), dtype="float32", world=WORLD,
+                                 per_device=2, steps_per_generation=2)
+    b = _grpo_batches(model, gen)
+    b.options = _options(log_rollout_offpolicy_metrics=True)
+    out = grpo.grpo_step(_Engine(model), b, 0)
+    llm = FakeLLM.built[0]
+    assert llm.kw["logprobs_mode"] == "processed_logprobs" and all(sp.logprobs == 0 for sp in llm.requests[1])
+    lps = [s for mb in vllm_gen_rounds(b) for s in mb]
+    # per completion: the mean of -0.1 x (k + 1) over its tokens with a log-prob
+    expect = sum(-sum(v) / max(1, len(v)) for v in lps) / len(lps)   # none (a stop token alone): 0
+    assert out.metrics["rollout_correction/rollout_log_ppl"] == pytest.approx(expect, rel=1e-6)
+    assert out.metrics["rollout_correction/training_log_ppl"] > 0
+
+
+def vllm_gen_rounds(b):
+    """The known rollout log-probs of each micro-batch's completions, as FakeLLM gives them."""
+    out = []
+    for t in b.current.micro.values():
+        rows = []
+        for j in range(t["completion_ids"].shape[0]):
+            n = int(t["completion_mask"][j].sum())
+            last_is_stop = int(t["completion_ids"][j, n - 1]) == EOS
+            rows.append([-0.1 * (k + 1) for k in range(n - 1 if last_is_stop else n)])
+        out.append(rows)
+    return out
 
 
 def _grpo_batches(model, vllm):
