@@ -83,6 +83,12 @@ def run_facts(cfg: "RunConfig", train_data: Any, global_batch: int) -> dict[str,
                 "full": LISA_KEYS}.get(cfg.train.train_type, ()):
         if flat[key] != specs[key].default:
             shape[key] = flat[key]
+    # GRPO's teacher and CHORD's expert rows and schedule shape every step's loss: recorded only when given
+    from swiftlite.config.chord_options import CHORD_KEYS
+    if cfg.rlhf.chord_sft_dataset:
+        shape.update({k: flat[k] for k in CHORD_KEYS})
+    if cfg.rlhf.teacher_model:
+        shape.update(teacher_model=cfg.rlhf.teacher_model, teacher_kl_coef=cfg.rlhf.teacher_kl_coef)
     return {"data": {"rows": len(train_data.rows), "tokens": tokens, "sha256": h.hexdigest()[:32]},
             "shape": shape}
 

@@ -88,3 +88,20 @@ def test_rules():
         _cfg(*CHORD[:-3], "1.5", *CHORD[-2:])
     with pytest.raises(UserError, match=r"--chord-mu-peak applies to CHORD \(--chord-sft-dataset\)"):
         _cfg("--chord_mu_peak", "0.5")
+
+
+def test_the_run_facts_record_chord_and_the_teacher():
+    """A resume with another expert dataset, schedule or teacher is another run (checkpoint/state.run_facts)."""
+    from types import SimpleNamespace
+
+    from swiftlite.checkpoint.state import compare_run_facts, run_facts
+    data = SimpleNamespace(rows=[{"input_ids": [1, 2], "labels": [-100, 2]}])
+    a = run_facts(_cfg(*CHORD, "--max_length", "64"), data, 4)
+    b = run_facts(_cfg(*CHORD[:-1], "0.1", "--max_length", "64"), data, 4)
+    assert compare_run_facts(a, b) == ["shape.chord_mu_valley (0.05 -> 0.1)"]
+    plain = run_facts(_cfg("--max_length", "64"), data, 4)
+    assert "chord_sft_dataset" not in plain["shape"] and "teacher_model" not in plain["shape"]
+    config_file, values = parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl", "--rlhf_type", "grpo",
+                                          "--teacher_model", "tiny-llama", "--num_generations", "1"])
+    t = run_facts(load_config(config_file, values, task="rlhf", validate_paths=False), data, 4)
+    assert t["shape"]["teacher_model"] == "tiny-llama" and t["shape"]["teacher_kl_coef"] == 1.0
