@@ -45,6 +45,14 @@ Rollout servers (`swift rollout`, the generation server of GRPO's `--vllm_mode s
   (their training commands as written); such results say
   `rollout: transformers` (the json's `rollout` field, the table's error column).
 
+--cpu-stand-ins checks what the `gpu` class claims, that only the GPU stands between a script and a run: each
+training command's GPU-only flags are swapped for what runs on a CPU, and the result says which
+(`stand-ins: ...`, the json's `stand_ins` field): `--attn_impl flash_*` becomes sdpa, `--use_liger_kernel
+true` is dropped (the exact chunked loss), and a colocated vLLM engine (`--use_vllm true`, not server mode)
+becomes transformers' generate (`--use_vllm`, `--vllm_mode` and the colocated engine's options dropped:
+every `--vllm_*`, `--sleep_level`, `--offload_model`, `--offload_optimizer`, `--move_model_batches`).
+With --rollout-backend transformers too, a script whose class is `gpu` without them should run.
+
 Each command runs first with --dry-run, then for real (in a fresh folder whose `examples/` is the mirror's, so
 relative paths in a script resolve as they do in ms-swift's repository root; the nodes of a multi-node pair
 run at once, whether two scripts or consecutive commands of one script, each its NODE_RANK). Scripts run one
@@ -64,7 +72,7 @@ command (infer, deploy, sample, app, a rollout server alone), ms-swift's Python 
 (classification, embedding, reranker, GKD, PPO, ...).
 
     python scripts/msswift_examples.py [--only SUBSTR ...] [--json out.json] [--timeout 600]
-        [--rollout-backend {vllm,transformers}] [--rollout-wait 120] [--list]
+        [--rollout-backend {vllm,transformers}] [--cpu-stand-ins] [--rollout-wait 120] [--list]
 """
 
 from __future__ import annotations
@@ -546,6 +554,32 @@ def training_argv(argv: list[str], ports: dict[str, int]) -> list[str]:
     return set_opt(argv, "vllm_server_port", [port(w) for w in written])
 
 
+#: --cpu-stand-ins (module docstring)
+STAND_INS = {"on": False}
+#: the colocated vLLM engine's options, dropped with --use_vllm by a stand-in
+COLOCATED = ("sleep_level", "offload_model", "offload_optimizer", "move_model_batches")
+
+
+def cpu_stand_ins(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv with its GPU-only flags swapped for CPU ones, what was swapped), as --cpu-stand-ins says."""
+    subs = []
+    attn = opt_values(argv, "attn_impl")
+    if attn and attn[0].startswith("flash"):
+        argv = set_opt(argv, "attn_impl", ["sdpa"])
+        subs.append(f"attn_impl {attn[0]} -> sdpa")
+    liger = opt_values(argv, "use_liger_kernel")
+    if liger is not None and (not liger or liger[0].lower() == "true"):
+        argv = drop_opt(argv, "use_liger_kernel")
+        subs.append("no liger")
+    vllm = opt_values(argv, "use_vllm")
+    if vllm and vllm[0].lower() == "true" and (opt_values(argv, "vllm_mode") or ["colocate"])[0] != "server":
+        names = {a[2:] for a in argv if a.startswith("--vllm_")} | {"use_vllm", *COLOCATED}
+        for n in sorted(names):
+            argv = drop_opt(argv, n)
+        subs.append("generate, not colocated vLLM")
+    return argv, subs
+
+
 Step = tuple[dict, list[str], str]   # (env, swiftlite argv, subcommand)
 
 
@@ -556,6 +590,7 @@ class Plan:
     servers: list[tuple[dict, list[str]]]   # (env, argv of `swiftlite rollout`)
     steps: list[list[Step]]                 # the commands of a step run at once (the nodes of a pair)
     rollout: str = ""                       # the servers' backend; "" when the script has none
+    stand_ins: list[str] = field(default_factory=list)   # --cpu-stand-ins: what was swapped
 
 
 def make_plan(path: str, cmds: list[Command], models: dict[str, Path], files: dict[str, Path], ckpt: Path | None,
@@ -566,14 +601,17 @@ def make_plan(path: str, cmds: list[Command], models: dict[str, Path], files: di
     for c in rollouts:
         env, argv = translate(c, models, files, None, port)
         servers.append((env, rollout_argv(argv, ports, backend)))
-    steps = []
+    steps, stand_ins = [], []
     for step in node_steps([c for c in cmds if c.sub != ROLLOUT]):
         steps.append([])
         for c in step:
             env, argv = translate(c, models, files, ckpt, port)
+            if STAND_INS["on"] and c.sub != "export":
+                argv, subs = cpu_stand_ins(argv)
+                stand_ins += [x for x in subs if x not in stand_ins]
             steps[-1].append((env, training_argv(argv, ports) if rollouts and c.server_mode() else argv, c.sub))
     written = next((v for c in rollouts for v in c.opt("infer_backend") or []), "vllm")
-    return Plan(path, servers, steps, (backend or written) if rollouts else "")
+    return Plan(path, servers, steps, (backend or written) if rollouts else "", stand_ins)
 
 
 # ---------------------------------------------------------------- running
@@ -590,6 +628,7 @@ class Result:
     commands: list[list[str]] = field(default_factory=list)
     seconds: float = 0.0
     rollout: str = ""      # the rollout servers' backend (vllm | transformers); "" without a server
+    stand_ins: list[str] = field(default_factory=list)   # --cpu-stand-ins: the GPU-only flags swapped
 
 
 def base_env() -> dict[str, str]:
@@ -705,7 +744,7 @@ def start_servers(plans: list[Plan], cwds: dict[str, Path], results: dict[str, R
 def run_group(plans: list[Plan], work: Path, timeout: float, ready_s: float = 120) -> list[Result]:
     """Run the scripts of a group (one script, or the nodes of a multi-node pair at once): their rollout servers
     first, then command by command (a step's commands at once), then the servers stopped."""
-    results = {p.script: Result(p.script, "runs", rollout=p.rollout) for p in plans}
+    results = {p.script: Result(p.script, "runs", rollout=p.rollout, stand_ins=p.stand_ins) for p in plans}
     cwds = {}
     for p in plans:
         cwd = work / "runs" / p.script.replace("/", "__")
@@ -750,8 +789,10 @@ def run_group(plans: list[Plan], work: Path, timeout: float, ready_s: float = 12
 
 
 def note(r: Result) -> str:
-    """The table's mark of a result whose rollout servers did not run as the script wrote them (vLLM)."""
-    return f"[rollout: {r.rollout}] " if r.rollout not in ("", "vllm") else ""
+    """The table's mark of a result whose rollout servers did not run as the script wrote them (vLLM), or
+    whose GPU-only flags were swapped (--cpu-stand-ins)."""
+    mark = f"[rollout: {r.rollout}] " if r.rollout not in ("", "vllm") else ""
+    return mark + (f"[stand-ins: {', '.join(r.stand_ins)}] " if r.stand_ins else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -765,10 +806,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rollout-backend", choices=("vllm", "transformers"), default=None,
                     help="--infer_backend for every `swift rollout` server (default: as the script writes it)")
     ap.add_argument("--max-nproc", type=int, default=2, help="cap of NPROC_PER_NODE (default 2)")
+    ap.add_argument("--cpu-stand-ins", action="store_true",
+                    help="swap the training commands' GPU-only flags for CPU ones (module docstring)")
     ap.add_argument("--rollout-wait", type=float, default=120,
                     help="seconds for a rollout server's /health/ to answer")
     args = ap.parse_args(argv)
     NPROC_CAP["n"] = args.max_nproc
+    STAND_INS["on"] = args.cpu_stand_ins
     work = args.work or Path(tempfile.mkdtemp(prefix="msswift-examples-"))
     work.mkdir(parents=True, exist_ok=True)
     # The platform variables a DLC script reads ($WORLD_SIZE, $RANK as the node count and rank): one node here.

@@ -185,3 +185,15 @@ NNODES=2 NODE_RANK=1 MASTER_ADDR=<node3_ip> MASTER_PORT=29500 swift rlhf --rlhf_
         assert mx.opt_values(argv, "dataset") == ["/d/grpo.jsonl#1000"]
     assert mx.make_plan("examples/x.sh", [c for c in cmds if c.sub != "rollout"], models, files, None, 1,
                         "transformers").rollout == ""
+
+
+def test_cpu_stand_ins_swap_only_the_gpu_only_flags(mx):
+    argv = ["--model", "m", "--attn_impl", "flash_attn", "--use_liger_kernel", "true", "--use_vllm", "true",
+            "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.4", "--sleep_level", "1",
+            "--offload_model", "true", "--offload_optimizer", "true", "--beta", "0.0", "--max_steps", "2"]
+    out, subs = mx.cpu_stand_ins(argv)
+    assert out == ["--model", "m", "--attn_impl", "sdpa", "--beta", "0.0", "--max_steps", "2"]
+    assert subs == ["attn_impl flash_attn -> sdpa", "no liger", "generate, not colocated vLLM"]
+    server = ["--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--attn_impl", "sdpa"]
+    assert mx.cpu_stand_ins(server) == (server, [])                  # a rollout server runs on CPU already
+    assert mx.cpu_stand_ins(["--use_liger_kernel", "false"]) == (["--use_liger_kernel", "false"], [])
