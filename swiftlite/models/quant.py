@@ -41,10 +41,14 @@ def bnb_config(cfg: "RunConfig") -> Any:
 
 
 def quiet_bnb_import() -> None:
-    """bitsandbytes warns at import on AVX512-BF16 CPUs that the optional `kernels` package is missing
-    (it falls back to its own CPU kernels): noise on every rank of every run, so silence that logger."""
+    """bitsandbytes, at import on AVX512-BF16 CPUs, asks the `kernels` package (a dependency of
+    transformers since 5.25) for a hub-built 4-bit CPU kernel and falls back to its own when it cannot
+    have one. Both sides log about it on every rank of every run: bitsandbytes that the kernel is missing,
+    `kernels` that it skips its publisher check offline. Neither changes what trains, so both loggers
+    are silenced below ERROR."""
     import logging
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    logging.getLogger("kernels").setLevel(logging.ERROR)
 
 
 @contextlib.contextmanager
