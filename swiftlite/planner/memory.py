@@ -38,6 +38,7 @@ No torch at import time (the CLI imports this).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -140,6 +141,8 @@ class Workload:
     teacher_partitioned: bool = False    # --teacher_deepspeed of stage 3: the teacher sharded over all ranks
     generation_length: int = 0           # GRPO: prompt + completion tokens a generated sequence reaches
                                          # (0: no generation); micro_batch sequences are generated at once
+    side_batch: tuple[int, int] = (0, 0)  # another forward/backward of its own in each step, as (sequences,
+                                          # tokens each): GRPO CHORD's expert SFT micro-batch; (0, 0): none
 
     def __post_init__(self) -> None:
         if dtypes.normalize(self.dtype) in dtypes.NAMES:
@@ -479,6 +482,12 @@ def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> M
     states, cpu = _offload(model_state_bytes(shape, w, rec), w, family)
     cpu += host_step_transient_bytes(shape, w, family)
     acts = activation_bytes(shape, w, autocast=autocast(w, family))
+    if w.side_batch[0]:
+        # a separate backward (CHORD's expert micro-batch, rlhf/grpo_step.py) frees the policy's
+        # activations before it runs: the larger of the two is the peak
+        side = dataclasses.replace(w, micro_batch=w.side_batch[0], max_length=w.side_batch[1],
+                                   tokens_per_micro_batch=None, side_batch=(0, 0))
+        acts = max(acts, activation_bytes(shape, side, autocast=autocast(w, family)))
     temp = temp_buffer_bytes(shape, w, rec)
     ref = reference_bytes(shape, w, rec)
     step = step_transient_bytes(shape, w, family)

@@ -223,6 +223,9 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         reference="copy" if copy else "none", generation_length=seq_len if grpo and seq_len else 0,
         teacher_params=_teacher_params(cfg) if grpo else 0,
         teacher_partitioned=grpo and (r.teacher_deepspeed or "").startswith("zero3"),
+        # CHORD's expert rows: sft rows of at most --max_length, a micro-batch of their own per step
+        side_batch=((r.chord_sft_per_device_train_batch_size or 0, cfg.data.max_length or 0)
+                    if grpo and r.chord_sft_dataset and cfg.data.max_length else (0, 0)),
         gradient_checkpointing=cfg.train.gradient_checkpointing, world_size=world_size,
         gpus_per_node=gpus_per_node or cfg.parallel.nproc_per_node or world_size,
         gpu_memory_bytes=gpu_memory_bytes, fsdp2_available=_has_fsdp2(),

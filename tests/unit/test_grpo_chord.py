@@ -105,3 +105,25 @@ def test_the_run_facts_record_chord_and_the_teacher():
                                           "--teacher_model", "tiny-llama", "--num_generations", "1"])
     t = run_facts(load_config(config_file, values, task="rlhf", validate_paths=False), data, 4)
     assert t["shape"]["teacher_model"] == "tiny-llama" and t["shape"]["teacher_kl_coef"] == 1.0
+
+
+def test_the_planner_counts_the_expert_micro_batch_when_it_is_the_larger():
+    """CHORD's expert rows run a forward/backward of their own after the policy's (rlhf/grpo_step.py):
+    the activation peak is the larger micro-batch's; a small expert batch changes nothing."""
+    from swiftlite.planner.memory import activation_bytes, estimate
+    from swiftlite.planner.recommend import workload_from_config
+    from swiftlite.planner.shape import shape_from_model_arg
+    shape = shape_from_model_arg("qwen2.5-0.5b")
+    kw = ("--max_length", "512", "--max_completion_length", "64", "--per_device_train_batch_size", "1")
+    plain = workload_from_config(_cfg(*kw), 1, 80 * 2**30)
+    small = workload_from_config(_cfg(*kw, *CHORD), 1, 80 * 2**30)
+    big_cfg = list(CHORD)
+    big_cfg[big_cfg.index("--chord_sft_per_device_train_batch_size") + 1] = "8"
+    big = workload_from_config(_cfg(*kw, *big_cfg), 1, 80 * 2**30)
+    assert plain.side_batch == (0, 0) and small.side_batch == (1, 512) and big.side_batch == (8, 512)
+    assert estimate(shape, small, "ddp").peak == estimate(shape, plain, "ddp").peak
+    import dataclasses
+    expert = activation_bytes(shape, dataclasses.replace(plain, micro_batch=8, max_length=512))
+    assert expert > activation_bytes(shape, plain)
+    assert estimate(shape, big, "ddp").peak - estimate(shape, plain, "ddp").peak == \
+        expert - activation_bytes(shape, plain)
