@@ -115,12 +115,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float, *, lr: float | Non
 WHOLE_MATRIX = {
     "adafactor": "it factors each matrix's second moment into row and column means",
     "muon": "it orthogonalises each matrix's update (Newton-Schulz iterations)",
+    "muonclip": "it orthogonalises each matrix's update (Newton-Schulz iterations)",
 }
 
 
 def optim_name(cfg: "RunConfig") -> str:
-    """The optimizer the run trains with: ms-swift's --optimizer plugin muon wins over --optim; its
-    galore plugin is GaLore around --optim (galore.build)."""
+    """The optimizer the run trains with: ms-swift's --optimizer plugins muon and muonclip win over
+    --optim; its galore plugin is GaLore around --optim (galore.build)."""
     plugin = cfg.optim.optimizer
     return plugin if plugin and plugin != "galore" else cfg.optim.optim
 
@@ -134,9 +135,13 @@ def optim_problem(cfg: "RunConfig", choice: "object | None" = None) -> str | Non
                 f"--parallelism {choice.name} gives each rank a slice (an FSDP shard or a ZeRO flat partition); "
                 "use --parallelism single or ddp")
     if name in WHOLE_MATRIX and choice is not None and any(choice.record.shards):
-        return (f"--optim {name}: {WHOLE_MATRIX[name]}, and --parallelism {choice.name} gives each rank a slice "
+        flag = "--optimizer" if cfg.optim.optimizer == name else "--optim"
+        return (f"{flag} {name}: {WHOLE_MATRIX[name]}, and --parallelism {choice.name} gives each rank a slice "
                 "(an FSDP shard or a ZeRO flat partition); use --parallelism ddp/single, or an elementwise "
                 "optimizer (adamw_torch_fused, adamw_torch, sgd, adagrad, rmsprop), which runs on every backend")
+    if name == "muonclip" and cfg.is_lora and cfg.lora.lorap_lr_ratio is not None:
+        return ("--lorap_lr_ratio with --optimizer muonclip: MuonClip's parameter groups are ms-swift's (query/key "
+                "matrices, other matrices, the rest) at one learning rate; drop one")
     if name == "muon":
         import torch
         if not hasattr(torch.optim, "Muon"):
@@ -190,6 +195,9 @@ def build_optimizer(model: torch.nn.Module, cfg: "RunConfig") -> torch.optim.Opt
     if uses_galore(cfg):
         from swiftlite import galore
         return galore.build(model, cfg, name, param_groups(model, o.weight_decay))
+    if name == "muonclip":
+        from swiftlite import muonclip
+        return muonclip.build(model, cfg)
     ratio = cfg.lora.lorap_lr_ratio if cfg.is_lora else None
     lr = cfg.learning_rate
     groups = param_groups(model, o.weight_decay, lr=lr, lorap_lr_ratio=ratio)

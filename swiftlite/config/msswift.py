@@ -96,9 +96,8 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
         ("ppo", "PPO is not available"),
         ("gkd", "GKD is not available; on-policy distillation is --rlhf_type grpo --teacher_model M (docs/rlhf.md)"))},
     ("optimizer", "lorap"): "give --lorap_lr_ratio (ms-swift picks its lorap optimizer from it; so does swiftlite)",
-    **{("optimizer", o): "not available (MuonClip, per-module learning rates of multimodal models); --optim takes "
-                         "adamw_torch_fused, adamw_torch, sgd, adagrad, rmsprop, adafactor, muon"
-       for o in ("muonclip", "multimodal")},
+    ("optimizer", "multimodal"): "not available (per-module learning rates of multimodal models); --optim takes "
+                                 "adamw_torch_fused, adamw_torch, sgd, adagrad, rmsprop, adafactor, muon",
     **{("optim", o): _OPTIM for o in (
         "adamw_torch_xla", "adamw_torch_npu_fused", "adamw_anyprecision", "adamw_torch_4bit", "adamw_torch_8bit",
         "ademamix", "adamw_bnb_8bit", "adamw_8bit", "ademamix_8bit", "lion_8bit", "lion_32bit", "paged_adamw_32bit",

@@ -118,8 +118,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("use --num-train-epochs (or --max-steps)", ("max_epochs",)),
     ("training never generates, so nothing is gathered for generation: drop the flag",
      ("ds3_gather_for_generation",)),
-    ("ms-swift's optimizer plugins are not loaded: the optimizer is torch AdamW (--adam-beta1, --adam-beta2, "
-     "--adam-epsilon, --weight-decay; see --optim)", ("optim_args", "optim_target_modules")),
+    ("HF's per-optimizer target modules are not read: GaLore's are --galore_target_modules (--use_galore); the "
+     "other optimizers update every trainable parameter (see --optim)", ("optim_target_modules",)),
     ("embedding training (Matryoshka dims) is not available: swiftlite trains causal LMs; drop the flag", ("mrl_dims",)),
     (_EVAL_GEN, ("eval_metric", "eval_use_evalscope", "eval_dataset", "eval_dataset_args", "eval_limit",
                  "eval_generation_config", "extra_eval_args", "predict_with_generate", "generation_max_length",

@@ -18,6 +18,7 @@ from swiftlite.config.tasks import task_spec
 from swiftlite.config.tuner_options import moves_base
 from swiftlite.config.rules_vllm import vllm_problem
 from swiftlite.config.chord_options import CHORD_KEYS, chord_problem
+from swiftlite.config.muonclip_options import muonclip_args
 from swiftlite.config.rules_teacher import teacher_problem
 from swiftlite.config.teacher_options import TEACHER_KEYS
 from swiftlite.config.vllm_options import VLLM_KEYS
@@ -117,6 +118,14 @@ def _optim(c: RunConfig):
     for k in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(o, k) < 1:
             return f"--{k.replace('_', '-')} must be in [0, 1), got {getattr(o, k)}"
+    if o.optim_args is not None and o.optimizer != "muonclip":
+        return (f"--optim_args {o.optim_args!r}: only --optimizer muonclip reads it; the other optimizers take "
+                "--adam-beta1, --adam-beta2, --adam-epsilon and --weight-decay")
+    if o.optimizer == "muonclip":
+        try:
+            muonclip_args(o.optim_args)
+        except ValueError as e:
+            return f"--optim_args {e}"
 
 
 @rule("dataset given")

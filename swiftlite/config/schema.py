@@ -23,6 +23,7 @@ from swiftlite.config.access import Sealable, Section, field_reads, opt
 from swiftlite.config.chord_options import ChordOptions
 from swiftlite.config.data_options import TRUNCATION, DataConfig
 from swiftlite.config.galore_options import GaloreOptions
+from swiftlite.config.muonclip_options import MuonClipOptions
 from swiftlite.config.quant_options import QuantConfig
 from swiftlite.config.teacher_options import TeacherOptions
 from swiftlite.config.tuner_options import LORA_TYPES, PEFT_TYPES, TunerOptions
@@ -204,7 +205,7 @@ class ParallelConfig(Section):
 
 
 @dataclass(kw_only=True)
-class OptimConfig(GaloreOptions, Section):   # use_galore/galore_*: config/galore_options.py
+class OptimConfig(MuonClipOptions, GaloreOptions, Section):   # config/muonclip_options.py, galore_options.py
     learning_rate: float | None = opt(None, "Peak learning rate (default 1e-5 for full, else 1e-4).",
                                       aliases=("--lr",))
     weight_decay: float = opt(0.1, "AdamW weight decay.")
@@ -217,8 +218,9 @@ class OptimConfig(GaloreOptions, Section):   # use_galore/galore_*: config/galor
                      "every backend), adafactor (transformers' Adafactor, the schedule's lr), muon (torch.optim.Muon, "
                      "plain LoRA only); adafactor and muon need whole matrices: single/ddp.", choices=OPTIMIZERS)
     optimizer: str | None = opt(None, "ms-swift's optimizer plugin, which takes priority over --optim: muon "
-                                "(= --optim muon), galore (= --use_galore true); the other plugins are refused "
-                                "with their alternative.", choices=("muon", "galore"))
+                                "(= --optim muon), galore (= --use_galore true), muonclip (ms-swift's MuonClip: Muon "
+                                "with QK-Clip, --optim_args; single/ddp); the other plugins are refused with their "
+                                "alternative.", choices=("muon", "galore", "muonclip"))
     lr_scheduler: str = opt("cosine", "Learning-rate schedule: transformers' get_scheduler, the lr of each step "
                             "as HF Trainer's (constant has no warm-up; reduce_lr_on_plateau and greedy are "
                             "refused: they step on a metric).", aliases=("--lr_scheduler_type",

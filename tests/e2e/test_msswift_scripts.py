@@ -111,6 +111,9 @@ SFT = [
     ("olora", f"sft {_C} {_LORA} --dataset {{messages}}#16 --init_weights olora", {"init_weights": "olora"}),
     ("neftune", f"sft {_C} --dataset {{messages}}#16 --neftune_noise_alpha 15", {"neftune_noise_alpha": 15.0}),
     ("muon", f"sft {_C} {_LORA} --dataset {{messages}}#16 --optimizer muon", {"optimizer": "muon"}),
+    # examples/train/optimizer/muonclip.sh
+    ("muonclip", f"sft {_C} {_LORA} --dataset {{messages}}#16 --optimizer muonclip --optim_args qk_clip_threshold=10000",
+     {"optimizer": "muonclip", "optim_args": "qk_clip_threshold=10000"}),
     ("early_stop", f"sft {_C} --dataset {{messages}}#32 --split_dataset_ratio 0.25 --eval_steps 1 "
                    "--early_stop_interval 3 --metric_for_best_model loss",
      {"early_stop_interval": 3, "metric_for_best_model": "loss", "eval_steps": 1}),
@@ -237,7 +240,6 @@ REFUSED = {
 
         ("--galore_quantization true", "Q-GaLore"),
         ("--loss_scale react", "loss scale"), ("--max_model_len 512000", "max_position_embeddings"),
-        ("--optim_args qk_clip_threshold=10000", "optimizer"),
         ("--reft_intervention_type LoreftIntervention", "tuner"), ("--response_prefix x", "template"),
         ("--rope_scaling yarn", "rope_scaling"),
         ("--sequence_parallel_size 8", "sequence parallelism"),

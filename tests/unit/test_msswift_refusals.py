@@ -85,11 +85,11 @@ def test_every_msswift_export_option_is_taken_or_refused_with_a_reason():
 
 def test_every_refused_flag_reported_at_once_in_order():
     with pytest.raises(UserErrors) as e:
-        parse_run_args(["--dataset", "d.jsonl", "--galore_quantization", "--galore_proj_bits", "8", "--optim_args", "x",
+        parse_run_args(["--dataset", "d.jsonl", "--galore_quantization", "--galore_proj_bits", "8", "--optim_target_modules", "x",
                         "--frobnicate", "3", "--lora_rnak", "4", "--use_ray", "true", "--lora-rank", "8"])
     lines = e.value.lines
     assert [ln.split(":")[0].split(" (")[0] for ln in lines] == [
-        "--galore_quantization", "--galore_proj_bits", "--optim_args", "unknown option --frobnicate",
+        "--galore_quantization", "--galore_proj_bits", "--optim_target_modules", "unknown option --frobnicate",
         "unknown option --lora_rnak",
         "--use_ray"]
     assert "Q-GaLore" in lines[0] and "is not available" in lines[0] and "--use_galore true" in lines[0]
