@@ -9,7 +9,9 @@ swiftlite.plugin: such a file runs unedited and its rewards land where `--reward
 Only that part of ms-swift has a counterpart here. Any other `swift.*` module a plugin imports (its
 templates, model registrations, inference engines, multi-turn schedulers) fails to import as it would
 without ms-swift, and the loader turns that into one line naming the import and what to do instead
-(`plugin_import_error`). The aliases exist only while a plugin file executes: they are put in
+(`plugin_import_error`). An import of ms-swift inside a function body runs only when the function is
+called, in a rank, after the aliases are gone; `deferred_import_error` refuses it before launch with
+its line. The aliases exist only while a plugin file executes: they are put in
 `sys.modules` for that and taken out after, so an installed ms-swift is neither shadowed for other
 code nor used by the plugin (its registrations would land in ms-swift's registry, where this run never
 looks: a reward that silently does not exist).
@@ -17,6 +19,7 @@ looks: a reward that silently does not exist).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import re
 import sys
@@ -94,3 +97,29 @@ def plugin_import_error(given: str, path: Path, e: ImportError) -> str:
     if missing:
         return f"{where}: {what}: install {missing} in this environment, or remove the import"
     return f"{where}: {what}"
+
+
+def deferred_import_error(given: str, path: Path) -> str | None:
+    """One line for the first `import swift...` / `from swift... import` inside a function of the plugin
+    file (the file has loaded; its top-level imports succeeded), or None. Such an import runs when a
+    reward is called, in a rank: `swift.rewards` is no longer swiftlite.plugin then (without ms-swift
+    it fails, with ms-swift installed it is ms-swift's), and any other part fails as at the top."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (OSError, UnicodeDecodeError, SyntaxError):
+        return None     # it has just run; whatever made it unreadable now is not this check's to report
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        for node in ast.walk(fn):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            mod = next((m for m in mods if m == "swift" or m.startswith("swift.")), None)
+            if mod is None:
+                continue
+            what = ("import it at the top of the file (swift.rewards is swiftlite.plugin while the file loads)"
+                    if mod in ALIASES else next((v for k, v in PORTS.items() if mod.startswith(k)),
+                                                "of ms-swift, plugins here can import swift.rewards (ORM, orms)"))
+            return (f"--external_plugins {given}:{node.lineno}: `{ast.unparse(node)}` inside a function runs when "
+                    f"it is called, after the file has loaded, where ms-swift's modules do not resolve; {what}")
+    return None

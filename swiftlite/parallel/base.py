@@ -316,7 +316,7 @@ def load_plugins(paths: list[str]) -> None:
     These are files the user names on the command line, run like any script of theirs."""
     import importlib.util
 
-    from swiftlite.plugin_imports import msswift_aliases, plugin_import_error
+    from swiftlite.plugin_imports import deferred_import_error, msswift_aliases, plugin_import_error
     for p in paths:
         path = Path(p).expanduser()
         if not path.is_file() or path.suffix != ".py":
@@ -336,6 +336,10 @@ def load_plugins(paths: list[str]) -> None:
         except SyntaxError as e:
             del sys.modules[name]
             raise UserError(f"--external_plugins {p}:{e.lineno}: syntax error ({e.msg})") from None
+        deferred = deferred_import_error(p, path)
+        if deferred:
+            del sys.modules[name]
+            raise UserError(deferred)
 
 
 __all__ += ["BUILTIN_MODULES", "Check", "LIKE_POLICY", "OPTION_FLAGS", "load_plugins", "parallelism_names",

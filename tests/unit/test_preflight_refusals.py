@@ -62,6 +62,23 @@ def test_msswift_plugin_importing_more_of_ms_swift_names_the_import(tmp_path):
         load_plugins([str(p)])
 
 
+def test_msswift_import_inside_a_function_is_refused_before_launch(tmp_path):
+    """It would run in the rank, when the reward is called, after the aliases are gone."""
+    p = tmp_path / "lazy.py"
+    p.write_text("from swift.rewards import ORM, orms\n\n\nclass R(ORM):\n    def __call__(self, completions, **kw):\n"
+                 "        from swift.utils import get_logger\n        return [0.0] * len(completions)\n")
+    with pytest.raises(UserError) as e:
+        load_plugins([str(p)])
+    assert str(e.value).startswith(f"--external_plugins {p}:6: `from swift.utils import get_logger` inside a "
+                                   "function runs when it is called, after the file has loaded")
+    p.write_text("def reward(completions, **kw):\n    import swift.rewards\n    return [0.0] * len(completions)\n")
+    with pytest.raises(UserError, match=r"lazy\.py:2: `import swift.rewards` inside a function .*import it at the "
+                                        r"top of the file"):
+        load_plugins([str(p)])
+    p.write_text("def reward(completions, **kw):\n    import json\n    return [0.0] * len(completions)\n")
+    load_plugins([str(p)])              # other lazy imports are the file's own business
+
+
 def test_plugin_with_a_missing_package_names_it(tmp_path):
     p = tmp_path / "p.py"
     p.write_text("def f():\n    pass\nimport not_installed_pkg.sub\n")
