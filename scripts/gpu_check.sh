@@ -284,6 +284,14 @@ kill "$RPID" 2>/dev/null || true
 wait "$RPID" 2>/dev/null || true
 tail -5 "$WORK/rollout_server.log" >> "$LOG" 2>/dev/null || true
 
+# -- 3e. MuonClip (--optimizer muonclip), 2 LoRA steps -------------------------------------------------
+# (docs/lora.md "MuonClip"): the logit bound is kept on the GPU and the Newton-Schulz iterations run in bf16
+# there; its step's lines (loss, grad norm) are in gpu_check.log
+step muonclip "$RUN_LIMIT" "$PY" -m swiftlite sft --model "$MODEL" --train-type lora --optimizer muonclip \
+  --optim_args qk_clip_tau=50 --max-steps 2 --gradient-accumulation-steps 1 --torch-dtype "$DTYPE" \
+  --max-length "$SEQ" --per-device-train-batch-size 1 --logging-steps 1 --save-strategy no \
+  --dataset "$DATA/train.jsonl" --output-dir "$WORK/muonclip"
+
 # -- 4. results to $OUT ------------------------------------------------------------------------------
 for f in bench.json bench.md bench.png; do
   [[ -f "$WORK/bench/$f" ]] && cp "$WORK/bench/$f" "$OUT/$f"
