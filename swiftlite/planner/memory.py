@@ -141,6 +141,8 @@ class Workload:
     teacher_partitioned: bool = False    # --teacher_deepspeed of stage 3: the teacher sharded over all ranks
     generation_length: int = 0           # GRPO: prompt + completion tokens a generated sequence reaches
                                          # (0: no generation); micro_batch sequences are generated at once
+    whole_matrices: str = ""              # the flag of an optimizer that needs each matrix whole (--optim muon,
+                                          # GaLore, ...): no sharding backend runs it
     side_batch: tuple[int, int] = (0, 0)  # another forward/backward of its own in each step, as (sequences,
                                           # tokens each): GRPO CHORD's expert SFT micro-batch; (0, 0): none
 
@@ -445,6 +447,8 @@ def unavailable_reason(w: Workload, backend: str | Backend) -> str:
         return "an HQQ-quantized base runs on backends that keep parameters whole: single, ddp, zero1/zero2 (models/hqq.py)"
     if w.quant_bits is not None and rec.memory_family == "zero3_offload":
         return "DeepSpeed offload cannot move bitsandbytes-quantized weights"
+    if w.whole_matrices and any(rec.shards):
+        return f"{w.whole_matrices} needs each weight matrix whole: single or ddp (optim.optim_problem)"
     if rec.memory_family in ("fsdp", "hsdp") and not w.fsdp2_available:
         return "FSDP2 (fully_shard) needs torch >= 2.4"
     return topology_problem(w, rec.memory_family)

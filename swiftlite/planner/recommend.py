@@ -223,6 +223,7 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         reference="copy" if copy else "none", generation_length=seq_len if grpo and seq_len else 0,
         teacher_params=_teacher_params(cfg) if grpo else 0,
         teacher_partitioned=grpo and (r.teacher_deepspeed or "").startswith("zero3"),
+        whole_matrices=whole_matrix_optimizer(cfg),
         # CHORD's expert rows: sft rows of at most --max_length, a micro-batch of their own per step
         side_batch=((r.chord_sft_per_device_train_batch_size or 0, cfg.data.max_length or 0)
                     if grpo and r.chord_sft_dataset and cfg.data.max_length else (0, 0)),
@@ -233,6 +234,19 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         pure_bf16=cfg.parallel.pure_bf16, hsdp_shard_size=cfg.parallel.hsdp_shard_size,
         shard_file_bytes=largest_shard_file(cfg.model.model),
         sharded_loading=bool(getattr(cfg.parallel, "sharded_loading", True)))
+
+
+def whole_matrix_optimizer(cfg: "RunConfig") -> str:
+    """The flag of an optimizer that reads each weight matrix whole (optim.WHOLE_MATRIX, GaLore), which
+    no sharding backend can run, or ""."""
+    from swiftlite.config.galore_options import uses_galore
+    from swiftlite.optim import WHOLE_MATRIX, optim_name
+    if uses_galore(cfg):
+        return "--use_galore"
+    name = optim_name(cfg)
+    if name in WHOLE_MATRIX:
+        return f"--optimizer {name}" if cfg.optim.optimizer == name else f"--optim {name}"
+    return ""
 
 
 def _teacher_params(cfg: "RunConfig") -> int:
@@ -267,7 +281,8 @@ def resolve_auto(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None
 
     On CPU (`gpu_memory_bytes` None) memory is not the constraint: one process runs "single", several
     run "fsdp", several nodes "hsdp" (fp16 runs go to DeepSpeed ZeRO-2, the only backend with loss
-    scaling; an HQQ base, which no sharding backend takes, to DDP). On GPU the
+    scaling; an HQQ base, which no sharding backend takes, and an optimizer that needs whole matrices,
+    to DDP). On GPU the
     memory model decides (`recommend`); pass `shape` when the model is a hub id (this reads only
     presets and local folders). A run that fits nowhere is a UserError naming the smallest need.
     """
@@ -279,6 +294,10 @@ def resolve_auto(cfg: "RunConfig", world_size: int, gpu_memory_bytes: int | None
         if cfg.quant_method == "hqq":
             return Decision("ddp", f"{world_size} CPU processes with an HQQ base, whose layers FSDP cannot shard "
                             "(models/hqq.py): DDP replicates it")
+        whole = whole_matrix_optimizer(cfg)
+        if whole:
+            return Decision("ddp", f"{world_size} CPU processes with {whole}, which needs each weight matrix whole "
+                            "(optim.optim_problem): DDP replicates them")
         nnodes = cfg.parallel.nnodes or 1
         if nnodes > 1:
             return Decision("hsdp", f"{nnodes} nodes of CPU processes: HSDP shards within each node and "

@@ -107,3 +107,23 @@ def test_msswift_optimizer_plugin_muon_is_torch_muon_at_adamw_scale():
         cfg_of("--optimizer", "galore")                             # the galore plugin is GaLore (full training)
     with pytest.raises(UserError, match="--optimizer lorap: give --lorap_lr_ratio"):
         cfg_of("--optimizer", "lorap")
+
+
+@pytest.mark.parametrize("argv,flag", [(("--optim", "adafactor"), "--optim adafactor"),
+                                       (("--optimizer", "muonclip"), "--optimizer muonclip"),
+                                       (("--train_type", "full", "--use_galore", "true"), "--use_galore")])
+def test_auto_takes_ddp_for_an_optimizer_that_needs_whole_matrices(argv, flag):
+    """`auto` never picks a backend the optimizer cannot run (it picked FSDP, then refused it as if the
+    user had asked for it): DDP on CPU, and the sharding backends unavailable in the GPU planner."""
+    from swiftlite.planner.memory import unavailable_reason
+    from swiftlite.planner.recommend import resolve_auto, workload_from_config
+    cfg = cfg_of(*argv, "--max_length", "512")
+    d = resolve_auto(cfg, 2, None)
+    assert d.backend == "ddp" and flag in d.reason
+    assert resolve_auto(cfg_of(), 2, None).backend == "fsdp"             # the rule is the optimizer's
+    w = workload_from_config(cfg, 2, 80 * 2**30)
+    assert w.whole_matrices == flag
+    assert unavailable_reason(w, "fsdp").startswith(f"{flag} needs each weight matrix whole")
+    assert unavailable_reason(w, "zero3") and unavailable_reason(w, "zero2") and not unavailable_reason(w, "ddp")
+    gpu = resolve_auto(cfg, 2, 80 * 2**30)
+    assert gpu.backend in ("ddp", "single"), gpu
