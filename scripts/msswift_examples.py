@@ -72,7 +72,11 @@ command (infer, deploy, sample, app, a rollout server alone), ms-swift's Python 
 (classification, embedding, reranker, GKD, PPO, ...).
 
     python scripts/msswift_examples.py [--only SUBSTR ...] [--json out.json] [--timeout 600]
-        [--rollout-backend {vllm,transformers}] [--cpu-stand-ins] [--rollout-wait 120] [--list]
+        [--rollout-backend {vllm,transformers}] [--cpu-stand-ins] [--rollout-wait 120] [--list] [--dry-only]
+
+--dry-only runs the dry runs alone (no training, no export): a quick sort of the scripts into refused and
+gpu; its `runs` means only that the dry run passed, and scripts that need a rollout server or an export's
+folder are listed as `not-dry` (run them without it).
 """
 
 from __future__ import annotations
@@ -556,6 +560,7 @@ def training_argv(argv: list[str], ports: dict[str, int]) -> list[str]:
 
 #: --cpu-stand-ins (module docstring)
 STAND_INS = {"on": False}
+DRY_ONLY = {"on": False}
 #: the colocated vLLM engine's options, dropped with --use_vllm by a stand-in
 COLOCATED = ("sleep_level", "offload_model", "offload_optimizer", "move_model_batches")
 
@@ -755,11 +760,12 @@ def run_group(plans: list[Plan], work: Path, timeout: float, ready_s: float = 12
     t0 = time.time()
     servers: list[tuple[str, Server]] = []
     try:
-        start_servers(plans, cwds, results, ready_s, servers)
+        if not DRY_ONLY["on"]:   # a dry run does not reach a server
+            start_servers(plans, cwds, results, ready_s, servers)
         healthy = {s for s, _ in servers if results[s].cls == "runs"}
         for k in range(max((len(p.steps) for p in plans), default=0)):
-            for dry in (True, False):
-                # `swift export` has no dry run (ms-swift's neither): it runs once
+            for dry in (True,) if DRY_ONLY["on"] else (True, False):
+                # `swift export` has no dry run (ms-swift's neither): it runs once (not at all with --dry-only)
                 todo = [(p.script, c) for p in plans if k < len(p.steps) and results[p.script].cls == "runs"
                         for c in p.steps[k] if not (dry and c[2] == "export")]
                 if not todo:
@@ -808,11 +814,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-nproc", type=int, default=2, help="cap of NPROC_PER_NODE (default 2)")
     ap.add_argument("--cpu-stand-ins", action="store_true",
                     help="swap the training commands' GPU-only flags for CPU ones (module docstring)")
+    ap.add_argument("--dry-only", action="store_true",
+                    help="run each command's --dry-run only (a quick sort into refused, gpu and the rest; "
+                         "`runs` then means the dry run passed)")
     ap.add_argument("--rollout-wait", type=float, default=120,
                     help="seconds for a rollout server's /health/ to answer")
     args = ap.parse_args(argv)
     NPROC_CAP["n"] = args.max_nproc
     STAND_INS["on"] = args.cpu_stand_ins
+    DRY_ONLY["on"] = args.dry_only
     work = args.work or Path(tempfile.mkdtemp(prefix="msswift-examples-"))
     work.mkdir(parents=True, exist_ok=True)
     # The platform variables a DLC script reads ($WORLD_SIZE, $RANK as the node count and rank): one node here.
@@ -870,6 +880,13 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copytree(ckpt.parent, run_copy, ignore=shutil.ignore_patterns("*-merged"))
                 own = run_copy / ckpt.name
             group.append(make_plan(path, cmds, models, files, own, port, args.rollout_backend))
+        waits = [p for p in group if p.servers or any(c[2] == "export" for st in p.steps for c in st)]
+        if DRY_ONLY["on"] and waits:   # their dry runs need a server or an export's folder: not a quick sort
+            for p in group:
+                results.append(Result(p.script, "not-dry", error="needs its rollout server or an export's folder: "
+                                                                 "run it without --dry-only"))
+                print(f"not-dry  {p.script}", flush=True)
+            continue
         for r in run_group(group, work, args.timeout, args.rollout_wait):
             results.append(r)
             print(f"{r.cls:8s} {r.seconds:6.1f}s  {r.script}  {note(r)}{r.error}", flush=True)

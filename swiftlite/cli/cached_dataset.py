@@ -4,8 +4,9 @@ DIR/val` read instead of tokenizing, as ms-swift's `swift export --to_cached_dat
 
 Its options are the run's data options, parsed by the run's own flag table and rules, so a flag
 means here what it means to `swiftlite sft`: --model (its tokenizer only, no weights are read),
---dataset, --val_dataset, --split_dataset_ratio, --max_length, --truncation_strategy, --loss_scale,
---template, --system, ... ms-swift's `--use_chat_template false` makes pt rows (every token a
+--dataset, --val_dataset, --split_dataset_ratio, --max_length, --truncation_strategy, --loss_scale (a
+weighted one's weights are written as the `loss_scale` column, ms-swift's), --agent_template, --template,
+--system, ... ms-swift's `--use_chat_template false` makes pt rows (every token a
 target, no template), otherwise the rows are sft's. Any other run option would do nothing here: it
 is refused with that reason. The rows are the ones the run would make (data.pipeline.spec_tokenizer),
 unpacked: --packing belongs to the training run.
@@ -23,7 +24,7 @@ TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 #: The run options that decide a cached folder's rows (config field names); any other is refused.
 DATA_OPTIONS = frozenset({
     "model", "model_revision", "trust_remote_code", "template", "system", "enable_thinking", "new_special_tokens",
-    "max_length", "truncation_strategy", "loss_scale", "dataset", "val_dataset", "split_dataset_ratio",
+    "max_length", "truncation_strategy", "loss_scale", "is_binary_loss_scale", "agent_template", "dataset", "val_dataset", "split_dataset_ratio",
     "dataset_num_proc", "columns", "model_name", "model_author", "seed", "skip_bad_rows", "load_from_cache_file",
     "output_dir"})
 
@@ -110,7 +111,8 @@ def export_cached(args: list[str]) -> int:
     meta = {"task": run.task, "rows": cached.rows_kind(chat_rows), "model": run.model.model,
             "tokenizer": cached.tokenizer_fingerprint(tokenizer, chat_rows),
             "max_length": run.data.max_length, "truncation_strategy": run.data.truncation_strategy,
-            "loss_scale": run.data.loss_scale, "template": run.model.template, "dataset": list(run.data.dataset)}
+            "loss_scale": run.data.loss_scale, "is_binary_loss_scale": run.data.is_binary_loss_scale,
+            "agent_template": run.data.agent_template, "template": run.model.template, "dataset": list(run.data.dataset)}
     out.mkdir(parents=True, exist_ok=True)
     for name, part in (("train", train), ("val", val)):
         if part is None:

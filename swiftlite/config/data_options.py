@@ -36,13 +36,20 @@ class DataConfig(Section):
                                    "consecutive --max-length pieces, each a sample).", choices=TRUNCATION)
     system: str | None = opt(None, "Default system prompt (text or a .txt file) for sft rows that have none; a "
                              "row's own system turn wins.")
-    loss_scale: str | None = opt(None, "Which tokens of a chat row are targets, ms-swift's names: default (every "
-                                 "assistant turn; sft's default), last_round (the answers after the last user turn), "
-                                 "all (every token, prompts too), then binary rules joined with +: "
+    loss_scale: str | None = opt(None, "Which tokens of a chat row are targets and their weights, ms-swift's names: "
+                                 "default (every assistant turn; sft's default), last_round (the answers after the "
+                                 "last user turn), all (every token, prompts too), then rules joined with +: "
                                  "ignore_empty_think (an empty <think></think> block opening an answer is no "
-                                 "target), ignore_think_prefix (the opening <think> tag), e.g. "
-                                 "last_round+ignore_empty_think. pt trains every token (all); rlhf the answer of "
-                                 "each pair (last_round). ms-swift's weighted agent scales are not available.")
+                                 "target), ignore_think_prefix (the opening <think> tag), and ms-swift's weighted "
+                                 "agent scales hermes, react, qwen, agentflan, alpha_umi (e.g. hermes: each "
+                                 "<tool_call> block weighs 2), e.g. last_round+ignore_empty_think. The loss is the "
+                                 "sum of weight x cross-entropy over the targets / their number (ms-swift's). pt "
+                                 "trains every token (all); rlhf the answer of each pair (last_round).")
+    is_binary_loss_scale: bool | None = opt(None, "Whether the loss weights become labels only (a weight above 0: a "
+                                            "target, weight 1). Default: binary unless --loss-scale names a "
+                                            "weighted scale (ms-swift's rule); false keeps the weights that "
+                                            "messages' own \"loss_scale\" fields give (ms-swift asks for it when "
+                                            "one is above 1).")
     agent_template: str | None = opt(None, "How tool-calling rows (a tools column, tool_call / tool_response turns: "
                                      "ms-swift's agent format) are written before the chat template renders them: "
                                      "hermes (Qwen2.5's and Qwen3's tool format: tools in the system turn, "

@@ -78,9 +78,6 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # template_args.py: TemplateArguments
     (_TEMPLATE, ("norm_bbox", "use_chat_template", "template_backend", "response_prefix",
                  "preserve_thinking", "add_non_thinking_prefix", "disable_ignore_empty_think")),
-    ("the loss is on every assistant turn of sft rows and every token for pt; loss scales are not available: "
-     "drop the flag",
-     ("is_binary_loss_scale",)),
     # model_args.py: ModelArguments
     ("the model's own modules run (transformers' implementation for the architecture): drop the flag",
      ("init_strategy",)),

@@ -12,19 +12,29 @@ from swiftlite.config.loss_scale import LossScale, parse
 
 @rule("loss scale")
 def _loss_scale(c: RunConfig):
-    v = c.data.loss_scale
-    if v is None:
+    v, binary = c.data.loss_scale, c.data.is_binary_loss_scale
+    if v is None and binary is None:
         return None
-    try:
-        scale = parse(v)
-    except ValueError as e:
-        return f"--loss-scale {v}: {e}"
     spec = task_spec(c.task)
-    if spec.plain_text and scale != LossScale("all"):
-        return f"--loss-scale {v}: {c.task} trains every token of plain-text rows (all); drop the flag"
-    if spec.own_options == "rlhf" and scale != LossScale("last_round"):
-        return (f"--loss-scale {v}: rlhf trains on the answer of each pair or completion (last_round, ms-swift's "
-                "default there); drop the flag")
+    if binary is not None and (spec.plain_text or spec.own_options == "rlhf"):
+        return (f"--is-binary-loss-scale {str(binary).lower()}: loss weights are for sft's chat rows; {c.task} "
+                "has its own targets; drop the flag")
+    if v is None:
+        scale = parse(None, binary=binary)
+    else:
+        try:
+            scale = parse(v, binary=binary)
+        except ValueError as e:
+            return f"--loss-scale {v}: {e}"
+        if spec.plain_text and scale != LossScale("all"):
+            return f"--loss-scale {v}: {c.task} trains every token of plain-text rows (all); drop the flag"
+        if spec.own_options == "rlhf" and scale != LossScale("last_round"):
+            return (f"--loss-scale {v}: rlhf trains on the answer of each pair or completion (last_round, ms-swift's "
+                    "default there); drop the flag")
+    if not scale.is_binary and c.train.loss_impl in ("liger", "cce"):
+        what = f"--loss-scale {v}" if v is not None else "--is-binary-loss-scale false"
+        return (f"{what} with --loss-impl {c.train.loss_impl}: the fused kernel returns only the summed "
+                "loss, not each token's to weigh; use --loss-impl chunked (the default) or plain")
 
 
 @rule("new special tokens")

@@ -363,8 +363,9 @@ class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, Section):   # GRPO: 
                              "0.1 otherwise (ms-swift's).")
     loss_type: str | None = opt(None, "DPO loss: sigmoid (default), ipo (on per-token mean log-ratios, as TRL) or "
                                 "hinge. GRPO loss aggregation: grpo (default, ms-swift's), bnpo, dr_grpo or dapo "
-                                "(docs/rlhf.md). sft/pt: cross_entropy or loss_scale, both the mean cross-entropy "
-                                "over --loss-scale's targets (the loss there).",
+                                "(docs/rlhf.md). sft/pt: cross_entropy or loss_scale, both the sum of weight x "
+                                "cross-entropy over --loss-scale's targets / their number (weight 1 unless a "
+                                "weighted scale).",
                                 choices=DPO_LOSS_TYPES + GRPO_LOSS_TYPES + SFT_LOSS_TYPES)
     rpo_alpha: float | None = opt(None, "DPO: add rpo_alpha x the chosen answers' token-mean NLL (RPO). Default: off.")
     label_smoothing: float = opt(0.0, "DPO sigmoid / SimPO / CPO: probability that a pair's preference is flipped "

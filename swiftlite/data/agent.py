@@ -115,10 +115,14 @@ def render_turns(row: dict, messages: list[dict], agent: Agent | None, system: s
         if role == TOOL_CALL:
             text = f"<tool_call>\n{json.dumps(_call(m['content'], where), ensure_ascii=False)}\n</tool_call>"
             if out and out[-1]["role"] == "assistant":
+                # joined into the answer before it: each of "loss"/"loss_scale" from the first message
+                # that has it (ms-swift: the first tool_call's)
                 sep = "\n" if out[-1].get("tool_call") else ""
-                out[-1] = {"role": "assistant", "content": out[-1]["content"] + sep + text, "tool_call": True}
+                fields = {**_fields(m), **_fields(out[-1])}
+                out[-1] = {"role": "assistant", "content": out[-1]["content"] + sep + text, "tool_call": True,
+                           **fields}
             else:
-                out.append({"role": "assistant", "content": text, "tool_call": True})
+                out.append({"role": "assistant", "content": text, "tool_call": True, **_fields(m)})
         elif role in TOOL_RESPONSES:
             if not out or not (out[-1].get("tool_call") or out[-1].get("tool_response")):
                 raise UserError(f"{where}: a {role} turn must follow a tool_call (the call it answers)")
@@ -136,4 +140,9 @@ def render_turns(row: dict, messages: list[dict], agent: Agent | None, system: s
         else:
             base = system if system is not None else (agent.default_system or "")
             out.insert(0, {"role": "system", "content": base + block})
-    return [{"role": m["role"], "content": m["content"]} for m in out]
+    return [{"role": m["role"], "content": m["content"], **_fields(m)} for m in out]
+
+
+def _fields(m: dict) -> dict:
+    """An answer's own "loss" / "loss_scale" (data/formats.ANSWER_FIELDS)."""
+    return {k: m[k] for k in ("loss", "loss_scale") if k in m}

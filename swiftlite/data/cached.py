@@ -55,8 +55,10 @@ def write(folder: Path, data: Tokenized, meta: dict[str, Any]) -> None:
     from datasets import Dataset
     from datasets.utils.logging import disable_progress_bar
     disable_progress_bar()   # a bar per split on the console; the export prints its own lines
-    ds = Dataset.from_dict({"input_ids": [r["input_ids"] for r in data.rows],
-                            "labels": [r["labels"] for r in data.rows]})
+    cols = {"input_ids": [r["input_ids"] for r in data.rows], "labels": [r["labels"] for r in data.rows]}
+    if data.rows and "loss_scale" in data.rows[0]:   # a weighted --loss-scale: ms-swift's column of that name
+        cols["loss_scale"] = [r["loss_scale"] for r in data.rows]
+    ds = Dataset.from_dict(cols)
     ds.save_to_disk(str(folder))
     st = data.stats
     stats = {"rows": st.rows, "truncated": st.truncated, "skipped": len(st.skipped), "no_target": st.no_target,
@@ -135,6 +137,8 @@ def load(spec: str, flag: str, *, tokenizer: Any, task: str, chat: bool, max_len
         raise UserError(f"{flag} {path}: no {', '.join(sorted(missing))} column")
     cols = ds.to_dict()
     rows = [{"input_ids": i, "labels": lab} for i, lab in zip(cols["input_ids"], cols["labels"])]
+    for r, w in zip(rows, cols.get("loss_scale") or ()):
+        r["loss_scale"] = w
     if count is not None:
         rows = [rows[i] for i in sample_indices(len(rows), count, rng)]
     return fit(rows, max_length, truncation)
@@ -150,22 +154,24 @@ def fit(rows: list[dict], max_length: int, truncation: str) -> Tokenized:
     stats = DataStats(rows=len(rows))
     out: list[dict] = []
     for r in rows:
-        ids, labels = r["input_ids"], r["labels"]
+        ids, labels, weights = r["input_ids"], r["labels"], r.get("loss_scale")
         if len(ids) > max_length:
             if truncation == "delete":
                 stats.deleted += 1
                 continue
-            if truncation == "split":
-                pieces = [(ids[i:i + max_length], labels[i:i + max_length]) for i in range(0, len(ids), max_length)]
+            if truncation == "split":   # pt rows: no weights
+                pieces = [(ids[i:i + max_length], labels[i:i + max_length], None)
+                          for i in range(0, len(ids), max_length)]
             else:
-                enc = cut(ids, labels, max_length, truncation)
-                pieces = [(enc.input_ids, enc.labels)]
+                enc = cut(ids, labels, max_length, truncation, weights)
+                pieces = [(enc.input_ids, enc.labels, enc.weights)]
                 stats.truncated += 1
         else:
-            pieces = [(ids, labels)]
-        for p_ids, p_labels in pieces:
+            pieces = [(ids, labels, weights)]
+        for p_ids, p_labels, p_weights in pieces:
             if not any(x != IGNORE for x in p_labels[1:]):
                 stats.no_target += 1
                 continue
-            out.append({"input_ids": p_ids, "labels": p_labels})
+            out.append({"input_ids": p_ids, "labels": p_labels,
+                        **({"loss_scale": p_weights} if p_weights is not None else {})})
     return Tokenized(out, stats)

@@ -43,26 +43,44 @@ class BatchForm:
 PADDED = BatchForm(False, "")
 
 
+def _weighted(rows: Sequence[dict]) -> bool:
+    """Rows of a weighted --loss-scale carry each token's weight as "loss_scale" (data/tokenize.py); the
+    batch then carries them too (a row without, e.g. lazy tokenization's placeholder: weight 1)."""
+    return any("loss_scale" in r for r in rows)
+
+
+def _row_weights(r: dict) -> list[float]:
+    return list(r["loss_scale"]) if "loss_scale" in r else [1.0] * len(r["input_ids"])
+
+
 def pad_batch(rows: Sequence[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad input_ids with pad_id, labels with -100; attention_mask marks real tokens."""
+    """Right-pad input_ids with pad_id, labels with -100; attention_mask marks real tokens; weights
+    (a weighted --loss-scale) padded with 0."""
     n = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), n), IGNORE, dtype=torch.long)
     mask = torch.zeros((len(rows), n), dtype=torch.long)
+    weighted = _weighted(rows)
+    weights = torch.zeros((len(rows), n), dtype=torch.float32) if weighted else None
     for i, r in enumerate(rows):
         k = len(r["input_ids"])
         ids[i, :k] = torch.tensor(r["input_ids"], dtype=torch.long)
         labels[i, :k] = torch.tensor(r["labels"], dtype=torch.long)
         mask[i, :k] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+        if weights is not None:
+            weights[i, :k] = torch.tensor(_row_weights(r), dtype=torch.float32)
+    out = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    return {**out, "loss_scale": weights} if weights is not None else out
 
 
-def _join(rows: Sequence[dict]) -> tuple[list[int], list[int], list[int]]:
-    """Concatenated ids, labels (IGNORE at each row's first token after the first row) and position
-    ids restarting per row (a pack brings its own, already restarting per packed row)."""
+def _join(rows: Sequence[dict]) -> tuple[list[int], list[int], list[int], list[float] | None]:
+    """Concatenated ids, labels (IGNORE at each row's first token after the first row), position
+    ids restarting per row (a pack brings its own, already restarting per packed row) and, for a
+    weighted --loss-scale, the weights."""
     ids: list[int] = []
     labels: list[int] = []
     pos: list[int] = []
+    weights: list[float] | None = [] if _weighted(rows) else None
     for r in rows:
         k = len(r["input_ids"])
         lab = list(r["labels"])
@@ -71,7 +89,9 @@ def _join(rows: Sequence[dict]) -> tuple[list[int], list[int], list[int]]:
         ids += list(r["input_ids"])
         labels += lab
         pos += list(r["position_ids"]) if "position_ids" in r else list(range(k))
-    return ids, labels, pos
+        if weights is not None:
+            weights += _row_weights(r)
+    return ids, labels, pos, weights
 
 
 def pack_rows(rows: Sequence[dict], max_length: int) -> list[dict]:
@@ -103,17 +123,19 @@ def iter_packs(rows: Iterable[dict], max_length: int) -> Iterator[dict]:
 
 
 def _pack(rows: list[dict]) -> dict:
-    ids, labels, pos = _join(rows)
-    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+    ids, labels, pos, weights = _join(rows)
+    out = {"input_ids": ids, "labels": labels, "position_ids": pos}
+    return {**out, "loss_scale": weights} if weights is not None else out
 
 
 def concat_rows(rows: Sequence[dict]) -> dict[str, torch.Tensor]:
     """The padding-free form: every row (or pack) of the micro-batch in one 1 x N sequence, per-row
     position ids, boundary labels IGNORE, and no attention mask (which would turn the per-row
     masking off)."""
-    ids, labels, pos = _join(rows)
-    return {"input_ids": torch.tensor([ids], dtype=torch.long), "labels": torch.tensor([labels], dtype=torch.long),
-            "position_ids": torch.tensor([pos], dtype=torch.long)}
+    ids, labels, pos, weights = _join(rows)
+    out = {"input_ids": torch.tensor([ids], dtype=torch.long), "labels": torch.tensor([labels], dtype=torch.long),
+           "position_ids": torch.tensor([pos], dtype=torch.long)}
+    return {**out, "loss_scale": torch.tensor([weights], dtype=torch.float32)} if weights is not None else out
 
 
 def collate(rows: Sequence[dict], pad_id: int, *, padding_free: bool = False) -> dict[str, torch.Tensor]:

@@ -50,8 +50,44 @@ def _system(row: dict, where: str) -> list[Message]:
     return [{"role": "system", "content": _text(s, where, "system")}] if s else []
 
 
+#: ms-swift's per-message fields of an answer (its custom-dataset docs): "loss" true/false trains the turn
+#: or not whatever --loss-scale's strategy says; "loss_scale" (a number >= 0) is the turn's weight
+#: (config/loss_scale.py). null is the same as absent (HF datasets give every message every key).
+ANSWER_FIELDS = ("loss", "loss_scale")
+
+
+def _answer_fields(m: dict, where: str, key: str, i: int) -> dict:
+    out = {}
+    loss, scale = m.get("loss"), m.get("loss_scale")
+    if loss is None and scale is None:
+        return out
+    if m["role"] not in ("assistant", "tool_call"):
+        f = "loss" if loss is not None else "loss_scale"
+        raise UserError(f"{where}: {key}[{i}].{f}: only an assistant turn (or a tool_call) is trained or weighted; "
+                        f"this one is {m['role']!r} (ms-swift reads the field on answers only)")
+    if loss is not None:
+        if not isinstance(loss, bool):
+            raise UserError(f"{where}: {key}[{i}].loss must be true, false or null, got {loss!r}")
+        out["loss"] = loss
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale >= 0:
+            raise UserError(f"{where}: {key}[{i}].loss_scale must be a number >= 0 or null, got {scale!r}")
+        out["loss_scale"] = float(scale)
+    return out
+
+
+def no_answer_fields(msgs: list[Message], where: str, what: str) -> None:
+    """Preference and RL rows have their own targets: an answer's "loss"/"loss_scale" would do nothing."""
+    for m in msgs:
+        f = next((k for k in ANSWER_FIELDS if k in m), None)
+        if f:
+            raise UserError(f"{where}: a message's '{f}' field chooses and weighs sft's targets; {what} trains on "
+                            "its own answers: drop the field")
+
+
 def _role_messages(msgs: Any, where: str, key: str) -> list[Message]:
-    """A list of {role, content} messages (OpenAI form), checked."""
+    """A list of {role, content} messages (OpenAI form), checked; an answer's own "loss" / "loss_scale"
+    fields are kept (ANSWER_FIELDS)."""
     if not isinstance(msgs, list) or not msgs:
         raise UserError(f"{where}: '{key}' must be a non-empty list")
     out = []
@@ -60,7 +96,8 @@ def _role_messages(msgs: Any, where: str, key: str) -> list[Message]:
             raise UserError(f"{where}: {key}[{i}] needs 'role' and 'content'")
         if m["role"] not in ROLES + AGENT_ROLES:
             raise UserError(f"{where}: {key}[{i}] has unknown role {m['role']!r} (use {', '.join(ROLES + AGENT_ROLES)})")
-        out.append({"role": m["role"], "content": _text(m["content"], where, f"{key}[{i}].content")})
+        out.append({"role": m["role"], "content": _text(m["content"], where, f"{key}[{i}].content"),
+                    **_answer_fields(m, where, key, i)})
     return out
 
 

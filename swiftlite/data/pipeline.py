@@ -60,9 +60,13 @@ def _fingerprint(specs: list[str], tokenizer: Any, extra: dict) -> str:
     return h.hexdigest()[:24]
 
 
+#: Row fields of floats (every other list field holds token ids): a weighted --loss-scale's weights.
+FLOAT_FIELDS = ("loss_scale",)
+
+
 def _save_cache(path: Path, tok: Tokenized) -> None:
-    """Every row field (lists of ints: input_ids, labels, position_ids; rlhf's chosen_/rejected_ ones)
-    as one concatenated array plus the rows' lengths, the stats as JSON, and the data session that
+    """Every row field (lists of ints: input_ids, labels, position_ids; rlhf's chosen_/rejected_ ones;
+    the float weights of a weighted --loss-scale, FLOAT_FIELDS) as one concatenated array plus the rows' lengths, the stats as JSON, and the data session that
     wrote it (`--load-from-cache-file false` reads only entries of its own session). No pickle."""
     keys = list(tok.rows[0]) if tok.rows else ["input_ids", "labels"]
     arrays: dict[str, Any] = {"keys": np.frombuffer(json.dumps(keys).encode(), dtype=np.uint8)}
@@ -71,8 +75,9 @@ def _save_cache(path: Path, tok: Tokenized) -> None:
             arrays[f"json_{k}"] = np.frombuffer(json.dumps([r[k] for r in tok.rows]).encode(), dtype=np.uint8)
             continue
         arrays[f"len_{k}"] = np.array([len(r[k]) for r in tok.rows], dtype=np.int64)
-        arrays[f"val_{k}"] = (np.concatenate([np.asarray(r[k], dtype=np.int64) for r in tok.rows])
-                              if tok.rows else np.zeros(0, np.int64))
+        dt = np.float64 if k in FLOAT_FIELDS else np.int64
+        arrays[f"val_{k}"] = (np.concatenate([np.asarray(r[k], dtype=dt) for r in tok.rows])
+                              if tok.rows else np.zeros(0, dt))
     stats = json.dumps({"rows": tok.stats.rows, "truncated": tok.stats.truncated,
                         "skipped": tok.stats.skipped, "no_target": tok.stats.no_target,
                         "deleted": tok.stats.deleted, "self_cognition": tok.stats.self_cognition})
@@ -169,7 +174,8 @@ def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_l
         if not any(x != IGNORE for x in enc.labels[1:]):
             stats.no_target += 1  # nothing to learn (e.g. the answer was truncated away)
             continue
-        rows.append({"input_ids": enc.input_ids, "labels": enc.labels})
+        rows.append({"input_ids": enc.input_ids, "labels": enc.labels,
+                     **({"loss_scale": enc.weights} if enc.weights is not None else {})})
     return rows, stats
 
 
@@ -338,7 +344,7 @@ def _rendering(cfg: Any, tokenizer: Any) -> tuple[str | None, LossScale | None, 
             base = None
         agent = Agent(cfg.data.agent_template, base)
     return (system_prompt(cfg.data.system) if chat else None,
-            parse_loss_scale(cfg.data.loss_scale) if chat else None, agent)
+            parse_loss_scale(cfg.data.loss_scale, binary=cfg.data.is_binary_loss_scale) if chat else None, agent)
 
 
 def spec_tokenizer(cfg: Any, tokenizer: Any, *, progress: Callable[[str, int], Any] | None = None,

@@ -85,7 +85,6 @@ class Prefetcher:
     def __init__(self, steps: StepBatches, first: int, end: int, *, num_workers: int,
                  pin_memory: bool = False, prefetch_factor: int | None = None):
         import torch
-        from torch.utils.data import DataLoader
         self.steps = steps
         self.next = first
         self.end = end

@@ -29,6 +29,8 @@ class Encoded:
     input_ids: list[int]
     labels: list[int]
     truncated: bool
+    #: each token's loss weight, only under a weighted --loss-scale (config/loss_scale.py); else None
+    weights: list[float] | None = None
 
 
 def system_prompt(value: str | None) -> str | None:
@@ -49,12 +51,14 @@ def with_system(messages: list[dict], system: str | None) -> list[dict]:
     return [{"role": "system", "content": system}, *messages]
 
 
-def cut(ids: list[int], labels: list[int], max_length: int, truncation: str) -> Encoded:
+def cut(ids: list[int], labels: list[int], max_length: int, truncation: str,
+        weights: list[float] | None = None) -> Encoded:
     if len(ids) <= max_length:
-        return Encoded(ids, labels, False)
+        return Encoded(ids, labels, False, weights)
     if truncation == "left":
-        return Encoded(ids[-max_length:], labels[-max_length:], True)
-    return Encoded(ids[:max_length], labels[:max_length], True)
+        return Encoded(ids[-max_length:], labels[-max_length:], True,
+                       None if weights is None else weights[-max_length:])
+    return Encoded(ids[:max_length], labels[:max_length], True, None if weights is None else weights[:max_length])
 
 
 def render(tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
@@ -94,10 +98,43 @@ def encode_messages(tokenizer: Any, messages: list[dict], max_length: int, where
     messages = with_system(messages, system)
     full = render(tokenizer, messages)
     spans = assistant_spans(tokenizer, messages, full, where)
-    if loss_scale is not None:
-        spans = loss_scale.spans(messages, spans, full)
-    ids, labels = label_spans(tokenizer, full, spans)
+    if loss_scale is None:
+        loss_scale = LossScale()   # the default scale still reads the messages' own "loss"/"loss_scale"
+    if loss_scale.splits(messages):
+        pieces = loss_scale.weighted_spans(messages, spans, full)
+        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        labels = _labels(ids, offsets, _merge([(a, b) for a, b, _ in pieces]))
+        weights = None if loss_scale.is_binary else _token_weights(offsets, pieces, labels)
+        return cut(ids, labels, max_length, truncation, weights)
+    ids, labels = label_spans(tokenizer, full, loss_scale.spans(messages, spans, full))
     return cut(ids, labels, max_length, truncation)
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Touching ranges joined: a token across two weighted pieces of one answer stays a target."""
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(b, out[-1][1]))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _token_weights(offsets: list[tuple[int, int]], pieces: list[tuple[int, int, float]], labels: list[int]
+                   ) -> list[float]:
+    """Each token's weight: that of the piece its first character lies in (config/loss_scale.py), 0 for a
+    token without a target."""
+    weights = [0.0] * len(offsets)
+    pi = 0
+    for t, (a, _) in enumerate(offsets):
+        if labels[t] == IGNORE:
+            continue
+        while pi < len(pieces) and a >= pieces[pi][1]:
+            pi += 1
+        weights[t] = pieces[pi][2] if pi < len(pieces) and a >= pieces[pi][0] else 1.0
+    return weights
 
 
 def label_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -105,14 +142,18 @@ def label_spans(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tupl
     elsewhere. The fast tokenizer's offsets place every token, so a turn boundary never splits one."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = enc["input_ids"]
+    return ids, _labels(ids, enc["offset_mapping"], spans)
+
+
+def _labels(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
     labels = [IGNORE] * len(ids)
     si = 0
-    for t, (a, b) in enumerate(enc["offset_mapping"]):
+    for t, (a, b) in enumerate(offsets):
         while si < len(spans) and a >= spans[si][1]:
             si += 1
         if si < len(spans) and a >= spans[si][0] and b <= spans[si][1] and b > a:
             labels[t] = ids[t]
-    return ids, labels
+    return labels
 
 
 def encode_text(tokenizer: Any, text: str, max_length: int, *, truncation: str = "right") -> Encoded:

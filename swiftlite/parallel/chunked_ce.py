@@ -33,7 +33,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
     """forward(hidden [N,H], weight [V,H], bias [V] | None, targets [N], chunk) -> fp32 scalar."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk, need_h, need_w, need_b, dft=False):  # noqa: D401
+    def forward(ctx, hidden, weight, bias, targets, chunk, need_h, need_w, need_b, dft=False,  # noqa: D401
+                row_weights=None):
         n = hidden.shape[0]
         dtype = weight.dtype
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -56,15 +57,19 @@ class _ChunkedLinearCE(torch.autograd.Function):
             m = logits.amax(dim=-1, keepdim=True)
             s = logits.sub_(m).exp_().sum(dim=-1, keepdim=True)
             row_loss = m.squeeze(1) + s.log().squeeze(1) - target_logit
-            # DFT: each row's loss weighted by its target's probability exp(-loss), a constant
+            # DFT: each row's loss weighted by its target's probability exp(-loss), a constant; a
+            # weighted --loss-scale: by the row's weight; both constants, so the gradient scales alike
             p = torch.exp(-row_loss) if dft else None
-            total += (row_loss * p).sum() if dft else row_loss.sum()
+            if row_weights is not None:
+                rw = row_weights[start:end].to(row_loss.device, torch.float32)
+                p = rw if p is None else p * rw
+            total += (row_loss * p).sum() if p is not None else row_loss.sum()
             if not (need_h or need_w or need_b):
                 continue
             # d loss / d logits = softmax - one_hot(target) (DFT: times the row's constant weight)
             g = logits.div_(s)
             g[torch.arange(end - start, device=g.device), y] -= 1.0
-            if dft:
+            if p is not None:
                 g.mul_(p[:, None])
             g_mm = g.to(h.dtype) if g.dtype != h.dtype else g
             if need_h:
@@ -86,15 +91,17 @@ class _ChunkedLinearCE(torch.autograd.Function):
             raise RuntimeError("the chunked cross-entropy's backward ran twice (its gradients are consumed)")
         ctx.grads = None  # drop the references, so that autograd can take the tensors over as .grad
         grad_h, grad_w, grad_b = (None if g is None else g.mul_(grad_out.to(g.dtype)) for g in grads)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                             targets: torch.Tensor, chunk_tokens: int, dft: bool = False) -> torch.Tensor:
+                             targets: torch.Tensor, chunk_tokens: int, dft: bool = False,
+                             weights: torch.Tensor | None = None) -> torch.Tensor:
     """Summed cross-entropy of `targets` under logits = hidden @ weight.T + bias, in fp32, chunked over
     rows (`chunk_tokens` rows at a time). Every target must be a valid class (the caller drops ignored
     positions first). Differentiable in hidden, weight and bias. `dft`: each row's loss times its
-    target's probability, held constant (--enable-dft-loss; ms-swift's DFT)."""
+    target's probability, held constant (--enable-dft-loss; ms-swift's DFT); `weights` ([N], constants):
+    each row's loss times its weight (a weighted --loss-scale)."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
     grad = torch.is_grad_enabled()
@@ -102,4 +109,4 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: t
     need_w = grad and weight.requires_grad
     need_b = grad and bias is not None and bias.requires_grad
     return _ChunkedLinearCE.apply(hidden, weight, bias, targets, int(chunk_tokens), need_h, need_w, need_b,
-                                  bool(dft))
+                                  bool(dft), None if weights is None else weights.detach())

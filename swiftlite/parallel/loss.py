@@ -6,7 +6,10 @@
 one, IGNORE = -100 excluded), in fp32; the trainer divides by the target tokens of the global batch.
 With --enable-dft-loss (ms-swift's DFT) each token's term is weighted by its target's probability
 exp(-loss), held constant, in every impl that has per-token losses (chunked, plain; the rules refuse
-liger and cce, whose kernels return the sum only). With --router-aux-loss-coef (MoE models) the
+liger and cce, whose kernels return the sum only). Under a weighted --loss-scale (ms-swift's agent
+scales, config/loss_scale.py) the batch carries each token's weight as "loss_scale" (not a model input),
+and each target's term is multiplied by its weight (ms-swift's: the sum of weight x cross-entropy; the
+trainer still divides by the number of targets); the same impls, the same refusal of liger and cce. With --router-aux-loss-coef (MoE models) the
 model's router load-balancing loss is added, times the micro-batch's target tokens: divided by the
 step's targets, each micro-batch's aux loss counts by its share of them (ms-swift's weighting).
 `--loss-impl` picks how it is computed:
@@ -135,21 +138,24 @@ def token_loss_sum(module: "torch.nn.Module", batch: dict[str, "torch.Tensor"],
     `module` is what the backend runs (a DDP/FSDP/DeepSpeed wrapper, a peft model or the CausalLM).
     """
     opts = options or LossOptions()
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "loss_scale")}
+    weights = batch.get("loss_scale")
     head = _prepare(module, opts)
     if head is not None:
-        out = module(**inputs, use_cache=False, swiftlite_labels=batch["labels"])
+        out = module(**inputs, use_cache=False, swiftlite_labels=batch["labels"],
+                     **({"swiftlite_weights": weights} if weights is not None else {}))
         return out.loss_sum
-    return _plain(module, inputs, batch["labels"], opts.dft, opts.router_aux)
+    return _plain(module, inputs, batch["labels"], opts.dft, opts.router_aux, weights)
 
 
 def _plain(module: "torch.nn.Module", inputs: dict, labels: "torch.Tensor", dft: bool = False,
-           router_aux: float = 0.0) -> "torch.Tensor":
+           router_aux: float = 0.0, weights: "torch.Tensor | None" = None) -> "torch.Tensor":
     out = module(**inputs, use_cache=False, **({"output_router_logits": True} if router_aux else {}))
     logits = out.logits if hasattr(out, "logits") else out[0]
     labels = labels[:, 1:]
     logits = logits[:, :-1].float()
-    loss = _ce_sum(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), dft)
+    loss = _ce_sum(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), dft,
+                   None if weights is None else weights[:, 1:].reshape(-1))
     if router_aux:
         loss = loss + router_aux * out.aux_loss.float() * (labels != IGNORE).sum()
     return loss
@@ -170,15 +176,21 @@ def router_aux_loss(lm: Any, router_logits: Any, attention_mask: Any) -> "torch.
     return fn(router_logits, experts, top_k, attention_mask)
 
 
-def _ce_sum(logits: "torch.Tensor", targets: "torch.Tensor", dft: bool) -> "torch.Tensor":
+def _ce_sum(logits: "torch.Tensor", targets: "torch.Tensor", dft: bool,
+            weights: "torch.Tensor | None" = None) -> "torch.Tensor":
     """Summed cross-entropy (IGNORE excluded); `dft`: each token's loss times exp(-loss), detached
-    (ms-swift's DFT: the target's probability as a constant weight)."""
+    (ms-swift's DFT: the target's probability as a constant weight); `weights`: each token's loss times
+    its --loss-scale weight."""
     import torch
     import torch.nn.functional as F
-    if not dft:
+    if not dft and weights is None:
         return F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
     per_token = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="none")
-    return (per_token * torch.exp(-per_token.detach())).sum()
+    if dft:
+        per_token = per_token * torch.exp(-per_token.detach())
+    if weights is not None:
+        per_token = per_token * weights.to(per_token.device, torch.float32)
+    return per_token.sum()
 
 
 @dataclass
@@ -277,8 +289,10 @@ def _install(lm: Any) -> _Head:
     return state
 
 
-def _causal_lm_forward(self: Any, *args: Any, swiftlite_labels: "torch.Tensor | None" = None, **kwargs: Any):
-    """The CausalLM's forward: its original one, or (with swiftlite_labels) decoder + summed loss."""
+def _causal_lm_forward(self: Any, *args: Any, swiftlite_labels: "torch.Tensor | None" = None,
+                       swiftlite_weights: "torch.Tensor | None" = None, **kwargs: Any):
+    """The CausalLM's forward: its original one, or (with swiftlite_labels) decoder + summed loss
+    (`swiftlite_weights`: each token's --loss-scale weight, aligned with the labels)."""
     state = self.__dict__[_STATE]
     if swiftlite_labels is None:
         return state.original(self, *args, **kwargs)
@@ -293,11 +307,13 @@ def _causal_lm_forward(self: Any, *args: Any, swiftlite_labels: "torch.Tensor | 
     keep = labels != IGNORE
     h = hidden[:, :-1][keep]          # [targets, H]: only positions that have a target
     y = labels[keep]
+    w = None if swiftlite_weights is None else swiftlite_weights[:, 1:][keep].float()
     if state.fused:
         loss = self.get_output_embeddings()(h, swiftlite_targets=y, swiftlite_impl=state.impl,
-                                            swiftlite_chunk=state.chunk, swiftlite_dft=state.dft)
+                                            swiftlite_chunk=state.chunk, swiftlite_dft=state.dft,
+                                            **({"swiftlite_weights": w} if w is not None else {}))
     else:
-        loss = _ce_sum(self.get_output_embeddings()(h).float(), y, state.dft)
+        loss = _ce_sum(self.get_output_embeddings()(h).float(), y, state.dft, w)
     if state.router_aux:   # ms-swift's weighting: the micro-batch's share of the step's target tokens
         aux = router_aux_loss(self, out.router_logits, kwargs.get("attention_mask"))
         loss = loss + state.router_aux * aux.float() * y.numel()
@@ -321,7 +337,8 @@ def _summed_loss_class() -> type:
 
 
 def _head_forward(self: Any, hidden: "torch.Tensor", *, swiftlite_targets: "torch.Tensor | None" = None,
-                  swiftlite_impl: str = DEFAULT_LOSS_IMPL, swiftlite_chunk: int = 0, swiftlite_dft: bool = False):
+                  swiftlite_impl: str = DEFAULT_LOSS_IMPL, swiftlite_chunk: int = 0, swiftlite_dft: bool = False,
+                  swiftlite_weights: "torch.Tensor | None" = None):
     """lm_head's forward: the Linear, or (with swiftlite_targets) the summed loss of those targets.
     Running as this module's forward is what gives ZeRO-3 the gathered weight (module docstring)."""
     import torch
@@ -331,7 +348,10 @@ def _head_forward(self: Any, hidden: "torch.Tensor", *, swiftlite_targets: "torc
     if swiftlite_impl == "chunked":
         from swiftlite.parallel.chunked_ce import linear_cross_entropy_sum
         return linear_cross_entropy_sum(hidden, w, b, y, chunk_tokens_for(w.shape[0], swiftlite_chunk),
-                                        dft=swiftlite_dft)
+                                        dft=swiftlite_dft, weights=swiftlite_weights)
+    if swiftlite_weights is not None:   # the rules refuse it before launch (config/rules_targets.py)
+        raise UserError(f"--loss-impl {swiftlite_impl} returns the summed loss only; a weighted --loss-scale "
+                        "needs each token's: use --loss-impl chunked or plain")
     if swiftlite_impl in EXTRAS and not y.numel():  # no target on this rank: a zero still tied to the weight
         return torch.nn.Linear.forward(self, hidden).float().sum()
     if swiftlite_impl == "liger":

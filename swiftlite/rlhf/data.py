@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from swiftlite.data.formats import Message, _role_messages, to_messages
+from swiftlite.data.formats import Message, _role_messages, no_answer_fields, to_messages
 from swiftlite.data.pipeline import DataStats, Tokenized, train_and_validation
 from swiftlite.data.sources import load_rows
 from swiftlite.data.tokenize import IGNORE, assistant_spans, label_spans, render, system_prompt, with_system
@@ -94,6 +94,7 @@ def to_pair(row: dict, where: str) -> Pair:
         raise UserError(f"{where}: chosen and rejected must each end in an assistant answer")
     if pair.chosen == pair.rejected:
         raise UserError(f"{where}: the chosen and rejected answers are identical (nothing to prefer)")
+    no_answer_fields([*pair.prompt, *pair.chosen, *pair.rejected], where, "preference training")
     return pair
 
 

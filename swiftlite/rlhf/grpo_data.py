@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from swiftlite.data.formats import _history, _role_messages, _system, _text
+from swiftlite.data.formats import _history, _role_messages, _system, _text, no_answer_fields
 from swiftlite.data.pipeline import DataStats, Tokenized
 from swiftlite.data.sources import load_rows
 from swiftlite.data.tokenize import IGNORE, render, system_prompt, with_system
@@ -52,6 +52,7 @@ def to_prompt(row: dict, where: str) -> list[dict]:
     if not msgs or msgs[-1]["role"] != "user":
         last = msgs[-1]["role"] if msgs else "nothing"
         raise UserError(f"{where}: the prompt must end with a user turn (the model answers it), not {last}")
+    no_answer_fields(msgs, where, "GRPO")
     return msgs
 
 

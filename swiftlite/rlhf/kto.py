@@ -41,9 +41,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
-from swiftlite.data.formats import Message, _role_messages, to_messages
+from swiftlite.data.formats import Message, _role_messages, no_answer_fields, to_messages
 from swiftlite.data.loader import select
 from swiftlite.data.pipeline import DataStats, Tokenized, train_and_validation
 from swiftlite.data.sources import load_rows
@@ -89,6 +88,7 @@ def to_unpaired(row: dict, where: str) -> Unpaired:
         prompt, comp = msgs[:last], msgs[last:]
     if not any(m["role"] == "assistant" for m in comp):
         raise UserError(f"{where}: the completion must hold an assistant answer")
+    no_answer_fields([*prompt, *comp], where, "KTO")
     return Unpaired(prompt, comp, label)
 
 

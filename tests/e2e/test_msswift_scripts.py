@@ -140,6 +140,11 @@ SFT = [
                      "--split_dataset_ratio 0.25 --agent_template hermes --torch_dtype bfloat16 --packing true "
                      "--save_only_model true --per_device_eval_batch_size 1 --max_length 1024",
      {"agent_template": "hermes", "packing": True, "max_length": 1024}),
+    # examples/train/agent/loss_scale/train.sh: ms-swift's weighted hermes scale (tool calls weigh 2)
+    ("agent_loss_scale", f"sft {_C} {_LORA} --dataset {{agent}}#16 --load_from_cache_file true "
+                         "--split_dataset_ratio 0.25 --loss_scale hermes --agent_template hermes "
+                         "--modules_to_save embed_tokens lm_head --max_length 1024",
+     {"loss_scale": "hermes", "agent_template": "hermes", "modules_to_save": ["embed_tokens", "lm_head"]}),
     # examples/train/new_special_tokens/train.sh (its tokens file given as tokens here)
     ("new_special_tokens", f"sft {_C} {_LORA} --dataset {{messages}}#16 --new_special_tokens '<|0|>' '<|1|>' "
                            "--modules_to_save embed_tokens lm_head",
@@ -239,7 +244,7 @@ REFUSED = {
         ("--agent_template react_en", "template"),
 
         ("--galore_quantization true", "Q-GaLore"),
-        ("--loss_scale react", "loss scale"), ("--max_model_len 512000", "max_position_embeddings"),
+        ("--max_model_len 512000", "max_position_embeddings"),
         ("--reft_intervention_type LoreftIntervention", "tuner"), ("--response_prefix x", "template"),
         ("--rope_scaling yarn", "rope_scaling"),
         ("--sequence_parallel_size 8", "sequence parallelism"),

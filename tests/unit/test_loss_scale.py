@@ -78,8 +78,9 @@ def test_parse_names_and_refusals():
     assert parse("last_round+ignore_empty_think") == LossScale("last_round", ("ignore_empty_think",))
     assert parse("ignore_empty_think") == LossScale("default", ("ignore_empty_think",))
     assert parse(None) == LossScale()
-    with pytest.raises(ValueError, match="weighted agent loss scales"):
-        parse("hermes")
+    assert parse("hermes+ignore_empty_think") == LossScale("default", ("hermes", "ignore_empty_think"))
+    with pytest.raises(ValueError, match="'hermes' weights parts of the answers, and `all`"):
+        parse("all+hermes")
     with pytest.raises(ValueError, match="unknown loss scale 'nope'"):
         parse("last_round+nope")
 
@@ -139,7 +140,7 @@ def test_the_cache_tells_loss_scales_apart(tmp_path, tokenizer, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--loss_scale", "react"], "--loss-scale react: 'react' is one of ms-swift's weighted"),
+    (["--loss_scale", "react", "--loss_impl", "cce"], "--loss-scale react with --loss-impl cce: the fused kernel"),
     (["--loss_scale", "last_round"], None),
 ])
 def test_sft_flags(argv, message):
