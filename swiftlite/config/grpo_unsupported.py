@@ -38,7 +38,7 @@ GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("delta", "off_policy_sequence_mask_delta", "rollout_importance_sampling_mode",
       "rollout_importance_sampling_threshold", "top_entropy_quantile",
       "advantage_reweight", "dynamic_sample",
-      "max_resample_times", "completion_length_limit_scope", "tau_pos", "tau_neg", "real_tau", "fipo_clip_high_only",
+      "max_resample_times", "completion_length_limit_scope", "tau_pos", "tau_neg", "fipo_clip_high_only",
       "fipo_clip_range", "fipo_decay_rate", "fipo_safety_threshold", "sdar_gate_beta", "sdar_loss_coef",
       "rlsd_lambda", "rlsd_lambda_decay_steps", "rlsd_lambda_warmup_steps", "rlsd_negative_only",
       "rlsd_reweight_clip_range", "teacher_tag_key", "ref_model_sync_steps", "ref_model_mixup_alpha", "sync_ref_model")),

@@ -358,7 +358,7 @@ def _resume(c: RunConfig):
 
 #: GRPO's own RlhfConfig keys (schema.py), besides beta and loss_type.
 GRPO_KEYS = ("reward_funcs", "reward_weights", "num_generations", "max_completion_length", "temperature", "top_p",
-             "top_k", "epsilon", "epsilon_high", "num_iterations", "importance_sampling_level", "scale_rewards",
+             "top_k", "epsilon", "epsilon_high", "num_iterations", "importance_sampling_level", "scale_rewards", "real_tau",
              "log_completions", "log_rollout_offpolicy_metrics", "overlong_filter", "advantage_estimator", "kl_in_reward", "steps_per_generation", "generation_batch_size", "use_vllm", "vllm_mode", *VLLM_KEYS, "cosine_min_len_value_wrong",
              "cosine_max_len_value_wrong", "cosine_min_len_value_correct", "cosine_max_len_value_correct",
              "cosine_max_len", "repetition_n_grams", "repetition_max_penalty", "soft_max_length", "soft_cache_length", *TEACHER_KEYS, *CHORD_KEYS)
@@ -428,6 +428,29 @@ def _rlhf(c: RunConfig):
                 "logits at the answer tokens")
 
 
+def _real_problem(c: RunConfig) -> str | None:
+    """--loss_type real (REAL) and --real_tau: ms-swift's rules, and what this implementation needs (each round
+    trains one optimizer step: rlhf/grpo_loss.py; the plan's check in rlhf/grpo_data.py)."""
+    r = c.rlhf
+    if "real_tau" in c.explicit and r.loss_type != "real":
+        return f"--real-tau applies to --loss-type real (REAL); this run's loss is {r.loss_type or 'grpo'}: drop it"
+    if r.loss_type != "real":
+        return None
+    if not r.real_tau > 0:
+        return f"--real-tau {r.real_tau:g}: must be > 0"
+    if r.scale_rewards not in (None, "none"):
+        return (f"--scale-rewards {r.scale_rewards} with --loss-type real: REAL reads only the advantages' signs "
+                "and takes them unscaled (ms-swift sets none); drop the flag")
+    if r.teacher_model:
+        return ("--loss-type real with --teacher-model: REAL needs one advantage per completion, the teacher gives "
+                "one per token (ms-swift refuses it too)")
+    if r.num_iterations > 1:
+        return (f"--num-iterations {r.num_iterations} with --loss-type real: each generation round trains one "
+                "optimizer step here (REAL's group scores are 0 at the sampling policy, which makes its group loss "
+                "exact across micro-batches and processes); use 1")
+    return None
+
+
 @rule("grpo options")
 def _grpo(c: RunConfig):
     """ms-swift's GRPO argument checks that need no data, world size or plugin (those are in
@@ -445,7 +468,7 @@ def _grpo(c: RunConfig):
         return None
     if r.loss_type is not None and r.loss_type not in GRPO_LOSS_TYPES:
         return f"--loss-type {r.loss_type} does not apply to GRPO: choose from {', '.join(GRPO_LOSS_TYPES)}"
-    why = teacher_problem(c) or chord_problem(r, c.explicit)
+    why = teacher_problem(c) or chord_problem(r, c.explicit) or _real_problem(c)
     if why:
         return why
     if r.reward_weights is not None and len(r.reward_weights) != len(r.reward_funcs):

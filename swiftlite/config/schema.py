@@ -70,7 +70,7 @@ RLHF_TYPES = ("dpo", "orpo", "simpo", "cpo", "kto", "rm", "grpo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 #: --optim values (optim.build_optimizer builds each; transformers' OptimizerNames spellings, plus muon).
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd", "adagrad", "rmsprop", "adafactor", "muon")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "real")
 #: sft/pt --loss-type values (ms-swift's): with a binary --loss-scale both are the token cross-entropy.
 SFT_LOSS_TYPES = ("cross_entropy", "loss_scale")
 
@@ -411,6 +411,9 @@ class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, Section):   # GRPO: 
                                     "over its tokens of log p_policy - log p_ref at sampling) from its reward, "
                                     "instead of beta x the k3 KL in the loss. Default, ms-swift's: false for grpo, "
                                     "true for rloo and reinforce_plus_plus.")
+    real_tau: float = opt(0.5, "GRPO --loss-type real (REAL, ms-swift's): the temperature of its group loss, "
+                          "log(1 + sum_neg e^(s/tau)) + log(1 + sum_pos e^(-s/tau)) over each completion's mean "
+                          "token log-ratio s (ms-swift's default 0.5).")
     overlong_filter: bool = opt(False, "GRPO: leave the completions cut at --max-completion-length (no EOS) out "
                                 "of the loss and its metrics (their tokens masked; their rewards still shape the "
                                 "group's advantages, and dapo's normalizer still counts them, as ms-swift).")

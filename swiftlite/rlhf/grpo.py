@@ -39,7 +39,7 @@ from swiftlite.distributed import all_reduce_sum
 from swiftlite.errors import UserError
 from swiftlite.metrics import StepStats
 from swiftlite.rlhf.generate import completion_seed, gathered, sample, token_logps
-from swiftlite.rlhf.grpo_loss import (ESTIMATOR_DEFAULTS, GrpoLoss, advantages, clip_stats, micro_batch_loss,
+from swiftlite.rlhf.grpo_loss import (ESTIMATOR_DEFAULTS, GrpoLoss, advantages, clip_stats, micro_batch_loss, real_terms,
                                       token_terms)
 from swiftlite.rlhf.chord import ChordData, mu_schedule, sft_loss
 from swiftlite.rlhf.offpolicy import merge, offpolicy_metrics
@@ -93,7 +93,7 @@ def grpo_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) ->
     r = cfg.rlhf
     beta = 0.04 if r.beta is None else r.beta
     loss = GrpoLoss(r.loss_type or "grpo", beta, r.epsilon, r.epsilon if r.epsilon_high is None else r.epsilon_high,
-                    r.max_completion_length, r.importance_sampling_level, estimator_choices(r)[1])
+                    r.max_completion_length, r.importance_sampling_level, estimator_choices(r)[1], r.real_tau)
     sft = getattr(train, "sft", None)
     chord = None if sft is None else ChordData(sft.rows, r.chord_sft_per_device_train_batch_size, cfg.train.seed,
                                                world.rank, tokenizer.pad_token_id)
@@ -105,6 +105,8 @@ def estimator_choices(r: Any) -> tuple[str, bool]:
     """(--scale_rewards, --kl_in_reward) as given, else ms-swift's defaults for --advantage_estimator
     (group and false for grpo, none and true for rloo, batch and true for reinforce_plus_plus)."""
     scale, in_reward = ESTIMATOR_DEFAULTS[r.advantage_estimator]
+    if getattr(r, "loss_type", None) == "real":   # ms-swift's: REAL takes the advantages unscaled
+        scale = "none"
     return (r.scale_rewards or scale), (in_reward if r.kl_in_reward is None else bool(r.kl_in_reward))
 
 
@@ -324,8 +326,14 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     weights = torch.tensor(o.reward_weights or [1.0] * F, dtype=torch.float32)
     adv, rewards, std_zero = advantages(rpf, weights, G, estimator_choices(o)[0], o.advantage_estimator, kl,
                                         b.loss.beta)
+    real = b.loss.loss_type == "real"
+    if real:   # REAL's per-completion coefficients and value shares (rlhf/grpo_loss.py)
+        real_coef, real_value = real_terms(adv, G, b.loss.real_tau)
     for key, t in micro.items():
         t["advantages"] = adv[torch.tensor(key)].to(world.device)
+        if real:
+            t["advantages"] = real_coef[torch.tensor(key)].to(world.device)
+            t["real_value"] = real_value[torch.tensor(key)]
         if key in distil:     # [completions, tokens]: + coef x (log p_teacher - log p_old) per token
             t["advantages"] = token_advantages(t["advantages"], *distil[key], t["completion_mask"],
                                                o.teacher_kl_coef)
@@ -432,8 +440,10 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
             logps, ent = token_logps(module, t["prompt_ids"], t["prompt_mask"], t["completion_ids"], mask, temp, ctx,
                                      entropy=True)
             terms = token_terms(o, logps, t.get("old_logps"), t.get("ref_logps"), t["advantages"], lmask)
+            real = None if o.loss_type != "real" else \
+                (float(t["real_value"].sum()), b.plan.per_device * ga / b.plan.num_generations, terms.kl)
             objective = micro_batch_loss(o, terms.per_token_loss, lmask, accumulation=ga, round_tokens=cur.tokens,
-                                         steps_per_generation=S, world_size=world.world_size)
+                                         steps_per_generation=S, world_size=world.world_size, real=real)
             if b.chord is not None:            # CHORD: (1 - mu) x GRPO's + mu x SFT / GA (rlhf/chord.py)
                 objective = (1.0 - mu) * objective
             engine.backward(objective)

@@ -215,6 +215,10 @@ def prepare_prompts(cfg: Any, tokenizer: Any, world_size: int, *,
         train.sft = _chord_rows(cfg, tokenizer, progress)
     plan = GrpoPlan(len(train.rows), t.per_device_train_batch_size, world_size, t.gradient_accumulation_steps,
                     t.seed, r.num_generations, S, r.num_iterations)
+    if r.loss_type == "real" and plan.steps_per_round > 1:
+        raise UserError(f"--loss-type real: a generation round of {per_round} completions serves {plan.steps_per_round} "
+                        "optimizer steps; REAL needs one (its group loss is exact here at the sampling policy: "
+                        "rlhf/grpo_loss.py): make --steps-per-generation / --generation-batch-size one step's worth")
     if plan.steps_per_epoch == 0:
         raise UserError(f"--dataset has {len(train.rows)} usable prompts, fewer than one generation round of "
                         f"{plan.round_prompts} prompts ({per_round} completions / --num-generations {r.num_generations})")

@@ -26,7 +26,18 @@ Aggregation over one micro-batch (mask m: completion tokens up to and including 
     dr_grpo  sum m loss / (completions x --max_completion_length)
     dapo     sum m loss / (tokens of the generation round x GA / steps_per_generation / processes)
 and the optimizer step's loss is the mean of its micro-batches' (TRL divides by the accumulation
-steps and the backends average over ranks). `micro_batch_loss` is each micro-batch's share, what is
+steps and the backends average over ranks).
+
+REAL (--loss_type real, ms-swift's, arXiv 2602.05630) is no per-token loss: each completion's score is
+its mean token log-ratio s_i = mean_t m (l - l_old), and each group whose advantages hold both a positive
+and a non-positive one (a valid group) gives
+    log(1 + sum_{neg} exp(s_j / tau)) + log(1 + sum_{pos} exp(-s_j / tau))           (tau: --real_tau)
+summed over the valid groups and divided by the number of groups, plus beta x the token-mean k3 KL.
+Here each round trains one optimizer step (the rules refuse more), so l_old is l detached and every s_i
+is 0 at the step: the loss is log(1 + n_neg) + log(1 + n_pos) per valid group and its gradient
+sum_i c_i ds_i, c_i = 1 / (tau (n_neg + 1)) for a non-positive completion, -1 / (tau (n_pos + 1)) for a
+positive one (`real_terms`). That linear form lets a group's completions sit in different micro-batches
+and processes, with the same value and gradient as ms-swift's group-by-group formula. `micro_batch_loss` is each micro-batch's share, what is
 backpropagated (TRL's `_compute_loss` return value): grpo, bnpo and dr_grpo the above / GA; dapo its
 token sum over (the round's completion tokens on all processes / processes x GA / steps_per_generation),
 which already holds the accumulation, so that a step's GA micro-batches, averaged over the processes,
@@ -39,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "real")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
 #: ms-swift's defaults tied to --advantage_estimator: (--scale_rewards, --kl_in_reward).
 ESTIMATOR_DEFAULTS = {"grpo": ("group", False), "rloo": ("none", True), "reinforce_plus_plus": ("batch", True)}
@@ -103,6 +114,21 @@ class GrpoLoss:
     max_completion_length: int = 512
     importance_sampling_level: str = "token"
     kl_in_reward: bool = False         # beta's KL is in the rewards (advantages), not in the loss
+    real_tau: float = 0.5              # --real_tau (REAL's temperature)
+
+
+def real_terms(adv: torch.Tensor, num_generations: int, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c [N], v [N]) of REAL (module docstring) for a generation batch's advantages [N], laid out group
+    by group: c_i the gradient coefficient of completion i's score, v_i its group's loss / G (a share, so
+    that summing v over any set of whole or split groups adds up). Positive: advantage > 0 (ms-swift's)."""
+    groups = adv.view(-1, num_generations)
+    pos = groups > 0
+    n_pos = pos.sum(dim=1, keepdim=True).to(adv.dtype)
+    n_neg = (~pos).sum(dim=1, keepdim=True).to(adv.dtype)
+    valid = ((n_pos > 0) & (n_neg > 0)).to(adv.dtype)
+    coef = torch.where(pos, -1.0 / (tau * (n_pos + 1)), 1.0 / (tau * (n_neg + 1))) * valid
+    value = (torch.log1p(n_neg) + torch.log1p(n_pos)) * valid / num_generations
+    return coef.reshape(-1), value.expand_as(groups).reshape(-1)
 
 
 @dataclass
@@ -120,6 +146,15 @@ def token_terms(o: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor | None
     old = logps.detach() if old_logps is None else old_logps
     a = adv if adv.dim() == 2 else adv.unsqueeze(1)
     log_ratio = logps - old
+    if o.loss_type == "real":
+        # `adv` holds REAL's coefficients c_i (real_terms): c_i x s_i, spread over the tokens
+        m = mask.to(log_ratio.dtype)
+        loss = a * log_ratio * m / m.sum(-1, keepdim=True).clamp(min=1.0)
+        kl = None
+        if o.beta != 0.0 and not o.kl_in_reward:
+            d = ref_logps - logps
+            kl = torch.exp(d) - d - 1   # token-mean over the micro-batch, added in aggregate (ms-swift's)
+        return TokenTerms(loss, torch.exp(log_ratio), kl)
     if o.importance_sampling_level == "token":
         ratio = torch.exp(log_ratio)
     elif o.importance_sampling_level in ("sequence", "sequence_token"):
@@ -139,8 +174,8 @@ def token_terms(o: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor | None
     return TokenTerms(loss.expand_as(logps) if loss.shape != logps.shape else loss, ratio, kl)
 
 
-def aggregate(o: GrpoLoss, per_token_loss: torch.Tensor, mask: torch.Tensor, dapo_tokens: float | None = None
-              ) -> torch.Tensor:
+def aggregate(o: GrpoLoss, per_token_loss: torch.Tensor, mask: torch.Tensor, dapo_tokens: float | None = None,
+              real: tuple[float, float, torch.Tensor | None] | None = None) -> torch.Tensor:
     """One micro-batch's loss per --loss_type (module docstring). `dapo_tokens`: dapo's normalizer,
     the generation round's tokens x GA / steps_per_generation / processes (TRL's)."""
     m = mask.to(per_token_loss.dtype)
@@ -153,17 +188,31 @@ def aggregate(o: GrpoLoss, per_token_loss: torch.Tensor, mask: torch.Tensor, dap
         return s.sum() / (per_token_loss.size(0) * o.max_completion_length)
     if o.loss_type == "dapo":
         return s.sum() / max(1.0, float(dapo_tokens if dapo_tokens is not None else m.sum()))
+    if o.loss_type == "real":   # real = (sum of the completions' value shares, groups, k3 KL or None)
+        value, groups, kl = real
+        out = (s.sum() + value) / groups
+        return out if kl is None else out + o.beta * (kl * m).sum() / m.sum().clamp(min=1.0)
     raise ValueError(f"loss_type {o.loss_type!r}")
 
 
 def micro_batch_loss(o: GrpoLoss, per_token_loss: torch.Tensor, mask: torch.Tensor, *, accumulation: int = 1,
                      round_tokens: float | None = None, steps_per_generation: int | None = None,
-                     world_size: int = 1) -> torch.Tensor:
+                     world_size: int = 1, real: tuple[float, float, torch.Tensor | None] | None = None
+                     ) -> torch.Tensor:
     """What one micro-batch backpropagates (TRL's `_compute_loss` in training): `aggregate` / GA for
     grpo, bnpo and dr_grpo; for dapo the token sum over round_tokens x GA / steps_per_generation /
     world_size, `round_tokens` being the completion tokens of the whole generation round summed over
     all processes (TRL's num_items_in_batch). Without round_tokens (one micro-batch is the round on one
-    process) dapo's normaliser is the micro-batch's own tokens."""
+    process) dapo's normaliser is the micro-batch's own tokens. `real`: (the micro-batch's completions'
+    value shares, the groups per optimizer step and process, the k3 KL or None): REAL's sum over its
+    groups / the step's groups on this process, its KL token mean / GA (ms-swift's per micro-batch)."""
+    if o.loss_type == "real":
+        value, groups, kl = real
+        part = aggregate(o, per_token_loss, mask, real=(value, groups, None))
+        if kl is not None:
+            m = mask.to(per_token_loss.dtype)
+            part = part + o.beta * (kl * m).sum() / m.sum().clamp(min=1.0) / accumulation
+        return part
     if o.loss_type == "dapo":
         if round_tokens is None:
             return aggregate(o, per_token_loss, mask)
@@ -188,4 +237,4 @@ def clip_stats(o: GrpoLoss, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.
 
 
 __all__ = ["ADVANTAGE_ESTIMATORS", "ESTIMATOR_DEFAULTS", "GrpoLoss", "IMPORTANCE_LEVELS", "LOSS_TYPES", "TokenTerms", "advantages", "aggregate", "clip_stats", "micro_batch_loss",
-           "nanstd", "token_terms"]
+           "nanstd", "real_terms", "token_terms"]

@@ -235,3 +235,34 @@ def test_generation_batch_size_sets_the_round(files, tmp_path):
                    check=False)
     assert proc.returncode == 2 and "--generation-batch-size 12: must be a multiple of per-device 4 x 1 processes" \
         in proc.stderr and not (tmp_path / "bad").exists()
+
+
+def test_real_loss_is_its_group_formula(files, tmp_path):
+    """--loss_type real (REAL, ms-swift's examples/train/grpo/internal/real.sh): the first step's loss is
+    sum over the groups with both signs of log(1 + n_non-positive) + log(1 + n_positive), / the groups
+    (every score is 0 at the sampling policy; the first round's KL to the reference is 0), read back from
+    the completions table's advantages (unscaled: ms-swift's --scale_rewards none); a round that serves two
+    optimizer steps is refused before anything is written."""
+    base = ["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--external-plugins", files / "plugin.py",
+            "--reward-funcs", "length", "--loss_type", "real", "--real_tau", "0.5", "--log-completions", "true",
+            "--learning-rate", "1e-2", "--max-steps", "2"]
+    run_cli([*base, "--output-dir", tmp_path / "r"], env=_env(files))
+    steps = _steps(tmp_path / "r")
+    assert [s["step"] for s in steps] == [1, 2] and math.isfinite(steps[1]["loss"])
+    rows = [json.loads(x) for x in (tmp_path / "r" / "completions.jsonl").read_text().splitlines()]
+    groups: dict[str, list[float]] = {}
+    for r in rows:
+        if r["step"] == 1:
+            groups.setdefault(r["prompt"], []).append(r["advantage"])
+    assert len(groups) == 2 and all(len(g) == 4 for g in groups.values())
+    expected = 0.0
+    for adv in groups.values():
+        n_pos = sum(a > 0 for a in adv)
+        if 0 < n_pos < len(adv):
+            expected += math.log(1 + len(adv) - n_pos) + math.log(1 + n_pos)
+    expected /= len(groups)
+    assert expected > 0 and steps[0]["loss"] == pytest.approx(expected, rel=1e-5)
+    proc = run_cli([*base, "--generation_batch_size", "16", "--output-dir", tmp_path / "bad"], env=_env(files),
+                   check=False)
+    assert proc.returncode == 2 and "--loss-type real: a generation round of 16 completions serves 2" in proc.stderr \
+        and not (tmp_path / "bad").exists()
