@@ -90,10 +90,12 @@ def test_hermes_step_loss_is_the_weighted_mean(world, tmp_path):
     # the weights act: the binary scale's mean is another number
     assert abs(expected - _expected(world, "agent.jsonl", "default")) > 0.05 * expected
 
-    # 2 DDP processes: the same step (the weighted sum over all ranks / all targets)
-    run_cli(_args(world, "agent.jsonl", tmp_path / "ddp", "--loss_scale", "hermes", "--agent_template", "hermes",
-                  "--nproc_per_node", "2", "--parallelism", "ddp", "--gradient_accumulation_steps", "1"))
-    assert read_losses(tmp_path / "ddp")[1] == pytest.approx(expected, rel=1e-5)
+    # 2 processes, DDP and ZeRO-3 (the weights through DeepSpeed's engine forward): the same step (the
+    # weighted sum over all ranks / all targets)
+    for backend in ("ddp", "zero3"):
+        run_cli(_args(world, "agent.jsonl", tmp_path / backend, "--loss_scale", "hermes", "--agent_template", "hermes",
+                      "--nproc_per_node", "2", "--parallelism", backend, "--gradient_accumulation_steps", "1"))
+        assert read_losses(tmp_path / backend)[1] == pytest.approx(expected, rel=1e-5), backend
 
     # a cached dataset written under the scale holds the weights (ms-swift's loss_scale column)
     run_cli(["export", "--model", world / "model", "--to_cached_dataset", "true", "--output_dir", tmp_path / "c",
