@@ -42,8 +42,6 @@ GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "fipo_clip_range", "fipo_decay_rate", "fipo_safety_threshold", "sdar_gate_beta", "sdar_loss_coef",
       "rlsd_lambda", "rlsd_lambda_decay_steps", "rlsd_lambda_warmup_steps", "rlsd_negative_only",
       "rlsd_reweight_clip_range", "teacher_tag_key", "ref_model_sync_steps", "ref_model_mixup_alpha", "sync_ref_model")),
-    ("reward models are not available as GRPO rewards: write a reward function (--external-plugins, swiftlite.plugin)",
-     ("reward_model", "reward_model_plugin")),
     (_ROLLOUT, ("gym_env", "use_gym_env", "max_turns", "multi_turn_scheduler")),
     ("sampling takes --temperature, --top-p and --top-k only: drop the flag", ("min_p",)),
     ("GRPO has no validation yet (the training metrics log every round's rewards): drop the flag",

@@ -137,7 +137,8 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (_PPO, ("num_ppo_epochs", "whiten_rewards", "kl_coef", "cliprange", "vf_coef", "cliprange_value", "gamma", "lam",
             "num_mini_batches", "local_rollout_forward_batch_size", "num_sample_generations", "response_length",
             "missing_eos_penalty")),
-    ("reward models are not used here (no reward-model training or PPO): drop the flag",
+    ("a --reward-model is read as its folder (or hub id) is: its config.json's architecture, its tokenizer's chat "
+     "template, its weights merged (export an rm run's adapter with `swiftlite export --merge-lora`): drop the flag",
      ("reward_adapters", "reward_model_type", "reward_model_revision", "reward_template")),
     ("the reference model is --ref-model (a preset, folder or hub id) or, by default, the starting weights "
      "(with LoRA: the base with the adapter disabled); merge an adapter into a folder with `swiftlite export "

@@ -357,7 +357,7 @@ def _resume(c: RunConfig):
 
 
 #: GRPO's own RlhfConfig keys (schema.py), besides beta and loss_type.
-GRPO_KEYS = ("reward_funcs", "reward_weights", "num_generations", "max_completion_length", "temperature", "top_p",
+GRPO_KEYS = ("reward_funcs", "reward_model", "reward_model_plugin", "reward_weights", "num_generations", "max_completion_length", "temperature", "top_p",
              "top_k", "epsilon", "epsilon_high", "num_iterations", "importance_sampling_level", "scale_rewards", "real_tau",
              "log_completions", "log_rollout_offpolicy_metrics", "overlong_filter", "advantage_estimator", "kl_in_reward", "steps_per_generation", "generation_batch_size", "use_vllm", "vllm_mode", *VLLM_KEYS, "cosine_min_len_value_wrong",
              "cosine_max_len_value_wrong", "cosine_min_len_value_correct", "cosine_max_len_value_correct",
@@ -428,6 +428,22 @@ def _rlhf(c: RunConfig):
                 "logits at the answer tokens")
 
 
+def _reward_model_problem(r) -> str | None:
+    """--reward_model / --reward_model_plugin (rlhf/reward_model.py)."""
+    models, plugins = r.reward_model or [], r.reward_model_plugin or []
+    if plugins and not models:
+        return "--reward-model-plugin applies to --reward-model: drop it"
+    if plugins and len(plugins) != len(models):
+        return (f"--reward-model-plugin has {len(plugins)} values for {len(models)} --reward-model (one plugin each)")
+    bad = [p for p in plugins if p != "default"]
+    if bad:
+        return (f"--reward-model-plugin {bad[0]}: only ms-swift's `default` plugin is available (the classifier's "
+                "first logit); generative judges (genrm) and ms-swift's Python plugin classes are not: write a "
+                "reward function instead (--external-plugins, swiftlite.plugin)")
+    from swiftlite.rlhf.reward_model import config_problem
+    return next((w for w in map(config_problem, models) if w), None)
+
+
 def _real_problem(c: RunConfig) -> str | None:
     """--loss_type real (REAL) and --real_tau: ms-swift's rules, and what this implementation needs (each round
     trains one optimizer step: rlhf/grpo_loss.py; the plan's check in rlhf/grpo_data.py)."""
@@ -471,9 +487,13 @@ def _grpo(c: RunConfig):
     why = teacher_problem(c) or chord_problem(r, c.explicit) or _real_problem(c)
     if why:
         return why
-    if r.reward_weights is not None and len(r.reward_weights) != len(r.reward_funcs):
-        return (f"--reward-weights has {len(r.reward_weights)} values for {len(r.reward_funcs)} --reward-funcs "
-                "(one weight per function)")
+    n_rewards = len(r.reward_funcs) + len(r.reward_model or [])
+    if r.reward_weights is not None and len(r.reward_weights) != n_rewards:
+        return (f"--reward-weights has {len(r.reward_weights)} values for {len(r.reward_funcs)} --reward-funcs and "
+                f"{len(r.reward_model or [])} --reward-model (one weight each, in that order)")
+    why = _reward_model_problem(r)
+    if why:
+        return why
     checks = [("max_completion_length", r.max_completion_length >= 1), ("temperature", r.temperature > 0),
               ("top_p", 0 < r.top_p <= 1), ("top_k", r.top_k == -1 or r.top_k >= 1), ("epsilon", r.epsilon >= 0),
               ("epsilon_high", r.epsilon_high is None or r.epsilon_high >= 0), ("num_iterations", r.num_iterations >= 1),

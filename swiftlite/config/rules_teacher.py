@@ -34,9 +34,9 @@ def teacher_problem(c: RunConfig) -> str | None:
     """GRPO's reward/group rules with or without --teacher_model, and --teacher_deepspeed's place."""
     r = c.rlhf
     if r.teacher_model is None:
-        if not r.reward_funcs:
+        if not r.reward_funcs and not r.reward_model:
             return ("--rlhf-type grpo needs --reward-funcs (built-in: accuracy, format, cosine, repetition, "
-                    "soft_overlong) or --teacher-model (on-policy distillation)")
+                    "soft_overlong), --reward-model or --teacher-model (on-policy distillation)")
         if r.num_generations < 2:
             return (f"--num-generations {r.num_generations}: GRPO needs at least 2 completions per prompt (the "
                     "advantages are relative to the group); 1 is for on-policy distillation (--teacher-model)")

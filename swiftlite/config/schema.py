@@ -385,7 +385,14 @@ class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, Section):   # GRPO: 
     reward_funcs: list[str] = opt(help="GRPO: reward functions, built-in (accuracy, format, cosine, repetition, "
                                   "soft_overlong) or registered in `orms` by an --external-plugins file.",
                                   factory=list)
-    reward_weights: list[float] | None = opt(None, "GRPO: one weight per reward function (default: all 1).")
+    reward_model: list[str] | None = opt(None, "GRPO: reward models (folders or hub ids of one-output sequence classifiers, "
+                                  "e.g. `swiftlite rlhf --rlhf_type rm` exported), each a reward after the "
+                                  "--reward-funcs ones: the first logit on the conversation rendered with its own "
+                                  "chat template (ms-swift's default reward-model plugin).")
+    reward_model_plugin: list[str] | None = opt(None, "GRPO: one plugin per --reward-model; only ms-swift's "
+                                                "`default` (the classifier's score) is available.")
+    reward_weights: list[float] | None = opt(None, "GRPO: one weight per reward function, then per reward model "
+                                             "(default: all 1).")
     num_generations: int = opt(8, "GRPO: completions sampled per prompt (the group size G); at least 2.")
     max_completion_length: int = opt(512, "GRPO: most tokens generated per completion.")
     temperature: float = opt(0.9, "GRPO: sampling temperature (also divides the logits the loss scores).")

@@ -139,6 +139,8 @@ class Workload:
     teacher_params: int = 0              # GRPO --teacher_model: the frozen teacher's parameters (0: none, or
                                          # the policy's base with the adapter disabled)
     teacher_partitioned: bool = False    # --teacher_deepspeed of stage 3: the teacher sharded over all ranks
+    reward_model_params: int = 0         # GRPO --reward_model: the frozen reward models' parameters, a whole
+                                         # copy on every rank (rlhf/reward_model.py)
     generation_length: int = 0           # GRPO: prompt + completion tokens a generated sequence reaches
                                          # (0: no generation); micro_batch sequences are generated at once
     whole_matrices: str = ""              # the flag of an optimizer that needs each matrix whole (--optim muon,
@@ -535,7 +537,8 @@ def reference_bytes(shape: ModelShape, w: Workload, backend: str | Backend) -> i
     """DPO's frozen reference copy per rank (rlhf/frozen.py; 0 unless w.reference == "copy"), plus GRPO's
     frozen teacher (w.teacher_params): the weights in the compute dtype, no grads or optimizer state,
     laid out like the policy's parameters (sharded under fsdp/fsdp1/zero3, over a shard group under
-    hsdp; a replica under single/ddp/ZeRO-1/2)."""
+    hsdp; a replica under single/ddp/ZeRO-1/2), and GRPO's reward models (w.reward_model_params), whole
+    on every rank whatever the backend."""
     rec = backend_record(backend)
     n = 1 if rec.memory_family == "single" else _sharding_ranks(w, rec.memory_family)
     nbytes = shape.n_params * w.elem if w.reference == "copy" else 0
@@ -547,7 +550,7 @@ def reference_bytes(shape: ModelShape, w: Workload, backend: str | Backend) -> i
         teacher = _ceil_div(teacher, max(1, w.world_size))
     elif rec.shards[0]:
         teacher = _ceil_div(teacher, n)
-    return ref + teacher
+    return ref + teacher + w.reward_model_params * w.elem
 
 
 def kv_cache_bytes(shape: ModelShape, w: Workload) -> int:

@@ -223,6 +223,7 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         reference="copy" if copy else "none", generation_length=seq_len if grpo and seq_len else 0,
         teacher_params=_teacher_params(cfg) if grpo else 0,
         teacher_partitioned=grpo and (r.teacher_deepspeed or "").startswith("zero3"),
+        reward_model_params=_reward_model_params(r.reward_model) if grpo else 0,
         whole_matrices=whole_matrix_optimizer(cfg),
         # CHORD's expert rows: sft rows of at most --max_length, a micro-batch of their own per step
         side_batch=((r.chord_sft_per_device_train_batch_size or 0, cfg.data.max_length or 0)
@@ -247,6 +248,11 @@ def whole_matrix_optimizer(cfg: "RunConfig") -> str:
     if name in WHOLE_MATRIX:
         return f"--optimizer {name}" if cfg.optim.optimizer == name else f"--optim {name}"
     return ""
+
+
+def _reward_model_params(paths: list[str] | None) -> int:
+    from swiftlite.rlhf.reward_model import reward_model_params
+    return reward_model_params(paths) if paths else 0
 
 
 def _teacher_params(cfg: "RunConfig") -> int:

@@ -133,6 +133,11 @@ def setup(run: Any) -> Any:
             b.reference_kind = "the base model with the adapter disabled"
     from swiftlite.rlhf.teacher import setup_teacher
     b.teacher, b.teacher_kind = setup_teacher(run)
+    if cfg.rlhf.reward_model:   # after the reward functions, as ms-swift orders them (rlhf/reward_model.py)
+        from swiftlite.models.loading import torch_dtype
+        from swiftlite.rlhf.reward_model import build_reward_models
+        b.rewards = [*b.rewards, *build_reward_models(cfg.rlhf, run.world.device, torch_dtype(cfg.model.torch_dtype),
+                                                      cfg.model.trust_remote_code)]
     if cfg.rlhf.use_vllm and cfg.rlhf.vllm_mode == "server":    # `swiftlite rollout` server(s)
         from swiftlite.rlhf.rollout_client import ServerGenerator
         b.vllm = ServerGenerator(cfg.rlhf, world=run.world)

@@ -268,7 +268,8 @@ class GrpoTask(Task):
     def dry_run_lines(self, cfg: Any) -> list[str]:
         r = cfg.rlhf
         return [f"grpo:           {r.loss_type or 'grpo'} loss, beta {0.04 if r.beta is None else r.beta:g}, "
-                f"{r.num_generations} completions per prompt, rewards {', '.join(r.reward_funcs) or 'none'}"
+                f"{r.num_generations} completions per prompt, rewards "
+                f"{', '.join([*r.reward_funcs, *(r.reward_model or [])]) or 'none'}"
                 + (f", teacher {r.teacher_model} (x {r.teacher_kl_coef:g} per token)" if r.teacher_model else "")
                 + "; batches count completions"]
 

@@ -306,6 +306,13 @@ CASES: list[Case] = [
          setup=write("pairs.jsonl", json.dumps({"messages": [{"role": "user", "content": "q"},
                                                              {"role": "assistant", "content": "a", "loss_scale": 2}],
                                                 "rejected_response": "b"}) + "\n")),
+    Case("msswift-grpo-genrm-plugin", ["rlhf", "--rlhf_type", "grpo", *GOOD, *DATA, "--reward_model", "org/rm",
+                                       "--reward_model_plugin", "genrm"],
+         "--reward-model-plugin genrm: only ms-swift's `default` plugin is available"),
+    Case("msswift-grpo-reward-model-not-a-classifier", ["rlhf", "--rlhf_type", "grpo", *GOOD, *DATA,
+                                                        "--reward_model", "lm"],
+         "--reward_model lm: a LlamaForCausalLM with 2 outputs",
+         setup=write("lm/config.json", '{"architectures": ["LlamaForCausalLM"]}')),
     Case("msswift-is-binary-loss-scale-pt", ["pt", *GOOD, *DATA, "--is_binary_loss_scale", "false"],
          "--is-binary-loss-scale false: loss weights are for sft's chat rows; pt has its own targets"),
     Case("msswift-loss-scale-weighted-liger", ["sft", *GOOD, *DATA, "--loss_scale", "react", "--loss_impl", "liger"],
@@ -411,8 +418,8 @@ CASES: list[Case] = [
          "have",
          more=("error: --teacher-deepspeed zero3 applies to a DeepSpeed run (--deepspeed zero2, ...)",)),
     Case("grpo-no-rewards-no-teacher", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--num_generations", "1"],
-         "error: --rlhf-type grpo needs --reward-funcs (built-in: accuracy, format, cosine, repetition, soft_overlong) "
-         "or --teacher-model (on-policy distillation)"),
+         "error: --rlhf-type grpo needs --reward-funcs (built-in: accuracy, format, cosine, repetition, soft_overlong), "
+         "--reward-model or --teacher-model (on-policy distillation)"),
     # --quant_method hqq (models/hqq.py): sharding backends, HQQ's bit widths, bitsandbytes options
     Case("hqq-fsdp", ["sft", *GOOD, *DATA, "--quant_method", "hqq", "--quant_bits", "4", "--parallelism", "fsdp",
                       "--nproc_per_node", "2"],

@@ -266,3 +266,38 @@ def test_real_loss_is_its_group_formula(files, tmp_path):
                    check=False)
     assert proc.returncode == 2 and "--loss-type real: a generation round of 16 completions serves 2" in proc.stderr \
         and not (tmp_path / "bad").exists()
+
+
+def test_a_reward_model_scores_the_completions(files, tmp_path):
+    """--reward_model (ms-swift's default plugin): a one-output classifier, here built like an exported
+    `swiftlite rlhf --rlhf_type rm` folder, is a reward after the functions; each logged completion's
+    score equals the classifier's score of the prompt + completion conversation."""
+    import re
+
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
+    from swiftlite.rlhf.reward_model import RewardModelScorer
+    rm = tmp_path / "tiny-rm"
+    conf = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, vocab_size=TINY_VOCAB, max_position_embeddings=512, num_labels=1,
+                       eos_token_id=258, pad_token_id=259, bos_token_id=None)
+    torch.manual_seed(0)
+    Qwen2ForSequenceClassification(conf).save_pretrained(rm)
+    AutoTokenizer.from_pretrained(TINY_TOKENIZER).save_pretrained(rm)
+    run_cli(["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--reward_funcs", "format", "--reward_model", rm,
+             "--reward_weights", "1", "2", "--log-completions", "true", "--max-steps", "1",
+             "--output-dir", tmp_path / "g"])
+    step = _steps(tmp_path / "g")[0]
+    rows = [json.loads(x) for x in (tmp_path / "g" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and all(set(r["rewards"]) == {"Format", "tiny-rm"} for r in rows)
+    scorer = RewardModelScorer(str(rm), "cpu", torch.float32)
+    convs = [[{"role": "user", "content": re.search(r"reverse: \w+", r["prompt"]).group(0)},
+              {"role": "assistant", "content": r["completion"]}] for r in rows]
+    want = scorer([r["completion"] for r in rows], messages=convs)
+    assert [r["rewards"]["tiny-rm"] for r in rows] == pytest.approx(want, rel=1e-4, abs=1e-6)
+    assert step["rewards/tiny-rm/mean"] == pytest.approx(sum(want) / len(want), rel=1e-4, abs=1e-6)
+    # the weights apply in order (functions, then models): reward = format + 2 x score
+    assert step["reward"] == pytest.approx(sum(r["rewards"]["Format"] + 2 * r["rewards"]["tiny-rm"] for r in rows) / 8,
+                                           rel=1e-4, abs=1e-6)
