@@ -362,7 +362,7 @@ class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, Section):   # GRPO: 
                              "GRPO's KL weight (0: no reference model). Default: 2.0 for simpo, 0.04 for grpo, "
                              "0.1 otherwise (ms-swift's).")
     loss_type: str | None = opt(None, "DPO loss: sigmoid (default), ipo (on per-token mean log-ratios, as TRL) or "
-                                "hinge. GRPO loss aggregation: grpo (default, ms-swift's), bnpo, dr_grpo or dapo "
+                                "hinge. GRPO loss aggregation: grpo (default, ms-swift's), bnpo, dr_grpo, dapo or real (REAL) "
                                 "(docs/rlhf.md). sft/pt: cross_entropy or loss_scale, both the sum of weight x "
                                 "cross-entropy over --loss-scale's targets / their number (weight 1 unless a "
                                 "weighted scale).",
