@@ -20,6 +20,7 @@ from swiftlite.config.rules_vllm import vllm_problem
 from swiftlite.config.chord_options import CHORD_KEYS, chord_problem
 from swiftlite.config.muonclip_options import muonclip_args
 from swiftlite.config.rules_teacher import teacher_problem
+from swiftlite.config.rules_grpo_loss import _real_problem, _reward_model_problem
 from swiftlite.config.teacher_options import TEACHER_KEYS
 from swiftlite.config.vllm_options import VLLM_KEYS
 from swiftlite.config.data_options import TEMPLATE_NAMES
@@ -426,45 +427,6 @@ def _rlhf(c: RunConfig):
     if c.train.loss_impl != "chunked" and "loss_impl" in c.explicit:
         return (f"--loss-impl {c.train.loss_impl} does not apply to rlhf: its log-probs come from the model's "
                 "logits at the answer tokens")
-
-
-def _reward_model_problem(r) -> str | None:
-    """--reward_model / --reward_model_plugin (rlhf/reward_model.py)."""
-    models, plugins = r.reward_model or [], r.reward_model_plugin or []
-    if plugins and not models:
-        return "--reward-model-plugin applies to --reward-model: drop it"
-    if plugins and len(plugins) != len(models):
-        return (f"--reward-model-plugin has {len(plugins)} values for {len(models)} --reward-model (one plugin each)")
-    bad = [p for p in plugins if p != "default"]
-    if bad:
-        return (f"--reward-model-plugin {bad[0]}: only ms-swift's `default` plugin is available (the classifier's "
-                "first logit); generative judges (genrm) and ms-swift's Python plugin classes are not: write a "
-                "reward function instead (--external-plugins, swiftlite.plugin)")
-    from swiftlite.rlhf.reward_model import config_problem
-    return next((w for w in map(config_problem, models) if w), None)
-
-
-def _real_problem(c: RunConfig) -> str | None:
-    """--loss_type real (REAL) and --real_tau: ms-swift's rules, and what this implementation needs (each round
-    trains one optimizer step: rlhf/grpo_loss.py; the plan's check in rlhf/grpo_data.py)."""
-    r = c.rlhf
-    if "real_tau" in c.explicit and r.loss_type != "real":
-        return f"--real-tau applies to --loss-type real (REAL); this run's loss is {r.loss_type or 'grpo'}: drop it"
-    if r.loss_type != "real":
-        return None
-    if not r.real_tau > 0:
-        return f"--real-tau {r.real_tau:g}: must be > 0"
-    if r.scale_rewards not in (None, "none"):
-        return (f"--scale-rewards {r.scale_rewards} with --loss-type real: REAL reads only the advantages' signs "
-                "and takes them unscaled (ms-swift sets none); drop the flag")
-    if r.teacher_model:
-        return ("--loss-type real with --teacher-model: REAL needs one advantage per completion, the teacher gives "
-                "one per token (ms-swift refuses it too)")
-    if r.num_iterations > 1:
-        return (f"--num-iterations {r.num_iterations} with --loss-type real: each generation round trains one "
-                "optimizer step here (REAL's group scores are 0 at the sampling policy, which makes its group loss "
-                "exact across micro-batches and processes); use 1")
-    return None
 
 
 @rule("grpo options")

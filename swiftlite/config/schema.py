@@ -385,14 +385,9 @@ class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, Section):   # GRPO: 
     reward_funcs: list[str] = opt(help="GRPO: reward functions, built-in (accuracy, format, cosine, repetition, "
                                   "soft_overlong) or registered in `orms` by an --external-plugins file.",
                                   factory=list)
-    reward_model: list[str] | None = opt(None, "GRPO: reward models (folders or hub ids of one-output sequence classifiers, "
-                                  "e.g. `swiftlite rlhf --rlhf_type rm` exported), each a reward after the "
-                                  "--reward-funcs ones: the first logit on the conversation rendered with its own "
-                                  "chat template (ms-swift's default reward-model plugin).")
-    reward_model_plugin: list[str] | None = opt(None, "GRPO: one plugin per --reward-model; only ms-swift's "
-                                                "`default` (the classifier's score) is available.")
-    reward_weights: list[float] | None = opt(None, "GRPO: one weight per reward function, then per reward model "
-                                             "(default: all 1).")
+    reward_model: list[str] | None = opt(None, "GRPO: reward models (one-output classifiers; docs/rlhf.md).")
+    reward_model_plugin: list[str] | None = opt(None, "GRPO: one per --reward-model; only ms-swift's `default`.")
+    reward_weights: list[float] | None = opt(None, "GRPO: one weight per reward function, then per reward model.")
     num_generations: int = opt(8, "GRPO: completions sampled per prompt (the group size G); at least 2.")
     max_completion_length: int = opt(512, "GRPO: most tokens generated per completion.")
     temperature: float = opt(0.9, "GRPO: sampling temperature (also divides the logits the loss scores).")
@@ -418,9 +413,7 @@ class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, Section):   # GRPO: 
                                     "over its tokens of log p_policy - log p_ref at sampling) from its reward, "
                                     "instead of beta x the k3 KL in the loss. Default, ms-swift's: false for grpo, "
                                     "true for rloo and reinforce_plus_plus.")
-    real_tau: float = opt(0.5, "GRPO --loss-type real (REAL, ms-swift's): the temperature of its group loss, "
-                          "log(1 + sum_neg e^(s/tau)) + log(1 + sum_pos e^(-s/tau)) over each completion's mean "
-                          "token log-ratio s (ms-swift's default 0.5).")
+    real_tau: float = opt(0.5, "GRPO --loss-type real (REAL): the temperature of its group loss (docs/rlhf.md).")
     overlong_filter: bool = opt(False, "GRPO: leave the completions cut at --max-completion-length (no EOS) out "
                                 "of the loss and its metrics (their tokens masked; their rewards still shape the "
                                 "group's advantages, and dapo's normalizer still counts them, as ms-swift).")

@@ -251,8 +251,16 @@ def whole_matrix_optimizer(cfg: "RunConfig") -> str:
 
 
 def _reward_model_params(paths: list[str] | None) -> int:
-    from swiftlite.rlhf.reward_model import reward_model_params
-    return reward_model_params(paths) if paths else 0
+    """GRPO's reward models (rlhf/reward_model.py), sequence classifiers: the causal LM's config without
+    lm_head, with a one-output score head; 0 for a hub id whose config is not here."""
+    total = 0
+    for path in paths or []:
+        try:
+            shape = resolve_model(path).shape()
+        except UserError:
+            continue
+        total += shape.n_params - (0 if shape.tie else shape.vocab * shape.hidden) + shape.hidden
+    return total
 
 
 def _teacher_params(cfg: "RunConfig") -> int:

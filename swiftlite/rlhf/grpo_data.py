@@ -190,6 +190,10 @@ def prepare_prompts(cfg: Any, tokenizer: Any, world_size: int, *,
         raise UserError(f"{'--val-dataset' if d.val_dataset else '--split-dataset-ratio'}: validation is not "
                         "available for GRPO (the training metrics log the rewards of every round)")
     rewards = build_rewards(r.reward_funcs, r)
+    from swiftlite.rlhf.reward_model import config_problem
+    why = next((w for w in map(config_problem, r.reward_model or []) if w), None)
+    if why:
+        raise UserError(why)
     S = r.steps_per_generation or t.gradient_accumulation_steps
     if r.generation_batch_size is not None:   # ms-swift's other spelling of the round's size
         per_step = t.per_device_train_batch_size * world_size

@@ -17,7 +17,6 @@ chat and parses "Reward: x"; custom plugins are Python classes of ms-swift's): t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,15 +31,16 @@ BATCH = 8
 
 def config_problem(path: str) -> str | None:
     """Why a local --reward_model folder is not a one-output sequence classifier (None when it is, or
-    when the argument is a hub id: its config is read when the run loads it)."""
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        return None if not path.startswith((".", "/", "~")) and path.count("/") == 1 else \
-            f"--reward_model {path}: no such folder"
-    f = p / "config.json"
-    if not f.is_file():
-        return f"--reward_model {path}: no config.json (a reward model folder: `swiftlite export` of an rm run)"
-    conf = json.loads(f.read_text())
+    when the argument is a hub id: its config is read when the run loads it). Called before launch
+    (rlhf/grpo_data.prepare_prompts)."""
+    from swiftlite.models.source import resolve_model
+    try:
+        src = resolve_model(path)
+    except UserError as e:
+        return f"--reward_model {path}: {str(e).split(': ', 1)[-1]}"
+    conf = src.config_dict() if src.kind == "folder" else None
+    if conf is None:
+        return None
     arch = (conf.get("architectures") or [""])[0]
     labels = len(conf.get("id2label") or {}) or conf.get("num_labels") or 2
     if not arch.endswith("ForSequenceClassification") or labels != 1:
@@ -58,7 +58,7 @@ class RewardModelScorer:
         self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code).to(device).eval().requires_grad_(False)
+            path, dtype=dtype, trust_remote_code=trust_remote_code).to(device).train(False).requires_grad_(False)
         if self.model.config.num_labels != 1:
             raise UserError(config_problem(path) or f"--reward_model {path}: {self.model.config.num_labels} outputs, "
                             "not 1")
@@ -98,18 +98,4 @@ def build_reward_models(r: Any, device: Any, dtype: "torch.dtype", trust_remote_
     return out
 
 
-def reward_model_params(paths: list[str]) -> int:
-    """The reward models' parameters (a sequence classifier: the causal LM's config without lm_head, with
-    a one-output score head), for the planner; 0 for a hub id whose config is not here."""
-    from swiftlite.models.source import resolve_model
-    total = 0
-    for path in paths:
-        try:
-            shape = resolve_model(path).shape()
-        except UserError:
-            continue
-        total += shape.n_params - (0 if shape.tie else shape.vocab * shape.hidden) + shape.hidden
-    return total
-
-
-__all__ = ["BATCH", "RewardModelScorer", "build_reward_models", "config_problem", "reward_model_params"]
+__all__ = ["BATCH", "RewardModelScorer", "build_reward_models", "config_problem"]
