@@ -275,17 +275,10 @@ def test_a_reward_model_scores_the_completions(files, tmp_path):
     import re
 
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
-    from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
     from swiftlite.rlhf.reward_model import RewardModelScorer
-    rm = tmp_path / "tiny-rm"
-    conf = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                       num_key_value_heads=1, vocab_size=TINY_VOCAB, max_position_embeddings=512, num_labels=1,
-                       eos_token_id=258, pad_token_id=259, bos_token_id=None)
-    torch.manual_seed(0)
-    Qwen2ForSequenceClassification(conf).save_pretrained(rm)
-    AutoTokenizer.from_pretrained(TINY_TOKENIZER).save_pretrained(rm)
+    from tests.unit.test_grpo_reward_model import build_tiny_rm
+    rm = build_tiny_rm(tmp_path / "tiny-rm")
     run_cli(["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--reward_funcs", "format", "--reward_model", rm,
              "--reward_weights", "1", "2", "--log-completions", "true", "--max-steps", "1",
              "--output-dir", tmp_path / "g"])

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
-def rm_dir(tmp_path_factory):
+def build_tiny_rm(d):
+    """A tiny one-output Qwen2 classifier folder, as an exported `--rlhf_type rm` run is (also used by the
+    GRPO e2e test)."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
     from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
-    d = tmp_path_factory.mktemp("rm") / "tiny-rm"
     conf = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, vocab_size=TINY_VOCAB, max_position_embeddings=512, num_labels=1,
                        eos_token_id=258, pad_token_id=259, bos_token_id=None)
@@ -23,6 +23,11 @@ def rm_dir(tmp_path_factory):
     Qwen2ForSequenceClassification(conf).save_pretrained(d)
     AutoTokenizer.from_pretrained(TINY_TOKENIZER).save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory):
+    return build_tiny_rm(tmp_path_factory.mktemp("rm") / "tiny-rm")
 
 
 CONVS = [[{"role": "user", "content": "reverse: abcd"}, {"role": "assistant", "content": "dcba"}],
