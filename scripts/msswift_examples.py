@@ -366,8 +366,11 @@ def write_data(d: Path, n: int = 64) -> dict[str, Path]:
                             "label": bool(i % 2)})
         rows["grpo"].append({"messages": [{"role": "user", "content": q}], "solution": a})
         rows["text"].append({"text": f"{q} {a}. " * 3})
-        # ms-swift's agent format (AI-ModelScope/function-calling-chatml after its preprocessing): tools, a
-        # tool call, its response, the answer
+    # ms-swift's agent format (AI-ModelScope/function-calling-chatml after its preprocessing): tools, a tool
+    # call, its response, the answer. Twice as many rows: its scripts pack them into 8192-token sequences
+    # with 8 per step (agent/qwen2_5.sh, deepseek_r1.sh), which 64 rows of this tokenizer's bytes do not fill
+    for i in range(2 * n):
+        q, a = _row_text(i)
         rows["agent"].append({"tools": [json.dumps(tool)], "messages": [
             {"role": "user", "content": q},
             {"role": "tool_call", "content": json.dumps({"name": "reverse", "arguments": {"word": a[::-1]}})},

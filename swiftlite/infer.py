@@ -44,6 +44,8 @@ class InferOptions:
     dtype: str = "auto"
     show: int = 3
     model_revision: str | None = None   # a hub model id's branch, tag or commit (ms-swift's --model_revision)
+    #: ms-swift's --response_prefix (None: a run folder's own, from its args.json; else none)
+    response_prefix: str | None = None
 
 
 @dataclass
@@ -51,6 +53,8 @@ class Loaded:
     model: Any
     tokenizer: Any
     desc: str
+    #: written after the generation prompt; every answer starts with it (ms-swift's response_prefix)
+    response_prefix: str = ""
 
 
 def _dtype(name: str) -> Any:
@@ -80,6 +84,7 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
     arg = opts.model
     p = Path(arg).expanduser()
     tokenizer = None
+    run_prefix = None   # a run folder's --response_prefix (its args.json)
     rev = opts.model_revision
     try:
         ms = resolve_model(arg)   # preset, HF folder or hub id: the precedence every command uses
@@ -96,6 +101,7 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
         from swiftlite.export.reference import load_reference
         ref = load_reference(arg, log)
         model, tokenizer, desc, src = ref.model, ref.tokenizer, ref.desc, ref.source
+        run_prefix = src.cfg.data.response_prefix if src.cfg is not None else None
         model = model.to(dtype) if not (src.cfg and src.cfg.quant.quant_bits) else model
     elif ms.kind == "preset":
         cfg = build_config({"model": arg, "seed": opts.seed, "torch_dtype": dtype_name}, source="--model")
@@ -124,7 +130,8 @@ def load(opts: InferOptions, log: Callable[[str], None] = lambda m: print(m, fil
     model.eval()
     if hasattr(model, "config"):
         model.config.use_cache = True
-    return Loaded(model, tokenizer, desc)
+    prefix = opts.response_prefix if opts.response_prefix is not None else run_prefix
+    return Loaded(model, tokenizer, desc, (prefix or "").replace("\\n", "\n"))
 
 
 def _with_adapter(model: Any, tokenizer: Any, desc: str, adapters: str) -> tuple[Any, Any, str]:
@@ -165,20 +172,21 @@ def eos_ids(model: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Chat-rendered prompt (as in training); raw text when the tokenizer has no template."""
+def prompt_ids(tokenizer: Any, messages: list[dict], response_prefix: str = "") -> list[int]:
+    """Chat-rendered prompt (as in training), then `response_prefix`; raw text when the tokenizer has no
+    template."""
     if getattr(tokenizer, "chat_template", None):
         from swiftlite.data.tokenize import prompt_ids as chat_prompt_ids
-        return chat_prompt_ids(tokenizer, messages)
-    text = "\n".join(m["content"] for m in messages)
+        return chat_prompt_ids(tokenizer, messages, response_prefix)
+    text = "\n".join(m["content"] for m in messages) + response_prefix
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def generate(loaded: Loaded, prompts: list[list[dict]], max_new_tokens: int) -> list[str]:
-    """Greedy answers for a batch of conversations (left-padded)."""
+    """Greedy answers for a batch of conversations (left-padded), each starting with the response prefix."""
     import torch
     tok, model = loaded.tokenizer, loaded.model
-    encoded = [prompt_ids(tok, m) for m in prompts]
+    encoded = [prompt_ids(tok, m, loaded.response_prefix) for m in prompts]
     width = max(len(e) for e in encoded)
     pad = tok.pad_token_id
     ids = torch.full((len(encoded), width), pad, dtype=torch.long)
@@ -193,7 +201,8 @@ def generate(loaded: Loaded, prompts: list[list[dict]], max_new_tokens: int) -> 
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
                              max_new_tokens=max_new_tokens, eos_token_id=eos_ids(model, tok), pad_token_id=pad,
                              num_beams=1, temperature=None, top_p=None, top_k=None)
-    return [tok.decode(row[width:], skip_special_tokens=True).strip() for row in out.cpu()]
+    # ms-swift's decode puts the prefix in front of the answer's first token
+    return [(loaded.response_prefix + tok.decode(row[width:], skip_special_tokens=True)).strip() for row in out.cpu()]
 
 
 @dataclass

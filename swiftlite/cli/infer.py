@@ -34,6 +34,11 @@ def infer_cmd(
     show: int = typer.Option(3, "--show", help="With --dataset: print this many predictions to stderr."),
     model_revision: Optional[str] = typer.Option(None, "--model-revision", "--model_revision",
                                                  help="A hub model id's branch, tag or commit."),
+    response_prefix: Optional[str] = typer.Option(
+        None, "--response-prefix", "--response_prefix",
+        help="Text every answer starts with (ms-swift's; \\n is a newline): written after the chat template's "
+             "generation prompt, the model continues from it, the answer printed begins with it. Default: a run "
+             "folder's own (its args.json), else none."),
 ) -> None:
     """Greedy generation: one prompt, a chat loop, or exact-match accuracy on a dataset; a reward model
     (rlhf --rlhf_type rm) prints rewards instead."""
@@ -41,7 +46,7 @@ def infer_cmd(
     raise typer.Exit(run(InferOptions(model=model, adapters=adapters, prompt=prompt, system=system,
                                       max_new_tokens=max_new_tokens, dataset=dataset, limit=limit, metric=metric,
                                       batch_size=batch_size, seed=seed, dtype=dtype.lower(), show=show,
-                                      model_revision=model_revision)))
+                                      model_revision=model_revision, response_prefix=response_prefix)))
 
 
 def register(app: typer.Typer) -> None:

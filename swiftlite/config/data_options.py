@@ -13,7 +13,7 @@ TRUNCATION = ("delete", "left", "right", "split")
 #: ms-swift template names --template takes besides a Jinja file (their Jinja: data/templates.py).
 TEMPLATE_NAMES = ("default",)
 #: ms-swift's --agent_template names available here (data/agent.py).
-AGENT_TEMPLATES = ("hermes",)
+AGENT_TEMPLATES = ("hermes", "react_en", "react_zh")
 
 
 @dataclass(kw_only=True)
@@ -36,6 +36,12 @@ class DataConfig(Section):
                                    "consecutive --max-length pieces, each a sample).", choices=TRUNCATION)
     system: str | None = opt(None, "Default system prompt (text or a .txt file) for sft rows that have none; a "
                              "row's own system turn wins.")
+    response_prefix: str | None = opt(None, "Text every generated answer starts with (ms-swift's; e.g. '<think>\\n'): "
+                                      "written after the chat template's generation prompt, the model continues "
+                                      "from it, the answer shown begins with it; \\n is a newline. Inference only, "
+                                      "as in ms-swift: training rows are not changed; `swiftlite infer` on this run's "
+                                      "checkpoints uses it (from args.json). Default: none beyond the chat "
+                                      "template's own generation prompt.")
     loss_scale: str | None = opt(None, "Which tokens of a chat row are targets and their weights, ms-swift's names: "
                                  "default (every assistant turn; sft's default), last_round (the answers after the "
                                  "last user turn), all (every token, prompts too), then rules joined with +: "
@@ -53,8 +59,11 @@ class DataConfig(Section):
     agent_template: str | None = opt(None, "How tool-calling rows (a tools column, tool_call / tool_response turns: "
                                      "ms-swift's agent format) are written before the chat template renders them: "
                                      "hermes (Qwen2.5's and Qwen3's tool format: tools in the system turn, "
-                                     "<tool_call> JSON in the answer, <tool_response> in a user turn). Required "
-                                     "for such rows; ms-swift's other agent templates are not available.")
+                                     "<tool_call> JSON in the answer, <tool_response> in a user turn), react_en / "
+                                     "react_zh (ms-swift's ReAct: the tool prompt as the system text, Action / "
+                                     "Action Input / Observation in the answer, tool responses inside the answer's "
+                                     "turn, not targets). Required for such rows; ms-swift's other agent templates "
+                                     "are not available.")
     packing: bool = opt(False, "Pack several rows into each sequence of --max-length tokens (rlhf dpo, orpo, "
                         "simpo, cpo: whole pairs, chosen and rejected together; a pack is one sample of the batch).")
     skip_bad_rows: bool = opt(False, "Skip (and count) rows that are not valid instead of stopping.")

@@ -76,7 +76,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (_DATA_MAP, ("remove_unused_columns", "disable_auto_column_mapping")),
     ("ms-swift's dataset registry is not used: pass the files to --dataset (docs/usage.md, \"Data\")", ("custom_dataset_info",)),
     # template_args.py: TemplateArguments
-    (_TEMPLATE, ("norm_bbox", "use_chat_template", "template_backend", "response_prefix",
+    (_TEMPLATE, ("norm_bbox", "use_chat_template", "template_backend",
                  "preserve_thinking", "add_non_thinking_prefix", "disable_ignore_empty_think")),
     # model_args.py: ModelArguments
     ("the model's own modules run (transformers' implementation for the architecture): drop the flag",

@@ -35,7 +35,16 @@ def agent_template(c: RunConfig):
     if v is None:
         return None
     if v not in AGENT_TEMPLATES:
-        return (f"--agent_template {v}: not available; {', '.join(AGENT_TEMPLATES)} is (Qwen2.5's and Qwen3's tool "
-                "format); ms-swift's other agent templates write tool calls in their model's own syntax")
+        return (f"--agent_template {v}: not available; {', '.join(AGENT_TEMPLATES)} are (hermes: Qwen2.5's and Qwen3's "
+                "tool format; react_en/react_zh: ReAct text); ms-swift's other agent templates write tool calls in "
+                "their model's own syntax")
     if not task_spec(c.task).chat or task_spec(c.task).own_options is not None:
         return f"--agent_template applies to sft (tool-calling chat rows); drop it from `swiftlite {c.task}`"
+
+
+@rule("response prefix")
+def response_prefix(c: RunConfig):
+    if not c.data.response_prefix or c.task != "rlhf" or c.rlhf.rlhf_type != "grpo":
+        return None
+    return ("--response_prefix: GRPO's rollouts are generated from the chat template's generation prompt as it is; "
+            "to start every completion with a text, put it into the template (--template chat.jinja)")

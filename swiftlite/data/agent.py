@@ -17,9 +17,12 @@ AI-ModelScope/function-calling-chatml is in this form after its preprocessing.
   newlines: the turn ms-swift's hermes template writes with the chat template's user prompt.
 The assistant turns (tool calls included) are the targets, the tool responses not, as in ms-swift.
 
+`react_en` / `react_zh`: ms-swift's ReAct format, data/agent_react.py (tool responses written into the
+answer's own turn).
+
 A tool-calling row without --agent_template is refused, naming the choice: ms-swift picks its default
-from its own template table, which swiftlite does not have. Other agent templates (react_en, glm4, ...)
-are refused by the rules, with hermes as the alternative.
+from its own template table, which swiftlite does not have. Other agent templates (glm4, llama3, ...)
+are refused by the rules, with these as the alternatives.
 """
 
 from __future__ import annotations
@@ -107,7 +110,11 @@ def render_turns(row: dict, messages: list[dict], agent: Agent | None, system: s
         return messages
     if agent is None:
         raise UserError(f"{where}: a tool-calling row (tools, tool_call or tool_response): pass --agent_template "
-                        "hermes (the tool format of Qwen2.5's and Qwen3's chat templates, ms-swift's default for them)")
+                        "hermes (the tool format of Qwen2.5's and Qwen3's chat templates, ms-swift's default for them) "
+                        "or react_en / react_zh (ReAct: Action / Action Input / Observation)")
+    if agent.name != "hermes":
+        from swiftlite.data.agent_react import render_react
+        return render_react(row, messages, agent.name, where)
     tools = _tools(row, where)
     out: list[dict] = []
     for m in messages:

@@ -98,6 +98,8 @@ def encode_messages(tokenizer: Any, messages: list[dict], max_length: int, where
     messages = with_system(messages, system)
     full = render(tokenizer, messages)
     spans = assistant_spans(tokenizer, messages, full, where)
+    if any("pieces" in m for m in messages):
+        messages, spans = piece_turns(messages, spans, full, where)
     if loss_scale is None:
         loss_scale = LossScale()   # the default scale still reads the messages' own "loss"/"loss_scale"
     if loss_scale.splits(messages):
@@ -109,6 +111,42 @@ def encode_messages(tokenizer: Any, messages: list[dict], max_length: int, where
         return cut(ids, labels, max_length, truncation, weights)
     ids, labels = label_spans(tokenizer, full, loss_scale.spans(messages, spans, full))
     return cut(ids, labels, max_length, truncation)
+
+
+def piece_turns(messages: list[dict], spans: list[tuple[int, int]], full: str, where: str
+                ) -> tuple[list[dict], list[tuple[int, int]]]:
+    """An assistant turn made of pieces (data/agent_react.py: answers with tool responses written into the
+    turn) as one message per piece, with the character range of each answer piece: a tool piece becomes a
+    `tool` message, so the loss scale's strategy sees each answer after it as a round of its own (ms-swift's
+    rounds). The first piece starts where the turn starts, the last ends where it ends (its end-of-turn
+    token is a target, as ms-swift's suffix)."""
+    out: list[dict] = []
+    turns: list[tuple[int, int]] = []
+    at = 0
+    for m in messages:
+        if m["role"] != "assistant":
+            out.append(m)
+            continue
+        a, b = spans[at]
+        at += 1
+        pieces = m.get("pieces")
+        if not pieces:
+            out.append(m)
+            turns.append((a, b))
+            continue
+        pos = full.find(m["content"], a, b)
+        if pos < 0:
+            raise UserError(f"{where}: the chat template changes the text of an answer that holds tool responses; "
+                            "react agent templates need it written as it is")
+        for k, p in enumerate(pieces):
+            lo = a if k == 0 else pos
+            pos += len(p["text"])
+            hi = b if k == len(pieces) - 1 else pos
+            fields = {f: p[f] for f in ("loss", "loss_scale") if f in p}
+            out.append({"role": "tool" if p["tool"] else "assistant", "content": p["text"], **fields})
+            if not p["tool"]:
+                turns.append((lo, hi))
+    return out, turns
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -164,7 +202,8 @@ def encode_text(tokenizer: Any, text: str, max_length: int, *, truncation: str =
     return cut(ids, list(ids), max_length, truncation)
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Token ids of a prompt ready for generation (used by eval accuracy and `infer`)."""
-    text = render(tokenizer, messages, add_generation_prompt=True)
+def prompt_ids(tokenizer: Any, messages: list[dict], response_prefix: str = "") -> list[int]:
+    """Token ids of a prompt ready for generation (used by eval accuracy and `infer`), ending with
+    `response_prefix` (--response_prefix: the start of the answer, tokenized with the prompt)."""
+    text = render(tokenizer, messages, add_generation_prompt=True) + response_prefix
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -177,8 +177,8 @@ CASES: list[Case] = [
     Case("msswift-streaming-split", ["sft", *GOOD, *DATA, "--streaming",
                                      "--split_dataset_ratio", "0.1"],
          "--streaming with --split-dataset-ratio: a stream cannot hold rows out"),
-    Case("msswift-agent-template-react", ["sft", *GOOD, *DATA, "--agent_template", "react_en"],
-         "--agent_template react_en: not available; hermes is"),
+    Case("msswift-agent-template-glm4", ["sft", *GOOD, *DATA, "--agent_template", "glm4"],
+         "--agent_template glm4: not available; hermes, react_en, react_zh are"),
     Case("msswift-agent-row-without-template", ["sft", *GOOD, "--dataset", "agent.jsonl"],
          "agent.jsonl:1: a tool-calling row (tools, tool_call or tool_response): pass --agent_template hermes",
          setup=write("agent.jsonl", '{"tools": [], "messages": [{"role": "user", "content": "q"}, {"role": '
@@ -356,6 +356,9 @@ CASES: list[Case] = [
     Case("msswift-rlhf-ppo", ["rlhf", *GOOD, *DATA, "--rlhf_type", "ppo", "--num_ppo_epochs", "2"],
          "error: --rlhf_type ppo: PPO is not available",
          more=("error: --num_ppo_epochs: PPO (--rlhf_type ppo) is not available",)),
+    Case("grpo-response-prefix", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format",
+                                  "--response_prefix", "<think>"],
+         "--response_prefix: GRPO's rollouts are generated from the chat template's generation prompt"),
     # GRPO with vLLM: colocate needs a CUDA GPU and the vllm package (neither here); server mode needs a server
     Case("grpo-vllm-no-gpu", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format", "--use_vllm",
                               "true", "--vllm_mode", "colocate"],

@@ -388,6 +388,18 @@ def test_infer_prompt_dataset_and_checkpoint(runs, tmp_path, capsys):
     rc2, b, _ = cli(["infer", "--model", run / "checkpoint-3" / "model", "--prompt", "reverse: abc",
                      "--max-new-tokens", "5", "--dtype", "fp32"], capsys)
     assert rc == rc2 == 0 and a == b  # the run folder means its latest checkpoint's weights
+    # --response_prefix starts the answer; a run folder's own (its args.json, from training) is used
+    rc, c, _ = cli(["infer", "--model", run, "--prompt", "reverse: abc", "--max-new-tokens", "5", "--dtype", "fp32",
+                    "--response_prefix", "Final Answer:"], capsys)
+    assert rc == 0 and c.startswith("Final Answer:")
+    copy = tmp_path / "run_with_prefix"
+    shutil.copytree(run, copy)
+    args = json.loads((copy / "args.json").read_text())
+    args["data"]["response_prefix"] = "Final Answer:"
+    (copy / "args.json").write_text(json.dumps(args))
+    rc, d, _ = cli(["infer", "--model", copy, "--prompt", "reverse: abc", "--max-new-tokens", "5", "--dtype", "fp32"],
+                   capsys)
+    assert rc == 0 and d == c
     rc, _, err = cli(["infer", "--model", tmp_path / "nope", "--prompt", "x"], capsys)
     assert rc == 2 and err.startswith("error: --model")
 

@@ -145,6 +145,11 @@ SFT = [
                          "--split_dataset_ratio 0.25 --loss_scale hermes --agent_template hermes "
                          "--modules_to_save embed_tokens lm_head --max_length 1024",
      {"loss_scale": "hermes", "agent_template": "hermes", "modules_to_save": ["embed_tokens", "lm_head"]}),
+    # examples/train/agent/deepseek_r1.sh: ReAct turns, Action text weighted 2, no response prefix
+    ("agent_react", f"sft {_C} --tuner_type full --dataset {{agent}}#16 --load_from_cache_file true "
+                    "--split_dataset_ratio 0.25 --agent_template react_en --loss_scale react "
+                    "--response_prefix '' --torch_dtype bfloat16 --packing true --max_length 1024",
+     {"agent_template": "react_en", "loss_scale": "react", "response_prefix": "", "packing": True}),
     # examples/train/new_special_tokens/train.sh (its tokens file given as tokens here)
     ("new_special_tokens", f"sft {_C} {_LORA} --dataset {{messages}}#16 --new_special_tokens '<|0|>' '<|1|>' "
                            "--modules_to_save embed_tokens lm_head",
@@ -241,11 +246,11 @@ CACHED = [
 #: a word the refusal line must hold). One run of each command gives all of them.
 REFUSED = {
     "sft": [
-        ("--agent_template react_en", "template"),
+        ("--agent_template glm4", "hermes, react_en, react_zh are"),
 
         ("--galore_quantization true", "Q-GaLore"),
         ("--max_model_len 512000", "max_position_embeddings"),
-        ("--reft_intervention_type LoreftIntervention", "tuner"), ("--response_prefix x", "template"),
+        ("--reft_intervention_type LoreftIntervention", "tuner"), ("--template_backend jinja", "template"),
         ("--rope_scaling yarn", "rope_scaling"),
         ("--sequence_parallel_size 8", "sequence parallelism"),
         ("--truncation_strategy split", "split"), ("--tuner_backend unsloth", "peft"),

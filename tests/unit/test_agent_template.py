@@ -112,7 +112,7 @@ def test_agent_roles_refused_where_not_rendered():
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--agent_template", "react_en"], "--agent_template react_en: not available; hermes is"),
+    (["--agent_template", "glm4"], "--agent_template glm4: not available; hermes, react_en, react_zh are"),
 ])
 def test_rules(argv, words):
     from swiftlite.cli import parse_run_args

@@ -32,6 +32,27 @@ def test_batched_generation_matches_one_by_one(tiny):
     assert together == [infer.generate(tiny, [p], 5)[0] for p in prompts]  # left padding is masked
 
 
+def test_response_prefix_starts_and_conditions_every_answer(tiny):
+    """--response_prefix (ms-swift's): written after the generation prompt, so the model goes on from it
+    and the answer shown begins with it (`\\n` in the flag's text is a newline, as ms-swift's)."""
+    pre = infer.load(infer.InferOptions(model="tiny-llama-2l", seed=42, response_prefix="Final Answer:\\n"),
+                     log=lambda m: None)
+    assert pre.response_prefix == "Final Answer:\n" and tiny.response_prefix == ""
+    msgs = [{"role": "user", "content": "reverse: abc"}]
+    tok = tiny.tokenizer
+    plain, prefixed = infer.prompt_ids(tok, msgs), infer.prompt_ids(tok, msgs, pre.response_prefix)
+    assert prefixed[:len(plain)] == plain and tok.decode(prefixed[len(plain):]) == "Final Answer:\n"
+    got = infer.generate(pre, [msgs], 6)[0]
+    assert got.startswith("Final Answer:")
+    # the continuation is the greedy one from the prompt with the prefix, not from the bare prompt
+    import torch
+    with torch.no_grad():
+        out = tiny.model.generate(input_ids=torch.tensor([prefixed]), do_sample=False, max_new_tokens=6,
+                                  eos_token_id=infer.eos_ids(tiny.model, tok), pad_token_id=tok.pad_token_id,
+                                  num_beams=1, temperature=None, top_p=None, top_k=None)
+    assert got == ("Final Answer:\n" + tok.decode(out[0, len(prefixed):], skip_special_tokens=True)).strip()
+
+
 def test_exact_match_scores_last_assistant_turn(tiny, tmp_path):
     msgs = [{"role": "user", "content": "reverse: ab"}]
     pred = infer.generate(tiny, [msgs], 4)[0]
