@@ -92,8 +92,11 @@ def rollout_cmd(
     prefix_caching: str = typer.Option("true", *SWITCHES[:2], help="vLLM: reuse shared prompt prefixes' KV cache."),
     enforce_eager: str = typer.Option("false", *SWITCHES[2:4], help="vLLM: no CUDA graphs."),
     dp: int = typer.Option(1, "--vllm_data_parallel_size", "--vllm-data-parallel-size", "--data_parallel_size",
-                           "--data-parallel-size", help="vLLM data parallelism: 1 only (one engine per server; "
-                                                        "start a server per GPU group and list them in the run)."),
+                           "--data-parallel-size", help="Copies of the engine behind this server, each in its own "
+                                                        "process on its own --vllm_tensor_parallel_size GPUs (the "
+                                                        "visible ones in order; on CPUs, a share of the threads): "
+                                                        "the weights reach all, each request's micro-batches are "
+                                                        "dealt among them (ms-swift's)."),
     enable_lora: str = typer.Option("false", *SWITCHES[4:], help="Accepted for ms-swift's commands: the run sends "
                                                                  "merged weights, so no adapter is loaded."),
 ) -> None:
@@ -106,10 +109,8 @@ def rollout_cmd(
     dt = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype.lower(), torch_dtype.lower())
     if tp < 1 or not 0 < gpu_mem <= 1:
         raise UserError(f"--vllm_tensor_parallel_size {tp} --vllm_gpu_memory_utilization {gpu_mem}: >= 1 and in (0, 1]")
-    if dp != 1:
-        raise UserError(f"--vllm_data_parallel_size {dp}: vLLM data parallelism inside one server is not available; "
-                        "start one `swiftlite rollout` per GPU group (each with its --port) and list them in the run's "
-                        "--vllm_server_host/--vllm_server_port")
+    if dp < 1:
+        raise UserError(f"--vllm_data_parallel_size {dp}: 1 or more")
     if tp > 1 and infer_backend == "transformers":
         raise UserError("--vllm_tensor_parallel_size with --infer_backend transformers: one process generates; use vllm")
     if infer_backend == "transformers":
@@ -129,7 +130,7 @@ def rollout_cmd(
         vllm_max_model_len=max_model_len, vllm_max_num_seqs=max_num_seqs,
         vllm_enable_prefix_caching=_switch("--vllm_enable_prefix_caching", prefix_caching),
         vllm_enforce_eager=_switch("--vllm_enforce_eager", enforce_eager),
-        vllm_enable_lora=lora)))
+        vllm_enable_lora=lora, vllm_data_parallel_size=dp)))
 
 
 rollout_cmd.command_settings = {"cls": _RolloutCommand}

@@ -11,8 +11,8 @@ _SERVER_PASS = ("the dataset's other columns reach the rollout server only for m
 _ASYNC = ("asynchronous generation (the next round sampled from the previous weights while training) is not "
           "available: swiftlite syncs the weights, then samples each round (docs/rlhf.md \"Rollout server\"): drop "
           "the flag")
-_DP = ("vLLM data parallelism is an option of the rollout server, and swiftlite's runs one engine per server: "
-       "start one `swiftlite rollout` per GPU group and list them in --vllm-server-host/--vllm-server-port")
+_DP = ("vLLM data parallelism is an option of the rollout server (`swiftlite rollout --data_parallel_size N`: N "
+       "copies of its engine), not of the run; a colocated engine is one per process already: drop the flag")
 _FLAT = ("the weights always reach the rollout server tensor by tensor over the weight-sync group (NCCL on GPUs, "
          "gloo on CPUs), one bucket being what the flag would change: drop the flag")
 _ENGINE = ("is not passed to swiftlite's colocated vLLM engine (the options it takes: docs/rlhf.md \"vLLM\"): drop "

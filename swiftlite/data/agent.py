@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
+from swiftlite.data.agent_rows import (TOOL_CALL, TOOL_RESPONSES, answer_fields, is_agent_row, parse_call,
+                                       row_tools)
 from swiftlite.errors import UserError
-
-#: ms-swift's roles of an agent row; `tool` is OpenAI's name for a tool response.
-TOOL_CALL, TOOL_RESPONSES = "tool_call", ("tool_response", "tool")
 
 _HERMES_TOOLS = """
 
@@ -61,46 +59,6 @@ class Agent:
     default_system: str | None = None
 
 
-def _json(value: Any, where: str, what: str) -> Any:
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except ValueError:
-        raise UserError(f"{where}: {what} is not valid JSON: {value[:80]!r}") from None
-
-
-def _tools(row: dict, where: str) -> list[dict]:
-    raw = _json(row.get("tools"), where, "'tools'")
-    if raw in (None, "", []):
-        return []
-    items = raw if isinstance(raw, list) else [raw]
-    out = []
-    for i, t in enumerate(items):
-        t = _json(t, where, f"tools[{i}]")
-        if not isinstance(t, dict):
-            raise UserError(f"{where}: tools[{i}] must be a JSON object describing a tool")
-        out.append(t if ("type" in t or "function" in t) else {"type": "function", "function": t})
-    return out
-
-
-def _call(content: str, where: str) -> dict:
-    obj = _json(content, where, "a tool_call message")
-    if not isinstance(obj, dict) or "name" not in obj:
-        raise UserError(f"{where}: a tool_call message must be a JSON object with 'name' and 'arguments'")
-    args = obj.get("arguments", obj.get("parameters"))
-    args = _json(args, where, f"the arguments of tool call {obj['name']!r}")
-    if args is None:
-        raise UserError(f"{where}: tool call {obj['name']!r} has no 'arguments'")
-    return {"name": obj["name"], "arguments": args}
-
-
-def is_agent_row(row: dict, messages: list[dict]) -> bool:
-    """A row in ms-swift's agent format: a tools column or its tool_call / tool_response roles. (A row
-    whose only tool turns are OpenAI's `tool` role is left to the chat template, as before.)"""
-    return bool(row.get("tools")) or any(m["role"] in (TOOL_CALL, "tool_response") for m in messages)
-
-
 def render_turns(row: dict, messages: list[dict], agent: Agent | None, system: str | None,
                  where: str) -> list[dict]:
     """The row's messages with its tools, tool calls and tool responses written as system, assistant
@@ -115,21 +73,21 @@ def render_turns(row: dict, messages: list[dict], agent: Agent | None, system: s
     if agent.name != "hermes":
         from swiftlite.data.agent_react import render_react
         return render_react(row, messages, agent.name, where)
-    tools = _tools(row, where)
+    tools = row_tools(row, where)
     out: list[dict] = []
     for m in messages:
         role = m["role"]
         if role == TOOL_CALL:
-            text = f"<tool_call>\n{json.dumps(_call(m['content'], where), ensure_ascii=False)}\n</tool_call>"
+            text = f"<tool_call>\n{json.dumps(parse_call(m['content'], where), ensure_ascii=False)}\n</tool_call>"
             if out and out[-1]["role"] == "assistant":
                 # joined into the answer before it: each of "loss"/"loss_scale" from the first message
                 # that has it (ms-swift: the first tool_call's)
                 sep = "\n" if out[-1].get("tool_call") else ""
-                fields = {**_fields(m), **_fields(out[-1])}
+                fields = {**answer_fields(m), **answer_fields(out[-1])}
                 out[-1] = {"role": "assistant", "content": out[-1]["content"] + sep + text, "tool_call": True,
                            **fields}
             else:
-                out.append({"role": "assistant", "content": text, "tool_call": True, **_fields(m)})
+                out.append({"role": "assistant", "content": text, "tool_call": True, **answer_fields(m)})
         elif role in TOOL_RESPONSES:
             if not out or not (out[-1].get("tool_call") or out[-1].get("tool_response")):
                 raise UserError(f"{where}: a {role} turn must follow a tool_call (the call it answers)")
@@ -147,9 +105,4 @@ def render_turns(row: dict, messages: list[dict], agent: Agent | None, system: s
         else:
             base = system if system is not None else (agent.default_system or "")
             out.insert(0, {"role": "system", "content": base + block})
-    return [{"role": m["role"], "content": m["content"], **_fields(m)} for m in out]
-
-
-def _fields(m: dict) -> dict:
-    """An answer's own "loss" / "loss_scale" (data/formats.ANSWER_FIELDS)."""
-    return {k: m[k] for k in ("loss", "loss_scale") if k in m}
+    return [{"role": m["role"], "content": m["content"], **answer_fields(m)} for m in out]

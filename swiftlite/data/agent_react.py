@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from swiftlite.data.agent import TOOL_CALL, TOOL_RESPONSES, _call, _fields, _tools
+from swiftlite.data.agent_rows import TOOL_CALL, TOOL_RESPONSES, answer_fields, parse_call, row_tools
 from swiftlite.errors import UserError
 
 ACTION, ACTION_INPUT, OBSERVATION = "Action:", "Action Input:", "Observation:"
@@ -102,7 +102,7 @@ def tools_prompt(tools: list[dict], name: str, where: str) -> str:
 def _calls_text(group: list[dict], where: str) -> str:
     text = ""
     for m in group:
-        c = _call(m["content"], where)
+        c = parse_call(m["content"], where)
         text += f"{ACTION} {c['name']}\n{ACTION_INPUT} {c['arguments']}\n"
     return text + OBSERVATION
 
@@ -130,7 +130,7 @@ def _responses_text(answer: list[dict], group: list[dict]) -> str:
 def render_react(row: dict, messages: list[dict], name: str, where: str) -> list[dict]:
     """The row's messages in ms-swift's ReAct form (module docstring): plain turns, the assistant ones
     with their "pieces" when tool responses are written into them."""
-    tools = _tools(row, where)
+    tools = row_tools(row, where)
     out: list[dict[str, Any]] = []
     i = 0
     while i < len(messages):
@@ -140,7 +140,7 @@ def render_react(row: dict, messages: list[dict], name: str, where: str) -> list
             while j < len(messages) and messages[j]["role"] == TOOL_CALL:
                 j += 1
             group = messages[i:j]
-            fields = {k: v for g in reversed(group) for k, v in _fields(g).items()}
+            fields = {k: v for g in reversed(group) for k, v in answer_fields(g).items()}
             _answer(out, {"text": _calls_text(group, where), "tool": False, **fields})
         elif role in TOOL_RESPONSES:
             while j < len(messages) and messages[j]["role"] in TOOL_RESPONSES:
@@ -158,7 +158,7 @@ def render_react(row: dict, messages: list[dict], name: str, where: str) -> list
             else:
                 raise UserError(f"{where}: a {role} turn must follow a user turn or an answer")
         elif role == "assistant":
-            _answer(out, {"text": str(m["content"]), "tool": False, **_fields(m)})
+            _answer(out, {"text": str(m["content"]), "tool": False, **answer_fields(m)})
         else:
             out.append(dict(m))
         i = j
@@ -179,9 +179,9 @@ def _answer(out: list[dict], piece: dict) -> None:
 
 def _finish(m: dict) -> dict:
     if m["role"] != "assistant":
-        return {"role": m["role"], "content": m["content"], **_fields(m)}
+        return {"role": m["role"], "content": m["content"], **answer_fields(m)}
     pieces = m["pieces"]
     text = "".join(p["text"] for p in pieces)
     if len(pieces) == 1:
-        return {"role": "assistant", "content": text, **_fields(pieces[0])}
+        return {"role": "assistant", "content": text, **answer_fields(pieces[0])}
     return {"role": "assistant", "content": text, "pieces": pieces}

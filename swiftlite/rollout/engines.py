@@ -4,8 +4,9 @@ one at a time from the server's engine thread (rollout/server.py):
 - `info()`: what the run needs to know before it syncs: the number of engine workers (the weight-sync
   group's size less the run), the engine's dtype and device type, and its parameters' names and shapes
   where the engine keeps the model class's own names (transformers) so the run can check them first;
-- `join(host, port, world_size, backend, timeout_s)`: every worker joins the weight-sync group
-  (rlhf/weight_group.py) as ranks 0 .. W-1;
+- `join(host, port, world_size, backend, timeout_s, first_rank)`: every worker joins the weight-sync group
+  (rlhf/weight_group.py) as ranks first_rank .. first_rank + W-1 (first_rank: 0, or a data-parallel
+  copy's place, rollout/replicas.py);
 - `receive(name, dtype, shape)`: one tensor broadcast by the run, loaded under that name;
 - `after_sync()`: the weights of a round are all in (vLLM: its prefix cache is stale now);
 - `generate(groups, seeds, sampling)`: completions, token ids, one list per group of prompts.
@@ -58,10 +59,11 @@ class TransformersEngine:
                 "dtype": str(dtype).removeprefix("torch."),
                 "params": {n: list(p.shape) for n, p in self.params.items()}}
 
-    def join(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+    def join(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
+             first_rank: int = 0) -> None:
         from swiftlite.rlhf.weight_group import join
         self.close()
-        self.group = join(host, port, 0, world_size, backend=backend, timeout_s=timeout_s)
+        self.group = join(host, port, first_rank, world_size, backend=backend, timeout_s=timeout_s)
 
     def receive(self, name: str, dtype: str, shape: list[int]) -> None:
         from swiftlite.rlhf.weight_group import dtype_of
@@ -108,8 +110,9 @@ class VllmEngine:
         return {"world_size": self.workers, "engine": self.name, "device": "cuda", "dtype": self.dtype,
                 "params": None}
 
-    def join(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
-        self.llm.collective_rpc("swiftlite_join", args=(host, port, world_size, backend, timeout_s))
+    def join(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
+             first_rank: int = 0) -> None:
+        self.llm.collective_rpc("swiftlite_join", args=(host, port, world_size, backend, timeout_s, first_rank))
 
     def receive(self, name: str, dtype: str, shape: list[int]) -> None:
         self.llm.collective_rpc("swiftlite_receive", args=(name, dtype, list(shape)))

@@ -56,11 +56,17 @@ class RolloutOptions:
     vllm_enable_prefix_caching: bool = True
     vllm_enforce_eager: bool = False
     vllm_enable_lora: bool = False
+    #: copies of the engine, each on its own GPUs (ms-swift's --vllm_data_parallel_size; rollout/replicas.py)
+    vllm_data_parallel_size: int = 1
 
 
 def build_engine(o: RolloutOptions) -> Any:
-    """The engine --infer_backend names, its model loaded (rollout/engines.py)."""
+    """The engine --infer_backend names, its model loaded (rollout/engines.py); with
+    --vllm_data_parallel_size N, N copies of it (rollout/replicas.py)."""
     from swiftlite.rollout.engines import TransformersEngine, VllmEngine
+    if o.vllm_data_parallel_size > 1:
+        from swiftlite.rollout.replicas import ReplicatedEngine
+        return ReplicatedEngine(o, o.vllm_data_parallel_size, build_engine)
     if o.infer_backend == "transformers":
         from swiftlite.infer import InferOptions, load
         return TransformersEngine(load(InferOptions(model=o.model, dtype=o.torch_dtype, seed=o.seed,
@@ -212,7 +218,9 @@ def serve(o: RolloutOptions, *, ready: Callable[[str], None] | None = None) -> i
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     host, port = httpd.server_address[:2]
-    msg = f"swiftlite rollout: {backend.name} engine on {o.model}, serving http://{host}:{port}"
+    copies = getattr(backend, "copies", 1)
+    msg = (f"swiftlite rollout: {backend.name} engine{f' x {copies} (data parallel)' if copies > 1 else ''} on "
+           f"{o.model}, serving http://{host}:{port}")
     print(msg, file=sys.stderr, flush=True)
     if ready is not None:
         ready(msg)
@@ -222,6 +230,7 @@ def serve(o: RolloutOptions, *, ready: Callable[[str], None] | None = None) -> i
         httpd.server_close()
         work.stop()
         backend.close()
+        getattr(backend, "shutdown", lambda: None)()   # a replicated engine's copies stop
     return 0
 
 

@@ -3,7 +3,7 @@
 them with `collective_rpc`, as TRL's and ms-swift's rollout servers receive weights.
 
 Each worker joins the weight-sync group (rlhf/weight_group.py) as its rank in vLLM's world (0 .. W-1,
-one per tensor-parallel shard), receives every tensor the run broadcasts into a buffer on its device
+one per tensor-parallel shard; plus the first rank of its data-parallel copy, rollout/replicas.py), receives every tensor the run broadcasts into a buffer on its device
 (or on the CPU over gloo, then moved), and hands it to the model's own `load_weights`, which maps the
 model class's parameter names onto vLLM's fused layers and keeps its shard of each.
 
@@ -20,7 +20,8 @@ class WeightReceiver:
 
     swiftlite_group: Any = None
 
-    def swiftlite_join(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+    def swiftlite_join(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
+                       first_rank: int = 0) -> None:
         from vllm.distributed.parallel_state import get_world_group
 
         from swiftlite.rlhf.weight_group import join
@@ -28,7 +29,7 @@ class WeightReceiver:
         if backend == "nccl":
             import torch
             torch.cuda.set_device(self.device)
-        self.swiftlite_group = join(host, port, get_world_group().rank, world_size, backend=backend,
+        self.swiftlite_group = join(host, port, first_rank + get_world_group().rank, world_size, backend=backend,
                                     timeout_s=timeout_s)
 
     def swiftlite_receive(self, name: str, dtype: str, shape: list[int]) -> None:

@@ -400,8 +400,11 @@ CASES: list[Case] = [
                "error: --bogus: not an option of swiftlite rollout")),
     Case("rollout-vllm-no-gpu", ["rollout", "--model", "tiny-llama-2l"],
          "error: swiftlite rollout --infer_backend vllm needs a CUDA GPU and the vllm package"),
-    Case("rollout-data-parallel", ["rollout", "--model", "tiny-llama-2l", "--vllm_data_parallel_size", "2"],
-         "error: --vllm_data_parallel_size 2: vLLM data parallelism inside one server is not available"),
+    Case("rollout-data-parallel-gpus", ["rollout", "--model", "tiny-llama-2l", "--vllm_data_parallel_size", "2"],
+         "error: --vllm_data_parallel_size 2 x --vllm_tensor_parallel_size 1: vLLM needs 2 CUDA GPUs, 0 visible"),
+    Case("rollout-data-parallel-zero", ["rollout", "--model", "tiny-llama-2l", "--infer_backend", "transformers",
+                                        "--data_parallel_size", "0"],
+         "error: --vllm_data_parallel_size 0: 1 or more"),
     # --packing / --padding_free true: dpo, orpo, simpo, cpo take them; the other rlhf types name themselves
     Case("rlhf-kto-packing", ["rlhf", *GOOD, *DATA, "--rlhf_type", "kto", "--packing", "true"],
          "error: --packing with --rlhf-type kto: not available in swiftlite"),

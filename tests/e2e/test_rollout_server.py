@@ -51,15 +51,14 @@ def files(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def _server(tmp_path_factory, extra=()):
     """A server on the run's architecture with other random weights (seed 0; the runs use seed 3)."""
     port = _port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "swiftlite", "rollout", "--model", "tiny-llama-2l", "--seed", "0",
                                  "--infer_backend", "transformers", "--torch_dtype", "fp32", "--port", str(port),
-                                 "--host", "127.0.0.1"], stdout=f, stderr=subprocess.STDOUT, env=cli_env())
+                                 "--host", "127.0.0.1", *extra], stdout=f, stderr=subprocess.STDOUT, env=cli_env())
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 120
     while True:
@@ -69,9 +68,24 @@ def server(tmp_path_factory):
         except (urllib.error.URLError, ConnectionError):
             assert proc.poll() is None and time.monotonic() < end, log.read_text()
             time.sleep(0.3)
-    yield {"port": port, "url": url, "log": log}
+    return proc, {"port": port, "url": url, "log": log}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    proc, srv = _server(tmp_path_factory)
+    yield srv
     proc.terminate()
-    assert proc.wait(timeout=30) == 0, log.read_text()   # SIGTERM stops it cleanly
+    assert proc.wait(timeout=30) == 0, srv["log"].read_text()   # SIGTERM stops it cleanly
+
+
+@pytest.fixture(scope="module")
+def server_dp2(tmp_path_factory):
+    """Two copies of the engine behind one server (ms-swift's `swift rollout --data_parallel_size 2`)."""
+    proc, srv = _server(tmp_path_factory, ("--data_parallel_size", "2"))
+    yield srv
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0, srv["log"].read_text()   # the copies stop with it
 
 
 def _run(files, out, extra, srv=None):
@@ -110,6 +124,22 @@ def test_server_completions_equal_the_in_process_ones(files, server, tmp_path, e
     for (_, l1, r1), (_, l2, r2) in zip(srv_steps, loc_steps):
         assert l1 == pytest.approx(l2, rel=1e-6, abs=1e-9) and r1 == pytest.approx(r2, rel=1e-6)
     assert srv_steps[-1][1] != srv_steps[0][1]          # trained: later rounds come from updated weights
+
+
+def test_a_data_parallel_server_gives_the_same_completions(files, server_dp2, tmp_path):
+    """Both copies join the weight-sync group (world size 2 + the run), both get every weight, and each
+    round's micro-batches are dealt between them: the run's completions and losses are the in-process ones."""
+    info = _get(server_dp2["url"] + "/get_world_size/")
+    assert info["world_size"] == 2 and info["data_parallel_size"] == 2
+    extra = ["--parallelism", "single", "--per-device-train-batch-size", "4", "--max-steps", "3"]
+    _run(files, tmp_path / "srv", extra, server_dp2)
+    _run(files, tmp_path / "local", extra)
+    srv_steps, srv_comps = _record(tmp_path / "srv")
+    loc_steps, loc_comps = _record(tmp_path / "local")
+    assert srv_comps == loc_comps and len({c for _, c in srv_comps}) > 1
+    for (_, l1, r1), (_, l2, r2) in zip(srv_steps, loc_steps):
+        assert l1 == pytest.approx(l2, rel=1e-6, abs=1e-9) and r1 == pytest.approx(r2, rel=1e-6)
+    assert "x 2 (data parallel)" in server_dp2["log"].read_text()
 
 
 def test_a_server_on_another_model_is_refused_naming_the_parameter(files, server, tmp_path):
