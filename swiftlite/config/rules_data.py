@@ -44,7 +44,7 @@ def agent_template(c: RunConfig):
 
 @rule("response prefix")
 def response_prefix(c: RunConfig):
-    if not c.data.response_prefix or c.task != "rlhf" or c.rlhf.rlhf_type != "grpo":
+    if not c.data.response_prefix or task_spec(c.task).own_options != "rlhf" or c.rlhf.rlhf_type != "grpo":
         return None
     return ("--response_prefix: GRPO's rollouts are generated from the chat template's generation prompt as it is; "
             "to start every completion with a text, put it into the template (--template chat.jinja)")

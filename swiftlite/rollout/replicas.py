@@ -40,7 +40,7 @@ def _copy_main(conn: Any, build: Any, o: Any, threads: int | None) -> None:
         if threads:
             import torch
             torch.set_num_threads(threads)
-        engine = build(o)
+        backend = build(o)
     except BaseException as e:      # said to the server, which stops with it
         conn.send(("error", _why(e)))
         return
@@ -51,10 +51,10 @@ def _copy_main(conn: Any, build: Any, o: Any, threads: int | None) -> None:
         except (EOFError, KeyboardInterrupt):
             method, args = "stop", ()
         if method == "stop":
-            engine.close()
+            backend.close()
             return
         try:
-            conn.send(("ok", getattr(engine, method)(*args)))
+            conn.send(("ok", getattr(backend, method)(*args)))
         except BaseException as e:   # the call's answer; the copy goes on
             conn.send(("error", _why(e)))
 
