@@ -75,8 +75,8 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
 ]}
 
 #: ms-swift values of swiftlite fields that are refused: (field, value) -> the reason.
-_TUNERS = ("swiftlite trains full, lora, qlora (LoRA on a bitsandbytes 4-bit base), boft, adalora, bone (peft's "
-           "MiSS, formerly Bone) or llamapro")
+_TUNERS = ("swiftlite trains full, lora, qlora (LoRA on a bitsandbytes 4-bit base), longlora (LoRA with S2-Attn), "
+           "boft, adalora, bone (peft's MiSS, formerly Bone) or llamapro")
 _QUANT = ("quantizing at load time is bitsandbytes (--quant_method bnb --quant_bits 4|8) or HQQ (--quant_method hqq "
           "--quant_bits 1|2|3|4|8) here; for an already GPTQ/AWQ-quantized model, train a LoRA on a 16-bit copy instead")
 _OPTIM = ("not available: --optim takes the optimizers torch and transformers ship (adamw_torch_fused, adamw_torch, "
@@ -89,7 +89,7 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
     **{("optim", o): f"GaLore is --use_galore true with --optim {base} (and --galore_target_modules for HF's "
                      "--optim_target_modules)" for o, base in (("galore_adamw", "adamw_torch"),
                                                                 ("galore_adafactor", "adafactor"))},
-    **{("train_type", t): _TUNERS for t in ("longlora", "adapter", "vera",
+    **{("train_type", t): _TUNERS for t in ("adapter", "vera",
                                             "fourierft", "reft", "lora_llm")},
     **{("quant_method", q): _QUANT for q in ("gptq", "awq", "eetq", "quanto", "fp8", "aqlm")},
     **{("rlhf_type", t): why for t, why in (

@@ -58,7 +58,7 @@ SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_key|credential"
 TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f"})
 
-TRAIN_TYPES = ("full", "lora", "qlora", "boft", "adalora", "bone", "llamapro")
+TRAIN_TYPES = ("full", "lora", "qlora", "longlora", "boft", "adalora", "bone", "llamapro")
 DTYPES = _DTYPE_NAMES  # swiftlite/dtypes.py is the one dtype table
 #: transformers' scheduler names (SchedulerType), built by `transformers.get_scheduler` (optim.py);
 #: reduce_lr_on_plateau and greedy step on a metric and are refused there with the reason.
@@ -234,9 +234,9 @@ class OptimConfig(MuonClipOptions, GaloreOptions, Section):   # config/muonclip_
 
 @dataclass(kw_only=True)
 class TrainConfig(Section):
-    train_type: str = opt("lora", "full, lora, qlora (--full / --lora / --qlora are shorthands), boft, adalora "
-                          "or bone (peft's BOFT, AdaLoRA, and MiSS, formerly Bone), llamapro (LLaMA-Pro: new "
-                          "blocks inserted and trained, the rest frozen); lora as in ms-swift.",
+    train_type: str = opt("lora", "full, lora, qlora (--full / --lora / --qlora are shorthands), longlora "
+                          "(LoRA trained with S2-Attn, groups of --max-length / 4), boft, adalora or bone (peft's "
+                          "BOFT, AdaLoRA, MiSS), llamapro (LLaMA-Pro: new blocks trained, the rest frozen).",
                           aliases=("--tuner_type", "--tuner-type"), choices=TRAIN_TYPES)
     per_device_train_batch_size: int = opt(1, "Micro-batch size per process.", aliases=("--batch-size",))
     per_device_eval_batch_size: int = opt(1, "Batch size per process for validation (ms-swift's 1).")

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from swiftlite.config.access import Section, opt
 
 #: --train_type values that are a peft adapter on a frozen base (cfg.is_peft).
-PEFT_TYPES = ("lora", "qlora", "boft", "adalora", "bone")
+PEFT_TYPES = ("lora", "qlora", "longlora", "boft", "adalora", "bone")
 #: --train_type values whose adapter is peft's LoRA (cfg.is_lora): the LoRA variants apply to these.
-LORA_TYPES = ("lora", "qlora")
+LORA_TYPES = ("lora", "qlora", "longlora")
 #: Options that only mean something for an adapter (config/rules.py refuses them on a full run,
 #: rules_tuners.py on a llamapro one).
 LORA_ONLY = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "modules_to_save", "use_dora", "use_rslora",

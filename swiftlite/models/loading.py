@@ -482,6 +482,9 @@ def batch_form(cfg: "RunConfig", config: Any = None) -> Any:
     where not; --padding_free true or --packing on a model that cannot keep rows apart is a UserError."""
     from swiftlite.data.collate import BatchForm
     d, impl = cfg.data, cfg.model.attn_impl
+    if cfg.train.train_type == "longlora":   # padded rows only (models/longlora.py)
+        from swiftlite.models.longlora import batch_form as s2_form
+        return s2_form(cfg)
     if d.padding_free is False and not d.packing:
         return BatchForm(False, "--padding_free false", impl)
     if config is not None:
@@ -561,6 +564,9 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
     if cfg.is_peft:
         from swiftlite.models.lora import apply_lora
         model = apply_lora(model, cfg, total_steps, grad_rows)
+        if cfg.train.train_type == "longlora":   # S2-Attn in training mode (models/longlora.py)
+            from swiftlite.models.longlora import install
+            install(model, cfg.data.max_length or model.config.max_position_embeddings)
     elif cfg.train.train_type == "llamapro":   # never on a skeleton (sharded_weights says why)
         from swiftlite.models.llamapro import describe, expand
         if world is None or world.is_main:

@@ -150,6 +150,10 @@ SFT = [
                     "--split_dataset_ratio 0.25 --agent_template react_en --loss_scale react "
                     "--response_prefix '' --torch_dtype bfloat16 --packing true --max_length 1024",
      {"agent_template": "react_en", "loss_scale": "react", "response_prefix": "", "packing": True}),
+    # examples/train/tuners/longlora/train.sh (its --attn_impl flash_attn needs a GPU: left out here)
+    ("longlora", f"sft {_C} --tuner_type longlora --dataset {{alpaca}}#16 --load_from_cache_file true "
+                 "--split_dataset_ratio 0.25 --lora_rank 8 --lora_alpha 32 --eval_steps 1",
+     {"train_type": "longlora", "lora_rank": 8, "lora_alpha": 32}),
     # examples/train/new_special_tokens/train.sh (its tokens file given as tokens here)
     ("new_special_tokens", f"sft {_C} {_LORA} --dataset {{messages}}#16 --new_special_tokens '<|0|>' '<|1|>' "
                            "--modules_to_save embed_tokens lm_head",

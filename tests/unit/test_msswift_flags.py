@@ -58,7 +58,7 @@ TABLE = [
     ("--train_type bone --init_weights pissa", "--init_weights pissa: a LoRA initialisation; --train_type bone"),
     ("--reft_rank 8", "--reft_rank is the rank of --train_type bone here"),
     ("--train_type reft", "--train_type reft: swiftlite trains full, lora, qlora"),
-    ("--train_type longlora", "--train_type longlora: swiftlite trains full, lora, qlora"),
+    ("--train_type longlora", ("train_type", "longlora")),
     ("--train_type vera", "--train_type vera: swiftlite trains full, lora, qlora"),
     ("--tuner_backend peft", ACCEPTED),
     ("--tuner_backend unsloth", "--tuner_backend unsloth: peft is the only tuner backend"),
