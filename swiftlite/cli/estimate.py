@@ -23,8 +23,8 @@ def models_cmd() -> None:
 def estimate_cmd(
     model: str = typer.Option("tiny-llama", "--model", help="Preset name or local HF folder (config.json only)."),
     train_type: Optional[str] = typer.Option(None, "--train-type", "--train_type",
-                                             help="full, lora, qlora, boft, adalora, bone or llamapro (default "
-                                                  "full; boft, adalora, bone and llamapro with ms-swift's default "
+                                             help="full, lora, qlora, longlora (as lora), boft, adalora, bone "
+                                                  "or llamapro (default full; boft, adalora, bone and llamapro with ms-swift's default "
                                                   "blocks and ranks: llamapro adds 4 layers and trains them)."),
     lora: bool = typer.Option(False, "--lora", help="Shorthand for --train-type lora."),
     qlora: bool = typer.Option(False, "--qlora", help="Shorthand for --train-type qlora (a 4-bit base)."),

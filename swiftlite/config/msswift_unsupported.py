@@ -22,7 +22,7 @@ from swiftlite.config.grpo_unsupported import GRPO_GROUPS
 MSSWIFT_COMMIT = "3602360a56 (2026-08-22)"
 
 _MM = "multimodal models are not supported (text causal LMs only): drop the flag"
-_TUNER = "is an option of an ms-swift tuner swiftlite does not have (it trains full, lora, qlora, boft, adalora, bone or llamapro): drop the flag"
+_TUNER = "is an option of an ms-swift tuner swiftlite does not have (it trains full, lora, qlora, longlora, boft, adalora, bone or llamapro): drop the flag"
 _GKD = ("an option of GKD (--rlhf_type gkd) or of a teacher form swiftlite does not have (adapters, a teacher "
         "server, offloading): on-policy distillation here is --rlhf_type grpo --teacher_model M (a local frozen "
         "teacher, docs/rlhf.md); drop the flag")
