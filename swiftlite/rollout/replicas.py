@@ -88,8 +88,9 @@ class ReplicatedEngine:
                 if gpus:
                     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * per:(i + 1) * per])
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=_copy_main, args=(child, build, one, threads), name=f"swiftlite-rollout-copy-{i}",
-                                daemon=True)
+                # not daemonic: vLLM starts processes of its own (its engine core, tensor-parallel workers),
+                # which a daemonic process may not; a copy ends when its pipe closes (the server's exit)
+                p = ctx.Process(target=_copy_main, args=(child, build, one, threads), name=f"swiftlite-rollout-copy-{i}")
                 p.start()
                 child.close()
                 self.conns.append(parent)

@@ -229,8 +229,10 @@ def serve(o: RolloutOptions, *, ready: Callable[[str], None] | None = None) -> i
     finally:
         httpd.server_close()
         work.stop()
-        backend.close()
-        getattr(backend, "shutdown", lambda: None)()   # a replicated engine's copies stop
+        try:
+            backend.close()
+        finally:
+            getattr(backend, "shutdown", lambda: None)()   # a replicated engine's copies stop
     return 0
 
 
