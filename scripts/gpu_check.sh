@@ -292,6 +292,18 @@ step muonclip "$RUN_LIMIT" "$PY" -m swiftlite sft --model "$MODEL" --train-type 
   --max-length "$SEQ" --per-device-train-batch-size 1 --logging-steps 1 --save-strategy no \
   --dataset "$DATA/train.jsonl" --output-dir "$WORK/muonclip"
 
+# -- 3f. LongLoRA (--train_type longlora), 2 steps ------------------------------------------------------
+# (docs/lora.md "LongLoRA"): S2-Attn in training on the GPU, with flash-attention as the model's own attention
+# (eval) where flash_attn is importable, else sdpa; its loss lines are in gpu_check.log
+ATTN=sdpa
+if [[ "$DRYRUN" != 1 ]] && "$PY" -c "import flash_attn, torch; assert torch.cuda.is_available()" >/dev/null 2>&1; then
+  ATTN=flash_attn
+fi
+step "longlora-$ATTN" "$RUN_LIMIT" "$PY" -m swiftlite sft --model "$MODEL" --train-type longlora --attn_impl "$ATTN" \
+  --max-steps 2 --gradient-accumulation-steps 1 --torch-dtype "$DTYPE" --max-length "$SEQ" \
+  --per-device-train-batch-size 2 --logging-steps 1 --save-strategy no --dataset "$DATA/train.jsonl" \
+  --output-dir "$WORK/longlora"
+
 # -- 4. results to $OUT ------------------------------------------------------------------------------
 for f in bench.json bench.md bench.png; do
   [[ -f "$WORK/bench/$f" ]] && cp "$WORK/bench/$f" "$OUT/$f"
