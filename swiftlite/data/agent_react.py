@@ -68,7 +68,6 @@ Final Answer: 对原始输入问题的最终答案
 
 现在开始！
 """)
-TEMPLATES = ("react_en", "react_zh")
 
 
 def _describe(tool: dict, zh: bool, where: str, i: int) -> tuple[str, str]:

@@ -1,4 +1,4 @@
-"""The two engines a `swiftlite rollout` server generates with. Both answer the same five calls, made
+"""The two engines a `swiftlite rollout` server generates with. Both answer the same calls, made
 one at a time from the server's engine thread (rollout/server.py):
 
 - `info()`: what the run needs to know before it syncs: the number of engine workers (the weight-sync
@@ -9,7 +9,9 @@ one at a time from the server's engine thread (rollout/server.py):
   copy's place, rollout/replicas.py);
 - `receive(name, dtype, shape)`: one tensor broadcast by the run, loaded under that name;
 - `after_sync()`: the weights of a round are all in (vLLM: its prefix cache is stale now);
-- `generate(groups, seeds, sampling)`: completions, token ids, one list per group of prompts.
+- `generate(groups, seeds, sampling)`: completions, token ids, one list per group of prompts;
+- `close()` leaves the group; `shutdown()` ends what the engine started (the server's exit; a
+  data-parallel engine's copies, rollout/replicas.py); `copies`: 1 here.
 
 `vllm` (ms-swift's only rollout engine): `vllm.LLM` with swiftlite's worker extension
 (rollout/vllm_worker.py) receiving the tensors inside vLLM's workers and handing them to the model's
@@ -45,7 +47,7 @@ class Sampling:
 
 
 class TransformersEngine:
-    name = "transformers"
+    name, copies = "transformers", 1
 
     def __init__(self, model: Any):
         self.model = model.eval()
@@ -97,9 +99,12 @@ class TransformersEngine:
             self.group.close()
             self.group = None
 
+    def shutdown(self) -> None:
+        pass
+
 
 class VllmEngine:
-    name = "vllm"
+    name, copies = "vllm", 1
 
     def __init__(self, llm: Any, workers: int, dtype: str):
         self.llm, self.workers, self.dtype = llm, workers, dtype
@@ -140,6 +145,9 @@ class VllmEngine:
             self.llm.collective_rpc("swiftlite_leave")
         except Exception:   # the engine is shutting down with the server: nothing left to release
             pass
+
+    def shutdown(self) -> None:
+        pass
 
 
 __all__ = ["Sampling", "TransformersEngine", "VllmEngine"]

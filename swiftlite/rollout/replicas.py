@@ -66,10 +66,10 @@ def _why(e: BaseException) -> str:
 class ReplicatedEngine:
     """The engine calls of rollout/engines.py, made on every copy (module docstring)."""
 
-    def __init__(self, o: Any, copies: int, build: Any):
+    def __init__(self, o: Any, build: Any):
         import multiprocessing as mp
         from dataclasses import replace
-        tp = o.vllm_tensor_parallel_size
+        copies, tp = o.vllm_data_parallel_size, o.vllm_tensor_parallel_size
         gpus = _visible_gpus()
         if o.infer_backend == "vllm" and len(gpus) < copies * tp:
             raise UserError(f"--vllm_data_parallel_size {copies} x --vllm_tensor_parallel_size {tp}: vLLM needs "

@@ -66,7 +66,7 @@ def build_engine(o: RolloutOptions) -> Any:
     from swiftlite.rollout.engines import TransformersEngine, VllmEngine
     if o.vllm_data_parallel_size > 1:
         from swiftlite.rollout.replicas import ReplicatedEngine
-        return ReplicatedEngine(o, o.vllm_data_parallel_size, build_engine)
+        return ReplicatedEngine(o, build_engine)
     if o.infer_backend == "transformers":
         from swiftlite.infer import InferOptions, load
         return TransformersEngine(load(InferOptions(model=o.model, dtype=o.torch_dtype, seed=o.seed,
@@ -218,7 +218,7 @@ def serve(o: RolloutOptions, *, ready: Callable[[str], None] | None = None) -> i
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     host, port = httpd.server_address[:2]
-    copies = getattr(backend, "copies", 1)
+    copies = backend.copies
     msg = (f"swiftlite rollout: {backend.name} engine{f' x {copies} (data parallel)' if copies > 1 else ''} on "
            f"{o.model}, serving http://{host}:{port}")
     print(msg, file=sys.stderr, flush=True)
@@ -232,7 +232,7 @@ def serve(o: RolloutOptions, *, ready: Callable[[str], None] | None = None) -> i
         try:
             backend.close()
         finally:
-            getattr(backend, "shutdown", lambda: None)()   # a replicated engine's copies stop
+            backend.shutdown()
     return 0
 
 
