@@ -110,9 +110,14 @@ def print_plan(cfg: Any, plan: Any, choice: Any) -> None:
     if choice.deepspeed_source:
         print(f"deepspeed:      {choice.deepspeed_source}")
     print(f"world:          {plan.nnodes} node(s) x {plan.nproc_per_node} process(es) = {world}")
-    global_batch = t.per_device_train_batch_size * world * t.gradient_accumulation_steps
-    print(f"batch:          per-device {t.per_device_train_batch_size} x {world} x accumulation "
-          f"{t.gradient_accumulation_steps} = global {global_batch}")
+    sp = cfg.parallel.sequence_parallel_size
+    data = max(1, world // sp)   # a sequence-parallel group of sp ranks trains on the same rows
+    if sp > 1:
+        print(f"sequence:       parallel over groups of {sp} ranks (Ulysses: 1/{sp} of every sequence per rank), "
+              f"{data} data-parallel group(s)")
+    global_batch = t.per_device_train_batch_size * data * t.gradient_accumulation_steps
+    print(f"batch:          per-device {t.per_device_train_batch_size} x {data}{' data-parallel' if sp > 1 else ''} "
+          f"x accumulation {t.gradient_accumulation_steps} = global {global_batch}")
     print(f"model:          {cfg.model.model} ({cfg.train.train_type}, {cfg.model.torch_dtype})")
     if cfg.lora.lisa_activated_layers > 0:   # train/lisa.py
         print(f"lisa:           {cfg.lora.lisa_activated_layers} decoder layers at a time, drawn again every "

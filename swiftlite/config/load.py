@@ -20,7 +20,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from swiftlite.config.msswift import NO_MEANING, check_no_meaning, check_value
+from swiftlite.config.msswift import NO_MEANING, check_no_meaning, check_value, logits_to_keep
 from swiftlite.config.msswift_unsupported import misspelling_of, refusal
 from swiftlite.config.rules import validate
 from swiftlite.config.schema import (FALSE_WORDS, SECRET_KEY, SECTIONS, TRUE_WORDS, FieldSpec, RunConfig,
@@ -353,6 +353,8 @@ def load_config(config_file: str | None, overrides: dict[str, Any], *, task: str
     aliases = alias_keys()
     given = {canonical_key(k, aliases): v for k, v in overrides.items() if v is not None}
     values.update(given)
+    kept = found.check(logits_to_keep, values, about=("use_logits_to_keep", "loss_impl"))   # ms-swift's false: plain
+    values = kept if kept is not None else {k: v for k, v in values.items() if k != "use_logits_to_keep"}
     explicit = frozenset(k for k in values if k not in NO_MEANING)
     values = apply_env(values, found)
     # ms-swift's --fsdp/--fsdp_config name a backend and its options (config/msswift_fsdp.py); its

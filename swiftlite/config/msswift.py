@@ -54,7 +54,6 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
     NoMeaning("ddp_backend", "the process-group backend is chosen automatically: nccl on GPUs, gloo on CPU"),
     NoMeaning("device_map", "one process per GPU (--nproc-per-node); to spread a model over GPUs use --parallelism "
               "fsdp or zero3"),
-    NoMeaning("sequence_parallel_size", "sequence parallelism is not available", fits=("1",)),
     NoMeaning("packing_length", "packs are --max-length tokens long; set --max-length"),
     NoMeaning("padding_side", "batches are padding-free where the model allows it, else right-padded",
               fits=("right",)),
@@ -69,8 +68,10 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
     NoMeaning("max_pixels", _MULTIMODAL),
     NoMeaning("rope_scaling", "use a model folder whose config.json sets rope_scaling, and --max-length"),
     NoMeaning("max_model_len", "use a model folder whose config.json sets max_position_embeddings, and --max-length"),
+    # `false` fits in the sense that it is accepted: logits_to_keep() below makes it --loss-impl plain
     NoMeaning("use_logits_to_keep", "the loss computes logits only at the target tokens (--loss-impl chunked, the "
-              "default); for the full logits use --loss-impl plain", fits=("true",), switch=True),
+              "default); false computes every position's (--loss-impl plain)", fits=("true", "none", "false"),
+              switch=True),
     NoMeaning("model_kwargs", "put model options into the model folder's config.json"),
 ]}
 
@@ -122,6 +123,22 @@ def canonical_value(value: Any, switch: bool) -> str:
     if switch and s in FALSE_WORDS:
         return "false"
     return s
+
+
+def logits_to_keep(values: dict[str, Any]) -> dict[str, Any]:
+    """ms-swift's --use_logits_to_keep false (the logits of every position, not only of the targets)
+    is --loss-impl plain here: the model's own forward and full logits. The same loss and gradients as
+    the default (chunked: logits at the target positions only), with the memory ms-swift's false costs."""
+    v = values.get("use_logits_to_keep")
+    if v is None or canonical_value(v, True) != "false":
+        return values
+    impl = values.get("loss_impl")
+    if impl is not None and str(impl) != "plain":
+        raise UserError(f"--use_logits_to_keep false computes every position's logits (--loss-impl plain), and "
+                        f"--loss-impl {impl} computes the target positions' only: give one of them")
+    out = {k: x for k, x in values.items() if k != "use_logits_to_keep"}
+    out["loss_impl"] = "plain"
+    return out
 
 
 def check_no_meaning(name: str, value: Any, source: str) -> None:

@@ -25,11 +25,11 @@ from swiftlite.config.data_options import TRUNCATION, DataConfig
 from swiftlite.config.galore_options import GaloreOptions
 from swiftlite.config.muonclip_options import MuonClipOptions
 from swiftlite.config.quant_options import QuantConfig
+from swiftlite.config.sequence_options import SequenceOptions
 from swiftlite.config.teacher_options import TeacherOptions
 from swiftlite.config.tuner_options import LORA_TYPES, PEFT_TYPES, TunerOptions
 from swiftlite.config.vllm_options import VllmOptions
-from swiftlite.dtypes import NAMES as _DTYPE_NAMES
-from swiftlite.dtypes import normalize as _dtype_name
+from swiftlite.dtypes import NAMES as _DTYPE_NAMES, normalize as _dtype_name
 
 
 def _reshard_value(value: Any) -> str:
@@ -137,7 +137,7 @@ class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*/reft_rank/llamapro
 
 
 @dataclass(kw_only=True)
-class ParallelConfig(Section):
+class ParallelConfig(SequenceOptions, Section):   # --sequence_parallel_size: config/sequence_options.py
     parallelism: str = opt("auto", "How to spread the model: auto, single, ddp, fsdp (FSDP2), hsdp, fsdp1, "
                            "zero2, zero2_offload, zero3, zero3pp, zero3_offload, zero3_offload_nvme, or a DeepSpeed "
                            "JSON file (parallel/resolve.py decides; --dry-run shows the choice).",

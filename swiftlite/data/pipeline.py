@@ -438,7 +438,8 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
         unit = f"packs of {d.max_length} tokens (--packing)" if d.packing else "usable rows"
         raise UserError(f"{source} {'give' if ' and ' in source else 'has'} {len(train.rows)} {unit}{held}, fewer "
                         f"than one global batch of "
-                        f"{plan.global_batch} (per-device {plan.per_device} x {plan.world_size} processes x "
+                        f"{plan.global_batch} (per-device {plan.per_device} x {plan.world_size} "
+                        f"{'data-parallel ranks' if cfg.parallel.sequence_parallel_size > 1 else 'processes'} x "
                         f"accumulation {plan.accumulation})")
     return train, val, plan
 

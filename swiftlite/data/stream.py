@@ -191,6 +191,7 @@ class StreamBatches:
         self.data, self.plan, self.pad_id, self.world, self.form = data, plan, pad_id, world, form
         self.num_workers, self.pin_memory, self.prefetch_factor = num_workers, pin_memory, prefetch_factor
         self._it: Iterator[Any] | None = None
+        self.sp: Any = None   # parallel/sequence.SequenceParallel: a group's ranks read the same rows
         self._loader_it: Any = None
         self.next = 0
         self.end = plan.max_steps
@@ -199,7 +200,7 @@ class StreamBatches:
         from swiftlite.data.collate import collate, count_targets, real_tokens
         from swiftlite.data.prefetch import StepData
         padding_free = bool(self.form and self.form.padding_free)
-        micro = [collate(mb, self.pad_id, padding_free=padding_free) for mb in self.plan.cut(rows, self.world.rank)]
+        micro = [collate(mb, self.pad_id, padding_free=padding_free) for mb in self.plan.cut(rows, self.world.rank // (self.sp.size if self.sp else 1))]
         targets = sum(count_targets(collate([r], self.pad_id)) for r in rows)
         return StepData(micro, targets, sum(real_tokens(b) for b in micro))
 

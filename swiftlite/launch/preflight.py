@@ -105,6 +105,11 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
         found.check(_refuse, lisa_problem, run_cfg, facts.choice)
         from swiftlite.models.hqq import hqq_problem
         found.check(_refuse, hqq_problem, run_cfg, facts.choice)
+        if run_cfg.parallel.sequence_parallel_size > 1:   # the world and the heads it splits
+            from swiftlite.models.loading import model_config
+            from swiftlite.parallel.sequence import problem as sequence_problem
+            found.check(_refuse, sequence_problem, run_cfg.parallel.sequence_parallel_size, world_size,
+                        model_config(run_cfg, source))
         if resume is not None:
             from swiftlite.checkpoint.state import weights_only_problem
             # a --save_only_model checkpoint, another format
@@ -127,7 +132,9 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
         return facts
     from swiftlite.models.loading import load_tokenizer
     tokenizer = load_tokenizer(run_cfg, source)
-    prepared = task_of(run_cfg).prepare_data(run_cfg, tokenizer, world_size)   # sft/pt: data.pipeline.prepare_datasets
+    from swiftlite.parallel.sequence import data_world   # a sequence-parallel group shares its rows
+    data_size = world_size if world_size is None else data_world(0, world_size, run_cfg.parallel.sequence_parallel_size)[1]
+    prepared = task_of(run_cfg).prepare_data(run_cfg, tokenizer, data_size)   # sft/pt: data.pipeline.prepare_datasets
     if run_cfg.train.train_type == "adalora":   # its schedule against the run's steps, known from here on
         from swiftlite.models.tuners import check_schedule
         from swiftlite.train.run import total_steps

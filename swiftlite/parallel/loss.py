@@ -138,24 +138,30 @@ def token_loss_sum(module: "torch.nn.Module", batch: dict[str, "torch.Tensor"],
     `module` is what the backend runs (a DDP/FSDP/DeepSpeed wrapper, a peft model or the CausalLM).
     """
     opts = options or LossOptions()
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "loss_scale")}
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", "loss_scale")}
     weights = batch.get("loss_scale")
+    # A slice of a sequence-parallel batch (parallel/sequence.py) carries its targets already shifted:
+    # position t's target is token t + 1 of the whole sequence, which may sit in the next slice.
+    shifted = "shift_labels" in batch
+    labels = batch["shift_labels"] if shifted else batch["labels"]
     head = _prepare(module, opts)
     if head is not None:
-        out = module(**inputs, use_cache=False, swiftlite_labels=batch["labels"],
+        out = module(**inputs, use_cache=False, swiftlite_labels=labels,
+                     **({"swiftlite_shifted": True} if shifted else {}),
                      **({"swiftlite_weights": weights} if weights is not None else {}))
         return out.loss_sum
-    return _plain(module, inputs, batch["labels"], opts.dft, opts.router_aux, weights)
+    return _plain(module, inputs, labels, opts.dft, opts.router_aux, weights, shifted)
 
 
 def _plain(module: "torch.nn.Module", inputs: dict, labels: "torch.Tensor", dft: bool = False,
-           router_aux: float = 0.0, weights: "torch.Tensor | None" = None) -> "torch.Tensor":
+           router_aux: float = 0.0, weights: "torch.Tensor | None" = None, shifted: bool = False) -> "torch.Tensor":
     out = module(**inputs, use_cache=False, **({"output_router_logits": True} if router_aux else {}))
     logits = out.logits if hasattr(out, "logits") else out[0]
-    labels = labels[:, 1:]
-    logits = logits[:, :-1].float()
+    cut = 0 if shifted else 1     # shifted: labels and weights are aligned with the positions already
+    labels = labels[:, cut:]
+    logits = logits[:, :logits.shape[1] - cut].float()
     loss = _ce_sum(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), dft,
-                   None if weights is None else weights[:, 1:].reshape(-1))
+                   None if weights is None else weights[:, cut:].reshape(-1))
     if router_aux:
         loss = loss + router_aux * out.aux_loss.float() * (labels != IGNORE).sum()
     return loss
@@ -290,7 +296,8 @@ def _install(lm: Any) -> _Head:
 
 
 def _causal_lm_forward(self: Any, *args: Any, swiftlite_labels: "torch.Tensor | None" = None,
-                       swiftlite_weights: "torch.Tensor | None" = None, **kwargs: Any):
+                       swiftlite_weights: "torch.Tensor | None" = None, swiftlite_shifted: bool = False,
+                       **kwargs: Any):
     """The CausalLM's forward: its original one, or (with swiftlite_labels) decoder + summed loss
     (`swiftlite_weights`: each token's --loss-scale weight, aligned with the labels)."""
     state = self.__dict__[_STATE]
@@ -303,11 +310,12 @@ def _causal_lm_forward(self: Any, *args: Any, swiftlite_labels: "torch.Tensor | 
         kwargs["output_router_logits"] = True
     out = state.decoder(*args, use_cache=False, **kwargs)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    labels = swiftlite_labels[:, 1:]
+    cut = 0 if swiftlite_shifted else 1   # shifted: labels aligned with the positions (sequence parallel)
+    labels = swiftlite_labels[:, cut:]
     keep = labels != IGNORE
-    h = hidden[:, :-1][keep]          # [targets, H]: only positions that have a target
+    h = hidden[:, :hidden.shape[1] - cut][keep]   # [targets, H]: only positions that have a target
     y = labels[keep]
-    w = None if swiftlite_weights is None else swiftlite_weights[:, 1:][keep].float()
+    w = None if swiftlite_weights is None else swiftlite_weights[:, cut:][keep].float()
     if state.fused:
         loss = self.get_output_embeddings()(h, swiftlite_targets=y, swiftlite_impl=state.impl,
                                             swiftlite_chunk=state.chunk, swiftlite_dft=state.dft,

@@ -35,7 +35,10 @@ def _first_line(run) -> str:
     cfg, task = run.cfg, run.task
     # sft/pt --packing: the samples are packs of whole rows (the row counts are in the parentheses)
     unit = "packs of rows" if cfg.data.packing and task.unit == "row" else f"{task.unit}s"
+    sp = getattr(run.batches, "sp", None)
     return (f"swiftlite: {run.choice.name} x {run.world.world_size} process(es) on {run.world.device}, "
+            + (f"sequence parallel in groups of {sp.size} ({run.world.world_size // sp.size} data-parallel), "
+               if sp is not None else "")
             + task.describe(run)
             + (f"streamed train {unit} (so far: " if getattr(run.train_data, "stream", None) is not None
                else f"{len(run.train_data.rows)} train {unit} (")

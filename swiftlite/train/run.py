@@ -116,12 +116,15 @@ def prepare_data(cfg: RunConfig, tokenizer: Any, world: Any) -> tuple[Any, Any, 
     from swiftlite.distributed import barrier
     from swiftlite.train.tasks import task_of
     task = task_of(cfg)
+    from swiftlite.parallel.sequence import data_world
+    # the data-parallel world: a group of --sequence_parallel_size ranks trains on the same rows
+    data_size = data_world(world.rank, world.world_size, cfg.parallel.sequence_parallel_size)[1]
     result = None
     if world.is_main:
-        result = task.prepare_data(cfg, tokenizer, world.world_size, progress=_progress_factory(True))
+        result = task.prepare_data(cfg, tokenizer, data_size, progress=_progress_factory(True))
     barrier()
     if not world.is_main:
-        result = task.prepare_data(cfg, tokenizer, world.world_size)
+        result = task.prepare_data(cfg, tokenizer, data_size)
     return result
 
 
@@ -175,6 +178,8 @@ def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> t
         steps = total_steps(cfg, plan.steps_per_epoch)
         task = task_of(cfg)
         batches = task.make_batches(cfg, train_data, plan, tokenizer, world)
+        from swiftlite.parallel import sequence
+        batches.sp = sequence.build(world, cfg.parallel.sequence_parallel_size, tokenizer.pad_token_id)
         # Pairs (rlhf) are hashed as their two sequences (rlhf/data.PairData.for_facts).
         facts = run_facts(cfg, train_data.for_facts() if hasattr(train_data, "for_facts") else train_data,
                           plan.global_batch)
@@ -195,6 +200,8 @@ def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> t
         model = prepare_model(cfg, source, world, init_context=init_context, skeleton=skeleton_mode(cfg, choice),
                               reentrant=choice.record.reentrant_checkpointing or not world.distributed,
                               total_steps=steps, grad_rows=estimation_rows(cfg, train_data))
+        if batches.sp is not None:
+            sequence.install(model)   # Ulysses attention in the sharded micro-batches (parallel/sequence.py)
         engine = build_engine(model, cfg, world, steps, choice)   # optimizer built here (trap 2)
 
         from swiftlite.train.lisa import resume_scope, with_lisa

@@ -13,6 +13,7 @@ is the normalisation. `StepStats.tokens` counts real (non-pad) tokens in either 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,6 +36,7 @@ class TokenBatches:
     num_workers: int = 0
     pin_memory: bool = True
     prefetch_factor: int | None = None
+    sp: Any = None                 # parallel/sequence.SequenceParallel (--sequence_parallel_size > 1)
     _prefetch: Any = field(default=None, repr=False)
 
     def _target_count(self, i: int) -> int:
@@ -45,7 +47,7 @@ class TokenBatches:
 
     def step_batches(self) -> Any:
         from swiftlite.data.prefetch import StepBatches
-        return StepBatches(self.plan, self.world.rank, self._row, self._target_count, self.pad_id,
+        return StepBatches(self.plan, data_rank(self.world, self.sp), self._row, self._target_count, self.pad_id,
                            (self.form or PADDED).padding_free)
 
     def global_targets(self, step: int) -> int:
@@ -70,6 +72,11 @@ class TokenBatches:
         if self._prefetch is not None:
             self._prefetch.close()
             self._prefetch = None
+
+
+def data_rank(world: Any, sp: Any) -> int:
+    """The data-parallel rank whose rows this rank trains on: its own, or its sequence-parallel group's."""
+    return world.rank // (sp.size if sp is not None else 1)
 
 
 def token_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> TokenBatches:
@@ -98,15 +105,22 @@ def train_step(engine: Any, batches: Any, step: int, *, data_step: int | None = 
     scale = world.world_size / max(1, global_targets)
     local_loss, local_tokens = 0.0, data.local_tokens
     micro = data.micro
+    sp = getattr(batches, "sp", None)   # sequence parallel: this rank's slice of each micro-batch
     for m, batch in enumerate(micro):
         batch = {key: v.to(world.device, non_blocking=True) for key, v in batch.items()}
-        with engine.micro_batch(last=m == len(micro) - 1):
+        whole = contextlib.nullcontext()
+        if sp is not None:
+            batch, positions, mask = sp.shard(batch)
+            whole = sp.active(positions, mask)   # forward and backward (recomputation) see the whole sequence
+        with engine.micro_batch(last=m == len(micro) - 1), whole:
             loss_sum = engine.forward(batch)
             engine.backward(loss_sum * scale)
         local_loss += float(loss_sum.detach())
+    if sp is not None:   # the ranks of a group count the same rows' tokens
+        local_tokens = local_tokens / sp.size
     if before_optimizer is not None:
         before_optimizer(engine)
     grad_norm = engine.step()
     loss_total, tokens_total = all_reduce_sum([local_loss, float(local_tokens)])
     return StepStats(step=step + 1, loss=loss_total / max(1, global_targets), grad_norm=float(grad_norm),
-                     tokens=int(tokens_total), target_tokens=global_targets)
+                     tokens=int(round(tokens_total)), target_tokens=global_targets)
