@@ -6,7 +6,8 @@ command of a text-LLM script is extracted (shell variables, `$(expr ...)` and li
 resolved), and run as `python -m swiftlite ...` with:
 
 - its environment assignments kept, except NPROC_PER_NODE capped at 2 (this machine has 2 cores; --max-nproc N
-  for another cap, where a script's batch sizes need its own process count, such as GRPO's groups) and
+  for another cap, where a script's batch sizes need its own process count, such as GRPO's groups; never
+  below the script's --sequence_parallel_size, whose group needs that many ranks) and
   CUDA_VISIBLE_DEVICES dropped; MASTER_PORT becomes a free port (the written one may be taken here), and a
   placeholder MASTER_ADDR (`xxx.xxx.xxx.xxx`, the other node's script) this machine's 127.0.0.1;
 - `--model` (and `--ref_model`, `--reward_model`, `--teacher_model`) replaced by a local tiny folder
@@ -416,9 +417,10 @@ def build_models(d: Path) -> dict[str, Path]:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
-    # widths of 128 and 256, as real models' are multiples of FP8's 128 x 128 blocks (k/v at 64 are not: both
-    # cases); 4 layers: divisible by LLaMA-Pro's default --llamapro_num_new_blocks 4, as real models' 28 or 32 are
-    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+    # widths of 128 and 256, as real models' are multiples of FP8's 128 x 128 blocks (k/v at 32 are not: both
+    # cases); 4 layers: divisible by LLaMA-Pro's default --llamapro_num_new_blocks 4, as real models' 28 or 32 are;
+    # 8 heads, as --sequence_parallel_size 8 of ms-swift's scripts splits Qwen2.5-3B's 16
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=2, vocab_size=TINY_VOCAB, eos_token_id=258, pad_token_id=259,
                   bos_token_id=None, dtype="bfloat16")
     cfgs = {"qwen2": Qwen2Config(max_position_embeddings=32768, tie_word_embeddings=False, **common),
@@ -484,8 +486,10 @@ def translate(cmd: Command, models: dict[str, Path], files: dict[str, Path], ckp
               port: int) -> tuple[dict[str, str], list[str]]:
     """(env, swiftlite argv) for one command: only the model, datasets and placeholder checkpoints replaced."""
     env = {k: v for k, v in cmd.env.items() if k != "CUDA_VISIBLE_DEVICES"}
-    if "NPROC_PER_NODE" in env:
-        env["NPROC_PER_NODE"] = str(min(NPROC_CAP["n"], int(env["NPROC_PER_NODE"] or 1)))
+    if "NPROC_PER_NODE" in env:   # never below a --sequence_parallel_size group: it needs that many ranks
+        a = cmd.argv
+        group = int(a[a.index("--sequence_parallel_size") + 1]) if "--sequence_parallel_size" in a[:-1] else 1
+        env["NPROC_PER_NODE"] = str(min(max(NPROC_CAP["n"], group), int(env["NPROC_PER_NODE"] or 1)))
     if "MASTER_PORT" in env:
         env["MASTER_PORT"] = str(port)
     if PLACEHOLDER.search(env.get("MASTER_ADDR", "")):   # `xxx.xxx.xxx.xxx`: node 0's address, this machine here

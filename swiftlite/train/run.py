@@ -193,6 +193,7 @@ def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> t
         probe = probe_factory(run_dir, world, start_guess, steps) if probe_factory else None
         if probe is not None:
             probe.start()
+        from swiftlite.errors import UserError
         from swiftlite.models.llamapro import backend_problem
         if backend_problem(cfg, choice):   # preflight refuses it; a rank started by another launcher too
             raise UserError(backend_problem(cfg, choice))

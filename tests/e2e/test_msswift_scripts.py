@@ -228,6 +228,10 @@ MULTI = [
     ("zero3_dpo", "NPROC_PER_NODE=2", f"rlhf --rlhf_type dpo {_C} --tuner_type full --dataset {{preference}}#16 "
                                       "--deepspeed zero3",
      {"deepspeed": "zero3", "rlhf_type": "dpo", "nproc_per_node": 2}),
+    # examples/train/sequence_parallel/sequence_parallel.sh (8 ranks there)
+    ("sequence_parallel", "NPROC_PER_NODE=2", f"sft {_C} {_LORA} --dataset {{alpaca}}#16 --torch_dtype bfloat16 "
+                                              "--sequence_parallel_size 2 --use_logits_to_keep false --padding_free true",
+     {"sequence_parallel_size": 2, "loss_impl": "plain", "padding_free": True, "nproc_per_node": 2}),
 ]
 
 #: examples/train/cached_dataset/{sft,pretrained}.sh: `swift export --to_cached_dataset true`, then the run on
@@ -256,9 +260,7 @@ REFUSED = {
         ("--max_model_len 512000", "max_position_embeddings"),
         ("--reft_intervention_type LoreftIntervention", "tuner"), ("--template_backend jinja", "template"),
         ("--rope_scaling yarn", "rope_scaling"),
-        ("--sequence_parallel_size 8", "sequence parallelism"),
         ("--truncation_strategy split", "split"), ("--tuner_backend unsloth", "peft"),
-        ("--use_logits_to_keep false", "logits"),
     ],
     "export": [
         ("--device_map cpu", "device_map"), ("--hub_model_id m", "upload"), ("--hub_token t", "upload"),

@@ -222,7 +222,11 @@ TABLE = [
     ("--use_liger_kernel true", ("use_liger_kernel", True)),
     ("--max_new_tokens 64", "--max_new_tokens 64: training never generates"),
     ("--sequence_parallel_size 1", ACCEPTED),
-    ("--sequence_parallel_size 4", "--sequence_parallel_size 4: sequence parallelism is not available"),
+    ("--sequence_parallel_size 4", ("sequence_parallel_size", 4)),
+    ("--sequence_parallel_size 0", "--sequence_parallel_size 0: give 1 (off)"),
+    ("--use_logits_to_keep false", ("loss_impl", "plain")),
+    ("--use_logits_to_keep true", ACCEPTED),
+    ("--use_logits_to_keep false --loss_impl chunked", "--use_logits_to_keep false computes every position's logits"),
     ("--push_to_hub true", "--push_to_hub true: upload the exported folder yourself"),
     ("--freeze_vit true", "--freeze_vit true: multimodal models are not supported"),
 ]
