@@ -119,6 +119,9 @@ def print_plan(cfg: Any, plan: Any, choice: Any) -> None:
     print(f"batch:          per-device {t.per_device_train_batch_size} x {data}{' data-parallel' if sp > 1 else ''} "
           f"x accumulation {t.gradient_accumulation_steps} = global {global_batch}")
     print(f"model:          {cfg.model.model} ({cfg.train.train_type}, {cfg.model.torch_dtype})")
+    if cfg.model.rope_scaling or cfg.model.max_model_len is not None:   # models/rope.py
+        from swiftlite.models.loading import model_config, rope
+        print(f"rope:           {rope.describe(model_config(cfg))}")
     if cfg.lora.lisa_activated_layers > 0:   # train/lisa.py
         print(f"lisa:           {cfg.lora.lisa_activated_layers} decoder layers at a time, drawn again every "
               f"{cfg.lora.lisa_step_interval} steps (and at step 2) from --seed {cfg.train.seed}")

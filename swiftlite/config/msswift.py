@@ -66,8 +66,6 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
     NoMeaning("freeze_llm", _MULTIMODAL, switch=True),
     NoMeaning("freeze_aligner", _MULTIMODAL, switch=True),
     NoMeaning("max_pixels", _MULTIMODAL),
-    NoMeaning("rope_scaling", "use a model folder whose config.json sets rope_scaling, and --max-length"),
-    NoMeaning("max_model_len", "use a model folder whose config.json sets max_position_embeddings, and --max-length"),
     # `false` fits in the sense that it is accepted: logits_to_keep() below makes it --loss-impl plain
     NoMeaning("use_logits_to_keep", "the loss computes logits only at the target tokens (--loss-impl chunked, the "
               "default); false computes every position's (--loss-impl plain)", fits=("true", "none", "false"),

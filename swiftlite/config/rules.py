@@ -525,6 +525,8 @@ from swiftlite.config.rules_targets import TARGET_RULES  # noqa: E402,F401  (the
 from swiftlite.config.rules_data import cached_datasets  # noqa: E402,F401  (joins RULES here, after them)
 from swiftlite.config.sequence_options import sequence_problem  # noqa: E402
 rule("sequence parallelism")(sequence_problem)
+from swiftlite.config.rope_options import rope_problem  # noqa: E402
+rule("rope scaling")(rope_problem)
 from swiftlite.config.rules_tuners import BOFT_KEYS  # noqa: E402,F401  (as rules_targets)
 from swiftlite.config.rules_galore import GALORE_OPTIMS  # noqa: E402,F401  (as rules_targets)
 

@@ -25,6 +25,7 @@ from swiftlite.config.data_options import TRUNCATION, DataConfig
 from swiftlite.config.galore_options import GaloreOptions
 from swiftlite.config.muonclip_options import MuonClipOptions
 from swiftlite.config.quant_options import QuantConfig
+from swiftlite.config.rope_options import RopeOptions
 from swiftlite.config.sequence_options import SequenceOptions
 from swiftlite.config.teacher_options import TeacherOptions
 from swiftlite.config.tuner_options import LORA_TYPES, PEFT_TYPES, TunerOptions
@@ -65,9 +66,8 @@ DTYPES = _DTYPE_NAMES  # swiftlite/dtypes.py is the one dtype table
 SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay",
               "reduce_lr_on_plateau", "greedy")
-STRATEGIES = ("steps", "epoch", "no")
+STRATEGIES, DPO_LOSS_TYPES = ("steps", "epoch", "no"), ("sigmoid", "ipo", "hinge")
 RLHF_TYPES = ("dpo", "orpo", "simpo", "cpo", "kto", "rm", "grpo")
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 #: --optim values (optim.build_optimizer builds each; transformers' OptimizerNames spellings, plus muon).
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd", "adagrad", "rmsprop", "adafactor", "muon")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "real")
@@ -76,7 +76,7 @@ SFT_LOSS_TYPES = ("cross_entropy", "loss_scale")
 
 
 @dataclass(kw_only=True)
-class ModelConfig(Section):
+class ModelConfig(RopeOptions, Section):   # --rope_scaling, --max_model_len: config/rope_options.py
     model: str = opt("tiny-llama", "Preset name (see `swiftlite models`), local HF folder or hub id.")
     torch_dtype: str = opt("auto", "Parameter and compute dtype (also bfloat16, float16, float32). auto, as in "
                            "ms-swift: the model config's torch_dtype on a GPU (bf16 for current models; bf16 "

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from swiftlite import dtypes
 from swiftlite.errors import UserError
+from swiftlite.models import rope   # --rope_scaling, --max_model_len: model_config applies them, once for all
 from swiftlite.models.source import ModelSource, is_moe, resolve_model
 
 if TYPE_CHECKING:
@@ -78,9 +79,7 @@ def model_defaults(cfg: "RunConfig", source: ModelSource | None = None) -> tuple
     Writes nothing: job.resolve_run is the one writer of the run's concrete config."""
     if cfg.model.torch_dtype != "auto" and cfg.data.max_length is not None:
         return cfg.model.torch_dtype, cfg.data.max_length, []
-    conf = model_config(cfg, source)
-    dtype, length = cfg.model.torch_dtype, cfg.data.max_length
-    phrases = []
+    conf, dtype, length, phrases = model_config(cfg, source), cfg.model.torch_dtype, cfg.data.max_length, []
     if dtype == "auto":
         dtype = _auto_dtype_here(cfg, conf, phrases)
     got = context_max_length(cfg, conf)
@@ -180,12 +179,11 @@ def with_thinking_switch(tok: Any, enabled: bool) -> None:
 
 def model_config(cfg: "RunConfig", source: ModelSource | None = None) -> Any:
     """The transformers config of --model, without weights: `ModelSource.config` with the run's
-    --trust-remote-code and --model_revision."""
+    --trust-remote-code and --model_revision, its rope and context as --rope_scaling/--max_model_len say."""
     src = source or resolve_model(cfg.model.model)
-    conf = src.config(cfg.model.trust_remote_code, cfg.model.model_revision)
+    conf = rope.apply(src.config(cfg.model.trust_remote_code, cfg.model.model_revision), cfg.model)
     if cfg.model.new_special_tokens:   # the embeddings the run trains (and export writes): grown
-        grown = grown_vocab(conf.vocab_size, len(load_tokenizer(cfg, src)))
-        if grown is not None:
+        if (grown := grown_vocab(conf.vocab_size, len(load_tokenizer(cfg, src)))) is not None:
             conf = copy.deepcopy(conf)
             conf.vocab_size = grown
     return conf
@@ -267,6 +265,8 @@ def load_model(cfg: "RunConfig", source: ModelSource | None = None, world: Any =
         kwargs["quantization_config"] = quant
     if src.kind == "hub" and cfg.model.model_revision:
         kwargs["revision"] = cfg.model.model_revision
+    if rope.asked(cfg.model):   # the folder's config with the run's rope and context (models/rope.py)
+        kwargs["config"] = rope.apply(src.config(cfg.model.trust_remote_code, cfg.model.model_revision), cfg.model)
     # The backend's own loading context (ZeRO-3: zero.Init), handed in by the caller: a loader
     # never picks a backend.
     ctx: Any = init_context if init_context is not None else contextlib.nullcontext()

@@ -97,6 +97,9 @@ SFT = [
     ("packing", f"sft {_C} --dataset {{alpaca}}#16 --packing true --max_length 512",
      {"packing": True, "max_length": 512}),
     ("padding_free", f"sft {_C} --dataset {{alpaca}}#16 --padding_free true", {"padding_free": True}),
+    # examples/train/sequence_parallel/sequence_parallel_512k.sh's context flags (models/rope.py)
+    ("rope_yarn", f"sft {_C} {_LORA} --dataset {{alpaca}}#16 --packing true --rope_scaling yarn --max_model_len 65536",
+     {"rope_scaling": "yarn", "max_model_len": 65536, "packing": True}),
     ("save_only_model", f"sft {_C} --dataset {{messages}}#16 --save_only_model true --save_steps 2",
      {"save_only_model": True, "save_steps": 2}),
     ("checkpointing_on", f"sft {_C} --dataset {{messages}}#16 --gradient_checkpointing true",
@@ -257,9 +260,7 @@ REFUSED = {
         ("--agent_template glm4", "hermes, react_en, react_zh are"),
 
         ("--galore_quantization true", "Q-GaLore"),
-        ("--max_model_len 512000", "max_position_embeddings"),
         ("--reft_intervention_type LoreftIntervention", "tuner"), ("--template_backend jinja", "template"),
-        ("--rope_scaling yarn", "rope_scaling"),
         ("--truncation_strategy split", "split"), ("--tuner_backend unsloth", "peft"),
     ],
     "export": [
