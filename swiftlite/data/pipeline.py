@@ -294,12 +294,16 @@ def split_validation(tok: Tokenized, ratio: float, seed: int) -> tuple[Tokenized
 
 
 def train_and_validation(d: Any, tok: Callable[[list[str]], Tokenized], seed: int, unit: str = "row",
-                         cached: Callable[[list[str], str], Tokenized] | None = None
+                         cached: Callable[[list[str], str], Tokenized] | None = None,
+                         pack: Callable[[Tokenized], Tokenized] | None = None
                          ) -> tuple[Tokenized, Tokenized | None]:
     """--dataset, then --val-dataset or a --split-dataset-ratio share of it, tokenized by `tok`; a
     selection with nothing usable is a UserError naming the flag (`unit`: row or pair). `cached`
     reads --cached_dataset / --cached_val_dataset folders (sft, pt: data/cached.py); their rows
-    follow --dataset's, and the held-out share is of --dataset's rows only (ms-swift's order)."""
+    follow --dataset's, and the held-out share is of --dataset's rows only (ms-swift's order).
+    `pack` (--packing) packs each side after the split, as ms-swift packs its train and validation
+    datasets apart: the share held out is a share of rows, not of packs (one pack of 512k tokens
+    could not be split at all)."""
     train = tok(d.dataset) if d.dataset else None
     val = None
     if d.val_dataset:
@@ -313,6 +317,8 @@ def train_and_validation(d: Any, tok: Callable[[list[str]], Tokenized], seed: in
         train, val = split_validation(train, d.split_dataset_ratio, seed)
     if train is not None and not train.rows:
         raise UserError(f"--dataset {' '.join(d.dataset)}: no usable {unit}s ({train.stats.unusable()})")
+    if pack is not None:
+        train, val = (pack(x) if x is not None else None for x in (train, val))
     if cached is not None and getattr(d, "cached_dataset", None):
         train = _concat(train, cached(d.cached_dataset, "--cached_dataset"))
     if cached is not None and getattr(d, "cached_val_dataset", None):
@@ -347,8 +353,8 @@ def _rendering(cfg: Any, tokenizer: Any) -> tuple[str | None, LossScale | None, 
             parse_loss_scale(cfg.data.loss_scale, binary=cfg.data.is_binary_loss_scale) if chat else None, agent)
 
 
-def spec_tokenizer(cfg: Any, tokenizer: Any, *, progress: Callable[[str, int], Any] | None = None,
-                   packing: bool = False) -> tuple[Callable[[list[str]], Tokenized], Any]:
+def spec_tokenizer(cfg: Any, tokenizer: Any, *, progress: Callable[[str, int], Any] | None = None
+                   ) -> tuple[Callable[[list[str]], Tokenized], Any]:
     """(specs -> their Tokenized rows under the run's options, the self-cognition transform or None):
     what training (prepare_datasets) and `swiftlite export --to_cached_dataset true` tokenize with, so
     that a cached folder holds exactly the rows the run would have made."""
@@ -358,7 +364,7 @@ def spec_tokenizer(cfg: Any, tokenizer: Any, *, progress: Callable[[str, int], A
     sc = from_config(d)   # --model_name / --model_author (data/self_cognition.py)
 
     def tok(specs: list[str]) -> Tokenized:
-        return tokenize_specs(specs, tokenizer, task=cfg.task, max_length=d.max_length, packing=packing,
+        return tokenize_specs(specs, tokenizer, task=cfg.task, max_length=d.max_length, packing=False,
                               skip_bad_rows=d.skip_bad_rows, num_proc=d.dataset_num_proc, progress=progress,
                               truncation_strategy=d.truncation_strategy, system=system, seed=t.seed,
                               load_from_cache_file=d.load_from_cache_file, transform=sc,
@@ -399,8 +405,11 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
     from swiftlite.data.loader import BatchPlan
     d, t = cfg.data, cfg.train
     # `cfg` is the run's resolved config (swiftlite/job.py): --max-length is concrete here.
-    tok, sc = spec_tokenizer(cfg, tokenizer, progress=progress, packing=d.packing)
+    tok, sc = spec_tokenizer(cfg, tokenizer, progress=progress)   # rows; --packing packs after the split
     system, scale, agent = _rendering(cfg, tokenizer)
+
+    def pack(rows: Tokenized) -> Tokenized:
+        return Tokenized(pack_rows(rows.rows, d.max_length), rows.stats)
 
     def encode(items: list[tuple[dict, str]]) -> tuple[list[dict], DataStats]:
         """(row, where) items -> their usable tokenized rows and stats (lazy and streamed rows)."""
@@ -418,6 +427,7 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
         train = stream_tokenized(d.dataset, encode, skip_bad_rows=d.skip_bad_rows, transform=sc,
                                  pack_length=d.max_length if d.packing else None, columns=d.columns)
         val = tok(d.val_dataset) if d.val_dataset else None
+        val = pack(val) if val is not None and d.packing else val
         if sc is not None:
             sc.check_used([*d.dataset, *d.val_dataset], train.stats.self_cognition
                           + (val.stats.self_cognition if val is not None else 0))
@@ -425,7 +435,8 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
             raise UserError(f"--val-dataset {' '.join(d.val_dataset)}: no usable rows ({val.stats.unusable()})")
         return train, val, StreamPlan(t.per_device_train_batch_size, world_size, t.gradient_accumulation_steps,
                                       t.max_steps)
-    train, val = train_and_validation(d, tok_train, t.seed, cached=cached_reader(cfg, tokenizer))
+    train, val = train_and_validation(d, tok_train, t.seed, cached=cached_reader(cfg, tokenizer),
+                                      pack=pack if d.packing else None)
     if sc is not None:   # counted in the stats, so that a cache entry answers too
         sc.check_used([*d.dataset, *d.val_dataset], train.stats.self_cognition
                       + (val.stats.self_cognition if val is not None else 0))

@@ -140,3 +140,22 @@ def test_first_step_loss_equals_the_non_streaming_packed_run(tmp_path, rows_file
     assert streamed[0] == pytest.approx(packed[0], rel=1e-5)
     args = json.loads((tmp_path / "s" / layout.ARGS).read_text())
     assert args["data"]["streaming"] is True and args["data"]["packing"] is True
+
+
+def test_split_holds_out_rows_then_packs_each_side(tmp_path, demo_data):
+    """--split_dataset_ratio with --packing: ms-swift holds out a share of the rows, then packs the train
+    and validation sides apart. Packing first held out packs instead, and a --max-length that packs every
+    row into one pack (sequence_parallel_512k.sh: 512000) could not be split at all."""
+    from swiftlite.data.pipeline import prepare_datasets
+    from swiftlite.models.loading import load_tokenizer, resolve_model
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(demo_data[0].read_text().splitlines(True)[:20]))
+    cfg = _cfg(tmp_path, f, "split", streaming=False, max_length=4096, split_dataset_ratio=0.1,
+               per_device_train_batch_size=1, gradient_accumulation_steps=1)
+    tok = load_tokenizer(cfg, resolve_model(cfg.model.model))
+    train, val, _ = prepare_datasets(resolve_for_launch(cfg, 1).config, tok, 1)
+
+    def rows_in(packs):   # position ids restart at 0 for each packed row
+        return sum(int((torch.tensor(p["position_ids"]) == 0).sum()) for p in packs)
+    assert (len(train.rows), len(val.rows)) == (1, 1)      # every side fits one 4096-token pack
+    assert (rows_in(train.rows), rows_in(val.rows)) == (18, 2)   # 10% of the 20 rows held out, not of the packs
