@@ -39,6 +39,9 @@ def estimate_cmd(
     max_length: int = typer.Option(2048, "--max-length", "--max_length", help="Sequence length."),
     micro_batch: int = typer.Option(1, "--per-device-train-batch-size", "--per_device_train_batch_size",
                                     "--batch-size", help="Micro-batch per GPU."),
+    sequence_parallel_size: int = typer.Option(1, "--sequence-parallel-size", "--sequence_parallel_size",
+                                               help="Ulysses sequence parallelism (sft, pt): each GPU computes 1/N "
+                                                    "of every sequence's tokens; N divides the GPUs."),
     gradient_checkpointing: bool = typer.Option(True, "--gradient-checkpointing/--no-gradient-checkpointing",
                                                 help="Activation checkpointing."),
     dtype: str = typer.Option("bf16", "--torch-dtype", "--torch_dtype", "--dtype", help="bf16, fp16 or fp32."),
@@ -100,7 +103,8 @@ def estimate_cmd(
                             hsdp_shard_size=hsdp_shard_size, rlhf_type=rlhf_type,
                             precompute_ref_log_probs=precompute_ref_log_probs, parallelism=parallelism,
                             sharded_loading=sharded_loading, max_completion_length=max_completion_length,
-                            beta=beta, quant_method=quant_method, teacher_model=teacher_model)
+                            beta=beta, quant_method=quant_method, teacher_model=teacher_model,
+                            sequence_parallel_size=sequence_parallel_size)
     if as_json:
         print(to_json(decision))
     else:

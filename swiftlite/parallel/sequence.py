@@ -42,8 +42,9 @@ from swiftlite.errors import UserError
 
 #: the attention function's name in transformers' AttentionInterface
 NAME = "swiftlite_ulysses"
-#: the micro-batch being run: (SequenceParallel, full position_ids or None, full attention mask or None)
-_ACTIVE: list[tuple[Any, Any, Any]] = []
+#: the micro-batch being run: (SequenceParallel, full position_ids or None, full attention mask or None,
+#: the sdpa mask once built: every layer, and its recomputation, shares one tensor)
+_ACTIVE: list[tuple[Any, Any, Any, dict]] = []
 
 
 def data_world(rank: int, world_size: int, size: int) -> tuple[int, int]:
@@ -102,7 +103,7 @@ class SequenceParallel:
     @contextmanager
     def active(self, position_ids: Any, attention_mask: Any):
         """The micro-batch's forward and backward (recomputation included) run inside this."""
-        _ACTIVE.append((self, position_ids, attention_mask))
+        _ACTIVE.append((self, position_ids, attention_mask, {}))   # {}: the mask, built once for all layers
         try:
             yield
         finally:
@@ -150,8 +151,16 @@ def _to_positions(x: Any, sp: SequenceParallel) -> Any:
 
 def full_mask(position_ids: Any, attention_mask: Any) -> Any:
     """The boolean (batch or 1, 1, n, n) mask of the whole sequence: causal, within a row (rows of a
-    padding-free batch restart their positions at 0), and only at real tokens of a padded one."""
+    padding-free batch restart their positions at 0), and only at real tokens of a padded one. None
+    when that is the plain causal mask (one unpadded row per sequence): sdpa's is_causal needs no n x n
+    tensor."""
     import torch
+    if attention_mask is not None and bool(attention_mask.bool().all()):
+        attention_mask = None
+        if position_ids is None:
+            return None
+    if position_ids is not None and attention_mask is None and not bool((position_ids[:, 1:] == 0).any()):
+        return None
     if attention_mask is not None:
         n = attention_mask.shape[1]
         causal = torch.ones(n, n, dtype=torch.bool, device=attention_mask.device).tril()
@@ -171,7 +180,7 @@ def ulysses_attention(module: Any, query: Any, key: Any, value: Any, attention_m
         return ALL_ATTENTION_FUNCTIONS[base](module, query, key, value, attention_mask, dropout=dropout,
                                              scaling=scaling, **kwargs)
     import torch.nn.functional as F
-    sp, position_ids, mask2d = _ACTIVE[-1]
+    sp, position_ids, mask2d, built = _ACTIVE[-1]
     if getattr(module, "sliding_window", None):
         raise UserError("--sequence_parallel_size with a sliding-window attention layer: not supported; train "
                         "without sequence parallelism")
@@ -190,8 +199,13 @@ def ulysses_attention(module: Any, query: Any, key: Any, value: Any, attention_m
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=full_mask(position_ids, mask2d), dropout_p=p,
-                                             scale=scaling)
+        if "mask" not in built:   # one additive mask for every layer (sdpa keeps its mask for backward)
+            import torch
+            keep = full_mask(position_ids, mask2d)
+            built["mask"] = None if keep is None else torch.zeros(keep.shape, dtype=q.dtype, device=q.device) \
+                .masked_fill_(~keep, torch.finfo(q.dtype).min)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=built["mask"], is_causal=built["mask"] is None,
+                                             dropout_p=p, scale=scaling)
     return _to_positions(out.contiguous(), sp).transpose(1, 2).contiguous(), None
 
 

@@ -36,17 +36,21 @@ def activation_bytes(shape: ModelShape, w: Any, autocast: bool = False) -> int:
     only its fp32 logsumexp (heads * s). LoRA dropout keeps a dropped-out copy of each adapted input
     plus its mask (1 byte on CUDA; on CPU, torch's dropout multiplies by a noise tensor of the
     input's dtype and keeps that). With checkpointing, each layer keeps only its input (s * b * h) and one
-    layer is recomputed at a time. The loss adds `logit_bytes` (its --loss-impl).
+    layer is recomputed at a time. The loss adds `logit_bytes` (its --loss-impl). Under
+    --sequence_parallel_size N every per-token term counts a rank's 1/N of the tokens (`rank_tokens`), and
+    k and v repeated to the query heads where N does not divide the kv heads add their copies.
     `autocast` (single/ddp over fp32 master weights, planner/transients.py): the residual stream
     stays fp32, so each checkpointed layer input is 4 bytes per element, the per-op input casts add
     AUTOCAST_LAYER_EXTRA_H * h bytes per token and layer, and the loss gathers fp32 hidden states.
     """
     e = w.elem
     s, b = w.max_length, w.micro_batch
-    # Padding-free batches compute their real tokens only; without a count, the padded bound.
-    tokens = w.tokens_per_micro_batch or s * b
+    tokens = rank_tokens(w)
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     per_token = (4 * shape.hidden + 2 * q_dim + 2 * kv_dim + 4 * shape.intermediate) * e
+    sp = getattr(w, "sequence_parallel", 1)
+    if sp > 1 and shape.kv_heads % sp:   # Ulysses repeats k and v to the query heads before the all-to-all
+        per_token += 2 * (shape.heads - shape.kv_heads) * shape.head_dim * e
     if e < 4:
         per_token += 2 * 4 * shape.hidden
     if autocast:
@@ -56,13 +60,22 @@ def activation_bytes(shape: ModelShape, w: Any, autocast: bool = False) -> int:
     layer = tokens * per_token
     if w.flash_attention:
         layer += shape.heads * tokens * 4
-    else:
-        layer += shape.heads * s * s * b * (4 + e)
+    else:   # (Ulysses: heads / sp of the whole sequence's matrix per rank)
+        layer += shape.heads * s * s * b * (4 + e) // sp
     if w.gradient_checkpointing:
         layers = shape.layers * tokens * shape.hidden * (4 if autocast else e) + layer
     else:
         layers = shape.layers * layer
     return layers + logit_bytes(shape, w, hidden_elem=4 if autocast else None)
+
+
+def rank_tokens(w: Any) -> int:
+    """The tokens of one micro-batch a rank computes: padding-free batches their real tokens, else the
+    padded bound (max_length x micro_batch); under --sequence_parallel_size N, 1/N of them (rounded up),
+    which is where Ulysses saves memory: every activation but attention's inner all-to-all is per token."""
+    tokens = w.tokens_per_micro_batch or w.max_length * w.micro_batch
+    sp = getattr(w, "sequence_parallel", 1)
+    return -(-tokens // sp)
 
 
 def logit_bytes(shape: ModelShape, w: Any, hidden_elem: int | None = None) -> int:
@@ -80,7 +93,7 @@ def logit_bytes(shape: ModelShape, w: Any, hidden_elem: int | None = None) -> in
     `hidden_elem`: bytes per hidden-state element when not the compute dtype's (fp32 under autocast).
     """
     e = w.elem
-    tokens = w.tokens_per_micro_batch or w.max_length * w.micro_batch
+    tokens = rank_tokens(w)
     v, h = shape.vocab, shape.hidden
     if w.loss_impl == "plain":
         return tokens * v * LOGIT_BYTES

@@ -115,6 +115,8 @@ class Workload:
     quant_method: str = "bnb"            # bnb (bitsandbytes) or hqq: who quantizes the base (states.quantized_bytes)
     max_length: int = 2048
     micro_batch: int = 1
+    sequence_parallel: int = 1           # --sequence_parallel_size: each rank holds 1/N of every sequence's
+                                         # tokens (Ulysses, parallel/sequence.py); states are sharded as without
     gradient_checkpointing: bool = False
     flash_attention: bool = True         # SDPA/flash: no seq x seq attention matrix is kept
     world_size: int = 1
@@ -173,9 +175,12 @@ class Workload:
         if self.train_type == "full" and self.quant_bits is not None:
             return "--quant-bits needs --train-type lora/qlora (a quantized base cannot be trained in full)"
         for flag, v in (("--lora-rank", self.lora_rank), ("--max-length", self.max_length),
-                        ("--batch-size", self.micro_batch), ("--gpus", self.world_size)):
+                        ("--batch-size", self.micro_batch), ("--gpus", self.world_size),
+                        ("--sequence-parallel-size", self.sequence_parallel)):
             if not isinstance(v, int) or v <= 0:
                 return f"{flag} must be a positive integer, got {v!r}"
+        if self.world_size % self.sequence_parallel:
+            return f"--sequence-parallel-size {self.sequence_parallel} does not divide a world of {self.world_size}"
         if self.gpus_per_node <= 0 or self.world_size % self.gpus_per_node:
             return f"--gpus {self.gpus_per_node} per node does not divide a world of {self.world_size}"
         for flag, v in (("--gpu-memory", self.gpu_memory_bytes), ("--cpu-memory", self.cpu_memory_bytes)):

@@ -218,7 +218,7 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         adalora_init_r=cfg.lora.adalora_init_r, bone_rank=cfg.lora.reft_rank, llamapro_blocks=llamapro_groups(cfg),
         quant_bits=cfg.quant_bits, double_quant=cfg.quant.bnb_4bit_use_double_quant,
         quant_method=cfg.quant_method or "bnb",
-        max_length=seq_len,
+        max_length=seq_len, sequence_parallel=cfg.parallel.sequence_parallel_size,
         micro_batch=cfg.train.per_device_train_batch_size * (1 if grpo else spec.sequences_per_sample),
         reference="copy" if copy else "none", generation_length=seq_len if grpo and seq_len else 0,
         teacher_params=_teacher_params(cfg) if grpo else 0,

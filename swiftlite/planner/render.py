@@ -29,7 +29,8 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
                  pure_bf16: bool = False, hsdp_shard_size: int | None = None, rlhf_type: str | None = None,
                  precompute_ref_log_probs: bool = False, parallelism: str | None = None,
                  sharded_loading: bool = True, max_completion_length: int = 512, beta: float = 0.04,
-                 quant_method: str = "bnb", teacher_model: str | None = None) -> Decision:
+                 quant_method: str = "bnb", teacher_model: str | None = None,
+                 sequence_parallel_size: int = 1) -> Decision:
     """Estimate every backend for `model` on `nodes` x `gpus` GPUs and recommend one; with
     `parallelism` (a backend name or a DeepSpeed .json file), estimate that one and say whether it
     fits (recommend.assess).
@@ -42,6 +43,7 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     weights the backend gathers) is counted; `beta` 0 means no reference copy; `teacher_model` (GRPO's
     on-policy distillation) adds the teacher's weights to the reference. `quant_method` hqq counts HQQ's
     packed bits (`quant_bits` 1, 2, 3, 4 or 8; the sharding backends, which cannot hold it, are n/a).
+    `sequence_parallel_size` N: each GPU computes 1/N of every sequence (Ulysses; sft and pt only).
     """
     if quant_method not in ("bnb", "hqq"):
         raise UserError(f"--quant-method {quant_method!r}: choose bnb or hqq")
@@ -55,6 +57,9 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     for flag, v in (("--gpus", gpus), ("--nnodes", nodes)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise UserError(f"{flag} must be a positive integer, got {v!r}")
+    if sequence_parallel_size != 1 and rlhf_type:
+        raise UserError(f"--sequence-parallel-size {sequence_parallel_size} with --rlhf-type {rlhf_type}: sequence "
+                        "parallelism is built for sft and pt")
     if rlhf_type not in (None, "dpo", "orpo", "simpo", "cpo", "kto", "rm", "grpo"):
         raise UserError(f"--rlhf-type {rlhf_type!r}: choose from dpo, orpo, simpo, cpo, kto, rm, grpo")
     if precompute_ref_log_probs and rlhf_type != "dpo":
@@ -73,6 +78,7 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     workload = Workload(shard_file_bytes=largest_shard_file(model), sharded_loading=sharded_loading,reference="copy" if copy else "none",
         train_type=train_type, dtype=dtype, lora_rank=lora_rank, quant_bits=quant_bits,
         max_length=max_length, micro_batch=micro_batch, gradient_checkpointing=gradient_checkpointing,
+        sequence_parallel=sequence_parallel_size,
         world_size=gpus * nodes, gpus_per_node=gpus, gpu_memory_bytes=parse_size(gpu_memory, "--gpu-memory"),
         cpu_memory_bytes=parse_size(cpu_memory, "--cpu-memory") if cpu_memory is not None else None,
         loss_impl=loss_impl, pure_bf16=pure_bf16, hsdp_shard_size=hsdp_shard_size,
@@ -124,7 +130,10 @@ def render(decision: Decision, console=None) -> None:
             f"{_count(trainable_params(shape, w))} trainable ({w.train_type}{lora}{quant}, {w.dtype})\n"
             f"{w.world_size} GPU(s) = {nodes} node(s) x {w.gpus_per_node}, {gpu / 1e9:.4g} GB = "
             f"{gpu / GiB:.1f} GiB each ({w.usable_fraction:.0%} usable); max_length {w.max_length} x "
-            f"batch {w.micro_batch}, gradient checkpointing {'on' if w.gradient_checkpointing else 'off'}")
+            f"batch {w.micro_batch}"
+            + (f" over sequence-parallel groups of {w.sequence_parallel} ({-(-w.max_length // w.sequence_parallel)} "
+               "tokens a GPU)" if w.sequence_parallel > 1 else "")
+            + f", gradient checkpointing {'on' if w.gradient_checkpointing else 'off'}")
     overhead = next(iter(decision.table.values())).overhead if decision.table else 0
     # A long title would widen the table past 80 columns and squeeze the numbers: print it apart.
     console.print(f"GiB per GPU (totals include {_gib(overhead)} GiB CUDA context/allocator overhead)")

@@ -92,14 +92,15 @@ def big_vocab_model(tmp_path_factory) -> Path:
 
 
 def _check(name, model, backend, train_type, nproc, demo_data, tmp_path, loss_impl=None, dtype="fp32",
-           training=True):
+           training=True, max_length=MAX_LENGTH, micro_batch=MICRO_BATCH, sp=1):
     from swiftlite import planner as plan
     from swiftlite.planner.load import largest_shard_file
     out = tmp_path / name
     loss = ["--loss-impl", loss_impl] if loss_impl else []
     run_cli(["sft", "--model", model, "--dataset", demo_data[0], "--train-type", train_type,
              "--parallelism", backend, "--nproc-per-node", nproc, "--torch-dtype", dtype,
-             "--max-length", MAX_LENGTH, "--packing", "true", "--per-device-train-batch-size", MICRO_BATCH,
+             "--max-length", max_length, "--packing", "true", "--per-device-train-batch-size", micro_batch,
+             "--sequence_parallel_size", sp,
              *(["--lora-dropout", "0.05"] if train_type != "full" else []), "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", 3, "--output-dir", out,
              "--logging-steps", 1, *loss],
             env=cli_env(MALLOC_MMAP_THRESHOLD_="65536"))
@@ -107,8 +108,10 @@ def _check(name, model, backend, train_type, nproc, demo_data, tmp_path, loss_im
     # Padding-free batches (the default) compute only their real tokens: the largest step's count per
     # rank (one micro-batch per step here) is what the activation model is told.
     logged = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
-    real = max(r["real_tokens"] for r in logged if "real_tokens" in r) // nproc
-    w = plan.Workload(train_type=train_type, dtype=dtype, max_length=MAX_LENGTH, micro_batch=MICRO_BATCH,
+    # (a sequence-parallel group of sp ranks shares its micro-batch: the estimator divides it by sp)
+    real = max(r["real_tokens"] for r in logged if "real_tokens" in r) // (nproc // sp)
+    w = plan.Workload(train_type=train_type, dtype=dtype, max_length=max_length, micro_batch=micro_batch,
+                      sequence_parallel=sp,
                       world_size=nproc, overhead_bytes=0, lora_dropout=0.05, cpu=True,
                       tokens_per_micro_batch=real, shard_file_bytes=largest_shard_file(str(model)),
                       **({"loss_impl": loss_impl} if loss_impl else {}))
@@ -209,3 +212,22 @@ def test_load_phase_fsdp_sharded_reads(files, sharded_files_model, big_vocab_mod
             f"measured {rec['load_peak'] / 2**20:.0f} MiB: ratio {ratio:.2f}")
         if files == "four":  # with one file, its mapped half is as large as the rank's half of the model
             assert rec["load_peak"] < 0.8 * whole
+
+
+#: --sequence_parallel_size (parallel/sequence.py): one 2048-token pack per step shared by 2 ranks, each
+#: computing 1024 of its tokens, where activations (~300 KiB a token here) outweigh the sharded states.
+SP_CASES = [  # (id, --parallelism, processes, --sequence_parallel_size)
+    ("fsdp-sp2-full", "fsdp", 2, 2),
+]
+
+
+@pytest.mark.parametrize("case", cases(SP_CASES))
+def test_estimated_peak_sequence_parallel_within_25_percent(case, mid_model, demo_data, tmp_path):
+    name, backend, nproc, sp = case
+    est, _ = _check(name, mid_model, backend, "full", nproc, demo_data, tmp_path, max_length=2048, micro_batch=1,
+                    sp=sp)
+    from swiftlite import planner as plan
+    whole = plan.estimate(plan.shape_from_model_arg(str(mid_model)),
+                          plan.Workload(train_type="full", dtype="fp32", max_length=2048, micro_batch=1, world_size=2,
+                                        overhead_bytes=0, cpu=True, tokens_per_micro_batch=2048), backend)
+    assert est.activations < 0.55 * whole.activations   # half the tokens per rank: about half the activations

@@ -526,3 +526,40 @@ def test_estimate_cli_flags(tmp_path, capsys):
     finally:
         unregister_backend("toy_plugin")
         sys.modules.pop("swiftlite_plugin_toy_plugin", None)
+
+
+# -- --sequence_parallel_size (Ulysses): a rank computes 1/N of every sequence ---------------------------
+
+def test_sequence_parallel_counts_a_ranks_share_of_the_tokens():
+    """Every per-token activation and the loss's logits count max_length / N tokens per rank; the
+    states are the backend's as without (its ranks still shard them)."""
+    from swiftlite.planner.activations import activation_bytes
+    shape = shape_from_model_arg("llama-8b")          # 8 kv heads: N = 2, 4 or 8 repeats none
+    long = work(train_type="lora", max_length=131072, world_size=8, sequence_parallel=8)
+    short = work(train_type="lora", max_length=131072 // 8, world_size=8)
+    assert activation_bytes(shape, long) == activation_bytes(shape, short)
+    a, b = estimate(shape, long, "zero3"), estimate(shape, short, "zero3")
+    assert (a.params, a.grads, a.optimizer, a.activations) == (b.params, b.grads, b.optimizer, b.activations)
+
+
+def test_sequence_parallel_over_more_ranks_than_kv_heads_adds_their_copies():
+    from swiftlite.planner.activations import activation_bytes
+    shape = shape_from_model_arg("qwen2.5-7b")        # 4 kv heads of 128: N = 8 repeats k and v to the 28 heads
+    w = work(train_type="lora", max_length=65536, world_size=8, sequence_parallel=8, gradient_checkpointing=False)
+    plain = work(train_type="lora", max_length=65536 // 8, world_size=8, gradient_checkpointing=False)
+    extra = 2 * (28 - 4) * 128 * 2 * (65536 // 8) * shape.layers   # k and v, 24 more heads, bf16, per token
+    assert activation_bytes(shape, w) - activation_bytes(shape, plain) == extra
+
+
+def test_sequence_parallel_must_divide_the_world():
+    with pytest.raises(UserError, match="--sequence-parallel-size 3 does not divide a world of 8"):
+        work(world_size=8, sequence_parallel=3)
+
+
+def test_estimate_cli_takes_the_sequence_parallel_size():
+    from swiftlite.planner.render import run_estimate
+    alone = run_estimate("qwen2.5-7b", train_type="lora", gpus=8, max_length=131072)
+    shared = run_estimate("qwen2.5-7b", train_type="lora", gpus=8, max_length=131072, sequence_parallel_size=8)
+    assert alone.backend == "none" and shared.backend != "none"   # 128k tokens fit only split 8 ways
+    with pytest.raises(UserError, match="--rlhf-type dpo"):
+        run_estimate("qwen2.5-7b", gpus=8, rlhf_type="dpo", sequence_parallel_size=2)

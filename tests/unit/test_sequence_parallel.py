@@ -51,6 +51,13 @@ def test_the_whole_sequence_mask_is_causal_within_rows():
     assert m.int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 0]]
 
 
+def test_one_row_per_sequence_needs_no_mask_tensor():
+    """sdpa's is_causal then: no n x n mask, which at 128k tokens would be 64 GiB in fp32."""
+    assert full_mask(torch.tensor([[0, 1, 2, 3]]), None) is None
+    assert full_mask(None, torch.ones(2, 4, dtype=torch.long)) is None
+    assert full_mask(torch.tensor([[0, 1, 0, 1]]), None) is not None
+
+
 def test_the_data_parallel_world():
     assert [data_world(r, 8, 2) for r in (0, 1, 2, 7)] == [(0, 4), (0, 4), (1, 4), (3, 4)]
     assert data_world(3, 4, 1) == (3, 4)
