@@ -8,9 +8,6 @@ from __future__ import annotations
 
 _SERVER_PASS = ("the dataset's other columns reach the rollout server only for ms-swift's multi-turn and gym "
                 "schedulers, which swiftlite does not have (docs/rlhf.md \"Rollout server\"): drop the flag")
-_ASYNC = ("asynchronous generation (the next round sampled from the previous weights while training) is not "
-          "available: swiftlite syncs the weights, then samples each round (docs/rlhf.md \"Rollout server\"): drop "
-          "the flag")
 _DP = ("vLLM data parallelism is an option of the rollout server (`swiftlite rollout --data_parallel_size N`: N "
        "copies of its engine), not of the run; a colocated engine is one per process already: drop the flag")
 _FLAT = ("the weights always reach the rollout server tensor by tensor over the weight-sync group (NCCL on GPUs, "
@@ -24,7 +21,6 @@ _ROLLOUT = "multi-turn, tool and gym rollouts are not available: one completion 
 #: (reason, names), as config/msswift_unsupported.GROUPS.
 GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (_SERVER_PASS, ("vllm_server_pass_dataset",)),
-    (_ASYNC, ("async_generate",)),
     (_DP, ("vllm_data_parallel_size",)),
     (_FLAT, ("enable_flattened_weight_sync",)),
     (f"this vLLM option {_ENGINE}",

@@ -44,6 +44,10 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
               fits=("true",), switch=True),
     NoMeaning("train_dataloader_shuffle", "the training rows are always shuffled (a permutation per epoch seeded "
               "by --seed)", fits=("true",), switch=True),
+    # ms-swift's default, false, is what swiftlite's GRPO does (several of its GRPO scripts spell it out)
+    NoMeaning("async_generate", "asynchronous generation (the next round sampled from the previous weights while "
+              "training) is not available: swiftlite syncs the weights, then samples each round (docs/rlhf.md "
+              "\"Rollout server\")", fits=("false",), switch=True),
     NoMeaning("check_model", "swiftlite does not compare model files with the hub", fits=("false",), switch=True),
     NoMeaning("create_checkpoint_symlink", "the newest good checkpoint is named in <output-dir>/latest",
               fits=("false",), switch=True),

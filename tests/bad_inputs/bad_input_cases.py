@@ -384,7 +384,7 @@ CASES: list[Case] = [
     Case("grpo-vllm-server-async", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format",
                                     "--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1",
                                     "--async_generate", "true"],
-         "error: --async_generate: asynchronous generation (the next round sampled from the previous weights"),
+         "error: --async_generate true: asynchronous generation (the next round sampled from the previous weights"),
     # the run starts and waits --vllm_server_timeout for the server: none answers on that port
     Case("grpo-vllm-server-not-running", ["rlhf", *GOOD, "--dataset", "prompts.jsonl", "--rlhf_type", "grpo",
                                           "--reward_funcs", "format",
