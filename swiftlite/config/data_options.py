@@ -96,4 +96,4 @@ class DataConfig(Section):
                                     "restart per row, no attention mask, no pad tokens; same samples and loss "
                                     "as padded batches). Default: on where the model's attention isolates rows "
                                     "by position ids (the run's first line says which, and why not); false pads. "
-                                    "rlhf: padded unless true (dpo, orpo, simpo, cpo; ms-swift's default).")
+                                    "rlhf: padded unless true (dpo, orpo, simpo, cpo, grpo; ms-swift's default).")

@@ -384,7 +384,9 @@ PACKED_RLHF_REFUSED = {
            "drop the flag",
     "rm": "ms-swift does not support it for reward modelling (the score is read at each row's last token); drop "
           "the flag",
-    "grpo": "not available in swiftlite (completions are generated and scored in padded batches); drop the flag",
+    # --padding_free true is GRPO's packed form (rlhf/generate.token_logps); whole rows packed ahead of time are not
+    "grpo": "completions are generated for each prompt as the round runs, so there are no rows to pack ahead; "
+            "--padding_free true scores them without padding",
 }
 
 
@@ -422,7 +424,7 @@ def _rlhf(c: RunConfig):
     if c.data.packing or (c.data.padding_free and "padding_free" in c.explicit):
         flag = "--packing" if c.data.packing else "--padding-free true"
         why = PACKED_RLHF_REFUSED.get(r.rlhf_type)
-        if why:
+        if why and (c.data.packing or r.rlhf_type != "grpo"):
             return f"{flag} with --rlhf-type {r.rlhf_type}: {why}"
     if c.train.loss_impl != "chunked" and "loss_impl" in c.explicit:
         return (f"--loss-impl {c.train.loss_impl} does not apply to rlhf: its log-probs come from the model's "

@@ -98,10 +98,16 @@ def sample(model: Any, prompts: list[list[int]], seeds: list[int], *, pad_id: in
 
 
 def token_logps(module: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                completion_mask: torch.Tensor, temperature: float, ctx: Any = None, entropy: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                completion_mask: torch.Tensor, temperature: float, ctx: Any = None, entropy: bool = False,
+                padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, C] of the completion tokens (logits / temperature, fp32, as TRL), and
-    the per-token entropy when asked. Positions follow the attention mask (as `generate` placed them)."""
+    the per-token entropy when asked. Positions follow the attention mask (as `generate` placed them).
+    `padding_free` (--padding_free true): the rows' real tokens (the prompt's, the completion's up to its
+    mask's end) in one sequence with positions restarting per row, no pad token computed; the values are
+    the padded forward's, and 0 past each completion's mask."""
+    if padding_free:
+        return _packed_logps(module, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, ctx,
+                             entropy)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attn = torch.cat([prompt_mask, completion_mask], dim=1)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -119,6 +125,42 @@ def token_logps(module: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
                 p = torch.softmax(logits[b], dim=-1)
                 ents.append(lse - (p * logits[b]).sum(-1))
     return torch.stack(rows), (torch.stack(ents) if entropy else None)
+
+
+def _packed_logps(module: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                  completion_mask: torch.Tensor, temperature: float, ctx: Any, entropy: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logps` on one padding-free sequence: logits only at the positions that predict a completion
+    token (transformers' logits_to_keep as indices), one row's [c, V] log-softmax alive at a time."""
+    B, C = completion_ids.shape
+    prompts = [prompt_ids[b][prompt_mask[b].bool()] for b in range(B)]          # left-padded: the real tail
+    lengths = [int(n) for n in completion_mask.sum(-1)]                          # the mask is a prefix
+    pieces, pos, keep, start = [], [], [], 0
+    for b in range(B):
+        row = torch.cat([prompts[b], completion_ids[b, :lengths[b]]])
+        pieces.append(row)
+        pos.append(torch.arange(row.numel(), device=row.device))
+        p = prompts[b].numel()
+        keep.append(torch.arange(start + p - 1, start + p - 1 + lengths[b], device=row.device))
+        start += row.numel()
+    keep_idx = torch.cat(keep)
+    with ctx if ctx is not None else contextlib.nullcontext():
+        out = module(input_ids=torch.cat(pieces)[None], position_ids=torch.cat(pos)[None], use_cache=False,
+                     logits_to_keep=keep_idx)
+    logits = (out.logits if hasattr(out, "logits") else out[0])[0].float() / temperature   # [K, V]
+    logps = completion_ids.new_zeros((B, C), dtype=torch.float32)
+    ents = torch.zeros_like(logps) if entropy else None
+    rows, at = [], 0
+    for b in range(B):
+        part, at = logits[at:at + lengths[b]], at + lengths[b]
+        lse = torch.logsumexp(part, dim=-1)
+        rows.append(torch.cat([part.gather(-1, completion_ids[b, :lengths[b]].unsqueeze(-1)).squeeze(-1) - lse,
+                               lse.new_zeros(C - lengths[b])]))
+        if entropy:
+            with torch.no_grad():
+                ents[b, :lengths[b]] = lse - (torch.softmax(part, dim=-1) * part).sum(-1)
+    logps = torch.stack(rows)
+    return logps, ents
 
 
 __all__ = ["GumbelSampler", "completion_seed", "gathered", "sample", "token_logps"]

@@ -68,7 +68,7 @@ class GrpoBatches:
     world: Any
     rewards: list = field(default_factory=list)
     loss: GrpoLoss = field(default_factory=GrpoLoss)
-    form: Any = None                   # always padded
+    form: Any = None                   # padded, or --padding_free true's form (models/loading.batch_form)
     # set by `setup` (train/tasks.GrpoTask.setup_engine)
     model: Any = None                  # what generate runs on (the policy, with its adapter)
     tokenizer: Any = None
@@ -87,6 +87,11 @@ class GrpoBatches:
     def needs_old(self) -> bool:
         return self.plan.steps_per_round > 1
 
+    @property
+    def padding_free(self) -> bool:
+        """--padding_free true: the policy's (and its reference's) log-probs from one padding-free sequence."""
+        return bool(self.form is not None and self.form.padding_free)
+
 
 def grpo_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> GrpoBatches:
     from swiftlite.plugin import build_rewards
@@ -97,8 +102,12 @@ def grpo_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) ->
     sft = getattr(train, "sft", None)
     chord = None if sft is None else ChordData(sft.rows, r.chord_sft_per_device_train_batch_size, cfg.train.seed,
                                                world.rank, tokenizer.pad_token_id)
+    form = None
+    if cfg.data.padding_free:   # rlhf is padded unless asked (ms-swift's default); refused where rows would mix
+        from swiftlite.models.loading import batch_form
+        form = batch_form(cfg)
     return GrpoBatches(train.rows, plan, tokenizer.pad_token_id, world, build_rewards(r.reward_funcs, r), loss,
-                       options=r, tokenizer=tokenizer, chord=chord)
+                       form=form, options=r, tokenizer=tokenizer, chord=chord)
 
 
 def estimator_choices(r: Any) -> tuple[str, bool]:
@@ -120,7 +129,8 @@ def setup(run: Any) -> Any:
         if cfg.rlhf.ref_model or not cfg.is_peft:
             from swiftlite.rlhf.frozen import build_frozen
             frozen = build_frozen(run)
-            b.reference = lambda *t: token_logps(frozen.module, *t, temp, frozen.autocast())[0]
+            free = b.padding_free and not cfg.rlhf.ref_model   # another --ref_model: padded (its attention unchecked)
+            b.reference = lambda *t: token_logps(frozen.module, *t, temp, frozen.autocast(), padding_free=free)[0]
             b.reference_kind = "a frozen copy"
         else:
             peft = peft_model(engine.module)
@@ -128,7 +138,7 @@ def setup(run: Any) -> Any:
             def ref(*t):
                 module, ctx = root_module(engine)
                 with adapters_disabled(peft):
-                    return token_logps(module, *t, temp, ctx)[0]
+                    return token_logps(module, *t, temp, ctx, padding_free=b.padding_free)[0]
             b.reference = ref
             b.reference_kind = "the base model with the adapter disabled"
     from swiftlite.rlhf.teacher import setup_teacher
@@ -287,7 +297,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
             from swiftlite.rlhf.reference import root_module
             module, ctx = root_module(engine)
             with torch.no_grad():
-                old = token_logps(module, *args, o.temperature, ctx)[0]
+                old = token_logps(module, *args, o.temperature, ctx, padding_free=b.padding_free)[0]
             if b.needs_old:
                 t["old_logps"] = old
             if offp:
@@ -443,7 +453,7 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
         with engine.micro_batch(last=last and not mu):
             module, ctx = root_module(engine)
             logps, ent = token_logps(module, t["prompt_ids"], t["prompt_mask"], t["completion_ids"], mask, temp, ctx,
-                                     entropy=True)
+                                     entropy=True, padding_free=b.padding_free)
             terms = token_terms(o, logps, t.get("old_logps"), t.get("ref_logps"), t["advantages"], lmask)
             real = None if o.loss_type != "real" else \
                 (float(t["real_value"].sum()), b.plan.per_device * ga / b.plan.num_generations, terms.kl)

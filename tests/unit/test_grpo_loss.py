@@ -254,3 +254,28 @@ def test_token_level_is_unchanged_by_the_mask_argument():
     a = token_terms(o, logps, old, ref, adv).per_token_loss
     b = token_terms(o, logps, old, ref, adv, mask).per_token_loss
     assert torch.equal(a, b)
+
+
+def test_padding_free_log_probs_are_the_padded_ones_from_real_tokens_only():
+    """rlhf/generate.token_logps(padding_free=True): one sequence of the rows' real tokens (left-padded
+    prompts, completions cut at their mask), positions restarting per row, no attention mask; the log-probs
+    and entropies the padded forward gives, 0 past each completion's mask, with gradients."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from swiftlite.rlhf.generate import token_logps
+    torch.manual_seed(0)
+    conf = AutoConfig.for_model("qwen2", hidden_size=64, intermediate_size=128, num_attention_heads=8,
+                                num_key_value_heads=2, num_hidden_layers=2, vocab_size=300, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa").eval()
+    pid, cid = torch.randint(0, 300, (3, 6)), torch.randint(0, 300, (3, 5))
+    pm, cm = torch.ones(3, 6, dtype=torch.long), torch.ones(3, 5, dtype=torch.long)
+    pm[0, :2] = pm[2, :4] = 0
+    cm[1, 3:] = cm[2, 1:] = 0
+    seen = []
+    model.model.register_forward_hook(lambda m, args, kw, out: seen.append(kw), with_kwargs=True)
+    padded, ent_p = token_logps(model, pid, pm, cid, cm, 0.7, entropy=True)
+    free, ent_f = token_logps(model, pid, pm, cid, cm, 0.7, entropy=True, padding_free=True)
+    assert seen[1]["input_ids"].shape == (1, int(pm.sum() + cm.sum())) and seen[1].get("attention_mask") is None
+    assert seen[1]["position_ids"][0].tolist() == [*range(4 + 5), *range(6 + 3), *range(2 + 1)]
+    assert torch.allclose(padded * cm, free, atol=2e-6) and torch.allclose(ent_p * cm, ent_f, atol=2e-6)
+    assert free[cm == 0].abs().max() == 0 and free.requires_grad

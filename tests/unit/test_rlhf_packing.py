@@ -48,13 +48,23 @@ def test_pair_methods_take_packing_and_padding_free(kind, flag):
     _validate({"rlhf_type": kind, **flag})
 
 
-@pytest.mark.parametrize("kind,extra", [("kto", {}), ("rm", {}), ("grpo", {"reward_funcs": ["accuracy"]})])
-@pytest.mark.parametrize("flag,name", [({"packing": True}, "--packing"), ({"padding_free": True}, "--padding-free true")])
+_GRPO = {"reward_funcs": ["accuracy"]}
+
+
+@pytest.mark.parametrize("kind,extra,flag,name", [
+    ("kto", {}, {"packing": True}, "--packing"), ("kto", {}, {"padding_free": True}, "--padding-free true"),
+    ("rm", {}, {"packing": True}, "--packing"), ("rm", {}, {"padding_free": True}, "--padding-free true"),
+    ("grpo", _GRPO, {"packing": True}, "--packing"),   # grpo takes --padding_free true (rlhf/generate.token_logps)
+])
 def test_other_rlhf_types_refuse_them_naming_the_type(kind, extra, flag, name):
     with pytest.raises(UserError) as e:
         _validate({"rlhf_type": kind, **extra, **flag})
     msg = str(e.value)
     assert msg.startswith(f"{name} with --rlhf-type {kind}: ") and "\n" not in msg
+
+
+def test_grpo_takes_padding_free():
+    assert _validate({"rlhf_type": "grpo", **_GRPO, "padding_free": True}).data.padding_free is True
 
 
 # -- the batch layout ----------------------------------------------------------------------------------
