@@ -40,7 +40,7 @@ def estimate_cmd(
     micro_batch: int = typer.Option(1, "--per-device-train-batch-size", "--per_device_train_batch_size",
                                     "--batch-size", help="Micro-batch per GPU."),
     sequence_parallel_size: int = typer.Option(1, "--sequence-parallel-size", "--sequence_parallel_size",
-                                               help="Ulysses sequence parallelism (sft, pt): each GPU computes 1/N "
+                                               help="Ulysses sequence parallelism (sft, pt, grpo): each GPU computes 1/N "
                                                     "of every sequence's tokens; N divides the GPUs."),
     gradient_checkpointing: bool = typer.Option(True, "--gradient-checkpointing/--no-gradient-checkpointing",
                                                 help="Activation checkpointing."),

@@ -10,8 +10,8 @@ from swiftlite.config.access import Section, opt
 
 @dataclass(kw_only=True)
 class SequenceOptions(Section):
-    sequence_parallel_size: int = opt(1, "Ulysses sequence parallelism (sft, pt): groups of N consecutive ranks share "
-                                      "their rows, each rank holds 1/N of every sequence's tokens, and attention "
+    sequence_parallel_size: int = opt(1, "Ulysses sequence parallelism (sft, pt, grpo): groups of N consecutive ranks "
+                                      "share their rows, each rank holds 1/N of every sequence's tokens, and attention "
                                       "runs on all tokens for 1/N of the heads (two all-to-alls per layer); the "
                                       "data is split over world / N ranks. N divides the world size and the "
                                       "model's attention heads (docs/backends.md, \"Sequence parallelism\"). "
@@ -26,9 +26,14 @@ def sequence_problem(c) -> str | None:
     if n == 1:
         return None
     from swiftlite.config.tasks import task_spec
-    if task_spec(c.task).own_options is not None:
-        return (f"--sequence_parallel_size {n} with `swiftlite {c.task}`: sequence parallelism is built for sft and pt "
-                "(token loss on rows); train this command without it")
+    grpo = task_spec(c.task).own_options == "rlhf" and c.rlhf.rlhf_type == "grpo"
+    if task_spec(c.task).own_options is not None and not grpo:
+        what = f"--rlhf_type {c.rlhf.rlhf_type}" if task_spec(c.task).own_options == "rlhf" else f"`swiftlite {c.task}`"
+        return (f"--sequence_parallel_size {n} with {what}: sequence parallelism is built for sft, pt and grpo "
+                "(token losses); train this command without it")
+    if grpo and c.rlhf.chord_sft_dataset:
+        return (f"--sequence_parallel_size {n} with --chord_sft_dataset: CHORD's expert batches are not cut into "
+                "slices; use one of them")
     if c.train.train_type == "longlora":
         return (f"--sequence_parallel_size {n} with --train_type longlora: S2-Attn groups the positions of whole rows; "
                 "use one of them")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from swiftlite.data.tokenize import IGNORE
@@ -149,6 +150,37 @@ def _to_positions(x: Any, sp: SequenceParallel) -> Any:
     return got.permute(1, 0, 2, 3, 4).reshape(b, h * n, s // n, d)
 
 
+def gather_positions(x: Any, sp: SequenceParallel) -> Any:
+    """(batch, n/N, ...) slices of the group's ranks -> the whole (batch, n, ...) on every rank, differentiable:
+    the backward sums the group's gradients of the whole and hands each rank its slice's (torch's own
+    differentiable all_gather emulates that with gloo scatters addressed by group rank as if global,
+    which fails for every group but the first)."""
+    return _gather_function().apply(x, sp.group, sp.size, sp.rank)
+
+
+@lru_cache(maxsize=None)
+def _gather_function() -> Any:
+    """The autograd Function, made on first use (this module imports no torch at import time)."""
+    import torch
+    import torch.distributed as dist
+
+    class GatherPositions(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any, group: Any, size: int, rank: int) -> Any:
+            parts = [torch.empty_like(x) for _ in range(size)]
+            dist.all_gather(parts, x.contiguous(), group=group)
+            ctx.group, ctx.size, ctx.rank = group, size, rank
+            return torch.cat(parts, dim=1)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=ctx.group)
+            k = grad.shape[1] // ctx.size
+            return grad[:, ctx.rank * k:(ctx.rank + 1) * k], None, None, None
+    return GatherPositions
+
+
 def full_mask(position_ids: Any, attention_mask: Any) -> Any:
     """The boolean (batch or 1, 1, n, n) mask of the whole sequence: causal, within a row (rows of a
     padding-free batch restart their positions at 0), and only at real tokens of a padded one. None
@@ -239,4 +271,5 @@ def install(model: Any) -> str:
     return base
 
 
-__all__ = ["NAME", "SequenceParallel", "build", "data_world", "full_mask", "install", "problem", "ulysses_attention"]
+__all__ = ["NAME", "SequenceParallel", "build", "data_world", "full_mask", "gather_positions", "install", "problem",
+           "ulysses_attention"]

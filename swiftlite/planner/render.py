@@ -43,7 +43,7 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     weights the backend gathers) is counted; `beta` 0 means no reference copy; `teacher_model` (GRPO's
     on-policy distillation) adds the teacher's weights to the reference. `quant_method` hqq counts HQQ's
     packed bits (`quant_bits` 1, 2, 3, 4 or 8; the sharding backends, which cannot hold it, are n/a).
-    `sequence_parallel_size` N: each GPU computes 1/N of every sequence (Ulysses; sft and pt only).
+    `sequence_parallel_size` N: each GPU computes 1/N of every sequence (Ulysses; sft, pt and grpo).
     """
     if quant_method not in ("bnb", "hqq"):
         raise UserError(f"--quant-method {quant_method!r}: choose bnb or hqq")
@@ -57,9 +57,9 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     for flag, v in (("--gpus", gpus), ("--nnodes", nodes)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise UserError(f"{flag} must be a positive integer, got {v!r}")
-    if sequence_parallel_size != 1 and rlhf_type:
+    if sequence_parallel_size != 1 and rlhf_type not in (None, "grpo"):
         raise UserError(f"--sequence-parallel-size {sequence_parallel_size} with --rlhf-type {rlhf_type}: sequence "
-                        "parallelism is built for sft and pt")
+                        "parallelism is built for sft, pt and grpo")
     if rlhf_type not in (None, "dpo", "orpo", "simpo", "cpo", "kto", "rm", "grpo"):
         raise UserError(f"--rlhf-type {rlhf_type!r}: choose from dpo, orpo, simpo, cpo, kto, rm, grpo")
     if precompute_ref_log_probs and rlhf_type != "dpo":

@@ -127,26 +127,34 @@ def token_logps(module: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     return torch.stack(rows), (torch.stack(ents) if entropy else None)
 
 
+def packed_layout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                  completion_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """(input ids [1, N], position ids [1, N], the positions that predict a completion token, each row's
+    completion length): the rows' real tokens (left-padded prompts' tails, completions up to the end of
+    their mask, which is a prefix) in one sequence, positions restarting per row."""
+    B = completion_ids.shape[0]
+    lengths = [int(n) for n in completion_mask.sum(-1)]
+    pieces, pos, keep, start = [], [], [], 0
+    for b in range(B):
+        prompt = prompt_ids[b][prompt_mask[b].bool()]
+        row = torch.cat([prompt, completion_ids[b, :lengths[b]]])
+        pieces.append(row)
+        pos.append(torch.arange(row.numel(), device=row.device))
+        keep.append(torch.arange(start + prompt.numel() - 1, start + prompt.numel() - 1 + lengths[b],
+                                 device=row.device))
+        start += row.numel()
+    return torch.cat(pieces)[None], torch.cat(pos)[None], torch.cat(keep), lengths
+
+
 def _packed_logps(module: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                   completion_mask: torch.Tensor, temperature: float, ctx: Any, entropy: bool
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logps` on one padding-free sequence: logits only at the positions that predict a completion
     token (transformers' logits_to_keep as indices), one row's [c, V] log-softmax alive at a time."""
     B, C = completion_ids.shape
-    prompts = [prompt_ids[b][prompt_mask[b].bool()] for b in range(B)]          # left-padded: the real tail
-    lengths = [int(n) for n in completion_mask.sum(-1)]                          # the mask is a prefix
-    pieces, pos, keep, start = [], [], [], 0
-    for b in range(B):
-        row = torch.cat([prompts[b], completion_ids[b, :lengths[b]]])
-        pieces.append(row)
-        pos.append(torch.arange(row.numel(), device=row.device))
-        p = prompts[b].numel()
-        keep.append(torch.arange(start + p - 1, start + p - 1 + lengths[b], device=row.device))
-        start += row.numel()
-    keep_idx = torch.cat(keep)
+    ids, pos, keep_idx, lengths = packed_layout(prompt_ids, prompt_mask, completion_ids, completion_mask)
     with ctx if ctx is not None else contextlib.nullcontext():
-        out = module(input_ids=torch.cat(pieces)[None], position_ids=torch.cat(pos)[None], use_cache=False,
-                     logits_to_keep=keep_idx)
+        out = module(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_idx)
     logits = (out.logits if hasattr(out, "logits") else out[0])[0].float() / temperature   # [K, V]
     logps = completion_ids.new_zeros((B, C), dtype=torch.float32)
     ents = torch.zeros_like(logps) if entropy else None

@@ -27,6 +27,7 @@ file and line), before the step's optimizer update: the checkpoints already writ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -82,10 +83,21 @@ class GrpoBatches:
     vllm: Any = None                   # vllm_gen.VllmGenerator or rollout_client.ServerGenerator (--use_vllm)
     current: Round | None = None
     table: Any = None                  # the round's completions table, until its first step returns it
+    sp: Any = None                     # parallel/sequence.SequenceParallel (--sequence_parallel_size > 1; run.py)
 
     @property
     def needs_old(self) -> bool:
         return self.plan.steps_per_round > 1
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's share of a round: the ranks of a sequence-parallel group share theirs (rlhf/grpo_sp.py)."""
+        return self.world.rank // (self.sp.size if self.sp is not None else 1)
+
+    @property
+    def scores(self) -> bool:
+        """Whether this rank scores (rewards, completions log) its share: one rank of each group, not N."""
+        return self.sp is None or self.sp.rank == 0
 
     @property
     def padding_free(self) -> bool:
@@ -266,7 +278,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     lengths: dict[int, int] = {}
     truncated: dict[int, float] = {}
     eos_ids = set(eos if isinstance(eos, list) else [eos])
-    mine = plan.rank_micro_batches(world.rank)
+    mine = plan.rank_micro_batches(b.data_rank)
     offp = bool(o.log_rollout_offpolicy_metrics)
     rollout_of: dict[tuple[int, ...], torch.Tensor] = {}    # the sampling log-probs (rlhf/offpolicy.py)
     for mb, (p_ids, p_mask, c_ids, c_mask, *lp) in zip(mine, _sample_round(engine, b, rnd)):
@@ -313,7 +325,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
                 k3 = [k3[0] + part[0], k3[1] + part[1]]
     # rewards of this rank's completions, then the whole round's table on every rank
     N, F = plan.round_completions, len(b.rewards)
-    mine_c = [c for mb in mine for c in mb]
+    mine_c = [c for mb in mine for c in mb] if b.scores else []   # a group's other ranks add nothing
     rows = [b.rows[prompts[c // G]] for c in mine_c]
     comps = [texts[c] for c in mine_c]
     ids = [_completion_ids(micro, c) for c in mine_c]
@@ -325,14 +337,14 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
                   trainer_state=type("TrainerState", (), {"global_step": step})())
     wheres = [r["where"] for r in rows]
     table = [0.0] * (N * F + 3 * N + 2)                 # + completion lengths, truncated flags, KL, teacher k3
-    for f, r in enumerate(b.rewards):
+    for f, r in enumerate(b.rewards if mine_c else ()):
         for c, v in zip(mine_c, _call_reward(r, comps, kwargs, wheres)):
             table[c * F + f] = v
     for c in mine_c:
         table[N * F + c] = float(lengths[c])
         table[N * F + N + c] = truncated[c]
         table[N * F + 2 * N + c] = kl_of.get(c, 0.0)
-    table[-2:] = k3
+    table[-2:] = k3 if b.scores else [0.0, 0.0]
     table = all_reduce_sum(table) if world.world_size > 1 else table
     rpf = torch.tensor(table[:N * F], dtype=torch.float32).view(N, F)
     lens = torch.tensor(table[N * F:N * F + N], dtype=torch.float32)
@@ -379,7 +391,7 @@ def _sample_round(engine: Any, b: GrpoBatches, rnd: int) -> list[tuple[torch.Ten
     (--vllm_mode server) to the rollout server(s) (rlhf/rollout_client.py)."""
     plan, world, o = b.plan, b.world, b.options
     prompts, G = plan.prompts(rnd), plan.num_generations
-    mine = plan.rank_micro_batches(world.rank)
+    mine = plan.rank_micro_batches(b.data_rank)
     ids = [[b.rows[prompts[c // G]]["input_ids"] for c in mb] for mb in mine]
     seeds = [[completion_seed(plan.seed, rnd, c) for c in mb] for mb in mine]
     kw = dict(pad_id=b.pad_id, eos_id=b.tokenizer.eos_token_id, max_new_tokens=o.max_completion_length,
@@ -435,7 +447,7 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     cur = b.current
     ga, S = b.plan.accumulation, b.plan.steps_per_generation
     temp = b.options.temperature
-    micro = b.plan.micro_batches(j, world.rank)
+    micro = b.plan.micro_batches(j, b.data_rank)
     loss_sum, tokens, comp_tokens = 0.0, 0, 0
     sums = {"kl": 0.0, "entropy": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "clip_n": 0.0, "kept": 0.0,
             "chord": 0.0}
@@ -450,15 +462,23 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
         # (ms-swift masks them after the round is scored: advantages and dapo's normalizer keep them)
         lmask = mask * (t["truncated"] == 0).to(mask.dtype)[:, None] if b.options.overlong_filter else mask
         last = i == len(micro) - 1
-        with engine.micro_batch(last=last and not mu):
+        whole: Any = contextlib.nullcontext()
+        if b.sp is not None:   # this rank's slice of every sequence; forward and backward see the whole
+            from swiftlite.rlhf.grpo_sp import shard, sharded_logps
+            local, positions, full_mask, pick = shard(b.sp, t, b.padding_free)
+            whole = b.sp.active(positions, full_mask)
+        with engine.micro_batch(last=last and not mu), whole:
             module, ctx = root_module(engine)
-            logps, ent = token_logps(module, t["prompt_ids"], t["prompt_mask"], t["completion_ids"], mask, temp, ctx,
-                                     entropy=True, padding_free=b.padding_free)
+            if b.sp is not None:
+                logps, ent = sharded_logps(module, b.sp, local, pick, t["completion_ids"], temp, ctx, entropy=True)
+            else:
+                logps, ent = token_logps(module, t["prompt_ids"], t["prompt_mask"], t["completion_ids"], mask, temp,
+                                         ctx, entropy=True, padding_free=b.padding_free)
             terms = token_terms(o, logps, t.get("old_logps"), t.get("ref_logps"), t["advantages"], lmask)
             real = None if o.loss_type != "real" else \
                 (float(t["real_value"].sum()), b.plan.per_device * ga / b.plan.num_generations, terms.kl)
             objective = micro_batch_loss(o, terms.per_token_loss, lmask, accumulation=ga, round_tokens=cur.tokens,
-                                         steps_per_generation=S, world_size=world.world_size, real=real)
+                                         steps_per_generation=S, world_size=b.plan.world_size, real=real)
             if b.chord is not None:            # CHORD: (1 - mu) x GRPO's + mu x SFT / GA (rlhf/chord.py)
                 objective = (1.0 - mu) * objective
             engine.backward(objective)
@@ -490,6 +510,8 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     names = sorted(sums)
     totals = all_reduce_sum([loss_sum, float(tokens), float(comp_tokens), *[sums[n] for n in names]])
     loss_total, tok_total, comp_total = totals[:3]
+    if b.sp is not None:   # the ranks of a group counted the same micro-batches' tokens
+        tok_total, comp_total = tok_total / b.sp.size, comp_total / b.sp.size
     agg = dict(zip(names, totals[3:]))
     denom = max(1.0, agg["kept"])
     out = dict(cur.metrics)

@@ -563,3 +563,4 @@ def test_estimate_cli_takes_the_sequence_parallel_size():
     assert alone.backend == "none" and shared.backend != "none"   # 128k tokens fit only split 8 ways
     with pytest.raises(UserError, match="--rlhf-type dpo"):
         run_estimate("qwen2.5-7b", gpus=8, rlhf_type="dpo", sequence_parallel_size=2)
+    run_estimate("qwen2.5-7b", gpus=8, rlhf_type="grpo", sequence_parallel_size=2)

@@ -74,7 +74,9 @@ def test_the_world_and_the_heads_must_divide():
 
 
 @pytest.mark.parametrize("command, flags, words", [
-    ("rlhf", "--rlhf_type dpo --sequence_parallel_size 2", "built for sft and pt"),
+    ("rlhf", "--rlhf_type dpo --sequence_parallel_size 2", "with --rlhf_type dpo: sequence parallelism is built for sft, "
+                                                           "pt and grpo"),
+    ("rlhf", "--rlhf_type grpo --reward_funcs format --chord_sft_dataset x.jsonl --sequence_parallel_size 2", "CHORD"),
     ("sft", "--train_type longlora --sequence_parallel_size 2", "S2-Attn"),
     ("sft", "--router_aux_loss_coef 0.01 --sequence_parallel_size 2", "load-balancing"),
 ])
