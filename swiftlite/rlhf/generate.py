@@ -156,19 +156,24 @@ def _packed_logps(module: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     with ctx if ctx is not None else contextlib.nullcontext():
         out = module(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=keep_idx)
     logits = (out.logits if hasattr(out, "logits") else out[0])[0].float() / temperature   # [K, V]
-    logps = completion_ids.new_zeros((B, C), dtype=torch.float32)
-    ents = torch.zeros_like(logps) if entropy else None
-    rows, at = [], 0
+    rows, ents, at = [], [], 0
     for b in range(B):
         part, at = logits[at:at + lengths[b]], at + lengths[b]
         lse = torch.logsumexp(part, dim=-1)
-        rows.append(torch.cat([part.gather(-1, completion_ids[b, :lengths[b]].unsqueeze(-1)).squeeze(-1) - lse,
-                               lse.new_zeros(C - lengths[b])]))
+        rows.append(part.gather(-1, completion_ids[b, :lengths[b]].unsqueeze(-1)).squeeze(-1) - lse)
         if entropy:
             with torch.no_grad():
-                ents[b, :lengths[b]] = lse - (torch.softmax(part, dim=-1) * part).sum(-1)
-    logps = torch.stack(rows)
-    return logps, ents
+                ents.append(lse - (torch.softmax(part, dim=-1) * part).sum(-1))
+    return spread(torch.cat(rows), lengths, C), (spread(torch.cat(ents), lengths, C) if entropy else None)
+
+
+def spread(flat: torch.Tensor, lengths: list[int], width: int) -> torch.Tensor:
+    """Each row's completion values, consecutive in `flat`, as [rows, width] with 0 past each row's length."""
+    out, at = [], 0
+    for n in lengths:
+        out.append(torch.cat([flat[at:at + n], flat.new_zeros(width - n)]))
+        at += n
+    return torch.stack(out)
 
 
 __all__ = ["GumbelSampler", "completion_seed", "gathered", "sample", "token_logps"]

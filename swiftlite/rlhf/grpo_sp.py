@@ -79,15 +79,11 @@ def sharded_logps(module: Any, sp: Any, local: dict, pick: Pick, completion_ids:
 def _completion(values: torch.Tensor, pick: Pick, completion_ids: torch.Tensor) -> torch.Tensor:
     """[B, C] of the whole sequence's per-position values at the positions predicting completion tokens
     (0 past a padding-free row's completion, as rlhf/generate.token_logps)."""
-    B, C = completion_ids.shape
+    from swiftlite.rlhf.generate import spread
+    C = completion_ids.shape[1]
     if pick.index is None:
         return values[:, pick.start:pick.start + C]
-    flat = values[0, pick.index]
-    out, at = [], 0
-    for n in pick.lengths:
-        out.append(torch.cat([flat[at:at + n], flat.new_zeros(C - n)]))
-        at += n
-    return torch.stack(out)
+    return spread(values[0, pick.index], pick.lengths, C)
 
 
 __all__ = ["Pick", "shard", "sharded_logps"]
