@@ -6,8 +6,9 @@ swiftlite has are RlhfConfig fields, schema.py, and shadow these rows). Import-l
 
 from __future__ import annotations
 
-_SERVER_PASS = ("the dataset's other columns reach the rollout server only for ms-swift's multi-turn and gym "
-                "schedulers, which swiftlite does not have (docs/rlhf.md \"Rollout server\"): drop the flag")
+_SERVER_PASS = ("the dataset's other columns reach the rollout server only for ms-swift's server-side multi-turn and "
+                "gym schedulers; swiftlite's run drives its turns itself (--multi_turn_scheduler, docs/rlhf.md "
+                "\"Multi-turn rollouts\"), the server only samples: drop the flag")
 _DP = ("vLLM data parallelism is an option of the rollout server (`swiftlite rollout --data_parallel_size N`: N "
        "copies of its engine), not of the run; a colocated engine is one per process already: drop the flag")
 _FLAT = ("the weights always reach the rollout server tensor by tensor over the weight-sync group (NCCL on GPUs, "
@@ -16,7 +17,8 @@ _ENGINE = ("is not passed to swiftlite's colocated vLLM engine (the options it t
            "the flag")
 _VARIANT = ("is an option of a GRPO variant swiftlite does not have (its GRPO: --loss-type grpo, bnpo, dr_grpo or "
             "dapo, token-level ratios, group advantages; docs/rlhf.md): drop the flag")
-_ROLLOUT = "multi-turn, tool and gym rollouts are not available: one completion per prompt and sample, scored by --reward-funcs"
+_ROLLOUT = ("gym and tool rollouts are not available: a completion is sampled per prompt and sample (with "
+            "--multi_turn_scheduler math_tip_trick, continued over turns) and scored by --reward-funcs")
 
 #: (reason, names), as config/msswift_unsupported.GROUPS.
 GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -34,11 +36,11 @@ GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("delta", "off_policy_sequence_mask_delta", "rollout_importance_sampling_mode",
       "rollout_importance_sampling_threshold", "top_entropy_quantile",
       "advantage_reweight", "dynamic_sample",
-      "max_resample_times", "completion_length_limit_scope", "tau_pos", "tau_neg", "fipo_clip_high_only",
+      "max_resample_times", "tau_pos", "tau_neg", "fipo_clip_high_only",
       "fipo_clip_range", "fipo_decay_rate", "fipo_safety_threshold", "sdar_gate_beta", "sdar_loss_coef",
       "rlsd_lambda", "rlsd_lambda_decay_steps", "rlsd_lambda_warmup_steps", "rlsd_negative_only",
       "rlsd_reweight_clip_range", "teacher_tag_key", "ref_model_sync_steps", "ref_model_mixup_alpha", "sync_ref_model")),
-    (_ROLLOUT, ("gym_env", "use_gym_env", "max_turns", "multi_turn_scheduler")),
+    (_ROLLOUT, ("gym_env", "use_gym_env")),
     ("sampling takes --temperature, --top-p and --top-k only: drop the flag", ("min_p",)),
     ("GRPO has no validation yet (the training metrics log every round's rewards): drop the flag",
      ("num_generations_eval",)),

@@ -18,6 +18,7 @@ from swiftlite.config.tasks import task_spec
 from swiftlite.config.tuner_options import moves_base
 from swiftlite.config.rules_vllm import vllm_problem
 from swiftlite.config.chord_options import CHORD_KEYS, chord_problem
+from swiftlite.config.multi_turn_options import MULTI_TURN_KEYS, multi_turn_problem
 from swiftlite.config.muonclip_options import muonclip_args
 from swiftlite.config.rules_teacher import teacher_problem
 from swiftlite.config.rules_grpo_loss import _real_problem, _reward_model_problem
@@ -362,7 +363,8 @@ GRPO_KEYS = ("reward_funcs", "reward_model", "reward_model_plugin", "reward_weig
              "top_k", "epsilon", "epsilon_high", "num_iterations", "importance_sampling_level", "scale_rewards", "real_tau",
              "log_completions", "log_rollout_offpolicy_metrics", "overlong_filter", "advantage_estimator", "kl_in_reward", "steps_per_generation", "generation_batch_size", "use_vllm", "vllm_mode", *VLLM_KEYS, "cosine_min_len_value_wrong",
              "cosine_max_len_value_wrong", "cosine_min_len_value_correct", "cosine_max_len_value_correct",
-             "cosine_max_len", "repetition_n_grams", "repetition_max_penalty", "soft_max_length", "soft_cache_length", *TEACHER_KEYS, *CHORD_KEYS)
+             "cosine_max_len", "repetition_n_grams", "repetition_max_penalty", "soft_max_length", "soft_cache_length", *TEACHER_KEYS, *CHORD_KEYS,
+             *MULTI_TURN_KEYS)
 #: RlhfConfig keys (schema.py): `swiftlite rlhf` options, refused elsewhere when given.
 RLHF_KEYS = ("rlhf_type", "beta", "loss_type", "rpo_alpha", "label_smoothing", "cpo_alpha", "simpo_gamma",
              "ref_model", "precompute_ref_log_probs", "desirable_weight", "undesirable_weight",
@@ -448,7 +450,8 @@ def _grpo(c: RunConfig):
         return None
     if r.loss_type is not None and r.loss_type not in GRPO_LOSS_TYPES:
         return f"--loss-type {r.loss_type} does not apply to GRPO: choose from {', '.join(GRPO_LOSS_TYPES)}"
-    why = teacher_problem(c) or chord_problem(r, c.explicit) or _real_problem(c)
+    why = (teacher_problem(c) or chord_problem(r, c.explicit) or multi_turn_problem(r, c.explicit)
+           or _real_problem(c))
     if why:
         return why
     n_rewards = len(r.reward_funcs) + len(r.reward_model or [])

@@ -6,8 +6,8 @@ use; the flat names are unique across sections. Each field carries its CLI metad
 `field_specs()` lists every flat key with its section, type and flags (the CLI builds `--help` and
 its flag table from it).
 
-Reading files, flags and env vars into a `RunConfig` is `load.py`; the validation rules are
-`rules.py`. Import-light (no torch): the CLI imports this to build `--help`.
+Reading files, flags and env vars into a `RunConfig` is `load.py`; the validation rules are `rules.py`.
+Import-light (no torch): the CLI imports this to build `--help`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from swiftlite.config.access import Sealable, Section, field_reads, opt
 from swiftlite.config.chord_options import ChordOptions
 from swiftlite.config.data_options import TRUNCATION, DataConfig
 from swiftlite.config.galore_options import GaloreOptions
+from swiftlite.config.multi_turn_options import MultiTurnOptions
 from swiftlite.config.muonclip_options import MuonClipOptions
 from swiftlite.config.quant_options import QuantConfig
 from swiftlite.config.rope_options import RopeOptions
@@ -352,7 +353,7 @@ class CheckpointConfig(Section):
 
 
 @dataclass(kw_only=True)
-class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, Section):   # GRPO: config/*_options.py
+class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, MultiTurnOptions, Section):   # GRPO: config/*_options.py
     """`swiftlite rlhf` only (ms-swift's flag names); a sft/pt run that sets one is refused (rules.py)."""
     rlhf_type: str = opt("dpo", "Preference method: dpo or kto (unpaired rows with a label; both with a reference "
                          "model), orpo, simpo or cpo (none); rm (a reward model: a score head on the pairs); "
@@ -578,11 +579,7 @@ class FieldSpec:
     @property
     def flags(self) -> list[str]:
         """Both spellings (``--max-length`` and ``--max_length``) plus aliases."""
-        names = [f"--{self.name.replace('_', '-')}", f"--{self.name}"]
-        for a in self.aliases:
-            if a not in names:
-                names.append(a)
-        return list(dict.fromkeys(names))
+        return list(dict.fromkeys([f"--{self.name.replace('_', '-')}", f"--{self.name}", *self.aliases]))
 
 
 def field_specs() -> dict[str, FieldSpec]:

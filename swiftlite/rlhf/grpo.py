@@ -43,6 +43,7 @@ from swiftlite.rlhf.generate import completion_seed, gathered, sample, token_log
 from swiftlite.rlhf.grpo_loss import (ESTIMATOR_DEFAULTS, GrpoLoss, advantages, clip_stats, micro_batch_loss, real_terms,
                                       token_terms)
 from swiftlite.rlhf.chord import ChordData, mu_schedule, sft_loss
+from swiftlite.rlhf.multi_turn import scored
 from swiftlite.rlhf.offpolicy import merge, offpolicy_metrics
 from swiftlite.rlhf.teacher import k3_sum, token_advantages
 
@@ -84,6 +85,7 @@ class GrpoBatches:
     current: Round | None = None
     table: Any = None                  # the round's completions table, until its first step returns it
     sp: Any = None                     # parallel/sequence.SequenceParallel (--sequence_parallel_size > 1; run.py)
+    turns: Any = None                  # --multi_turn_scheduler's scheduler (rlhf/multi_turn.py), else None
 
     @property
     def needs_old(self) -> bool:
@@ -118,8 +120,9 @@ def grpo_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) ->
     if cfg.data.padding_free:   # rlhf is padded unless asked (ms-swift's default); refused where rows would mix
         from swiftlite.models.loading import batch_form
         form = batch_form(cfg)
+    from swiftlite.rlhf.multi_turn import build
     return GrpoBatches(train.rows, plan, tokenizer.pad_token_id, world, build_rewards(r.reward_funcs, r), loss,
-                       form=form, options=r, tokenizer=tokenizer, chord=chord)
+                       form=form, options=r, tokenizer=tokenizer, chord=chord, turns=build(r, tokenizer))
 
 
 def estimator_choices(r: Any) -> tuple[str, bool]:
@@ -281,14 +284,14 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     mine = plan.rank_micro_batches(b.data_rank)
     offp = bool(o.log_rollout_offpolicy_metrics)
     rollout_of: dict[tuple[int, ...], torch.Tensor] = {}    # the sampling log-probs (rlhf/offpolicy.py)
-    for mb, (p_ids, p_mask, c_ids, c_mask, *lp) in zip(mine, _sample_round(engine, b, rnd)):
-        micro[tuple(mb)] = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids,
-                            "completion_mask": c_mask}
-        if lp:
-            rollout_of[tuple(mb)] = lp[0]
+    for mb, t in zip(mine, _sample_round(engine, b, rnd)):
+        if "rollout_logps" in t:
+            rollout_of[tuple(mb)] = t.pop("rollout_logps")
+        micro[tuple(mb)] = t
+        c_ids, c_mask, counted = t["completion_ids"], t["completion_mask"], scored(t).sum(-1).tolist()
         for j, c in enumerate(mb):
             n = int(c_mask[j].sum())
-            lengths[c] = n
+            lengths[c] = int(counted[j])   # the tokens the loss counts (a multi-turn round's insertions out)
             truncated[c] = float(n == 0 or int(c_ids[j, n - 1]) not in eos_ids)   # no EOS: cut at the limit
             texts[c] = tok.decode(c_ids[j, :n].tolist(), skip_special_tokens=True)
         micro[tuple(mb)]["truncated"] = torch.tensor([truncated[c] for c in mb], device=c_mask.device)
@@ -313,15 +316,15 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
             if b.needs_old:
                 t["old_logps"] = old
             if offp:
-                offpolicy.append(offpolicy_metrics(old, rollout_of[key], t["completion_mask"]))
+                offpolicy.append(offpolicy_metrics(old, rollout_of[key], scored(t)))
             if in_reward:   # ms-swift's per-completion KL: sum over its tokens of log p_policy - log p_ref
-                kl = ((old - t["ref_logps"]) * t["completion_mask"]).sum(-1)
+                kl = ((old - t["ref_logps"]) * scored(t)).sum(-1)
                 kl_of.update(zip(key, kl.tolist()))
             if b.teacher is not None:
                 with torch.no_grad():
                     teacher = b.teacher(*args)
                 distil[key] = (teacher, old)
-                part = k3_sum(teacher, old, t["completion_mask"])
+                part = k3_sum(teacher, old, scored(t))
                 k3 = [k3[0] + part[0], k3[1] + part[1]]
     # rewards of this rank's completions, then the whole round's table on every rank
     N, F = plan.round_completions, len(b.rewards)
@@ -362,7 +365,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
             t["advantages"] = real_coef[torch.tensor(key)].to(world.device)
             t["real_value"] = real_value[torch.tensor(key)]
         if key in distil:     # [completions, tokens]: + coef x (log p_teacher - log p_old) per token
-            t["advantages"] = token_advantages(t["advantages"], *distil[key], t["completion_mask"],
+            t["advantages"] = token_advantages(t["advantages"], *distil[key], scored(t),
                                                o.teacher_kl_coef)
     from swiftlite.rlhf.grpo_loss import nanstd
     metrics = {"reward": float(torch.nanmean(rewards)), "reward_std": float(nanstd(rewards)),
@@ -384,26 +387,46 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     return Round(rnd, micro, metrics, float(lens.sum()))
 
 
-def _sample_round(engine: Any, b: GrpoBatches, rnd: int) -> list[tuple[torch.Tensor, ...]]:
-    """(prompt_ids, prompt_mask, completion_ids, completion_mask) of each of this rank's micro-batches of
-    round `rnd`: transformers' generate per micro-batch on the gathered weights, or (--use_vllm) one
-    call to the colocated vLLM engine, the weights synced to it for the round (rlhf/vllm_gen.py), or
-    (--vllm_mode server) to the rollout server(s) (rlhf/rollout_client.py)."""
+def _sample_round(engine: Any, b: GrpoBatches, rnd: int) -> list[dict[str, torch.Tensor]]:
+    """prompt_ids, prompt_mask, completion_ids, completion_mask (and rollout_logps, loss_mask where they
+    apply) of each of this rank's micro-batches of round `rnd`: transformers' generate per micro-batch on
+    the gathered weights, or (--use_vllm) one call to the colocated vLLM engine, the weights synced to it
+    for the round (rlhf/vllm_gen.py), or (--vllm_mode server) to the rollout server(s)
+    (rlhf/rollout_client.py); with --multi_turn_scheduler, one such call per turn (rlhf/multi_turn.py)."""
     plan, world, o = b.plan, b.world, b.options
     prompts, G = plan.prompts(rnd), plan.num_generations
     mine = plan.rank_micro_batches(b.data_rank)
     ids = [[b.rows[prompts[c // G]]["input_ids"] for c in mb] for mb in mine]
     seeds = [[completion_seed(plan.seed, rnd, c) for c in mb] for mb in mine]
-    kw = dict(pad_id=b.pad_id, eos_id=b.tokenizer.eos_token_id, max_new_tokens=o.max_completion_length,
-              temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, device=world.device)
+    kw = dict(pad_id=b.pad_id, eos_id=b.tokenizer.eos_token_id, temperature=o.temperature, top_p=o.top_p,
+              top_k=o.top_k, device=world.device)
     if b.vllm is not None:
         from swiftlite.parallel.offload import offloaded
         off = None if o.vllm_mode == "server" else offloaded(engine, model=o.offload_model, optim=o.offload_optimizer,
                                                             device=world.device)
-        return b.vllm.generate_round(b.model, engine.root(), gathered, ids, seeds, offload=off, **kw)
+        return _turns(b, lambda p, s, n, first: b.vllm.generate_round(
+            b.model, engine.root(), gathered, p, s, offload=off, max_new_tokens=n, sync=first, **kw), ids, seeds,
+            [[b.rows[prompts[c // G]] for c in mb] for mb in mine])
     with gathered(engine.root()):            # the wrapper (FSDP1's root, the DeepSpeed engine) or the model
-        return [sample(b.model, p, s, autocast=engine.autocast(), logprobs=bool(o.log_rollout_offpolicy_metrics),
-                       **kw) for p, s in zip(ids, seeds)]
+        return _turns(b, lambda p, s, n, first: [
+            sample(b.model, pp, ss, autocast=engine.autocast(), logprobs=bool(o.log_rollout_offpolicy_metrics),
+                   max_new_tokens=n, **kw) for pp, ss in zip(p, s)], ids, seeds,
+            [[b.rows[prompts[c // G]] for c in mb] for mb in mine])
+
+
+def _turns(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, rows: list) -> list[dict[str, torch.Tensor]]:
+    """The first turn of every micro-batch, then (--multi_turn_scheduler) the scheduler's next turns."""
+    o = b.options
+    first = gen(ids, seeds, o.max_completion_length, True)
+    if b.turns is None:
+        return [dict(zip(("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "rollout_logps"), f))
+                for f in first]
+    from swiftlite.rlhf.multi_turn import rollout
+    eos = b.tokenizer.eos_token_id
+    return rollout(b.turns, lambda p, s, n: gen(p, s, n, False), first, ids, rows, seeds,
+                   max_new_tokens=o.max_completion_length, per_round=o.completion_length_limit_scope == "per_round",
+                   max_turns=o.max_turns, eos_ids=set(eos if isinstance(eos, list) else [eos]), pad_id=b.pad_id,
+                   any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0)
 
 
 def _completion_ids(micro: dict, c: int) -> list[int]:
@@ -457,10 +480,10 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     from swiftlite.rlhf.reference import root_module
     for i, mb in enumerate(micro):
         t = cur.micro[tuple(mb)]
-        mask = t["completion_mask"]
+        mask, counted = t["completion_mask"], scored(t)   # attention sees `mask`; the loss, `counted`
         # --overlong_filter: the loss and its metrics leave out completions cut at the length limit
         # (ms-swift masks them after the round is scored: advantages and dapo's normalizer keep them)
-        lmask = mask * (t["truncated"] == 0).to(mask.dtype)[:, None] if b.options.overlong_filter else mask
+        lmask = counted * (t["truncated"] == 0).to(mask.dtype)[:, None] if b.options.overlong_filter else counted
         last = i == len(micro) - 1
         whole: Any = contextlib.nullcontext()
         if b.sp is not None:   # this rank's slice of every sequence; forward and backward see the whole
@@ -496,7 +519,7 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
         m = lmask.float()
         sums["kept"] += float(m.sum())   # the tokens the loss and its metrics see
         tokens += int(t["prompt_mask"].sum() + mask.sum())
-        comp_tokens += int(mask.sum())
+        comp_tokens += int(counted.sum())
         if terms.kl is not None:
             sums["kl"] += float((terms.kl.detach() * m).sum())
         sums["entropy"] += float((ent * m).sum())

@@ -215,6 +215,9 @@ def prepare_prompts(cfg: Any, tokenizer: Any, world_size: int, *,
                                 progress=progress, columns=d.columns)
     train, _ = train_and_validation(d, tok, t.seed, unit="prompt")
     check_rewards(rewards, train, "--reward_funcs")
+    if r.multi_turn_scheduler:
+        from swiftlite.rlhf.multi_turn import check_rows
+        check_rows(r.multi_turn_scheduler, train)
     if r.chord_sft_dataset:
         train.sft = _chord_rows(cfg, tokenizer, progress)
     plan = GrpoPlan(len(train.rows), t.per_device_train_batch_size, world_size, t.gradient_accumulation_steps,

@@ -198,10 +198,12 @@ class ServerGenerator:
 
     def generate_round(self, model: Any, root: Any, gather: Any, micro_prompts: list[list[list[int]]],
                        micro_seeds: list[list[int]], *, pad_id: int, eos_id: int | list[int], max_new_tokens: int,
-                       temperature: float, top_p: float, top_k: int, device: Any, offload: Any = None
-                       ) -> list[tuple[torch.Tensor, ...]]:
+                       temperature: float, top_p: float, top_k: int, device: Any, offload: Any = None,
+                       sync: bool = True) -> list[tuple[torch.Tensor, ...]]:
+        """As VllmGenerator.generate_round's; `sync` false: a later turn on the weights the servers hold."""
         from swiftlite.rlhf.vllm_gen import completion_layout
-        self.sync(model, root, gather)
+        if sync:
+            self.sync(model, root, gather)
         eos_ids = list(eos_id) if isinstance(eos_id, list) else [eos_id]
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         parts: list[Any] = [(micro_prompts, micro_seeds)]

@@ -278,11 +278,12 @@ class VllmGenerator:
 
     def generate_round(self, model: Any, root: Any, gather: Any, micro_prompts: list[list[list[int]]],
                        micro_seeds: list[list[int]], *, pad_id: int, eos_id: int | list[int], max_new_tokens: int,
-                       temperature: float, top_p: float, top_k: int, device: Any, offload: Any = None
-                       ) -> list[tuple[torch.Tensor, ...]]:
+                       temperature: float, top_p: float, top_k: int, device: Any, offload: Any = None,
+                       sync: bool = True) -> list[tuple[torch.Tensor, ...]]:
         """This process's micro-batches of a round: one (prompt_ids, prompt_mask, completion_ids,
         completion_mask) per micro-batch, as `generate.sample` returns them. `offload`: a context
-        (parallel/offload.py) held while vLLM generates."""
+        (parallel/offload.py) held while vLLM generates. `sync` false: a multi-turn round's later turn, on
+        the weights already synced (again where --sleep_level 2 discarded them)."""
         from vllm import SamplingParams
         if self.llm is None:
             self._build(model)
@@ -291,7 +292,9 @@ class VllmGenerator:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()        # TRL: waking after training's allocations can OOM without it
             self.llm.wake_up(tags=["weights"])
-        if self.o.move_model_batches and _zero3(model):       # the model whole batch by batch, not at once
+        if not sync and self.o.sleep_level < 2:   # a multi-turn round's later turn: the weights are in place
+            pass
+        elif self.o.move_model_batches and _zero3(model):     # the model whole batch by batch, not at once
             self.sync(model, weight_batches(model, self.o.move_model_batches))
         else:
             with _sync_gather(root, gather):
@@ -318,7 +321,7 @@ class VllmGenerator:
             if sleeping:
                 self.llm.wake_up(tags=["kv_cache"])
             outs = self.llm.generate([{"prompt_token_ids": p} for p in all_prompts], sampling_params=params,
-                                     use_tqdm=False)
+                                     use_tqdm=False) if all_prompts else []
             if sleeping:
                 self.llm.sleep(level=o.sleep_level)
         outs = outs[mine * len(prompts):(mine + 1) * len(prompts)]

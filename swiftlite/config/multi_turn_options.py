@@ -1,0 +1,86 @@
+"""GRPO's multi-turn rollout options (ms-swift's `--multi_turn_scheduler`, `--max_turns`,
+`--completion_length_limit_scope`: swift/rlhf_trainers/args_mixin.py, its names and defaults). A base of
+schema.RlhfConfig, kept here so that schema.py stays short; rlhf/multi_turn.py runs the turns,
+`multi_turn_problem` (config/rules.py's GRPO rule) says which values run. Import-light (no torch).
+
+Only ms-swift's built-in `math_tip_trick` scheduler is here. Its other built-ins are refused with the
+reason: `thinking_tips_scheduler` splits one trajectory into several training rows (a variable number
+of samples per round, which ms-swift itself marks for removal), `gym_scheduler` and
+`openenv_scheduler` drive an environment server, and a plugin's scheduler subclasses ms-swift's own
+classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swiftlite.config.access import Section, opt
+
+#: The schedulers swiftlite has (rlhf/multi_turn.SCHEDULERS implements them).
+MULTI_TURN_SCHEDULERS = ("math_tip_trick",)
+#: ms-swift's other built-in schedulers (swift/rollout/multi_turn.py `multi_turns`) and why each is refused.
+OTHER_SCHEDULERS = {
+    "thinking_tips_scheduler": "splits a trajectory into one training row per turn (a variable number of rows per "
+                               "round, a path ms-swift marks for removal)",
+    "gym_scheduler": "drives a gym environment (--use_gym_env), which swiftlite does not have",
+    "openenv_scheduler": "drives an OpenEnv environment server, which swiftlite does not have",
+}
+LIMIT_SCOPES = ("per_round", "total")
+
+
+@dataclass(kw_only=True)
+class MultiTurnOptions(Section):
+    multi_turn_scheduler: str | None = opt(None, "GRPO multi-turn rollouts: math_tip_trick (ms-swift's built-in): a "
+                                           "completion whose answer does not verify against the row's `solution` "
+                                           "(math_verify) is cut at its first <answer> or </think>, gets \"But "
+                                           "wait... It seems I made a mistake,\" appended (not trained on: out of "
+                                           "the loss) and is continued by the policy; the tip is given once. "
+                                           "ms-swift's default: none (one turn).")
+    max_turns: int | None = opt(None, "GRPO with --multi-turn-scheduler: most turns per completion (ms-swift's "
+                                "default: none, the scheduler decides; math_tip_trick stops after 2).")
+    completion_length_limit_scope: str = opt("per_round", "GRPO with --multi-turn-scheduler: per_round (ms-swift's "
+                                             "default): every turn generates up to --max-completion-length tokens; "
+                                             "total: all turns together, the tip included.",
+                                             choices=LIMIT_SCOPES)
+
+
+#: The keys above (config/rules.py lists them among GRPO's own).
+MULTI_TURN_KEYS = ("multi_turn_scheduler", "max_turns", "completion_length_limit_scope")
+
+
+def multi_turn_problem(r: object, explicit: set[str] | frozenset[str]) -> str | None:
+    """The options' rule: a scheduler swiftlite has; the other two only with one."""
+    s = r.multi_turn_scheduler
+    if s is None:
+        given = [k for k in MULTI_TURN_KEYS[1:] if k in explicit]
+        return (f"--{given[0].replace('_', '-')} applies to multi-turn rollouts (--multi-turn-scheduler "
+                f"{MULTI_TURN_SCHEDULERS[0]}): drop it or give the scheduler") if given else None
+    if s not in MULTI_TURN_SCHEDULERS:
+        why = OTHER_SCHEDULERS.get(s, "is neither a built-in scheduler nor one swiftlite can load (ms-swift's plugin "
+                                      "schedulers subclass its own classes)")
+        return (f"--multi-turn-scheduler {s}: not available here: it {why}; swiftlite has "
+                f"{', '.join(MULTI_TURN_SCHEDULERS)}")
+    if r.max_turns is not None and r.max_turns < 1:
+        return f"--max-turns {r.max_turns}: out of range (1 or more; none lets the scheduler decide)"
+    return None
+
+
+def turn_bound(r: object) -> int:
+    """The most turns a completion can take (the scheduler's own limit, --max-turns): what the memory
+    planner multiplies --max-completion-length by under --completion-length-limit-scope per_round."""
+    if r.multi_turn_scheduler is None:
+        return 1
+    most = 2    # math_tip_trick gives its tip once: one continuation at most
+    return most if r.max_turns is None else min(most, r.max_turns)
+
+
+def describe_turns(r: object) -> str:
+    """The run line's and --dry-run's words for the turns ('' for one-turn rounds)."""
+    if r.multi_turn_scheduler is None:
+        return ""
+    return (f", multi-turn: {r.multi_turn_scheduler} (up to {turn_bound(r)} turns, --max-completion-length "
+            f"{'per turn' if r.completion_length_limit_scope == 'per_round' else 'in all'})")
+
+
+__all__ = ["LIMIT_SCOPES", "describe_turns", "MULTI_TURN_KEYS", "MULTI_TURN_SCHEDULERS", "MultiTurnOptions", "multi_turn_problem",
+           "turn_bound"]

@@ -1,0 +1,220 @@
+"""Multi-turn GRPO rollouts (`--multi_turn_scheduler`, `--max_turns`, `--completion_length_limit_scope`;
+ms-swift's colocate `run_multi_turn`, swift/rollout/agent_loop.py, with its built-in MathTipsScheduler,
+swift/rollout/multi_turn.py).
+
+A round's first turn is sampled as a one-turn round is (rlhf/grpo.py `_sample_round`: generate, the
+colocated vLLM engine or the rollout server). Then, turn after turn, the scheduler looks at every
+completion not yet finished: it stops one that was cut at the length limit (ms-swift's
+finish_reason 'length'), that reached --max_turns, or that it judges done; it extends the others
+(its `step`), and the same generator continues them, the prompt being the prompt's tokens followed by
+the completion's so far. Every process takes part in every turn while any process has a completion
+left (the vLLM paths gather across processes), with an empty share when it has none.
+
+The completion trained on is every turn's tokens in order, the scheduler's insertions included: they
+are in the sequence the policy attends to, but out of the loss (their loss mask is 0, ms-swift's
+`response_loss_mask`), as they are out of the KL, the entropy, the token counts and dapo's normalizer.
+The rewards see the whole completion's text, insertions included (ms-swift scores messages[-1]).
+
+Tokens, not text: each turn continues from the token ids the policy produced (ms-swift's colocate path
+re-encodes the messages for the next turn while training on the returned ids; the two agree except
+where decode/encode is not the identity). The end-of-turn token of a completion that is continued is
+dropped (ms-swift continues the message's text, which has none).
+
+Randomness: turn t of completion c draws from a generator seeded by (its round seed, t), so the turns,
+like the first, depend on (--seed, round, c) only: any process count, any resume.
+
+Length: --completion_length_limit_scope per_round (ms-swift's default) gives every turn
+--max_completion_length new tokens; total caps the whole completion (tips included) at it, as
+ms-swift's colocate engine does.
+
+math_tip_trick (`MathTips`): a completion finishes when its text verifies against the row's `solution`
+(math_verify, as --reward_funcs accuracy) or already holds the tip; otherwise it is cut before its
+first `<answer>` or `</think>` (the first tokens whose text reaches that point, as ms-swift) and
+"But wait... It seems I made a mistake," is appended, then continued. The tip is given once, so a
+completion takes two turns at most.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from swiftlite.errors import UserError
+
+#: MathTipsScheduler's tip (ms-swift's `tips_prompt`).
+TIPS = "But wait... It seems I made a mistake,"
+#: The column math_tip_trick verifies against (ms-swift's `infer_request.data_dict['solution']`).
+SOLUTION = "solution"
+
+
+class MathTips:
+    """ms-swift's `math_tip_trick` scheduler (module docstring)."""
+    name = "math_tip_trick"
+
+    def __init__(self, tokenizer: Any):
+        from swiftlite.plugin import MathAccuracy
+        check_installed(self.name)
+        self.tok = tokenizer
+        self.accuracy = MathAccuracy()
+        self.tips = tokenizer.encode(TIPS, add_special_tokens=False)
+
+    def text(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def finished(self, ids: list[int], row: dict) -> bool:
+        text = self.text(ids)
+        return TIPS in text or self.accuracy([text], [row["columns"][SOLUTION]])[0] == 1
+
+    def step(self, ids: list[int], eos_ids: set[int]) -> tuple[int, list[int]]:
+        """(how many of the completion's tokens to keep, the tokens to append out of the loss): cut before
+        its first <answer> or </think>, its end-of-turn token dropped, then the tip."""
+        text = self.text(ids)
+        cut = min([text.index(m) for m in ("<answer>", "</think>") if m in text] or [len(text)])
+        keep = len(ids)
+        if cut < len(text):   # the fewest tokens whose text reaches the cut (decoded length grows with them)
+            lo, hi = 1, len(ids)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if len(self.text(ids[:mid])) >= cut:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            keep = lo
+        while keep and ids[keep - 1] in eos_ids:
+            keep -= 1
+        return keep, self.tips
+
+
+SCHEDULERS: dict[str, Callable[[Any], Any]] = {MathTips.name: MathTips}
+
+
+def check_installed(name: str) -> None:
+    """math_tip_trick verifies answers with math_verify: refused before launch without it."""
+    if importlib.util.find_spec("math_verify") is None:
+        raise UserError(f"--multi_turn_scheduler {name} verifies answers with the math_verify package (pip install "
+                        "math-verify, or swiftlite's grpo extra), as in ms-swift")
+
+
+def check_rows(name: str, data: Any) -> None:
+    """Every prompt row has the `solution` column the scheduler verifies against (one line naming the row)."""
+    for row in data.rows:
+        if SOLUTION not in row["columns"]:
+            raise UserError(f"{row['where']}: no '{SOLUTION}' column, which --multi_turn_scheduler {name} verifies "
+                            "each completion against")
+
+
+def build(options: Any, tokenizer: Any) -> Any:
+    """The run's scheduler, or None for one-turn rounds."""
+    name = options.multi_turn_scheduler
+    return None if name is None else SCHEDULERS[name](tokenizer)
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The generator seed of a completion's turn `turn` (>= 2), from its round seed."""
+    return (seed * 1_000_003 + turn * 7_919) % (2 ** 63 - 1)
+
+
+@dataclass
+class Trajectory:
+    prompt: list[int]
+    row: dict
+    seed: int
+    ids: list[int]
+    loss: list[int]
+    logps: list[float] | None
+    done: bool = False
+    turns: int = 1
+
+
+def _unpack(first: list[tuple[torch.Tensor, ...]], micro_prompts: list[list[list[int]]],
+            micro_rows: list[list[dict]], micro_seeds: list[list[int]], eos_ids: set[int]) -> list[list[Trajectory]]:
+    out = []
+    for (_, _, c_ids, c_mask, *lp), prompts, rows, seeds in zip(first, micro_prompts, micro_rows, micro_seeds):
+        mb = []
+        for j, (p, row, s) in enumerate(zip(prompts, rows, seeds)):
+            n = int(c_mask[j].sum())
+            ids = c_ids[j, :n].tolist()
+            logps = lp[0][j, :n].tolist() if lp else None
+            mb.append(Trajectory(p, row, s, ids, [1] * n, logps, done=not ids or ids[-1] not in eos_ids))
+        out.append(mb)
+    return out
+
+
+def _layout(first: tuple[torch.Tensor, ...], trajs: list[Trajectory], pad_id: int, logprobs: bool) -> dict:
+    """One micro-batch's tensors: the first turn's prompt tensors, the whole completions (padded to the
+    longest), their mask (a prefix: what attention sees) and loss mask (0 on insertions)."""
+    p_ids, p_mask = first[0], first[1]
+    device = p_ids.device
+    n = max(1, max(len(t.ids) for t in trajs))
+    c_ids = torch.full((len(trajs), n), pad_id, dtype=torch.long)
+    c_mask = torch.zeros((len(trajs), n), dtype=torch.long)
+    loss = torch.zeros((len(trajs), n), dtype=torch.long)
+    lp = torch.full((len(trajs), n), float("nan"), dtype=torch.float32)
+    for j, t in enumerate(trajs):
+        c_ids[j, :len(t.ids)] = torch.tensor(t.ids, dtype=torch.long)
+        c_mask[j, :len(t.ids)] = 1
+        loss[j, :len(t.ids)] = torch.tensor(t.loss, dtype=torch.long)
+        if t.logps is not None:
+            lp[j, :len(t.logps)] = torch.tensor(t.logps, dtype=torch.float32)
+    out = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids.to(device),
+           "completion_mask": c_mask.to(device), "loss_mask": loss.to(device)}
+    if logprobs:
+        out["rollout_logps"] = lp.to(device)
+    return out
+
+
+def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], first: list[tuple[torch.Tensor, ...]],
+            micro_prompts: list[list[list[int]]], micro_rows: list[list[dict]], micro_seeds: list[list[int]], *,
+            max_new_tokens: int, per_round: bool, max_turns: int | None, eos_ids: set[int], pad_id: int,
+            any_pending: Callable[[bool], bool]) -> list[dict]:
+    """The turns after `first` (this process's micro-batches of the first turn, as the generator returned
+    them): `gen(micro_prompts, micro_seeds, max_new_tokens)` samples a turn. Returns one dict of tensors per
+    micro-batch (`_layout`)."""
+    trajs = _unpack(first, micro_prompts, micro_rows, micro_seeds, eos_ids)
+    logprobs = any(len(f) > 4 for f in first)
+    turn = 1
+    while True:
+        for t in (t for mb in trajs for t in mb if not t.done):
+            if (max_turns is not None and t.turns >= max_turns) or sched.finished(t.ids, t.row):
+                t.done = True
+                continue
+            keep, insert = sched.step(t.ids, eos_ids)
+            if not per_round and keep + len(insert) >= max_new_tokens:   # no budget left for another turn
+                t.done = True
+                continue
+            t.ids, t.loss = t.ids[:keep] + insert, t.loss[:keep] + [0] * len(insert)
+            if t.logps is not None:   # the inserted tokens were not sampled: no sampling log-prob
+                t.logps = t.logps[:keep] + [float("nan")] * len(insert)
+        pending = [[t for t in mb if not t.done] for mb in trajs]
+        if not any_pending(any(pending)):
+            break
+        turn += 1
+        budget = max_new_tokens if per_round else max((max_new_tokens - len(t.ids) for mb in pending for t in mb),
+                                                     default=1)
+        shares = [mb for mb in pending if mb]
+        outs = gen([[t.prompt + t.ids for t in mb] for mb in shares],
+                   [[turn_seed(t.seed, turn) for t in mb] for mb in shares], max(1, budget))
+        for mb, (_, _, c_ids, c_mask, *lp) in zip(shares, outs):
+            for j, t in enumerate(mb):
+                n = int(c_mask[j].sum())
+                room = n if per_round else min(n, max_new_tokens - len(t.ids))
+                new = c_ids[j, :room].tolist()
+                t.ids, t.loss, t.turns = t.ids + new, t.loss + [1] * len(new), t.turns + 1
+                if t.logps is not None:
+                    t.logps = t.logps + (lp[0][j, :room].tolist() if lp else [float("nan")] * len(new))
+                t.done = not new or new[-1] not in eos_ids     # cut at the length limit: finished
+    return [_layout(f, mb, pad_id, logprobs) for f, mb in zip(first, trajs)]
+
+
+def scored(t: dict) -> torch.Tensor:
+    """A micro-batch's completion tokens the loss and its metrics count: the completion mask, less a
+    multi-turn round's insertions."""
+    mask = t["completion_mask"]
+    return mask * t["loss_mask"] if "loss_mask" in t else mask
+
+
+__all__ = ["MathTips", "SCHEDULERS", "TIPS", "build", "check_installed", "check_rows", "rollout", "scored",
+           "turn_seed"]
