@@ -254,6 +254,15 @@ if [[ "$DRYRUN" != 1 ]] && "$PY" -c "import vllm, torch; assert torch.cuda.is_av
       --sleep_level 1 --torch-dtype "$DTYPE" --max-steps 2 --logging-steps 1 --save-strategy no \
       --log_completions true --log_rollout_offpolicy_metrics true --output-dir "$WORK/grpo_vllm_$tt"
   done
+  # multi-turn (docs/rlhf.md "Multi-turn rollouts"): the second turn on the same engine, without a re-sync
+  if "$PY" -c "import math_verify" >/dev/null 2>&1; then
+    step grpo-vllm-multi-turn "$RUN_LIMIT" "$PY" -m swiftlite rlhf --rlhf_type grpo --model "$MODEL" --train-type lora \
+      --dataset "$WORK/grpo_data/grpo_train.jsonl" --external_plugins "$REPO/scripts/grpo_exact_reward.py" \
+      --reward_funcs exact --num_generations 4 --per_device_train_batch_size 4 --max_completion_length 16 \
+      --multi_turn_scheduler math_tip_trick --use_vllm true --vllm_mode colocate --vllm_gpu_memory_utilization 0.3 \
+      --vllm_max_model_len 1024 --sleep_level 1 --torch-dtype "$DTYPE" --max-steps 2 --logging-steps 1 \
+      --save-strategy no --log_completions true --output-dir "$WORK/grpo_vllm_multi_turn"
+  fi
   # vLLM's processed log-probs against the training policy's (rollout_correction/*, in the log lines): on
   # the same weights in the run's dtype, the kl stays near 0 and ppl_ratio near 1
 else
@@ -280,6 +289,14 @@ step "grpo-server-$RB" "$RUN_LIMIT" "$PY" -m swiftlite rlhf --rlhf_type grpo --m
   --use_vllm true --vllm_mode server --vllm_server_host 127.0.0.1 --vllm_server_port "$RPORT" \
   --vllm_server_group_port "$GPORT" --vllm_server_timeout 300 --torch-dtype "$DTYPE" --max-steps 2 \
   --logging-steps 1 --save-strategy no --log_completions true --output-dir "$WORK/grpo_server"
+if "$PY" -c "import math_verify" >/dev/null 2>&1; then   # multi-turn: each turn a request to the server
+  step "grpo-server-multi-turn-$RB" "$RUN_LIMIT" "$PY" -m swiftlite rlhf --rlhf_type grpo --model "$MODEL" \
+    --train-type lora --dataset "$WORK/grpo_data/grpo_train.jsonl" --external_plugins "$REPO/scripts/grpo_exact_reward.py" \
+    --reward_funcs exact --num_generations 4 --per_device_train_batch_size 4 --max_completion_length 16 \
+    --multi_turn_scheduler math_tip_trick --use_vllm true --vllm_mode server --vllm_server_host 127.0.0.1 \
+    --vllm_server_port "$RPORT" --vllm_server_group_port "$GPORT" --vllm_server_timeout 300 --torch-dtype "$DTYPE" \
+    --max-steps 2 --logging-steps 1 --save-strategy no --log_completions true --output-dir "$WORK/grpo_server_mt"
+fi
 kill "$RPID" 2>/dev/null || true
 wait "$RPID" 2>/dev/null || true
 tail -5 "$WORK/rollout_server.log" >> "$LOG" 2>/dev/null || true

@@ -16,13 +16,15 @@ import typer.core
 
 from swiftlite.errors import UserError
 
-_SCHEDULER = ("multi-turn and gym rollouts are not available: the server samples one completion per prompt and "
-              "seed, and the run scores them with --reward_funcs; drop the flag")
+_SCHEDULER = ("gym rollouts are not available: the server samples one completion per prompt and seed, and the run "
+              "scores them with --reward_funcs; drop the flag")
+_TURNS = ("the run drives multi-turn rollouts (swiftlite rlhf --multi_turn_scheduler math_tip_trick --max_turns N), "
+          "asking the server for each turn; drop the flag here")
 #: ms-swift rollout options (RolloutArguments and the vLLM part of DeployArguments, ms-swift 3602360a) that
 #: swiftlite's server does not take, with their reasons.
 REFUSED = {
-    **{k: _SCHEDULER for k in ("multi_turn_scheduler", "max_turns", "use_gym_env", "gym_env", "context_manager",
-                               "vllm_use_async_engine")},
+    **{k: _SCHEDULER for k in ("use_gym_env", "gym_env", "context_manager", "vllm_use_async_engine")},
+    **{k: _TURNS for k in ("multi_turn_scheduler", "max_turns")},
     "external_plugins": "the server runs no plugins (a run's reward functions are the run's --external_plugins): "
                         "drop the flag",
     "vllm_max_lora_rank": "the server always gets the run's merged weights (base + B@A x scale), no LoRA adapter: "

@@ -74,6 +74,12 @@ def turn_bound(r: object) -> int:
     return most if r.max_turns is None else min(most, r.max_turns)
 
 
+def completion_tokens(r: object) -> int:
+    """The longest completion a round can hold: --max_completion_length, per turn under per_round."""
+    per_turn = r.completion_length_limit_scope == "per_round"
+    return r.max_completion_length * (turn_bound(r) if per_turn else 1)
+
+
 def describe_turns(r: object) -> str:
     """The run line's and --dry-run's words for the turns ('' for one-turn rounds)."""
     if r.multi_turn_scheduler is None:
@@ -82,5 +88,5 @@ def describe_turns(r: object) -> str:
             f"{'per turn' if r.completion_length_limit_scope == 'per_round' else 'in all'})")
 
 
-__all__ = ["LIMIT_SCOPES", "describe_turns", "MULTI_TURN_KEYS", "MULTI_TURN_SCHEDULERS", "MultiTurnOptions", "multi_turn_problem",
+__all__ = ["LIMIT_SCOPES", "completion_tokens", "describe_turns", "MULTI_TURN_KEYS", "MULTI_TURN_SCHEDULERS", "MultiTurnOptions", "multi_turn_problem",
            "turn_bound"]

@@ -208,7 +208,9 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
     # the weights the backend gathers) is a phase of its own (planner/memory.generation_bytes).
     grpo = rlhf and r.rlhf_type == "grpo"
     copy = copy or (grpo and r.beta != 0 and bool(r.ref_model or not cfg.is_peft))
-    seq_len = cfg.data.max_length + r.max_completion_length if grpo and cfg.data.max_length else cfg.data.max_length
+    # multi-turn rounds (--multi_turn_scheduler): every turn may add --max_completion_length tokens (per_round)
+    from swiftlite.config.multi_turn_options import completion_tokens
+    seq_len = cfg.data.max_length + completion_tokens(r) if grpo and cfg.data.max_length else cfg.data.max_length
     return Workload(
         train_type=cfg.train.train_type, dtype=cfg.model.torch_dtype, lora_rank=cfg.lora.lora_rank,
         lora_targets=tuple(cfg.lora.target_modules) or ("all-linear",),

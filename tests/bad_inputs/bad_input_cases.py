@@ -361,6 +361,9 @@ CASES: list[Case] = [
     Case("grpo-response-prefix", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format",
                                   "--response_prefix", "<think>"],
          "--response_prefix: GRPO's rollouts are generated from the chat template's generation prompt"),
+    Case("grpo-multi-turn-scheduler", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format",
+                                       "--multi_turn_scheduler", "gym_scheduler"],
+         "error: --multi-turn-scheduler gym_scheduler: not available here: it drives a gym environment"),
     # GRPO with vLLM: colocate needs a CUDA GPU and the vllm package (neither here); server mode needs a server
     Case("grpo-vllm-no-gpu", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format", "--use_vllm",
                               "true", "--vllm_mode", "colocate"],
@@ -397,7 +400,7 @@ CASES: list[Case] = [
                                               for i in range(8)))),
     Case("rollout-refused-options", ["rollout", "--model", "tiny-llama-2l", "--multi_turn_scheduler", "tool_call",
                                      "--vllm_max_lora_rank", "16", "--bogus", "1"],
-         "error: --multi_turn_scheduler: multi-turn and gym rollouts are not available",
+         "error: --multi_turn_scheduler: the run drives multi-turn rollouts (swiftlite rlhf --multi_turn_scheduler",
          more=("error: --vllm_max_lora_rank: the server always gets the run's merged weights",
                "error: --bogus: not an option of swiftlite rollout")),
     Case("rollout-vllm-no-gpu", ["rollout", "--model", "tiny-llama-2l"],

@@ -169,3 +169,26 @@ def test_refusals_stop_before_anything_is_written(files, tmp_path, extra, words)
     if any(str(e).endswith("nosol.jsonl") for e in extra):
         assert err.endswith("nosol.jsonl:2: no 'solution' column, which --multi_turn_scheduler math_tip_trick "
                             "verifies each completion against")
+
+
+@pytest.fixture(scope="module")
+def server(files, tmp_path_factory):
+    from tests.e2e.test_rollout_server import _server
+    proc, srv = _server(tmp_path_factory, model=files / "model")
+    yield srv
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0, srv["log"].read_text()
+
+
+def test_the_turns_against_a_rollout_server_are_the_in_process_ones(files, server, tmp_path):
+    """Two FSDP2 processes ask `swiftlite rollout` for every turn (the weights synced once per round): the
+    completions, tips and continuations included, and the losses of the same run sampling in-process."""
+    from tests.e2e.test_rollout_server import _port
+    common = ["--multi-turn-scheduler", "math_tip_trick", "--max-steps", "2", "--parallelism", "fsdp",
+              "--nproc-per-node", "2", "--per-device-train-batch-size", "2"]
+    _run(files, tmp_path / "srv", *common, "--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host",
+         "127.0.0.1", "--vllm_server_port", str(server["port"]), "--vllm_server_group_port", str(_port()))
+    _run(files, tmp_path / "local", *common)
+    (s1, ids1, rows1), (s2, ids2, rows2) = _logged(tmp_path / "srv"), _logged(tmp_path / "local")
+    assert any(_at(c, _tips()) for c in ids2) and rows1 == rows2
+    assert [s["loss"] for s in s1] == pytest.approx([s["loss"] for s in s2], rel=1e-6, abs=1e-9)

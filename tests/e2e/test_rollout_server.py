@@ -51,12 +51,12 @@ def files(tmp_path_factory):
     return d
 
 
-def _server(tmp_path_factory, extra=()):
+def _server(tmp_path_factory, extra=(), model="tiny-llama-2l"):
     """A server on the run's architecture with other random weights (seed 0; the runs use seed 3)."""
     port = _port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "swiftlite", "rollout", "--model", "tiny-llama-2l", "--seed", "0",
+        proc = subprocess.Popen([sys.executable, "-m", "swiftlite", "rollout", "--model", str(model), "--seed", "0",
                                  "--infer_backend", "transformers", "--torch_dtype", "fp32", "--port", str(port),
                                  "--host", "127.0.0.1", *extra], stdout=f, stderr=subprocess.STDOUT, env=cli_env())
     url = f"http://127.0.0.1:{port}"

@@ -105,3 +105,21 @@ def test_a_process_with_nothing_left_still_takes_part_while_another_has():
     rollout(Tips(), gen, first, prompts, [[{}]], seeds, max_new_tokens=2, per_round=True, max_turns=None,
             eos_ids={EOS}, pad_id=PAD, any_pending=lambda mine: next(flags))
     assert calls == [[]]                              # one turn with an empty share, then the loop ends
+
+
+def test_the_planner_counts_every_turn_a_completion_can_take():
+    """math_tip_trick's two turns double the completion under per_round; total keeps one's worth."""
+    from swiftlite.cli import parse_run_args
+    from swiftlite.config import load_config
+    from swiftlite.planner import workload_from_config
+
+    def length(*extra):
+        argv = ["--rlhf_type", "grpo", "--model", "tiny-llama-2l", "--dataset", "x.jsonl", "--reward_funcs", "format",
+                "--max_length", "100", "--max_completion_length", "50", *extra]
+        config_file, values = parse_run_args(argv)
+        return workload_from_config(load_config(config_file, values, task="rlhf", validate_paths=False), 1,
+                                    80 * 2**30).generation_length
+    assert length() == 150
+    assert length("--multi_turn_scheduler", "math_tip_trick") == 200
+    assert length("--multi_turn_scheduler", "math_tip_trick", "--max_turns", "1") == 150
+    assert length("--multi_turn_scheduler", "math_tip_trick", "--completion_length_limit_scope", "total") == 150
