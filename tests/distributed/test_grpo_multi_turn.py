@@ -1,5 +1,5 @@
 """Multi-turn GRPO (`--multi_turn_scheduler math_tip_trick`, rlhf/multi_turn.py) on 2 forked CPU processes:
-FSDP2 and ZeRO-3 sample the same completions, every turn, as one process with the same seed and global
+FSDP2, ZeRO-3 and a sequence-parallel group of 2 sample the same completions, every turn, as one process with the same seed and global
 batch (each process continues its own share; a process whose completions are all finished still takes
 part in the turns of the others), and take the same steps (loss within 1e-5, grad norm within a relative
 1e-4). The model is the e2e test's, whose completions mostly end before the limit and are continued."""
@@ -39,12 +39,15 @@ def _steps(path):
     return {s["step"]: s for s in map(json.loads, path.read_text().splitlines()) if "loss" in s}
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "zero3"])
+@pytest.mark.parametrize("backend", ["fsdp", "zero3", "sp2"])
 def test_two_processes_continue_the_same_completions_as_one(single, backend):
+    """sp2: one sequence-parallel group of 2 (rlhf/grpo_sp.py), both ranks running the same turns."""
     d = single
+    shape = (["--parallelism", "fsdp", "--sequence_parallel_size", "2", "--gradient-accumulation-steps", "2"]
+             if backend == "sp2" else ["--parallelism", backend, "--gradient-accumulation-steps", "1"])
     run_cli(["rlhf", *ARGS, "--model", d / "model", "--dataset", d / "data.jsonl", "--external-plugins",
-             d / "plugin.py", "--parallelism", backend, "--nproc-per-node", "2", "--gradient-accumulation-steps", "1",
-             "--output-dir", d / backend], env=cli_env(DS_ACCELERATOR="cpu"))
+             d / "plugin.py", *shape, "--nproc-per-node", "2", "--output-dir", d / backend],
+            env=cli_env(DS_ACCELERATOR="cpu"))
     text = (d / "single" / "completions.jsonl").read_text()
     assert "But wait... It seems I made a mistake," in text          # some completions took a second turn
     assert (d / backend / "completions.jsonl").read_text() == text
