@@ -89,6 +89,9 @@ def run_facts(cfg: "RunConfig", train_data: Any, global_batch: int) -> dict[str,
         shape.update({k: flat[k] for k in CHORD_KEYS})
     if cfg.rlhf.teacher_model:
         shape.update(teacher_model=cfg.rlhf.teacher_model, teacher_kl_coef=cfg.rlhf.teacher_kl_coef)
+    if cfg.rlhf.multi_turn_scheduler:   # the turns decide every round's completions
+        from swiftlite.config.multi_turn_options import MULTI_TURN_KEYS
+        shape.update({k: flat[k] for k in MULTI_TURN_KEYS})
     return {"data": {"rows": len(train_data.rows), "tokens": tokens, "sha256": h.hexdigest()[:32]},
             "shape": shape}
 

@@ -75,6 +75,16 @@ def gathered(model: Any):
     yield
 
 
+def lockstep(model: Any) -> bool:
+    """Whether a forward of `model` inside `gathered` still runs collectives (FSDP1's decoder-layer units
+    all-gather at each token): then every process must make the same generate calls, each with
+    transformers' synced_gpus (a process that finishes first keeps stepping until all have). Elsewhere
+    generation is local to each process and may differ between them (a multi-turn round's later turns,
+    a sequence-parallel group's shares)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    return any(isinstance(m, FSDP1) for m in model.modules())
+
+
 def _zero3_offload(engine: Any) -> Any:
     """The DeepSpeed engine's ZeRO-3 parameter offload (which holds the module hooks), or None."""
     opt = getattr(engine, "optimizer", None)

@@ -51,10 +51,13 @@ def completion_seed(seed: int, rnd: int, c: int) -> int:
 
 def sample(model: Any, prompts: list[list[int]], seeds: list[int], *, pad_id: int, eos_id: int | list[int],
            max_new_tokens: int, temperature: float, top_p: float, top_k: int, device: Any, autocast: Any = None,
-           logprobs: bool = False) -> tuple[torch.Tensor, ...]:
+           logprobs: bool = False, synced: bool = False) -> tuple[torch.Tensor, ...]:
     """Sample one completion per prompt: (prompt_ids [B, P] left-padded, prompt_mask, completion_ids [B, C]
     (pad after the first EOS), completion_mask [B, C] (1 up to and including the first EOS)), and with
-    `logprobs` the sampled tokens' log-probabilities at generation [B, C] (GumbelSampler's record)."""
+    `logprobs` the sampled tokens' log-probabilities at generation [B, C] (GumbelSampler's record).
+    `synced`: transformers' synced_gpus, for engines whose forward runs collectives (parallel/gather.py
+    `lockstep`); off otherwise, also where transformers would turn it on for a sharded model whose
+    weights `gathered` already holds, so that each process generates on its own."""
     from transformers import GenerationConfig, LogitsProcessorList
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
@@ -80,7 +83,7 @@ def sample(model: Any, prompts: list[list[int]], seeds: list[int], *, pad_id: in
     try:
         with torch.no_grad(), (autocast if autocast is not None else contextlib.nullcontext()):
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
-                                 logits_processor=LogitsProcessorList(procs))
+                                 logits_processor=LogitsProcessorList(procs), synced_gpus=synced)
     finally:
         model.train(was_training)
     completion = out[:, width:]

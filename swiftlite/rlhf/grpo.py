@@ -407,15 +407,30 @@ def _sample_round(engine: Any, b: GrpoBatches, rnd: int) -> list[dict[str, torch
         return _turns(b, lambda p, s, n, first: b.vllm.generate_round(
             b.model, engine.root(), gathered, p, s, offload=off, max_new_tokens=n, sync=first, **kw), ids, seeds,
             [[b.rows[prompts[c // G]] for c in mb] for mb in mine])
+    from swiftlite.parallel.gather import lockstep
+    synced = lockstep(engine.root())          # FSDP1: the same generate calls on every process
     with gathered(engine.root()):            # the wrapper (FSDP1's root, the DeepSpeed engine) or the model
         return _turns(b, lambda p, s, n, first: [
             sample(b.model, pp, ss, autocast=engine.autocast(), logprobs=bool(o.log_rollout_offpolicy_metrics),
-                   max_new_tokens=n, **kw) for pp, ss in zip(p, s)], ids, seeds,
-            [[b.rows[prompts[c // G]] for c in mb] for mb in mine])
+                   max_new_tokens=n, synced=synced, **kw) for pp, ss in zip(p, s)], ids, seeds,
+            [[b.rows[prompts[c // G]] for c in mb] for mb in mine], synced)
 
 
-def _turns(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, rows: list) -> list[dict[str, torch.Tensor]]:
-    """The first turn of every micro-batch, then (--multi_turn_scheduler) the scheduler's next turns."""
+def _turns(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, rows: list,
+           lockstep: bool = False) -> list[dict[str, torch.Tensor]]:
+    """The first turn of every micro-batch, then (--multi_turn_scheduler) the scheduler's next turns; under
+    --sequence_parallel_size, each rank of the group its share (rlhf/grpo_sp.split_sampling), unless the
+    processes generate in `lockstep` (parallel/gather.py), where every rank samples every completion."""
+    if b.sp is not None and not lockstep:
+        from swiftlite.rlhf.grpo_sp import split_sampling
+        eos = b.tokenizer.eos_token_id
+        return split_sampling(b.sp, lambda i, s, r: _share(b, gen, i, s, r), ids, seeds, rows, pad_id=b.pad_id,
+                              eos_ids=list(eos) if isinstance(eos, list) else [eos], device=b.world.device)
+    return _share(b, gen, ids, seeds, rows, lockstep)
+
+
+def _share(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, rows: list,
+           lockstep: bool = False) -> list[dict[str, torch.Tensor]]:
     o = b.options
     first = gen(ids, seeds, o.max_completion_length, True)
     if b.turns is None:
@@ -426,7 +441,7 @@ def _turns(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, row
     return rollout(b.turns, lambda p, s, n: gen(p, s, n, False), first, ids, rows, seeds,
                    max_new_tokens=o.max_completion_length, per_round=o.completion_length_limit_scope == "per_round",
                    max_turns=o.max_turns, eos_ids=set(eos if isinstance(eos, list) else [eos]), pad_id=b.pad_id,
-                   any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0)
+                   any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0, lockstep=lockstep)
 
 
 def _completion_ids(micro: dict, c: int) -> list[int]:

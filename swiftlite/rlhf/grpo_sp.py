@@ -1,8 +1,10 @@
 """GRPO's training forward under --sequence_parallel_size N (Ulysses, parallel/sequence.py).
 
-The ranks of a group hold the same micro-batches (the data is split over world / N ranks: each rank
-samples its group's completions, the same ones, since a completion's draw depends on (seed, round,
-index) only, rlhf/generate.py). For the policy's log-probs each rank feeds 1/N of every sequence's
+The ranks of a group hold the same micro-batches (the data is split over world / N ranks). The group
+samples them once: each rank samples every N-th completion of each micro-batch and the group gathers
+them (`split_sampling`), which gives what one process sampling them all would, since a completion's draw
+depends on (seed, round, index) only (rlhf/generate.py); with --multi_turn_scheduler each rank runs the
+turns of its own share. For the policy's log-probs each rank feeds 1/N of every sequence's
 positions (`SequenceParallel.shard`: the next-token targets taken on the whole sequence first), gets
 its slice's log-probs at the targets, and an all-gather over the group gives every rank the whole
 [B, C] completion log-probs; the GRPO loss is then formed as without sequence parallelism.
@@ -86,4 +88,42 @@ def _completion(values: torch.Tensor, pick: Pick, completion_ids: torch.Tensor) 
     return spread(values[0, pick.index], pick.lengths, C)
 
 
-__all__ = ["Pick", "shard", "sharded_logps"]
+def split_sampling(sp: Any, sample: Any, ids: list[list[list[int]]], seeds: list[list[int]], rows: list[list[dict]],
+                   *, pad_id: int, eos_ids: list[int], device: Any) -> list[dict[str, torch.Tensor]]:
+    """A round's micro-batches sampled once across the group, not N times: rank r of the group samples
+    every N-th completion of each micro-batch from the r-th (`sample(ids, seeds, rows)`, the micro-batches
+    it has a share of; every rank calls it, with an empty list where it has none, so the generators'
+    collectives match), and the group all-gathers the token lists and lays every micro-batch out whole,
+    as one process sampling it would (a completion's draw depends on its seed only)."""
+    import torch.distributed as dist
+
+    from swiftlite.rlhf.vllm_gen import completion_layout
+    n, r = sp.size, sp.rank
+    picks = [list(range(r, len(mb), n)) for mb in ids]
+    keep = [m for m, p in enumerate(picks) if p]
+    outs = sample([[ids[m][j] for j in picks[m]] for m in keep], [[seeds[m][j] for j in picks[m]] for m in keep],
+                  [[rows[m][j] for j in picks[m]] for m in keep])
+    mine = {}
+    for m, t in zip(keep, outs):
+        for k, j in enumerate(picks[m]):
+            c = int(t["completion_mask"][k].sum())
+            mine[(m, j)] = tuple(t[x][k, :c].tolist() if x in t else None
+                                 for x in ("completion_ids", "loss_mask", "rollout_logps"))
+    parts: list[Any] = [None] * n
+    dist.all_gather_object(parts, mine, group=sp.group)
+    got = {k: v for part in parts for k, v in part.items()}
+    result = []
+    for m, mb in enumerate(ids):
+        comps = [got[(m, j)] for j in range(len(mb))]
+        p_ids, p_mask, c_ids, c_mask = completion_layout(mb, [c[0] for c in comps], pad_id=pad_id, eos_ids=eos_ids,
+                                                         device=device)
+        t = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids, "completion_mask": c_mask}
+        width = c_ids.shape[1]
+        for x, i, fill, dtype in (("loss_mask", 1, 0, torch.long), ("rollout_logps", 2, float("nan"), torch.float32)):
+            if comps[0][i] is not None:
+                t[x] = torch.tensor([c[i] + [fill] * (width - len(c[i])) for c in comps], dtype=dtype, device=device)
+        result.append(t)
+    return result
+
+
+__all__ = ["Pick", "shard", "sharded_logps", "split_sampling"]

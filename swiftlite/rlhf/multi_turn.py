@@ -169,10 +169,12 @@ def _layout(first: tuple[torch.Tensor, ...], trajs: list[Trajectory], pad_id: in
 def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], first: list[tuple[torch.Tensor, ...]],
             micro_prompts: list[list[list[int]]], micro_rows: list[list[dict]], micro_seeds: list[list[int]], *,
             max_new_tokens: int, per_round: bool, max_turns: int | None, eos_ids: set[int], pad_id: int,
-            any_pending: Callable[[bool], bool]) -> list[dict]:
+            any_pending: Callable[[bool], bool], lockstep: bool = False) -> list[dict]:
     """The turns after `first` (this process's micro-batches of the first turn, as the generator returned
     them): `gen(micro_prompts, micro_seeds, max_new_tokens)` samples a turn. Returns one dict of tensors per
-    micro-batch (`_layout`)."""
+    micro-batch (`_layout`). `lockstep` (parallel/gather.py): every turn asks for every micro-batch, one
+    with nothing left standing in with its first prompt (the answer unused), so that every process makes
+    the same generate calls."""
     trajs = _unpack(first, micro_prompts, micro_rows, micro_seeds, eos_ids)
     logprobs = any(len(f) > 4 for f in first)
     turn = 1
@@ -194,10 +196,10 @@ def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], firs
         turn += 1
         budget = max_new_tokens if per_round else max((max_new_tokens - len(t.ids) for mb in pending for t in mb),
                                                      default=1)
-        shares = [mb for mb in pending if mb]
-        outs = gen([[t.prompt + t.ids for t in mb] for mb in shares],
-                   [[turn_seed(t.seed, turn) for t in mb] for mb in shares], max(1, budget))
-        for mb, (_, _, c_ids, c_mask, *lp) in zip(shares, outs):
+        asks = [(m, mb) for m, mb in enumerate(pending) if mb or lockstep]
+        outs = gen([[t.prompt + t.ids for t in mb] or [trajs[m][0].prompt] for m, mb in asks],
+                   [[turn_seed(t.seed, turn) for t in mb] or [0] for m, mb in asks], max(1, budget))
+        for (_, mb), (_, _, c_ids, c_mask, *lp) in zip(asks, outs):
             for j, t in enumerate(mb):
                 n = int(c_mask[j].sum())
                 room = n if per_round else min(n, max_new_tokens - len(t.ids))

@@ -123,3 +123,20 @@ def test_the_planner_counts_every_turn_a_completion_can_take():
     assert length("--multi_turn_scheduler", "math_tip_trick") == 200
     assert length("--multi_turn_scheduler", "math_tip_trick", "--max_turns", "1") == 150
     assert length("--multi_turn_scheduler", "math_tip_trick", "--completion_length_limit_scope", "total") == 150
+
+
+def test_in_lockstep_every_micro_batch_is_asked_for_at_every_turn():
+    """FSDP1's forward all-gathers: a micro-batch with nothing left is asked for with its first prompt (the
+    answer unused), so every process makes the same generate calls."""
+    prompts, seeds = [[[1]], [[2]]], [[5], [6]]
+    first = [_layout(prompts[0], [[20, 21]]), _layout(prompts[1], [[22, EOS]])]   # the first is cut: finished
+    calls = []
+
+    def gen(micro_prompts, micro_seeds, n):
+        calls.append((micro_prompts, micro_seeds))
+        return [_layout(mb, [[30, EOS]] * len(mb)) for mb in micro_prompts]
+
+    out = rollout(Tips(), gen, first, prompts, [[{}], [{}]], seeds, max_new_tokens=2, per_round=True, max_turns=None,
+                  eos_ids={EOS}, pad_id=PAD, any_pending=lambda mine: mine, lockstep=True)
+    assert calls == [([[[1]], [[2, 22, 7, 7]]], [[0], [turn_seed(6, 2)]])]
+    assert out[0]["completion_ids"].tolist() == [[20, 21]] and out[1]["completion_ids"].tolist() == [[22, 7, 7, 30, EOS]]
