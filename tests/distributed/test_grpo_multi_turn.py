@@ -1,8 +1,9 @@
 """Multi-turn GRPO (`--multi_turn_scheduler math_tip_trick`, rlhf/multi_turn.py) on 2 forked CPU processes:
-FSDP2, ZeRO-3 and a sequence-parallel group of 2 sample the same completions, every turn, as one process with the same seed and global
-batch (each process continues its own share; a process whose completions are all finished still takes
-part in the turns of the others), and take the same steps (loss within 1e-5, grad norm within a relative
-1e-4). The model is the e2e test's, whose completions mostly end before the limit and are continued."""
+FSDP2, ZeRO-3, FSDP1 (in lockstep) and a sequence-parallel group of 2 sample the same completions, every
+turn, as one process with the same seed and global batch (each process continues its own share; a process
+whose completions are all finished still takes part in the turns of the others), and take the same steps
+(loss within 1e-5, grad norm within a relative 1e-4). The model is the e2e test's, whose completions mostly
+end before the limit and are continued."""
 
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ def _steps(path):
     return {s["step"]: s for s in map(json.loads, path.read_text().splitlines()) if "loss" in s}
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "zero3", "sp2"])
+@pytest.mark.parametrize("backend", ["fsdp", "zero3", "fsdp1", "sp2"])
 def test_two_processes_continue_the_same_completions_as_one(single, backend):
-    """sp2: one sequence-parallel group of 2 (rlhf/grpo_sp.py), both ranks running the same turns."""
+    """sp2: one sequence-parallel group of 2 (rlhf/grpo_sp.py), each rank sampling its share; fsdp1: the
+    processes generate in lockstep (parallel/gather.py), a finished micro-batch still asked for."""
     d = single
     shape = (["--parallelism", "fsdp", "--sequence_parallel_size", "2", "--gradient-accumulation-steps", "2"]
              if backend == "sp2" else ["--parallelism", backend, "--gradient-accumulation-steps", "1"])
