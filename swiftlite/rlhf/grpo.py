@@ -431,6 +431,7 @@ def _turns(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, row
 
 def _share(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, rows: list,
            lockstep: bool = False) -> list[dict[str, torch.Tensor]]:
+    """This process's share of the round: `gen`'s first turn of each micro-batch, then the later turns."""
     o = b.options
     first = gen(ids, seeds, o.max_completion_length, True)
     if b.turns is None:
