@@ -220,7 +220,8 @@ class _Replay(torch.nn.Module):
         super().__init__()
         self.comps = comps
 
-    def generate(self, input_ids, attention_mask, generation_config, logits_processor):
+    def generate(self, input_ids, attention_mask, generation_config, logits_processor, synced_gpus):
+        assert synced_gpus is False          # one process: nothing to keep in step with
         n = max(len(c) for c in self.comps)
         tail = torch.tensor([c + [PAD] * (n - len(c)) for c in self.comps])
         return torch.cat([input_ids, tail], dim=1)
