@@ -88,5 +88,5 @@ def describe_turns(r: object) -> str:
             f"{'per turn' if r.completion_length_limit_scope == 'per_round' else 'in all'})")
 
 
-__all__ = ["LIMIT_SCOPES", "completion_tokens", "describe_turns", "MULTI_TURN_KEYS", "MULTI_TURN_SCHEDULERS", "MultiTurnOptions", "multi_turn_problem",
-           "turn_bound"]
+__all__ = ["LIMIT_SCOPES", "MULTI_TURN_KEYS", "MULTI_TURN_SCHEDULERS", "MultiTurnOptions", "completion_tokens",
+           "describe_turns", "multi_turn_problem", "turn_bound"]
