@@ -102,6 +102,12 @@ class GrpoBatches:
         return self.sp is None or self.sp.rank == 0
 
     @property
+    def eos_ids(self) -> list[int]:
+        """The tokenizer's end-of-sequence id(s), as a list (transformers gives an int or a list)."""
+        eos = self.tokenizer.eos_token_id
+        return list(eos) if isinstance(eos, list) else [eos]
+
+    @property
     def padding_free(self) -> bool:
         """--padding_free true: the policy's (and its reference's) log-probs from one padding-free sequence."""
         return bool(self.form is not None and self.form.padding_free)
@@ -275,12 +281,11 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     prompts = plan.prompts(rnd)
     G = plan.num_generations
     tok = b.tokenizer
-    eos = tok.eos_token_id
     micro: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
     texts: dict[int, str] = {}
     lengths: dict[int, int] = {}
     truncated: dict[int, float] = {}
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    eos_ids = set(b.eos_ids)
     mine = plan.rank_micro_batches(b.data_rank)
     offp = bool(o.log_rollout_offpolicy_metrics)
     rollout_of: dict[tuple[int, ...], torch.Tensor] = {}    # the sampling log-probs (rlhf/offpolicy.py)
@@ -398,6 +403,7 @@ def _sample_round(engine: Any, b: GrpoBatches, rnd: int) -> list[dict[str, torch
     mine = plan.rank_micro_batches(b.data_rank)
     ids = [[b.rows[prompts[c // G]]["input_ids"] for c in mb] for mb in mine]
     seeds = [[completion_seed(plan.seed, rnd, c) for c in mb] for mb in mine]
+    rows = [[b.rows[prompts[c // G]] for c in mb] for mb in mine]
     kw = dict(pad_id=b.pad_id, eos_id=b.tokenizer.eos_token_id, temperature=o.temperature, top_p=o.top_p,
               top_k=o.top_k, device=world.device)
     if b.vllm is not None:
@@ -405,15 +411,13 @@ def _sample_round(engine: Any, b: GrpoBatches, rnd: int) -> list[dict[str, torch
         off = None if o.vllm_mode == "server" else offloaded(engine, model=o.offload_model, optim=o.offload_optimizer,
                                                             device=world.device)
         return _turns(b, lambda p, s, n, first: b.vllm.generate_round(
-            b.model, engine.root(), gathered, p, s, offload=off, max_new_tokens=n, sync=first, **kw), ids, seeds,
-            [[b.rows[prompts[c // G]] for c in mb] for mb in mine])
+            b.model, engine.root(), gathered, p, s, offload=off, max_new_tokens=n, sync=first, **kw), ids, seeds, rows)
     from swiftlite.parallel.gather import lockstep
     synced = lockstep(engine.root())          # FSDP1: the same generate calls on every process
     with gathered(engine.root()):            # the wrapper (FSDP1's root, the DeepSpeed engine) or the model
         return _turns(b, lambda p, s, n, first: [
             sample(b.model, pp, ss, autocast=engine.autocast(), logprobs=bool(o.log_rollout_offpolicy_metrics),
-                   max_new_tokens=n, synced=synced, **kw) for pp, ss in zip(p, s)], ids, seeds,
-            [[b.rows[prompts[c // G]] for c in mb] for mb in mine], synced)
+                   max_new_tokens=n, synced=synced, **kw) for pp, ss in zip(p, s)], ids, seeds, rows, synced)
 
 
 def _turns(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, rows: list,
@@ -423,9 +427,8 @@ def _turns(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, row
     processes generate in `lockstep` (parallel/gather.py), where every rank samples every completion."""
     if b.sp is not None and not lockstep:
         from swiftlite.rlhf.grpo_sp import split_sampling
-        eos = b.tokenizer.eos_token_id
         return split_sampling(b.sp, lambda i, s, r: _share(b, gen, i, s, r), ids, seeds, rows, pad_id=b.pad_id,
-                              eos_ids=list(eos) if isinstance(eos, list) else [eos], device=b.world.device)
+                              eos_ids=b.eos_ids, device=b.world.device)
     return _share(b, gen, ids, seeds, rows, lockstep)
 
 
@@ -438,10 +441,9 @@ def _share(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, row
         return [dict(zip(("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "rollout_logps"), f))
                 for f in first]
     from swiftlite.rlhf.multi_turn import rollout
-    eos = b.tokenizer.eos_token_id
     return rollout(b.turns, lambda p, s, n: gen(p, s, n, False), first, ids, rows, seeds,
                    max_new_tokens=o.max_completion_length, per_round=o.completion_length_limit_scope == "per_round",
-                   max_turns=o.max_turns, eos_ids=set(eos if isinstance(eos, list) else [eos]), pad_id=b.pad_id,
+                   max_turns=o.max_turns, eos_ids=set(b.eos_ids), pad_id=b.pad_id,
                    any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0, lockstep=lockstep)
 
 
