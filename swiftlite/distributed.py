@@ -88,6 +88,16 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def gather_objects(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's `obj` (picklable, made here: never a file's contents), in rank order; [obj] on one process."""
+    import torch.distributed as dist
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def local_values(p: Any) -> Any:
     """The values of parameter `p` this rank holds (here, not in parallel/, so that checkpoint/ reads it
     without importing the backends), flat where sharded: a DTensor's local shard (FSDP2);

@@ -95,9 +95,7 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
     **{("train_type", t): _TUNERS for t in ("adapter", "vera",
                                             "fourierft", "reft", "lora_llm")},
     **{("quant_method", q): _QUANT for q in ("gptq", "awq", "eetq", "quanto", "fp8", "aqlm")},
-    **{("rlhf_type", t): why for t, why in (
-        ("ppo", "PPO is not available"),
-        ("gkd", "GKD is not available; on-policy distillation is --rlhf_type grpo --teacher_model M (docs/rlhf.md)"))},
+    ("rlhf_type", "ppo"): "PPO is not available",
     ("optimizer", "lorap"): "give --lorap_lr_ratio (ms-swift picks its lorap optimizer from it; so does swiftlite)",
     ("optimizer", "multimodal"): "not available (per-module learning rates of multimodal models); --optim takes "
                                  "adamw_torch_fused, adamw_torch, sgd, adagrad, rmsprop, adafactor, muon",

@@ -23,9 +23,9 @@ MSSWIFT_COMMIT = "3602360a56 (2026-08-22)"
 
 _MM = "multimodal models are not supported (text causal LMs only): drop the flag"
 _TUNER = "is an option of an ms-swift tuner swiftlite does not have (it trains full, lora, qlora, longlora, boft, adalora, bone or llamapro): drop the flag"
-_GKD = ("an option of GKD (--rlhf_type gkd) or of a teacher form swiftlite does not have (adapters, a teacher "
-        "server, offloading): on-policy distillation here is --rlhf_type grpo --teacher_model M (a local frozen "
-        "teacher, docs/rlhf.md); drop the flag")
+_GKD = ("an option of a teacher form swiftlite does not have (teacher adapters, a teacher server, CPU offloading "
+        "of the teacher): the teacher of --rlhf_type gkd and of GRPO's on-policy distillation is --teacher_model M, "
+        "a local frozen copy (docs/rlhf.md); drop the flag")
 _PPO = "PPO (--rlhf_type ppo) is not available: the --rlhf_type choices are in `swiftlite rlhf --help`"
 _TEMPLATE = ("ms-swift's Python templates are not used: conversations are rendered with the tokenizer's own chat "
              "template; to change the rendering pass a Jinja file (--template chat.jinja)")
@@ -133,7 +133,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      "(zero_hpz_partition_size)", ("zero_hpz_partition_size",)),
     (_TP, ("deepspeed_autotp_size",)),
     # swift/arguments/rlhf_args.py: TeacherModelArguments, PPOArguments, RewardModelArguments, RLHFArguments
-    (_GKD, ("teacher_adapters", "teacher_model_type", "teacher_model_revision", "teacher_model_server", "offload_teacher_model", "sft_alpha", "lmbda", "seq_kd", "gkd_logits_topk")),
+    (_GKD, ("teacher_adapters", "teacher_model_type", "teacher_model_revision", "teacher_model_server", "offload_teacher_model")),
     (_PPO, ("num_ppo_epochs", "whiten_rewards", "kl_coef", "cliprange", "vf_coef", "cliprange_value", "gamma", "lam",
             "num_mini_batches", "local_rollout_forward_batch_size", "num_sample_generations", "response_length",
             "missing_eos_penalty")),

@@ -23,6 +23,7 @@ from swiftlite.config.muonclip_options import muonclip_args
 from swiftlite.config.rules_teacher import teacher_problem
 from swiftlite.config.rules_grpo_loss import _real_problem, _reward_model_problem
 from swiftlite.config.teacher_options import TEACHER_KEYS
+from swiftlite.config.gkd_options import GKD_KEYS, GKD_SHARED
 from swiftlite.config.vllm_options import VLLM_KEYS
 from swiftlite.config.data_options import TEMPLATE_NAMES
 from swiftlite.errors import Refusals, UserError
@@ -368,7 +369,7 @@ GRPO_KEYS = ("reward_funcs", "reward_model", "reward_model_plugin", "reward_weig
 #: RlhfConfig keys (schema.py): `swiftlite rlhf` options, refused elsewhere when given.
 RLHF_KEYS = ("rlhf_type", "beta", "loss_type", "rpo_alpha", "label_smoothing", "cpo_alpha", "simpo_gamma",
              "ref_model", "precompute_ref_log_probs", "desirable_weight", "undesirable_weight",
-             "center_rewards_coefficient", *GRPO_KEYS)
+             "center_rewards_coefficient", *GRPO_KEYS, *GKD_KEYS)
 #: Which rlhf options each --rlhf_type uses (the others are refused when given, never ignored).
 RLHF_USES = {"dpo": {"beta", "loss_type", "rpo_alpha", "label_smoothing", "ref_model", "precompute_ref_log_probs"},
              "orpo": {"beta"},
@@ -376,7 +377,9 @@ RLHF_USES = {"dpo": {"beta", "loss_type", "rpo_alpha", "label_smoothing", "ref_m
              "cpo": {"beta", "label_smoothing", "cpo_alpha"},
              "kto": {"beta", "desirable_weight", "undesirable_weight", "ref_model"},
              "rm": {"center_rewards_coefficient"},
-             "grpo": {"beta", "loss_type", "ref_model", *GRPO_KEYS}}
+             "grpo": {"beta", "loss_type", "ref_model", *GRPO_KEYS},
+             # gkd: its own keys and those it shares with GRPO; vLLM and multi-turn ones get rules_gkd's reason
+             "gkd": {*GKD_KEYS, *GKD_SHARED, "use_vllm", "multi_turn_scheduler"}}
 
 
 #: rlhf types that take neither --packing nor --padding-free true, and why (dpo, orpo, simpo and cpo take
@@ -410,7 +413,7 @@ def _rlhf(c: RunConfig):
     foreign = [k for k in given if k != "rlhf_type" and k not in RLHF_USES[r.rlhf_type]]
     if foreign:
         return f"{', '.join(map(_flag, foreign))} {'does' if len(foreign) == 1 else 'do'} not apply to --rlhf-type {r.rlhf_type}"
-    if r.beta is not None and not (r.beta > 0 or (r.beta == 0 and r.rlhf_type == "grpo")):
+    if r.beta is not None and not (r.beta > 0 or (r.beta == 0 and r.rlhf_type in ("grpo", "gkd"))):
         return f"--beta must be > 0, got {r.beta}" + (" (0: no reference model)" if r.rlhf_type == "grpo" else "")
     if not 0.0 <= r.label_smoothing < 0.5:
         return f"--label-smoothing must be in [0, 0.5), got {r.label_smoothing}"
@@ -534,6 +537,7 @@ from swiftlite.config.rope_options import rope_problem  # noqa: E402
 rule("rope scaling")(rope_problem)
 from swiftlite.config.rules_tuners import BOFT_KEYS  # noqa: E402,F401  (as rules_targets)
 from swiftlite.config.rules_galore import GALORE_OPTIMS  # noqa: E402,F401  (as rules_targets)
+from swiftlite.config.rules_gkd import gkd_problem  # noqa: E402,F401  (as rules_targets)
 
 
 def validate(cfg: RunConfig, *, check_paths: bool = True, refusals: Refusals | None = None) -> None:

@@ -23,6 +23,7 @@ from swiftlite.config.access import Sealable, Section, field_reads, opt
 from swiftlite.config.chord_options import ChordOptions
 from swiftlite.config.data_options import TRUNCATION, DataConfig
 from swiftlite.config.galore_options import GaloreOptions
+from swiftlite.config.gkd_options import GkdOptions
 from swiftlite.config.multi_turn_options import MultiTurnOptions
 from swiftlite.config.muonclip_options import MuonClipOptions
 from swiftlite.config.quant_options import QuantConfig
@@ -68,7 +69,7 @@ SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constan
               "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay",
               "reduce_lr_on_plateau", "greedy")
 STRATEGIES, DPO_LOSS_TYPES = ("steps", "epoch", "no"), ("sigmoid", "ipo", "hinge")
-RLHF_TYPES = ("dpo", "orpo", "simpo", "cpo", "kto", "rm", "grpo")
+RLHF_TYPES = ("dpo", "orpo", "simpo", "cpo", "kto", "rm", "grpo", "gkd")
 #: --optim values (optim.build_optimizer builds each; transformers' OptimizerNames spellings, plus muon).
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd", "adagrad", "rmsprop", "adafactor", "muon")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "real")
@@ -353,15 +354,15 @@ class CheckpointConfig(Section):
 
 
 @dataclass(kw_only=True)
-class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, MultiTurnOptions, Section):   # GRPO: config/*_options.py
+class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, MultiTurnOptions, GkdOptions, Section):  # config/*_options.py
     """`swiftlite rlhf` only (ms-swift's flag names); a sft/pt run that sets one is refused (rules.py)."""
     rlhf_type: str = opt("dpo", "Preference method: dpo or kto (unpaired rows with a label; both with a reference "
                          "model), orpo, simpo or cpo (none); rm (a reward model: a score head on the pairs); "
-                         "grpo (online: sampled completions scored by --reward-funcs).",
+                         "grpo (online: completions scored by --reward-funcs); gkd (distilling --teacher-model).",
                          choices=RLHF_TYPES)
     beta: float | None = opt(None, "DPO's KL strength / ORPO's odds-ratio weight / SimPO's and CPO's reward scale / "
-                             "GRPO's KL weight (0: no reference model). Default: 2.0 for simpo, 0.04 for grpo, "
-                             "0.1 otherwise (ms-swift's).")
+                             "GRPO's KL weight (0: no reference model) / GKD's JSD interpolation in [0, 1]. "
+                             "Default: 2.0 for simpo, 0.04 for grpo, 0.5 for gkd, 0.1 otherwise (ms-swift's).")
     loss_type: str | None = opt(None, "DPO loss: sigmoid (default), ipo (on per-token mean log-ratios, as TRL) or "
                                 "hinge. GRPO loss aggregation: grpo (default, ms-swift's), bnpo, dr_grpo, dapo or real (REAL) "
                                 "(docs/rlhf.md). sft/pt: cross_entropy or loss_scale, both the sum of weight x "

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 
 from swiftlite.checkpoint import layout
-from swiftlite.distributed import all_reduce_sum
+from swiftlite.distributed import all_reduce_sum, gather_objects
 from swiftlite.errors import UserError
 from swiftlite.metrics import StepStats
 from swiftlite.rlhf.generate import completion_seed, gathered, sample, token_logps
@@ -266,15 +266,6 @@ def _call_reward(r: Any, completions: list[str], kwargs: dict, wheres: list[str]
             from None
 
 
-def _gather_objects(obj: Any, world: Any) -> list[Any]:
-    import torch.distributed as dist
-    if world.world_size == 1 or not dist.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * world.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     """Sample, score and (where needed) take the old and reference log-probs of round `rnd`."""
     plan, world, o = b.plan, b.world, b.options
@@ -383,7 +374,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     if b.teacher is not None:   # ms-swift's teacher_kl: the k3 token mean (rlhf/teacher.py)
         metrics["teacher_kl"] = table[-2] / max(1.0, table[-1])
     if offp:
-        metrics.update(merge([m for part in _gather_objects(offpolicy, world) for m in part]))
+        metrics.update(merge([m for part in gather_objects(offpolicy, world.world_size) for m in part]))
     for f, r in enumerate(b.rewards):
         metrics[f"rewards/{r.name}/mean"] = float(torch.nanmean(rpf[:, f]))
         metrics[f"rewards/{r.name}/std"] = float(nanstd(rpf[:, f]))
@@ -458,7 +449,7 @@ def _completion_ids(micro: dict, c: int) -> list[int]:
 def _log_completions(b: GrpoBatches, step: int, prompts: list[int], mine_c: list[int], comps: list[str],
                      rpf: torch.Tensor, adv: torch.Tensor, world: Any) -> None:
     G = b.plan.num_generations
-    parts = _gather_objects(list(zip(mine_c, comps)), world)
+    parts = gather_objects(list(zip(mine_c, comps)), world.world_size)
     if b.log_path is None:
         return
     names = [r.name for r in b.rewards]

@@ -26,6 +26,7 @@ requires the same tokenizer too).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -74,6 +75,35 @@ def setup_teacher(run: Any) -> tuple[Callable[..., torch.Tensor] | None, str]:
         f"a frozen copy of {r.teacher_model} ({frozen.layout})"
 
 
+def logits_of(module: Any, ctx: Any, batch: dict) -> torch.Tensor:
+    """The logits of a collated micro-batch (padded, or padding-free with position ids) through `module`
+    under `ctx` (its engine's autocast)."""
+    with ctx if ctx is not None else contextlib.nullcontext():
+        out = module(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch},
+                     use_cache=False)
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def teacher_module(run: Any) -> tuple[Callable[[dict], torch.Tensor], str]:
+    """GKD's teacher (rlhf/gkd.py): (batch -> its logits, what the teacher is in words), the same teacher
+    forms as `setup_teacher` but the whole next-token distributions (GKD compares them, GRPO's teacher
+    scores the sampled tokens only). The batch is a collated sft micro-batch (padded or padding-free)."""
+    from swiftlite.rlhf.reference import adapters_disabled, peft_model, root_module
+    cfg, engine = run.cfg, run.engine
+    if same_model(cfg) and cfg.is_peft:
+        peft = peft_model(engine.module)
+
+        def base(batch: dict) -> torch.Tensor:
+            module, ctx = root_module(engine)
+            with adapters_disabled(peft):
+                return logits_of(module, ctx, batch)
+        return base, "the base model with the adapter disabled"
+    from swiftlite.rlhf.frozen import build_frozen
+    frozen = build_frozen(run, model=cfg.rlhf.teacher_model, teacher_deepspeed=cfg.rlhf.teacher_deepspeed)
+    return (lambda batch: logits_of(frozen.module, frozen.autocast(), batch)), \
+        f"a frozen copy of {cfg.rlhf.teacher_model} ({frozen.layout})"
+
+
 def token_advantages(adv: torch.Tensor, teacher: torch.Tensor, old: torch.Tensor, mask: torch.Tensor,
                      coef: float) -> torch.Tensor:
     """[B, T] advantages: each completion's `adv` [B] on its tokens plus coef x (teacher - old), zero
@@ -89,4 +119,4 @@ def k3_sum(teacher: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> tupl
     return float((torch.exp(d) - d - 1).sum()), float(mask.sum())
 
 
-__all__ = ["check_teacher", "k3_sum", "setup_teacher", "token_advantages"]
+__all__ = ["check_teacher", "k3_sum", "setup_teacher", "logits_of", "teacher_module", "token_advantages"]

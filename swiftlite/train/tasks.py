@@ -279,11 +279,50 @@ class GrpoTask(Task):
                 + describe_turns(r) + "; batches count completions"]
 
 
+class GkdTask(Task):
+    """rlhf --rlhf_type gkd: distillation on sft rows (rlhf/gkd.py): the student learns the teacher's
+    next-token distributions on the rows' targets, or (--lmbda) on its own sampled responses."""
+
+    def check(self, cfg: Any) -> None:
+        from swiftlite.rlhf.teacher import check_teacher
+        check_teacher(cfg)
+
+    def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
+                     progress: Callable[[str, int], Any] | None = None) -> Any:
+        from swiftlite.data.pipeline import prepare_datasets
+        return prepare_datasets(cfg, tokenizer, world_size, progress=progress)
+
+    def make_batches(self, cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> Any:
+        from swiftlite.rlhf.gkd import gkd_batches
+        return gkd_batches(cfg, train, plan, tokenizer, world)
+
+    def step_fn(self) -> Callable[..., Any]:
+        from swiftlite.rlhf.gkd import gkd_step
+        return gkd_step
+
+    def run_evaluate(self, run: Any) -> dict:
+        from swiftlite.rlhf.gkd import evaluate_gkd
+        return evaluate_gkd(run)
+
+    def setup_engine(self, run: Any) -> Any:
+        from swiftlite.rlhf.gkd import setup
+        return setup(run)
+
+    def describe(self, run: Any) -> str:
+        b = run.batches
+        return f"gkd (beta {b.beta:g}, lmbda {b.options.lmbda:g}, teacher: {b.teacher_kind}), "
+
+    def dry_run_lines(self, cfg: Any) -> list[str]:
+        from swiftlite.config.gkd_options import describe_gkd
+        return [f"gkd:            {describe_gkd(cfg.rlhf)}; batches count rows"]
+
+
 #: rlhf methods whose task is not PreferenceTask's pairs (by --rlhf_type).
 RLHF_TASKS: dict[str, Task] = {
     "kto": UnpairedTask(task_spec("rlhf")),
     "rm": RewardTask(task_spec("rlhf")),
     "grpo": GrpoTask(TaskSpec("rlhf", unit="prompt", sequences_per_sample=1, chat=True, own_options="rlhf")),
+    "gkd": GkdTask(TaskSpec("rlhf", unit="row", sequences_per_sample=1, chat=True, own_options="rlhf")),
 }
 
 TASKS: dict[str, Task] = {
@@ -301,5 +340,5 @@ def task_of(cfg: Any) -> Task:
     return task
 
 
-__all__ = ["GrpoTask", "PreferenceTask", "RLHF_TASKS", "TASKS", "Task", "RewardTask", "TokenTask", "UnpairedTask",
+__all__ = ["GkdTask", "GrpoTask", "PreferenceTask", "RLHF_TASKS", "TASKS", "Task", "RewardTask", "TokenTask", "UnpairedTask",
            "task_of"]

@@ -1,0 +1,67 @@
+"""GKD's rules (`--rlhf_type gkd`: config/gkd_options.py, rlhf/gkd.py): ms-swift's value ranges and what this
+implementation runs. A rule of config/rules.py's table, kept here so that module stays short. Import-light."""
+
+from __future__ import annotations
+
+from swiftlite.config.rule_table import rule
+from swiftlite.config.schema import RunConfig
+from swiftlite.config.tasks import task_spec
+
+#: GRPO's generation engines and rollouts that GKD does not take here, and why.
+_GENERATION = ("GKD samples its on-policy completions with transformers' generate on the student (the vLLM engines "
+               "and multi-turn schedulers serve GRPO here)")
+
+
+def gkd_run(c: RunConfig) -> bool:
+    return task_spec(c.task).own_options == "rlhf" and c.rlhf.rlhf_type == "gkd"
+
+
+@rule("gkd options")
+def gkd_problem(c: RunConfig) -> str | None:
+    if not gkd_run(c):
+        return None
+    r = c.rlhf
+    if r.teacher_model is None:
+        return ("--rlhf-type gkd needs --teacher-model (the model to distil: a preset, folder or hub id sharing the "
+                "student's tokenizer; the student's own --model with LoRA is its base with the adapter disabled). "
+                "ms-swift's teacher-less self-distillation scores a teacher prompt that its dataset plugins add, "
+                "which swiftlite does not have")
+    if c.data.streaming:
+        return "--streaming with --rlhf-type gkd: GKD reads its rows by index; drop --streaming"
+    if r.beta is not None and not 0.0 <= r.beta <= 1.0:
+        return (f"--beta {r.beta:g}: GKD's beta interpolates the divergence (0: forward KL(teacher || student), 1: "
+                "reverse KL, between: the generalized JSD); give a value in [0, 1]")
+    if not 0.0 <= r.lmbda <= 1.0:
+        return f"--lmbda {r.lmbda:g}: the on-policy probability, in [0, 1]"
+    if r.sft_alpha < 0:
+        return f"--sft-alpha must be >= 0, got {r.sft_alpha:g}"
+    if r.seq_kd:
+        return ("--seq-kd true: sequence-level KD (responses the teacher generates while training) is deprecated and "
+                "not implemented in ms-swift either; write the teacher's answers into the dataset (`swiftlite infer "
+                "--model TEACHER --dataset D --result-path new.jsonl`) and train on it with --lmbda 0")
+    if r.gkd_logits_topk is not None and r.gkd_logits_topk < 1:
+        return f"--gkd-logits-topk must be >= 1, got {r.gkd_logits_topk}"
+    if not r.temperature > 0:
+        return f"--temperature must be > 0, got {r.temperature:g} (it divides both models' logits)"
+    if r.lmbda > 0 and r.max_completion_length < 1:
+        return f"--max-completion-length must be >= 1 for on-policy steps (--lmbda {r.lmbda:g}), got {r.max_completion_length}"
+    if r.use_vllm:
+        return f"--use-vllm true with --rlhf-type gkd: {_GENERATION}; drop the flag"
+    if r.multi_turn_scheduler:
+        return f"--multi-turn-scheduler with --rlhf-type gkd: {_GENERATION}; drop the flag"
+    if c.data.packing and r.lmbda > 0:
+        return (f"--packing with --lmbda {r.lmbda:g}: an on-policy step replaces each row's response by a sampled one "
+                "of another length, so rows cannot be packed ahead; use --padding-free true, or --lmbda 0")
+    if r.teacher_deepspeed is not None:
+        from swiftlite.config.rules_teacher import is_deepspeed_run
+        from swiftlite.config.teacher_options import TEACHER_DS_PRESETS
+        ds = r.teacher_deepspeed
+        if ds not in TEACHER_DS_PRESETS and not ds.endswith(".json"):
+            return f"--teacher-deepspeed {ds}: not one of {', '.join(TEACHER_DS_PRESETS)} or a DeepSpeed .json file"
+        if not is_deepspeed_run(c):
+            return (f"--teacher-deepspeed {ds} applies to a DeepSpeed run (--deepspeed zero2, ...): with --parallelism "
+                    f"{c.parallel.parallelism} the teacher is laid out like the policy; drop the flag")
+    return None
+
+
+__all__ = ["gkd_problem", "gkd_run"]

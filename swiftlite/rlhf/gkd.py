@@ -1,0 +1,240 @@
+"""GKD: generalized knowledge distillation (`rlhf --rlhf_type gkd`; Agarwal et al. 2024, ms-swift's
+swift/rlhf_trainers/gkd_trainer.py on TRL's GKDTrainer). The student learns the teacher's next-token
+distributions on the target tokens of sft rows (conversations whose assistant turns are the targets).
+
+Each optimizer step draws its branch once from (--seed, step), every process alike (ms-swift's
+`_get_random_num`: seed + global step): with probability --lmbda the step is *on-policy*, and each row's
+last response is replaced by a completion the student samples for the row's prompt (the tokens before
+that response; transformers' generate on the gathered weights, up to --max_completion_length tokens,
+--temperature/--top_p/--top_k, the draw of row i at step s seeded by (--seed, s, i): the same completions
+for any number of processes and after a resume); otherwise the rows train as the dataset gives them.
+The teacher (rlhf/teacher.py `teacher_module`: a frozen copy laid out like the policy, or by
+--teacher_deepspeed; the policy's base with the adapter disabled when --teacher_model is the run's own
+model with LoRA) and the student score the same tokens, and the loss is
+
+    (sum over the global batch's target tokens of jsd(student, teacher)
+      + sft_alpha x the student's cross-entropy of the targets, on steps that train on the dataset)
+    / (the global batch's target tokens)
+
+with rlhf/gkd_loss.jsd_sum's divergence. ms-swift takes each micro-batch's token mean and averages those
+over accumulation and processes; here the normalisation is sft's (train/step.py): the token mean of the
+whole global batch, the same for any world size or accumulation. Every process backpropagates its
+micro-batches' share scaled by world_size; on-policy steps count their targets (which the sampling
+decides) with one all-reduce before the first backward.
+
+Validation (`evaluate_gkd`) scores the validation rows' own responses (no sampling): eval_loss.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from swiftlite.data.collate import collate, count_targets, real_tokens
+from swiftlite.data.loader import select
+from swiftlite.data.tokenize import IGNORE
+from swiftlite.distributed import all_reduce_sum, gather_objects
+from swiftlite.metrics import StepStats
+from swiftlite.rlhf.generate import completion_seed, gathered, sample
+from swiftlite.rlhf.gkd_loss import jsd_sum
+
+#: the completions log (--log_completions), in the run folder, as GRPO's
+COMPLETIONS_FILE = "completions.jsonl"
+
+
+@dataclass
+class GkdBatches:
+    rows: Any                          # tokenized sft rows (input_ids, labels; packs carry position_ids)
+    plan: Any                          # data.loader.BatchPlan over rows
+    pad_id: int
+    world: Any
+    options: Any                       # cfg.rlhf
+    seed: int
+    form: Any = None                   # padded, or --padding_free true's form (models/loading.batch_form)
+    # set by `setup` (train/tasks.GkdTask.setup_engine)
+    model: Any = None                  # what generate runs on (the policy, with its adapter)
+    tokenizer: Any = None
+    teacher: Callable[[dict], torch.Tensor] | None = None   # batch -> logits [.., V], no grad
+    teacher_kind: str = ""
+    log_path: Any = None
+
+    @property
+    def padding_free(self) -> bool:
+        return bool(self.form is not None and self.form.padding_free)
+
+    @property
+    def beta(self) -> float:
+        return 0.5 if self.options.beta is None else self.options.beta
+
+    def on_policy(self, step: int) -> bool:
+        """Whether optimizer step `step` (0-based) samples its responses: (--seed + step)'s draw <= --lmbda."""
+        return random.Random(self.seed + step).random() <= self.options.lmbda
+
+
+def gkd_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> GkdBatches:
+    form = None
+    if cfg.data.padding_free or cfg.data.packing:   # rlhf is padded unless asked (ms-swift's default)
+        from swiftlite.models.loading import batch_form
+        form = batch_form(cfg)
+    return GkdBatches(train.rows, plan, tokenizer.pad_token_id, world, cfg.rlhf, cfg.train.seed, form=form,
+                      tokenizer=tokenizer)
+
+
+def response_start(labels: list[int]) -> int:
+    """Where a row's last response begins: the first position of its last run of targets (the whole row
+    when it has none: the sampled completion is then its only target)."""
+    end = len(labels)
+    while end > 0 and labels[end - 1] == IGNORE:
+        end -= 1
+    if end == 0:
+        return len(labels)
+    start = end
+    while start > 0 and labels[start - 1] != IGNORE:
+        start -= 1
+    return start
+
+
+def setup(run: Any) -> Any:
+    """Attach the policy, the teacher and the completions log to run.batches; returns the engine."""
+    from swiftlite.rlhf.teacher import teacher_module
+    b = run.batches
+    b.model = run.model
+    b.teacher, b.teacher_kind = teacher_module(run)
+    if run.cfg.rlhf.log_completions and run.world.is_main:
+        b.log_path = run.run_dir / COMPLETIONS_FILE
+    return run.engine
+
+
+def _sampled_rows(engine: Any, b: GkdBatches, micro: list[list[int]], step: int) -> tuple[list[list[dict]], list]:
+    """Each micro-batch's rows with their last response replaced by the student's completion, and
+    (row index, completion text, its tokens) for the log and the length metric."""
+    from swiftlite.parallel.gather import lockstep
+    o = b.options
+    eos = b.tokenizer.eos_token_id
+    out, texts = [], []
+    with gathered(engine.root()):
+        for mb in micro:
+            rows = select(b.rows, mb)
+            starts = [response_start(list(r["labels"])) for r in rows]
+            prompts = [list(r["input_ids"][:s]) for r, s in zip(rows, starts)]
+            seeds = [completion_seed(b.seed, step, i) for i in mb]
+            _, _, comp, cmask = sample(b.model, prompts, seeds, pad_id=b.pad_id, eos_id=eos,
+                                       max_new_tokens=o.max_completion_length, temperature=o.temperature,
+                                       top_p=o.top_p, top_k=o.top_k, device=b.world.device, autocast=engine.autocast(),
+                                       synced=lockstep(engine.root()))
+            new = []
+            for r, s, i, c, m in zip(rows, starts, mb, comp.tolist(), cmask.sum(-1).tolist()):
+                c = c[:int(m)]
+                new.append({"input_ids": list(r["input_ids"][:s]) + c, "labels": list(r["labels"][:s]) + c})
+                texts.append((i, b.tokenizer.decode(c), len(c)))
+            out.append(new)
+    return out, texts
+
+
+def micro_terms(engine: Any, b: GkdBatches, batch: dict[str, torch.Tensor], sft: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed divergence, summed student cross-entropy or 0) over the batch's targets: the teacher's
+    forward first (no grad), then the student's."""
+    from swiftlite.rlhf.reference import root_module
+    from swiftlite.rlhf.teacher import logits_of
+    labels = batch["labels"][:, 1:]
+    keep = labels != IGNORE
+    with torch.no_grad():
+        teacher = b.teacher(batch)[:, :-1][keep]
+    module, ctx = root_module(engine)
+    logits = logits_of(module, ctx, batch)[:, :-1][keep]
+    jsd = jsd_sum(logits, teacher, b.beta, b.options.temperature, b.options.gkd_logits_topk)
+    nll = F.cross_entropy(logits.float(), labels[keep], reduction="sum") if sft else jsd.new_zeros(())
+    return jsd, nll
+
+
+def gkd_step(engine: Any, batches: GkdBatches, step: int, *, data_step: int | None = None,
+             before_optimizer: Callable[[Any], None] | None = None) -> StepStats:
+    """Optimizer step `step` (0-based) on the rows of global batch `data_step` (default: `step`)."""
+    b, world = batches, batches.world
+    k = step if data_step is None else data_step
+    micro = b.plan.micro_batches(k, world.rank)
+    on_policy = b.on_policy(step)
+    texts: list = []
+    if on_policy:
+        rows, texts = _sampled_rows(engine, b, micro, step)
+    else:
+        rows = [select(b.rows, mb) for mb in micro]
+    sft = b.options.sft_alpha > 0 and not on_policy
+    batches_ = [{key: v.to(world.device) for key, v in collate(r, b.pad_id, padding_free=b.padding_free).items()}
+                for r in rows]
+    local_targets = sum(count_targets(x) for x in batches_)
+    targets = max(1.0, all_reduce_sum([float(local_targets)])[0])
+    scale = world.world_size / targets
+    jsd_total, nll_total, tokens = 0.0, 0.0, 0
+    for m, batch in enumerate(batches_):
+        tokens += real_tokens(batch)
+        with engine.micro_batch(last=m == len(batches_) - 1):
+            jsd, nll = micro_terms(engine, b, batch, sft)
+            engine.backward((jsd + b.options.sft_alpha * nll) * scale if sft else jsd * scale)
+        jsd_total += float(jsd.detach())
+        nll_total += float(nll.detach())
+    if before_optimizer is not None:
+        before_optimizer(engine)
+    grad_norm = engine.step()
+    jsd_all, nll_all, tokens_all, n_comp, len_comp = all_reduce_sum(
+        [jsd_total, nll_total, float(tokens), float(len(texts)), float(sum(n for _, _, n in texts))])
+    metrics = {"jsd": jsd_all / targets, "on_policy": float(on_policy)}
+    if on_policy:
+        metrics["completions/mean_length"] = len_comp / max(1.0, n_comp)
+    if sft:
+        metrics["sft_loss"] = nll_all / targets
+    stats = StepStats(step=step + 1, loss=(jsd_all + b.options.sft_alpha * nll_all) / targets,
+                      grad_norm=float(grad_norm), tokens=int(tokens_all), target_tokens=int(targets), metrics=metrics)
+    if on_policy and b.options.log_completions:
+        _log(b, step, texts)
+    return stats
+
+
+def _log(b: GkdBatches, step: int, texts: list) -> None:
+    """The step's sampled completions, every process's, into completions.jsonl (main rank)."""
+    parts = gather_objects(texts, b.world.world_size)
+    if b.log_path is None:
+        return
+    with open(b.log_path, "a") as f:
+        for i, text, _ in sorted(x for part in parts for x in part):
+            row = b.rows[i]
+            prompt = b.tokenizer.decode(list(row["input_ids"][:response_start(list(row["labels"]))]))
+            f.write(json.dumps({"step": step + 1, "prompt": prompt, "completion": text}) + "\n")
+
+
+def evaluate_gkd(run: Any) -> dict[str, float]:
+    """eval_loss (and eval_jsd): the validation rows' own responses, each rank its share, every rank the
+    same number of forwards (`per_device_eval_batch_size` rows each)."""
+    import math
+    b, world, val = run.batches, run.world, run.val_data
+    bs = run.cfg.train.per_device_eval_batch_size
+    n = len(val.rows)
+    mine = list(range(world.rank, n, world.world_size))
+    rounds = math.ceil(math.ceil(n / world.world_size) / bs)
+    sft = b.options.sft_alpha > 0
+    jsd_sum_, nll_sum, count = 0.0, 0.0, 0
+    run.engine.eval()
+    with torch.no_grad():
+        for r in range(rounds):
+            idx = mine[r * bs:(r + 1) * bs]
+            rows = select(val.rows, idx or [0])
+            batch = {k: v.to(world.device) for k, v in collate(rows, b.pad_id, padding_free=b.padding_free).items()}
+            jsd, nll = micro_terms(run.engine, b, batch, sft)
+            if idx:           # a rank that ran out joined the collectives only
+                jsd_sum_ += float(jsd)
+                nll_sum += float(nll)
+                count += count_targets(batch)
+    run.engine.train()
+    jsd_all, nll_all, cnt = all_reduce_sum([jsd_sum_, nll_sum, float(count)])
+    cnt = max(1.0, cnt)
+    return {"eval_loss": round((jsd_all + b.options.sft_alpha * nll_all) / cnt, 6), "eval_jsd": round(jsd_all / cnt, 6)}
+
+
+__all__ = ["COMPLETIONS_FILE", "GkdBatches", "evaluate_gkd", "gkd_batches", "gkd_step", "micro_terms",
+           "response_start", "setup"]
