@@ -68,14 +68,16 @@ def estimate_cmd(
                                                  "fine-tune. grpo: --batch-size counts completions, --max-length "
                                                  "is the prompt's, the generation KV cache and gathered weights "
                                                  "are counted, and the reference copy on a full fine-tune "
-                                                 "unless --beta 0."),
+                                                 "unless --beta 0. gkd: a row of --max-length plus a sampled "
+                                                 "completion, the generation round, both models' full logits."),
     max_completion_length: int = typer.Option(512, "--max-completion-length", "--max_completion_length",
-                                              help="GRPO: tokens generated per completion (ms-swift's default 512)."),
+                                              help="GRPO, GKD: tokens generated per completion (ms-swift's default "
+                                                   "512)."),
     beta: float = typer.Option(0.04, "--beta", help="GRPO: the KL weight; 0: no reference copy (ms-swift's "
                                                    "default 0.04)."),
     teacher_model: Optional[str] = typer.Option(None, "--teacher-model", "--teacher_model",
-                                                help="GRPO: a frozen teacher (preset or local folder) whose weights "
-                                                     "are counted with the reference copy (on-policy distillation)."),
+                                                help="GRPO (on-policy distillation), GKD: a frozen teacher (preset or "
+                                                     "local folder) whose weights are counted with the reference copy."),
     precompute_ref_log_probs: bool = typer.Option(False, "--precompute-ref-log-probs", "--precompute_ref_log_probs",
                                                   help="DPO with precomputed reference log-probs: no copy."),
     sharded_loading: bool = typer.Option(True, "--sharded-loading/--no-sharded-loading",

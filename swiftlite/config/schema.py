@@ -391,10 +391,10 @@ class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, MultiTurnOptions, Gk
     reward_model_plugin: list[str] | None = opt(None, "GRPO: one per --reward-model; only ms-swift's `default`.")
     reward_weights: list[float] | None = opt(None, "GRPO: one weight per reward function, then per reward model.")
     num_generations: int = opt(8, "GRPO: completions sampled per prompt (the group size G); at least 2.")
-    max_completion_length: int = opt(512, "GRPO: most tokens generated per completion.")
-    temperature: float = opt(0.9, "GRPO: sampling temperature (also divides the logits the loss scores).")
-    top_p: float = opt(1.0, "GRPO: nucleus sampling mass (1: off).")
-    top_k: int = opt(-1, "GRPO: sample among the k most likely tokens (-1: off).")
+    max_completion_length: int = opt(512, "GRPO, GKD: most tokens generated per completion.")
+    temperature: float = opt(0.9, "GRPO, GKD: sampling temperature (also divides the logits the loss scores).")
+    top_p: float = opt(1.0, "GRPO, GKD: nucleus sampling mass (1: off).")
+    top_k: int = opt(-1, "GRPO, GKD: sample among the k most likely tokens (-1: off).")
     epsilon: float = opt(0.2, "GRPO: lower clipping range of the token ratio (1 - epsilon).")
     epsilon_high: float | None = opt(None, "GRPO: upper clipping range (1 + epsilon_high; DAPO's clip-higher). "
                                      "Default: --epsilon.")
@@ -419,8 +419,8 @@ class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, MultiTurnOptions, Gk
     overlong_filter: bool = opt(False, "GRPO: leave the completions cut at --max-completion-length (no EOS) out "
                                 "of the loss and its metrics (their tokens masked; their rewards still shape the "
                                 "group's advantages, and dapo's normalizer still counts them, as ms-swift).")
-    log_completions: bool = opt(False, "GRPO: write every sampled completion with its rewards to "
-                                "<output-dir>/completions.jsonl (step, prompt, completion, rewards, advantage).")
+    log_completions: bool = opt(False, "GRPO, GKD: write every sampled completion to <output-dir>/completions."
+                                "jsonl (step, prompt, completion; GRPO: rewards, advantage).")
     log_rollout_offpolicy_metrics: bool = opt(False, "GRPO: log rollout_correction/* (ms-swift's): the sampling "
                                               "log-probs (vLLM's or generate's) against the training policy's.")
     steps_per_generation: int | None = opt(None, "GRPO: micro-batch steps served by one generation round (its "

@@ -18,14 +18,15 @@ TEACHER_DS_PRESETS = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero
 
 @dataclass(kw_only=True)
 class TeacherOptions(Section):
-    teacher_model: str | None = opt(None, "GRPO: a frozen teacher (preset, folder or hub id; its tokenizer must be "
-                                    "the policy's). Each completion token's advantage gets --teacher-kl-coef x "
-                                    "(log p_teacher - log p_policy) of the sampled token (on-policy distillation); "
-                                    "with it --reward-funcs may be empty and --num-generations 1. The policy's own "
-                                    "model with LoRA: the base with the adapter disabled (no second copy).")
+    teacher_model: str | None = opt(None, "GRPO, GKD: a frozen teacher (preset, folder or hub id; its tokenizer must "
+                                    "be the policy's). GKD distils its next-token distributions. GRPO: each "
+                                    "completion token's advantage gets --teacher-kl-coef x (log p_teacher - log "
+                                    "p_policy) of the sampled token (on-policy distillation); with it --reward-funcs "
+                                    "may be empty and --num-generations 1. The policy's own model with LoRA: the "
+                                    "base with the adapter disabled (no second copy).")
     teacher_kl_coef: float = opt(1.0, "GRPO with --teacher-model: weight of the teacher's per-token log-ratio in "
                                  "the advantages.")
-    teacher_deepspeed: str | None = opt(None, "GRPO with --teacher-model on DeepSpeed: the teacher's own ZeRO config "
+    teacher_deepspeed: str | None = opt(None, "GRPO or GKD with --teacher-model on DeepSpeed: the teacher's own ZeRO config "
                                         "(zero0, zero1, zero2, zero3, zero2_offload, zero3_offload or a JSON file); "
                                         "stage 3 partitions the teacher over the ranks, the others keep a replica. "
                                         "Default: laid out like the policy's reference copy.")

@@ -18,6 +18,10 @@ from swiftlite.planner.transients import AUTOCAST_LAYER_EXTRA_H
 #: gradient arriving from the loss and the gradient of the logits exist next to them (4 + 4): the peak
 #: is 12 bytes. (The steady state between forward and backward is 4; a run OOMs at the peak.)
 LOGIT_BYTES = 12
+#: GKD (rlhf/gkd.py): the student's logits and the teacher's (the compute dtype, <= 4 bytes each), the
+#: tensors rlhf/gkd_loss.jsd_sum keeps for backward (32 bytes per entry, counted with autograd's
+#: saved-tensor hooks on a [256, 4096] JSD at beta 0.5) and the backward's two fp32 gradients (4 + 4).
+GKD_LOGIT_BYTES = 48
 #: `--loss-impl chunked` (parallel/chunked_ce.py) holds one chunk's fp32 logits, turned in place into
 #: their gradient: 4 bytes per (chunk row x vocab entry), + the 16-bit matmul output / gradient copy
 #: (e bytes) when the compute dtype is 16-bit. Rows per chunk: parallel/loss.py `chunk_tokens_for`.
@@ -96,7 +100,7 @@ def logit_bytes(shape: ModelShape, w: Any, hidden_elem: int | None = None) -> in
     tokens = rank_tokens(w)
     v, h = shape.vocab, shape.hidden
     if w.loss_impl == "plain":
-        return tokens * v * LOGIT_BYTES
+        return tokens * v * (w.plain_logit_bytes or LOGIT_BYTES)
     hidden = 2 * tokens * h * (hidden_elem or e)
     if w.loss_impl == "cce":
         return hidden

@@ -130,6 +130,8 @@ class Workload:
     fsdp2_available: bool = True         # torch >= 2.4 (fully_shard)
     pure_bf16: bool = False              # --pure-bf16: bf16 params and optimizer state, no fp32 master
     loss_impl: str = "chunked"           # --loss-impl: chunked (no full logits), liger, cce or plain
+    plain_logit_bytes: int = 0           # bytes per (token x vocab entry) of plain logits when not
+                                         # LOGIT_BYTES (GKD: activations.GKD_LOGIT_BYTES)
     loss_chunk_tokens: int = 0           # --loss-chunk-tokens (0: auto)
     tokens_per_micro_batch: int | None = None  # real tokens a padding-free micro-batch computes (None: the
                                                # max_length x micro_batch bound, what padded batches compute)

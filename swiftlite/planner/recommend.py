@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from swiftlite.errors import UserError
 from swiftlite.models.source import resolve_model
+from swiftlite.planner.activations import GKD_LOGIT_BYTES
 from swiftlite.planner.load import largest_shard_file
 from swiftlite.planner.memory import GiB, MemoryEstimate, Workload, estimate_all
 from swiftlite.planner.shape import ModelShape
@@ -211,6 +212,12 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
     # multi-turn rounds (--multi_turn_scheduler): every turn may add --max_completion_length tokens (per_round)
     from swiftlite.config.multi_turn_options import completion_tokens
     seq_len = cfg.data.max_length + completion_tokens(r) if grpo and cfg.data.max_length else cfg.data.max_length
+    # GKD (rlhf/gkd.py): a row, or (--lmbda > 0) its prompt with a sampled completion, generated like GRPO's;
+    # the teacher as GRPO's; both models' full logits and the divergence's tensors (GKD_LOGIT_BYTES)
+    gkd = rlhf and r.rlhf_type == "gkd"
+    sampled = gkd and r.lmbda > 0 and bool(cfg.data.max_length)
+    if sampled:
+        seq_len = cfg.data.max_length + r.max_completion_length
     return Workload(
         train_type=cfg.train.train_type, dtype=cfg.model.torch_dtype, lora_rank=cfg.lora.lora_rank,
         lora_targets=tuple(cfg.lora.target_modules) or ("all-linear",),
@@ -221,10 +228,10 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         quant_bits=cfg.quant_bits, double_quant=cfg.quant.bnb_4bit_use_double_quant,
         quant_method=cfg.quant_method or "bnb",
         max_length=seq_len, sequence_parallel=cfg.parallel.sequence_parallel_size,
-        micro_batch=cfg.train.per_device_train_batch_size * (1 if grpo else spec.sequences_per_sample),
-        reference="copy" if copy else "none", generation_length=seq_len if grpo and seq_len else 0,
-        teacher_params=_teacher_params(cfg) if grpo else 0,
-        teacher_partitioned=grpo and (r.teacher_deepspeed or "").startswith("zero3"),
+        micro_batch=cfg.train.per_device_train_batch_size * (1 if grpo or gkd else spec.sequences_per_sample),
+        reference="copy" if copy else "none", generation_length=seq_len if (grpo or sampled) and seq_len else 0,
+        teacher_params=_teacher_params(cfg) if grpo or gkd else 0,
+        teacher_partitioned=(grpo or gkd) and (r.teacher_deepspeed or "").startswith("zero3"),
         reward_model_params=_reward_model_params(r.reward_model) if grpo else 0,
         whole_matrices=whole_matrix_optimizer(cfg),
         # CHORD's expert rows: sft rows of at most --max_length, a micro-batch of their own per step
@@ -234,6 +241,7 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         gpus_per_node=gpus_per_node or cfg.parallel.nproc_per_node or world_size,
         gpu_memory_bytes=gpu_memory_bytes, fsdp2_available=_has_fsdp2(),
         loss_impl="plain" if rlhf else cfg.train.loss_impl, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+        plain_logit_bytes=GKD_LOGIT_BYTES if gkd else 0,
         pure_bf16=cfg.parallel.pure_bf16, hsdp_shard_size=cfg.parallel.hsdp_shard_size,
         shard_file_bytes=largest_shard_file(cfg.model.model),
         sharded_loading=bool(getattr(cfg.parallel, "sharded_loading", True)))
@@ -266,7 +274,7 @@ def _reward_model_params(paths: list[str] | None) -> int:
 
 
 def _teacher_params(cfg: "RunConfig") -> int:
-    """GRPO's frozen teacher's parameter count (rlhf/teacher.py): 0 without --teacher_model, or when the
+    """GRPO's and GKD's frozen teacher's parameter count (rlhf/teacher.py): 0 without --teacher_model, or when the
     teacher is the policy's own base with the adapter disabled (no copy)."""
     from swiftlite.config.rules_teacher import same_model
     if cfg.rlhf.teacher_model is None or (same_model(cfg) and cfg.is_peft):

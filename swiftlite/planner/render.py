@@ -16,6 +16,7 @@ import json
 
 from swiftlite.errors import UserError
 from swiftlite.models.source import resolve_model
+from swiftlite.planner.activations import GKD_LOGIT_BYTES
 from swiftlite.planner.memory import GiB, Workload, trainable_params
 from swiftlite.planner.load import largest_shard_file
 from swiftlite.planner.recommend import Decision, assess, recommend
@@ -41,7 +42,8 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     naming the flag. GRPO (`rlhf_type` "grpo"): `micro_batch` counts completions, `max_length` is the
     prompt's, and the generation round (KV cache of prompt + `max_completion_length` tokens, the
     weights the backend gathers) is counted; `beta` 0 means no reference copy; `teacher_model` (GRPO's
-    on-policy distillation) adds the teacher's weights to the reference. `quant_method` hqq counts HQQ's
+    on-policy distillation, and GKD's teacher) adds the teacher's weights to the reference. GKD (`rlhf_type`
+    "gkd"): a row of `max_length` plus a sampled completion (on-policy steps), both models' full logits. `quant_method` hqq counts HQQ's
     packed bits (`quant_bits` 1, 2, 3, 4 or 8; the sharding backends, which cannot hold it, are n/a).
     `sequence_parallel_size` N: each GPU computes 1/N of every sequence (Ulysses; sft, pt and grpo).
     """
@@ -49,8 +51,8 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
         raise UserError(f"--quant-method {quant_method!r}: choose bnb or hqq")
     if quant_method == "hqq" and quant_bits is None:
         raise UserError("--quant-method hqq needs --quant-bits (1, 2, 3, 4 or 8)")
-    if teacher_model is not None and rlhf_type != "grpo":
-        raise UserError("--teacher-model needs --rlhf-type grpo (on-policy distillation)")
+    if teacher_model is not None and rlhf_type not in ("grpo", "gkd"):
+        raise UserError("--teacher-model needs --rlhf-type grpo (on-policy distillation) or gkd")
     if hsdp_shard_size is not None and (not isinstance(hsdp_shard_size, int) or hsdp_shard_size <= 0
                                         or (gpus * nodes) % hsdp_shard_size):
         raise UserError(f"--hsdp-shard-size {hsdp_shard_size}: it must divide the {gpus * nodes} GPUs")
@@ -60,8 +62,8 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     if sequence_parallel_size != 1 and rlhf_type not in (None, "grpo"):
         raise UserError(f"--sequence-parallel-size {sequence_parallel_size} with --rlhf-type {rlhf_type}: sequence "
                         "parallelism is built for sft, pt and grpo")
-    if rlhf_type not in (None, "dpo", "orpo", "simpo", "cpo", "kto", "rm", "grpo"):
-        raise UserError(f"--rlhf-type {rlhf_type!r}: choose from dpo, orpo, simpo, cpo, kto, rm, grpo")
+    if rlhf_type not in (None, "dpo", "orpo", "simpo", "cpo", "kto", "rm", "grpo", "gkd"):
+        raise UserError(f"--rlhf-type {rlhf_type!r}: choose from dpo, orpo, simpo, cpo, kto, rm, grpo, gkd")
     if precompute_ref_log_probs and rlhf_type != "dpo":
         raise UserError("--precompute-ref-log-probs needs --rlhf-type dpo")
     if not isinstance(max_completion_length, int) or max_completion_length <= 0:
@@ -70,6 +72,9 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
     generation_length = 0
     if rlhf_type == "grpo":   # a sample is one completion: prompt + completion, its logits at the completion
         copy = train_type == "full" and beta != 0
+        generation_length = max_length + max_completion_length
+        max_length, loss_impl = generation_length, "plain"
+    elif rlhf_type == "gkd":   # a row, or its prompt with a completion sampled as GRPO's (--lmbda > 0 assumed)
         generation_length = max_length + max_completion_length
         max_length, loss_impl = generation_length, "plain"
     elif rlhf_type:  # a pair is 2 sequences; the log-probs take the logits at the answer tokens
@@ -83,7 +88,8 @@ def run_estimate(model: str, train_type: str = "full", gpus: int = 1, nodes: int
         cpu_memory_bytes=parse_size(cpu_memory, "--cpu-memory") if cpu_memory is not None else None,
         loss_impl=loss_impl, pure_bf16=pure_bf16, hsdp_shard_size=hsdp_shard_size,
         generation_length=generation_length, quant_method=quant_method,
-        teacher_params=resolve_model(teacher_model).shape().n_params if teacher_model else 0)
+        teacher_params=resolve_model(teacher_model).shape().n_params if teacher_model else 0,
+        plain_logit_bytes=GKD_LOGIT_BYTES if rlhf_type == "gkd" else 0)
     shape = workload.trained_shape(shape)   # llamapro: with its inserted layers (ms-swift's default 4)
     if parallelism not in (None, "auto"):
         return assess(shape, workload, parallelism)
@@ -172,7 +178,7 @@ def render(decision: Decision, console=None) -> None:
     if w is not None and w.generation_length and decision.backend in decision.table:
         from swiftlite.planner.memory import kv_cache_bytes
         gen = decision.table[decision.backend].generation
-        console.print(f"[dim]totals include GRPO's generation round on {decision.backend}: "
+        console.print(f"[dim]totals include the generation round (GRPO, GKD's on-policy steps) on {decision.backend}: "
                       f"{_gib(gen)} GiB per GPU (KV cache {_gib(kv_cache_bytes(decision.shape, w))} GiB for "
                       f"{w.micro_batch} sequences of {w.generation_length} tokens, the rest the weights gathered "
                       "for the round), a phase of its own next to the backward's activations[/dim]")
