@@ -537,7 +537,7 @@ from swiftlite.config.rope_options import rope_problem  # noqa: E402
 rule("rope scaling")(rope_problem)
 from swiftlite.config.rules_tuners import BOFT_KEYS  # noqa: E402,F401  (as rules_targets)
 from swiftlite.config.rules_galore import GALORE_OPTIMS  # noqa: E402,F401  (as rules_targets)
-from swiftlite.config.rules_gkd import gkd_problem  # noqa: E402,F401  (as rules_targets)
+from swiftlite.config.rules_gkd import gkd_teacher  # noqa: E402,F401  (as rules_targets)
 
 
 def validate(cfg: RunConfig, *, check_paths: bool = True, refusals: Refusals | None = None) -> None:

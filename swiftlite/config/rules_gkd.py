@@ -16,18 +16,21 @@ def gkd_run(c: RunConfig) -> bool:
     return task_spec(c.task).own_options == "rlhf" and c.rlhf.rlhf_type == "gkd"
 
 
-@rule("gkd options")
-def gkd_problem(c: RunConfig) -> str | None:
+@rule("gkd teacher")
+def gkd_teacher(c: RunConfig) -> str | None:
+    if not gkd_run(c) or c.rlhf.teacher_model is not None:
+        return None
+    return ("--rlhf-type gkd needs --teacher-model (the model to distil: a preset, folder or hub id sharing the "
+            "student's tokenizer; the student's own --model with LoRA is its base with the adapter disabled). "
+            "ms-swift's teacher-less self-distillation scores a teacher prompt that its dataset plugins add, "
+            "which swiftlite does not have")
+
+
+@rule("gkd values")
+def gkd_values(c: RunConfig) -> str | None:
     if not gkd_run(c):
         return None
     r = c.rlhf
-    if r.teacher_model is None:
-        return ("--rlhf-type gkd needs --teacher-model (the model to distil: a preset, folder or hub id sharing the "
-                "student's tokenizer; the student's own --model with LoRA is its base with the adapter disabled). "
-                "ms-swift's teacher-less self-distillation scores a teacher prompt that its dataset plugins add, "
-                "which swiftlite does not have")
-    if c.data.streaming:
-        return "--streaming with --rlhf-type gkd: GKD reads its rows by index; drop --streaming"
     if r.beta is not None and not 0.0 <= r.beta <= 1.0:
         return (f"--beta {r.beta:g}: GKD's beta interpolates the divergence (0: forward KL(teacher || student), 1: "
                 "reverse KL, between: the generalized JSD); give a value in [0, 1]")
@@ -35,20 +38,44 @@ def gkd_problem(c: RunConfig) -> str | None:
         return f"--lmbda {r.lmbda:g}: the on-policy probability, in [0, 1]"
     if r.sft_alpha < 0:
         return f"--sft-alpha must be >= 0, got {r.sft_alpha:g}"
-    if r.seq_kd:
-        return ("--seq-kd true: sequence-level KD (responses the teacher generates while training) is deprecated and "
-                "not implemented in ms-swift either; write the teacher's answers into the dataset (`swiftlite infer "
-                "--model TEACHER --dataset D --result-path new.jsonl`) and train on it with --lmbda 0")
     if r.gkd_logits_topk is not None and r.gkd_logits_topk < 1:
         return f"--gkd-logits-topk must be >= 1, got {r.gkd_logits_topk}"
     if not r.temperature > 0:
         return f"--temperature must be > 0, got {r.temperature:g} (it divides both models' logits)"
     if r.lmbda > 0 and r.max_completion_length < 1:
-        return f"--max-completion-length must be >= 1 for on-policy steps (--lmbda {r.lmbda:g}), got {r.max_completion_length}"
+        return (f"--max-completion-length must be >= 1 for on-policy steps (--lmbda {r.lmbda:g}), got "
+                f"{r.max_completion_length}")
+    return None
+
+
+@rule("gkd seq_kd")
+def gkd_seq_kd(c: RunConfig) -> str | None:
+    if not gkd_run(c) or not c.rlhf.seq_kd:
+        return None
+    return ("--seq-kd true: sequence-level KD (responses the teacher generates while training) is deprecated and "
+            "not implemented in ms-swift either; write the teacher's answers into the dataset (`swiftlite infer "
+            "--model TEACHER --dataset D --result-path new.jsonl`) and train on it with --lmbda 0")
+
+
+@rule("gkd generation")
+def gkd_generation(c: RunConfig) -> str | None:
+    if not gkd_run(c):
+        return None
+    r = c.rlhf
     if r.use_vllm:
         return f"--use-vllm true with --rlhf-type gkd: {_GENERATION}; drop the flag"
     if r.multi_turn_scheduler:
         return f"--multi-turn-scheduler with --rlhf-type gkd: {_GENERATION}; drop the flag"
+    return None
+
+
+@rule("gkd layout")
+def gkd_layout(c: RunConfig) -> str | None:
+    if not gkd_run(c):
+        return None
+    r = c.rlhf
+    if c.data.streaming:
+        return "--streaming with --rlhf-type gkd: GKD reads its rows by index; drop --streaming"
     if c.data.packing and r.lmbda > 0:
         return (f"--packing with --lmbda {r.lmbda:g}: an on-policy step replaces each row's response by a sampled one "
                 "of another length, so rows cannot be packed ahead; use --padding-free true, or --lmbda 0")
@@ -64,4 +91,4 @@ def gkd_problem(c: RunConfig) -> str | None:
     return None
 
 
-__all__ = ["gkd_problem", "gkd_run"]
+__all__ = ["gkd_generation", "gkd_layout", "gkd_run", "gkd_seq_kd", "gkd_teacher", "gkd_values"]

@@ -425,9 +425,16 @@ CASES: list[Case] = [
     Case("grpo-teacher-deepspeed-on-ddp", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--teacher_model", "tiny-llama",
                                            "--num_generations", "1", "--teacher_deepspeed", "zero3",
                                            "--parallelism", "ddp", "--teacher_model_server", "http://x:8000"],
-         "error: --teacher_model_server: an option of GKD (--rlhf_type gkd) or of a teacher form swiftlite does not "
-         "have",
+         "error: --teacher_model_server: an option of a teacher form swiftlite does not have (teacher adapters, a "
+         "teacher server, CPU offloading of the teacher)",
          more=("error: --teacher-deepspeed zero3 applies to a DeepSpeed run (--deepspeed zero2, ...)",)),
+    # GKD (rlhf/gkd.py): no teacher, deprecated sequence-level KD, vLLM generation: all three at once
+    Case("gkd-no-teacher", ["rlhf", *GOOD, *DATA, "--rlhf_type", "gkd", "--seq_kd", "true", "--use_vllm", "true"],
+         "error: --rlhf-type gkd needs --teacher-model (the model to distil",
+         more=("error: --seq-kd true: sequence-level KD", "error: --use-vllm true with --rlhf-type gkd: GKD samples")),
+    Case("gkd-packing-on-policy", ["rlhf", *GOOD, *DATA, "--rlhf_type", "gkd", "--teacher_model", "tiny-llama",
+                                   "--packing", "true"],
+         "error: --packing with --lmbda 0.5: an on-policy step replaces each row's response by a sampled one"),
     Case("grpo-no-rewards-no-teacher", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--num_generations", "1"],
          "error: --rlhf-type grpo needs --reward-funcs (built-in: accuracy, format, cosine, repetition, soft_overlong), "
          "--reward-model or --teacher-model (on-policy distillation)"),

@@ -114,7 +114,11 @@ def test_refusals_come_together(data, tmp_path):
     proc = run_cli([*COMMON, "--dataset", data, "--output-dir", out, "--seq-kd", "true", "--beta", "2",
                     "--use-vllm", "true"], check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--rlhf-type gkd needs --teacher-model" in proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 4, proc.stderr          # all at once, one line each
+    for want in ("--rlhf-type gkd needs --teacher-model", "--beta 2: GKD's beta", "--seq-kd true",
+                 "--use-vllm true with --rlhf-type gkd"):
+        assert any(want in x for x in lines), want
     assert not out.exists()
     proc = run_cli([*COMMON, "--dataset", data, "--output-dir", out, "--teacher-model", "tiny-llama", "--packing",
                     "true", "--lmbda", "0.5"], check=False)
