@@ -130,8 +130,7 @@ class Workload:
     fsdp2_available: bool = True         # torch >= 2.4 (fully_shard)
     pure_bf16: bool = False              # --pure-bf16: bf16 params and optimizer state, no fp32 master
     loss_impl: str = "chunked"           # --loss-impl: chunked (no full logits), liger, cce or plain
-    plain_logit_bytes: int = 0           # bytes per (token x vocab entry) of plain logits when not
-                                         # LOGIT_BYTES (GKD: activations.GKD_LOGIT_BYTES)
+    plain_logit_bytes: int = 0           # plain logits' bytes per token x vocab entry (0: LOGIT_BYTES; GKD's)
     loss_chunk_tokens: int = 0           # --loss-chunk-tokens (0: auto)
     tokens_per_micro_batch: int | None = None  # real tokens a padding-free micro-batch computes (None: the
                                                # max_length x micro_batch bound, what padded batches compute)
@@ -140,8 +139,7 @@ class Workload:
     shard_file_bytes: int | None = None  # largest safetensors file of the checkpoint (None: unknown,
                                          # planner/load.py HF_SHARD_BYTES)
     reference: str = "none"              # rlhf DPO: "copy" (a frozen reference copy) or "none"
-    teacher_params: int = 0              # GRPO --teacher_model: the frozen teacher's parameters (0: none, or
-                                         # the policy's base with the adapter disabled)
+    teacher_params: int = 0              # GRPO/GKD --teacher_model's frozen copy (0: none, or the LoRA base)
     teacher_partitioned: bool = False    # --teacher_deepspeed of stage 3: the teacher sharded over all ranks
     reward_model_params: int = 0         # GRPO --reward_model: the frozen reward models' parameters, a whole
                                          # copy on every rank (rlhf/reward_model.py)
