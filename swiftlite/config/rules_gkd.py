@@ -79,16 +79,8 @@ def gkd_layout(c: RunConfig) -> str | None:
     if c.data.packing and r.lmbda > 0:
         return (f"--packing with --lmbda {r.lmbda:g}: an on-policy step replaces each row's response by a sampled one "
                 "of another length, so rows cannot be packed ahead; use --padding-free true, or --lmbda 0")
-    if r.teacher_deepspeed is not None:
-        from swiftlite.config.rules_teacher import is_deepspeed_run
-        from swiftlite.config.teacher_options import TEACHER_DS_PRESETS
-        ds = r.teacher_deepspeed
-        if ds not in TEACHER_DS_PRESETS and not ds.endswith(".json"):
-            return f"--teacher-deepspeed {ds}: not one of {', '.join(TEACHER_DS_PRESETS)} or a DeepSpeed .json file"
-        if not is_deepspeed_run(c):
-            return (f"--teacher-deepspeed {ds} applies to a DeepSpeed run (--deepspeed zero2, ...): with --parallelism "
-                    f"{c.parallel.parallelism} the teacher is laid out like the policy; drop the flag")
-    return None
+    from swiftlite.config.rules_teacher import teacher_ds_problem
+    return teacher_ds_problem(c)
 
 
 __all__ = ["gkd_generation", "gkd_layout", "gkd_run", "gkd_seq_kd", "gkd_teacher", "gkd_values"]

@@ -46,18 +46,22 @@ def teacher_problem(c: RunConfig) -> str | None:
         return None
     if r.num_generations < 1:
         return f"--num-generations {r.num_generations}: out of range"
-    ds = r.teacher_deepspeed
-    if ds is not None:
-        if ds not in TEACHER_DS_PRESETS and not ds.endswith(".json"):
-            return (f"--teacher-deepspeed {ds}: not one of {', '.join(TEACHER_DS_PRESETS)} or a DeepSpeed .json "
-                    "file")
-        if ds.endswith(".json") and not Path(ds).is_file():
-            return f"--teacher-deepspeed {ds}: no such file"
-        if not is_deepspeed_run(c):
-            return (f"--teacher-deepspeed {ds} applies to a DeepSpeed run (--deepspeed zero2, ...): with --parallelism "
-                    f"{c.parallel.parallelism} the teacher is laid out like the policy's reference copy; drop the "
-                    "flag")
+    return teacher_ds_problem(c)
+
+
+def teacher_ds_problem(c: RunConfig) -> str | None:
+    """--teacher_deepspeed (GRPO's and GKD's teacher): a preset or a file, on a DeepSpeed run."""
+    ds = c.rlhf.teacher_deepspeed
+    if ds is None:
+        return None
+    if ds not in TEACHER_DS_PRESETS and not ds.endswith(".json"):
+        return f"--teacher-deepspeed {ds}: not one of {', '.join(TEACHER_DS_PRESETS)} or a DeepSpeed .json file"
+    if ds.endswith(".json") and not Path(ds).is_file():
+        return f"--teacher-deepspeed {ds}: no such file"
+    if not is_deepspeed_run(c):
+        return (f"--teacher-deepspeed {ds} applies to a DeepSpeed run (--deepspeed zero2, ...): with --parallelism "
+                f"{c.parallel.parallelism} the teacher is laid out like the policy's reference copy; drop the flag")
     return None
 
 
-__all__ = ["is_deepspeed_run", "same_model", "teacher_problem"]
+__all__ = ["is_deepspeed_run", "same_model", "teacher_ds_problem", "teacher_problem"]
