@@ -166,17 +166,17 @@ def gkd_step(engine: Any, batches: GkdBatches, step: int, *, data_step: int | No
     else:
         rows = [select(b.rows, mb) for mb in micro]
     sft = b.options.sft_alpha > 0 and not on_policy
-    batches_ = [{key: v.to(world.device) for key, v in collate(r, b.pad_id, padding_free=b.padding_free).items()}
+    collated = [{key: v.to(world.device) for key, v in collate(r, b.pad_id, padding_free=b.padding_free).items()}
                 for r in rows]
-    local_targets = sum(count_targets(x) for x in batches_)
+    local_targets = sum(count_targets(x) for x in collated)
     targets = max(1.0, all_reduce_sum([float(local_targets)])[0])
     scale = world.world_size / targets
     jsd_total, nll_total, tokens = 0.0, 0.0, 0
-    for m, batch in enumerate(batches_):
+    for m, batch in enumerate(collated):
         tokens += real_tokens(batch)
-        with engine.micro_batch(last=m == len(batches_) - 1):
+        with engine.micro_batch(last=m == len(collated) - 1):
             jsd, nll = micro_terms(engine, b, batch, sft)
-            engine.backward((jsd + b.options.sft_alpha * nll) * scale if sft else jsd * scale)
+            engine.backward((jsd + b.options.sft_alpha * nll) * scale)   # nll is 0 unless sft
         jsd_total += float(jsd.detach())
         nll_total += float(nll.detach())
     if before_optimizer is not None:
