@@ -241,6 +241,13 @@ for tt in full qlora; do
     --dataset "$DATA/train.jsonl" --output-dir "$WORK/load_$tt"
 done
 
+# -- 3b'. GKD (docs/rlhf.md "GKD"), LoRA distilling the model's own base (the adapter disabled), one dataset
+# step and one sampled step (--seed 0: the draws 0.84, 0.13 against --lmbda 0.5), the --sft_alpha term on the first
+step gkd "$RUN_LIMIT" "$PY" -m swiftlite rlhf --rlhf_type gkd --model "$MODEL" --teacher_model "$MODEL" --train-type lora \
+  --lmbda 0.5 --sft_alpha 0.1 --seed 0 --max_completion_length 32 --max-steps 2 --gradient-accumulation-steps 1 \
+  --torch-dtype "$DTYPE" --max-length "$SEQ" --per-device-train-batch-size 2 --save-strategy no --logging-steps 1 \
+  --dataset "$DATA/train.jsonl" --output-dir "$WORK/gkd"
+
 # -- 3c. GRPO with a colocated vLLM engine (--use_vllm true --vllm_mode colocate), 2 steps, LoRA and full ------
 # (docs/rlhf.md "vLLM"); only where vllm is importable and a GPU is present (never installed here: it
 # pulls its own CUDA torch). Its log lines (rewards, completion lengths) are in gpu_check.log.
