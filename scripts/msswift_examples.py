@@ -17,7 +17,11 @@ resolved), and run as `python -m swiftlite ...` with:
 - `--dataset` / `--val_dataset` replaced by local files of the same format (`#N` and `:subset` kept as
   `#N`): alpaca rows, chat messages, tool-calling rows (ms-swift's agent format), query/response,
   self-cognition rows (query/response/tag with {{NAME}}/{{AUTHOR}}), preference pairs, KTO rows, GRPO prompts with a solution column, plain text;
-  GRPO's `--chord_sft_dataset` (CHORD's expert rows) by the chat-messages file;
+  GRPO's `--chord_sft_dataset` (CHORD's expert rows) by the chat-messages file, and so is a GRPO prompt set
+  under `--rlhf_type gkd` (GKD trains on sft rows: ms-swift's loader gives NuminaMath-TIR's `messages`,
+  gsm8k's question/answer, as a question and its answer); a file an earlier `swift infer` of the script
+  writes (GKD's `new_dataset.jsonl`; that command is not run) is replaced the same way, with as many rows as
+  it would hold (`#N`, the sum of that command's `--val_dataset` counts);
 - a placeholder checkpoint path (`--adapters`/`--ckpt_dir output/vx-xxx/checkpoint-xxx`) replaced by a
   LoRA checkpoint trained here first (the scripts name the output of an earlier training run);
 - `--max_steps 2` appended to a training command; nothing else changes.
@@ -70,7 +74,7 @@ The table: script, class, first line of the error:
 Skipped, each with its reason: multimodal models or data, Megatron, files without a `swift sft|pt|rlhf|export`
 command (infer, deploy, sample, app, a rollout server alone), ms-swift's Python entry under another launcher
 (accelerate, torchrun, deepspeed: no `swift` command), and training types swiftlite does not have
-(classification, embedding, reranker, GKD, PPO, ...).
+(classification, embedding, reranker, PPO, ...).
 
     python scripts/msswift_examples.py [--only SUBSTR ...] [--json out.json] [--timeout 600]
         [--rollout-backend {vllm,transformers}] [--cpu-stand-ins] [--rollout-wait 120] [--list] [--dry-only]
@@ -115,7 +119,7 @@ MULTIMODAL_DATA = re.compile(r"(coco|LaTeX_OCR|RLAIF-V|TextCaps|VideoChatGPT|cle
                              r"garbage265|voc2007|visual_toolbox|geoqa|MathV|OCR)", re.I)
 #: ms-swift training types swiftlite does not have (its --task_type / --rlhf_type values).
 OTHER_TASKS = {"seq_cls", "embedding", "reranker", "generative_reranker"}
-OTHER_RLHF = {"gkd", "ppo", "opsd", "gym"}
+OTHER_RLHF = {"ppo", "opsd", "gym"}
 
 
 def opt_values(argv: list[str], name: str) -> list[str] | None:
@@ -240,6 +244,7 @@ def extract(path: str, text: str, platform: dict[str, str]) -> tuple[list[Comman
     """The swift commands of one script (rollout servers included), and the other launchers found in it."""
     shell = dict(platform)
     cmds, launchers = [], []
+    written: dict[str, int] = {}   # `swift infer --result_path F`: F -> its rows (one per --val_dataset row)
     for line in logical_lines(text):
         m = ASSIGN.match(line)
         if m:
@@ -249,6 +254,9 @@ def extract(path: str, text: str, platform: dict[str, str]) -> tuple[list[Comman
         if split is None:
             continue
         env, rest = split
+        if not rest:   # assignments alone, ASSIGN's one word apart (`a=$((b + c))`, a quoted value): shell variables
+            shell.update(env)
+            continue
         if len(rest) >= 2 and rest[0] == "swift" and rest[1] in COMMANDS:
             if re.search(r"\$\{?(RANK|WORLD_SIZE|MASTER_ADDR)\b", text):
                 # a platform script (PAI-DLC): the platform sets these in the process environment too
@@ -262,6 +270,13 @@ def extract(path: str, text: str, platform: dict[str, str]) -> tuple[list[Comman
             launchers.append("megatron")
         elif len(rest) >= 2 and rest[0] == "swift":
             launchers.append(f"swift {rest[1]}")
+            result = opt_values(rest, "result_path")
+            counts = [v.partition("#")[2] for v in opt_values(rest, "val_dataset") or []]
+            if rest[1] == "infer" and result and counts and all(n.isdigit() for n in counts):
+                written[result[0]] = sum(map(int, counts))
+    for c in cmds:   # a later command's `--dataset F` (GKD's new_dataset.jsonl): as many rows as F would have
+        if written and c.opt("dataset"):
+            c.argv = set_opt(c.argv, "dataset", [f"{v}#{written[v]}" if v in written else v for v in c.opt("dataset")])
     if not any(c.sub == ROLLOUT for c in cmds) and any(c.server_mode() for c in cmds):
         cmds[:0] = commented_rollouts(path, text, shell)
     return cmds, launchers
@@ -403,8 +418,10 @@ def local_dataset(spec: str, files: dict[str, Path], cmd: Command) -> str:
     base, _, n = spec.partition("#")
     hub = base.split(":")[0]
     kind = HUB_FORMAT.get(hub)
+    rl = (cmd.opt("rlhf_type") or [""])[0]
+    if kind == "grpo" and rl == "gkd":   # GKD's rows are sft ones: the problem and its solution as the answer
+        kind = "messages"
     if kind is None:
-        rl = (cmd.opt("rlhf_type") or [""])[0]
         kind = {"grpo": "grpo", "kto": "kto", "dpo": "preference", "orpo": "preference", "simpo": "preference",
                 "cpo": "preference", "rm": "preference"}.get(rl, "text" if cmd.sub == "pt" else "messages")
     return str(files[kind]) + (f"#{n}" if n else "")

@@ -1,6 +1,7 @@
 """scripts/msswift_examples.py's rollout servers: the `swift rollout` commands it extracts (live, or from a
 commented-out block when the training is in server mode), and the ports and hosts it gives the servers and
-the training commands. Pure functions on small inline scripts: no server, no network."""
+the training commands; and its GKD commands (a supported training type: the teacher and the datasets
+replaced). Pure functions on small inline scripts: no server, no network."""
 
 from __future__ import annotations
 
@@ -197,3 +198,49 @@ def test_cpu_stand_ins_swap_only_the_gpu_only_flags(mx):
     server = ["--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--attn_impl", "sdpa"]
     assert mx.cpu_stand_ins(server) == (server, [])                  # a rollout server runs on CPU already
     assert mx.cpu_stand_ins(["--use_liger_kernel", "false"]) == (["--use_liger_kernel", "false"], [])
+
+
+# examples/train/rlhf/gkd/teacher_server.sh's shape: spaced arithmetic in an assignment
+GKD = """top_k=64
+max_prompt_length=2048
+max_total_length=$((max_prompt_length + 2048))
+NPROC_PER_NODE=4 \\
+swift rlhf \\
+    --rlhf_type gkd \\
+    --model Qwen/Qwen2.5-7B \\
+    --teacher_model Qwen/Qwen2.5-14B-Instruct \\
+    --dataset 'AI-ModelScope/alpaca-gpt4-data-en#2000' 'AI-ModelScope/NuminaMath-TIR#5000' new_dataset.jsonl \\
+    --gkd_logits_topk $top_k \\
+    --vllm_max_model_len $max_total_length
+"""
+
+
+def test_gkd_is_run_with_a_local_teacher_and_sft_rows(mx):
+    cmds, launchers = _extract(mx, GKD)
+    assert [c.sub for c in cmds] == ["rlhf"] and mx.skip_reason("examples/x.sh", cmds, launchers) is None
+    assert cmds[0].opt("gkd_logits_topk") == ["64"] and cmds[0].opt("vllm_max_model_len") == ["4096"]
+    models = {k: Path(f"/m/{k}") for k in ("qwen2", "llama", "moe", "awq", "gptq")}
+    files = {k: Path(f"/d/{k}.jsonl") for k in ("alpaca", "messages", "grpo")}
+    _, argv = mx.translate(cmds[0], models, files, None, 29500)
+    assert mx.opt_values(argv, "model") == mx.opt_values(argv, "teacher_model") == ["/m/qwen2"]
+    # GKD trains on sft rows: a GRPO prompt set (NuminaMath-TIR) is read as chat messages with their answers
+    assert mx.opt_values(argv, "dataset") == ["/d/alpaca.jsonl#2000", "/d/messages.jsonl#5000", "/d/messages.jsonl"]
+    grpo = mx.Command("examples/x.sh", "rlhf", {}, ["--rlhf_type", "grpo", "--dataset", "AI-MO/NuminaMath-TIR"])
+    assert mx.opt_values(mx.translate(grpo, models, files, None, 1)[1], "dataset") == ["/d/grpo.jsonl"]
+    ppo = mx.Command("examples/x.sh", "rlhf", {}, ["--rlhf_type", "ppo", "--model", "m"])
+    assert mx.skip_reason("examples/x.sh", [ppo], []) == "--rlhf_type ppo (no such training type here)"
+
+
+def test_swift_infer_result_is_a_dataset_of_its_rows(mx):
+    # examples/train/rlhf/gkd/fast.sh: `swift infer` writes new_dataset.jsonl (not run here), GKD trains on it
+    text = """export teacher_model='Qwen/Qwen2.5-14B-Instruct'
+swift infer --model $teacher_model --val_dataset 'AI-ModelScope/alpaca-gpt4-data-en#5000' \\
+    'AI-ModelScope/alpaca-gpt4-data-zh#5000' --result_path new_dataset.jsonl
+swift rlhf --rlhf_type gkd --model Qwen/Qwen2.5-7B --teacher_model $teacher_model --dataset 'new_dataset.jsonl'
+"""
+    cmds, launchers = _extract(mx, text)
+    assert [c.sub for c in cmds] == ["rlhf"] and launchers == ["swift infer"]
+    assert cmds[0].opt("dataset") == ["new_dataset.jsonl#10000"]
+    assert cmds[0].opt("teacher_model") == ["Qwen/Qwen2.5-14B-Instruct"]
+    files = {"messages": Path("/d/messages.jsonl")}
+    assert mx.local_dataset("new_dataset.jsonl#10000", files, cmds[0]) == "/d/messages.jsonl#10000"
