@@ -5,7 +5,8 @@ A base of schema.RlhfConfig, kept here so that schema.py stays short; rlhf/gkd.p
 
 GKD also reads options it shares with GRPO: --teacher_model (the teacher; none: the student itself, ms-swift's
 self-distillation), --teacher_deepspeed, --beta (the JSD interpolation, ms-swift's default 0.5 for gkd),
---temperature (0.9), --max_completion_length (512), --top_p, --top_k, --log_completions.
+--temperature (0.9), --max_completion_length (512), --top_p, --top_k, --log_completions, and GRPO's vLLM
+options (--use_vllm true --vllm_mode colocate|server: the on-policy completions from GRPO's generators).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class GkdOptions(Section):
 GKD_KEYS = ("lmbda", "sft_alpha", "seq_kd", "gkd_logits_topk")
 #: The options GKD shares with GRPO (schema.RlhfConfig, config/teacher_options.py).
 GKD_SHARED = ("beta", "teacher_model", "teacher_deepspeed", "max_completion_length", "temperature", "top_p", "top_k",
-              "log_completions")
+              "log_completions")   # and GRPO's vLLM options (config/vllm_options.py): --use_vllm generates there
 
 
 

@@ -7,9 +7,6 @@ from swiftlite.config.rule_table import rule
 from swiftlite.config.schema import RunConfig
 from swiftlite.config.tasks import task_spec
 
-#: GRPO's generation engines and rollouts that GKD does not take here, and why.
-_GENERATION = ("GKD samples its on-policy completions with transformers' generate on the student (the vLLM engines "
-               "and multi-turn schedulers serve GRPO here)")
 
 
 def gkd_run(c: RunConfig) -> bool:
@@ -61,12 +58,11 @@ def gkd_seq_kd(c: RunConfig) -> str | None:
 def gkd_generation(c: RunConfig) -> str | None:
     if not gkd_run(c):
         return None
-    r = c.rlhf
-    if r.use_vllm:
-        return f"--use-vllm true with --rlhf-type gkd: {_GENERATION}; drop the flag"
-    if r.multi_turn_scheduler:
-        return f"--multi-turn-scheduler with --rlhf-type gkd: {_GENERATION}; drop the flag"
-    return None
+    if c.rlhf.multi_turn_scheduler:
+        return ("--multi-turn-scheduler with --rlhf-type gkd: GKD samples one completion per row here (multi-turn "
+                "rollouts are GRPO's); drop the flag")
+    from swiftlite.config.rules_vllm import vllm_problem   # --use_vllm: GRPO's engines, GRPO's rules
+    return vllm_problem(c)
 
 
 @rule("gkd layout")

@@ -1,4 +1,4 @@
-"""The rules of GRPO's vLLM options (config/vllm_options.py): --use_vllm's modes, the colocated engine's
+"""The rules of GRPO's (and GKD's) vLLM options (config/vllm_options.py): --use_vllm's modes, the colocated engine's
 ranges and the machine it needs (rlhf/vllm_gen.py), and server mode's addresses (swiftlite/rollout/).
 Called by config/rules.py's GRPO rule, kept here so that module stays short. Import-light (no torch)."""
 
@@ -58,7 +58,7 @@ def vllm_problem(c: RunConfig) -> str | None:
         missing = None if torch.cuda.is_available() else "no CUDA GPU is visible here"
     if missing:
         return (f"--use-vllm needs a CUDA GPU and the vllm package (pip install vllm): {missing}; without the flag "
-                "GRPO generates with transformers' generate")
+                "generation runs on transformers' generate")
     return None
 
 

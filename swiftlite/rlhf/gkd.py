@@ -5,7 +5,8 @@ distributions on the target tokens of sft rows (conversations whose assistant tu
 Each optimizer step draws its branch once from (--seed, step), every process alike (ms-swift's
 `_get_random_num`: seed + global step): with probability --lmbda the step is *on-policy*, and each row's
 last response is replaced by a completion the student samples for the row's prompt (the tokens before
-that response; transformers' generate on the gathered weights, up to --max_completion_length tokens,
+that response; transformers' generate on the gathered weights, or with --use_vllm GRPO's colocated vLLM
+engine or rollout server with the student's weights synced first, up to --max_completion_length tokens,
 --temperature/--top_p/--top_k, the draw of row i at step s seeded by (--seed, s, i): the same completions
 for any number of processes and after a resume); otherwise the rows train as the dataset gives them.
 The teacher (rlhf/teacher.py `teacher_module`: a frozen copy laid out like the policy, or by
@@ -62,6 +63,7 @@ class GkdBatches:
     teacher: Callable[[dict], torch.Tensor] | None = None   # batch -> logits [.., V], no grad
     teacher_kind: str = ""
     log_path: Any = None
+    vllm: Any = None                   # --use_vllm: vllm_gen.VllmGenerator or rollout_client.ServerGenerator
 
     @property
     def padding_free(self) -> bool:
@@ -105,6 +107,8 @@ def setup(run: Any) -> Any:
     b = run.batches
     b.model = run.model
     b.teacher, b.teacher_kind = teacher_module(run)
+    from swiftlite.rlhf.vllm_gen import build_generator   # --use_vllm: every micro-batch of a step in one call
+    b.vllm = build_generator(run, per_device=b.plan.per_device, steps_per_generation=b.plan.accumulation)
     if run.cfg.rlhf.log_completions and run.world.is_main:
         b.log_path = run.run_dir / COMPLETIONS_FILE
     return run.engine
@@ -113,27 +117,40 @@ def setup(run: Any) -> Any:
 def _sampled_rows(engine: Any, b: GkdBatches, micro: list[list[int]], step: int) -> tuple[list[list[dict]], list]:
     """Each micro-batch's rows with their last response replaced by the student's completion, and
     (row index, completion text, its tokens) for the log and the length metric."""
-    from swiftlite.parallel.gather import lockstep
-    o = b.options
-    eos = b.tokenizer.eos_token_id
+    rows = [select(b.rows, mb) for mb in micro]
+    starts = [[response_start(list(r["labels"])) for r in rs] for rs in rows]
+    prompts = [[list(r["input_ids"][:s]) for r, s in zip(rs, ss)] for rs, ss in zip(rows, starts)]
+    seeds = [[completion_seed(b.seed, step, i) for i in mb] for mb in micro]
     out, texts = [], []
-    with gathered(engine.root()):
-        for mb in micro:
-            rows = select(b.rows, mb)
-            starts = [response_start(list(r["labels"])) for r in rows]
-            prompts = [list(r["input_ids"][:s]) for r, s in zip(rows, starts)]
-            seeds = [completion_seed(b.seed, step, i) for i in mb]
-            _, _, comp, cmask = sample(b.model, prompts, seeds, pad_id=b.pad_id, eos_id=eos,
-                                       max_new_tokens=o.max_completion_length, temperature=o.temperature,
-                                       top_p=o.top_p, top_k=o.top_k, device=b.world.device, autocast=engine.autocast(),
-                                       synced=lockstep(engine.root()))
-            new = []
-            for r, s, i, c, m in zip(rows, starts, mb, comp.tolist(), cmask.sum(-1).tolist()):
-                c = c[:int(m)]
-                new.append({"input_ids": list(r["input_ids"][:s]) + c, "labels": list(r["labels"][:s]) + c})
-                texts.append((i, b.tokenizer.decode(c), len(c)))
-            out.append(new)
+    for rs, ss, mb, (comp, cmask) in zip(rows, starts, micro, _generate(engine, b, prompts, seeds)):
+        new = []
+        for r, s, i, c, m in zip(rs, ss, mb, comp.tolist(), cmask.sum(-1).tolist()):
+            c = c[:int(m)]
+            new.append({"input_ids": list(r["input_ids"][:s]) + c, "labels": list(r["labels"][:s]) + c})
+            texts.append((i, b.tokenizer.decode(c), len(c)))
+        out.append(new)
     return out, texts
+
+
+def _generate(engine: Any, b: GkdBatches, prompts: list[list[list[int]]], seeds: list[list[int]]
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(completion ids, completion mask) of each micro-batch: transformers' generate on the gathered weights,
+    or (--use_vllm) one call to the colocated engine or the rollout server(s) for all of them, the student's
+    weights synced first (GRPO's generators, rlhf/vllm_gen.py, rlhf/rollout_client.py)."""
+    o = b.options
+    kw = dict(pad_id=b.pad_id, eos_id=b.tokenizer.eos_token_id, max_new_tokens=o.max_completion_length,
+              temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, device=b.world.device)
+    if b.vllm is not None:
+        from swiftlite.parallel.offload import offloaded
+        off = None if o.vllm_mode == "server" else offloaded(engine, model=o.offload_model, optim=o.offload_optimizer,
+                                                            device=b.world.device)
+        return [(r[2], r[3]) for r in b.vllm.generate_round(b.model, engine.root(), gathered, prompts, seeds,
+                                                              offload=off, **kw)]
+    from swiftlite.parallel.gather import lockstep
+    synced = lockstep(engine.root())          # FSDP1: the same generate calls on every process
+    with gathered(engine.root()):
+        return [tuple(sample(b.model, p, sd, autocast=engine.autocast(), synced=synced, **kw)[2:4])
+                for p, sd in zip(prompts, seeds)]
 
 
 def micro_terms(engine: Any, b: GkdBatches, batch: dict[str, torch.Tensor], sft: bool

@@ -169,20 +169,8 @@ def setup(run: Any) -> Any:
         from swiftlite.rlhf.reward_model import build_reward_models
         b.rewards = [*b.rewards, *build_reward_models(cfg.rlhf, run.world.device, torch_dtype(cfg.model.torch_dtype),
                                                       cfg.model.trust_remote_code)]
-    if cfg.rlhf.use_vllm and cfg.rlhf.vllm_mode == "server":    # `swiftlite rollout` server(s)
-        from swiftlite.rlhf.rollout_client import ServerGenerator
-        b.vllm = ServerGenerator(cfg.rlhf, world=run.world)
-    elif cfg.rlhf.use_vllm:
-        from swiftlite.models.loading import torch_dtype
-        from swiftlite.rlhf.vllm_gen import VllmGenerator
-        if cfg.rlhf.offload_model:
-            from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-            if any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in engine.root().modules()):
-                raise UserError("--offload_model: this run shards the policy with FSDP, whose parameters swiftlite "
-                                "does not move to CPU; use --parallelism ddp or --deepspeed, or drop the flag")
-        b.vllm = VllmGenerator(cfg.rlhf, dtype=str(torch_dtype(cfg.model.torch_dtype)).removeprefix("torch."),
-                               world=run.world, per_device=b.plan.per_device,
-                               steps_per_generation=b.plan.steps_per_generation)
+    from swiftlite.rlhf.vllm_gen import build_generator   # --use_vllm: a rollout server's client or colocated
+    b.vllm = build_generator(run, per_device=b.plan.per_device, steps_per_generation=b.plan.steps_per_generation)
     if cfg.rlhf.log_completions and run.world.is_main:
         b.log_path = run.run_dir / COMPLETIONS_FILE
     if run.resume_path is not None and not cfg.checkpoint.resume_only_model \

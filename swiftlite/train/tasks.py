@@ -213,6 +213,15 @@ class RewardTask(PreferenceTask):
                 "count pairs"]
 
 
+def _wait_for_rollout_servers(cfg: Any) -> None:
+    """--use_vllm true --vllm_mode server (GRPO, GKD): the servers answer before any rank starts (ms-swift
+    connects at start too)."""
+    r = cfg.rlhf
+    if r.use_vllm and r.vllm_mode == "server":
+        from swiftlite.rlhf.rollout_client import server_urls, wait_for_servers
+        wait_for_servers(server_urls(r), r.vllm_server_timeout)
+
+
 class GrpoTask(Task):
     """rlhf --rlhf_type grpo: online RL on prompts (rlhf/grpo.py): each step's completions are sampled
     from the policy and scored by --reward_funcs; a sample is a completion (the global batch counts them)."""
@@ -227,10 +236,7 @@ class GrpoTask(Task):
             check_installed(cfg.rlhf.multi_turn_scheduler)
 
     def wait_for_services(self, cfg: Any) -> None:
-        r = cfg.rlhf
-        if r.use_vllm and r.vllm_mode == "server":    # ms-swift connects at start too
-            from swiftlite.rlhf.rollout_client import server_urls, wait_for_servers
-            wait_for_servers(server_urls(r), r.vllm_server_timeout)
+        _wait_for_rollout_servers(cfg)
 
     def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
                      progress: Callable[[str, int], Any] | None = None) -> Any:
@@ -286,6 +292,9 @@ class GkdTask(Task):
     def check(self, cfg: Any) -> None:
         from swiftlite.rlhf.teacher import check_teacher
         check_teacher(cfg)
+
+    def wait_for_services(self, cfg: Any) -> None:
+        _wait_for_rollout_servers(cfg)
 
     def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
                      progress: Callable[[str, int], Any] | None = None) -> Any:

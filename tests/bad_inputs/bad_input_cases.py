@@ -431,7 +431,7 @@ CASES: list[Case] = [
     # GKD (rlhf/gkd.py): no teacher, deprecated sequence-level KD, vLLM generation: all three at once
     Case("gkd-no-teacher", ["rlhf", *GOOD, *DATA, "--rlhf_type", "gkd", "--seq_kd", "true", "--use_vllm", "true"],
          "error: --rlhf-type gkd needs --teacher-model (the model to distil",
-         more=("error: --seq-kd true: sequence-level KD", "error: --use-vllm true with --rlhf-type gkd: GKD samples")),
+         more=("error: --seq-kd true: sequence-level KD", "error: --use-vllm true needs --vllm-mode colocate or server")),
     Case("gkd-packing-on-policy", ["rlhf", *GOOD, *DATA, "--rlhf_type", "gkd", "--teacher_model", "tiny-llama",
                                    "--packing", "true"],
          "error: --packing with --lmbda 0.5: an on-policy step replaces each row's response by a sampled one"),

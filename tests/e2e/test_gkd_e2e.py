@@ -1,8 +1,9 @@
 """GKD (`rlhf --rlhf_type gkd`, rlhf/gkd.py) through the CLI on one process: a teacher equal to the student gives
 no signal; padded and padding-free batches train alike, on-policy steps included; with LoRA and the run's own
 model as teacher the teacher is the base with the adapter disabled; beta, top-k and --sft_alpha change the loss
-as they should; validation logs eval_loss; a resume continues with the same branches and completions; and the
-refusals come all at once, one line each, exit 2."""
+as they should; validation logs eval_loss; a resume continues with the same branches and completions; completions
+from a `swiftlite rollout` server (its transformers engine, the student's weights synced each sampled step) are
+the in-process ones; and the refusals come all at once, one line each, exit 2."""
 
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def test_refusals_come_together(data, tmp_path):
     lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert len(lines) == 4, proc.stderr          # all at once, one line each
     for want in ("--rlhf-type gkd needs --teacher-model", "--beta 2: GKD's beta", "--seq-kd true",
-                 "--use-vllm true with --rlhf-type gkd"):
+                 "--use-vllm true needs --vllm-mode colocate or server"):
         assert any(want in x for x in lines), want
     assert not out.exists()
     proc = run_cli([*COMMON, "--dataset", data, "--output-dir", out, "--teacher-model", "tiny-llama", "--packing",
@@ -136,3 +137,31 @@ def test_dry_run_says_what_gkd_does(data, tmp_path):
                     "--gkd-logits-topk", "8", "--dry-run"])
     assert ("gkd:            generalized JSD, beta 0.5 to tiny-llama at temperature 0.9 over its top 8 tokens, "
             "on-policy with probability 0.5 (completions of up to 6 tokens)") in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.e2e.test_rollout_server import _server
+    proc, srv = _server(tmp_path_factory)          # tiny-llama-2l with the weights of seed 0
+    yield srv
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0, srv["log"].read_text()
+
+
+def test_a_rollout_server_samples_the_in_process_completions(data, server, tmp_path):
+    """Two FSDP2 processes, every step sampled (--lmbda 1), seed 3 (so the server starts from other weights
+    than the student's: only the sync makes them equal): the completions and losses of the run sampling
+    in-process."""
+    from tests.e2e.test_rollout_server import _port
+    common = ["--teacher-model", "tiny-llama", "--lmbda", "1", "--seed", "3", "--max-steps", "2",
+              "--log-completions", "true", "--save-strategy", "no", "--parallelism", "fsdp", "--nproc-per-node", "2",
+              "--per-device-train-batch-size", "2", "--gradient-accumulation-steps", "1"]
+    _, srv = _run(data, tmp_path / "srv", *common, "--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host",
+                  "127.0.0.1", "--vllm_server_port", str(server["port"]), "--vllm_server_group_port", str(_port()))
+    _, local = _run(data, tmp_path / "local", *common)
+    comps = lambda out: [(c["step"], c["completion"]) for c in  # noqa: E731
+                         map(json.loads, (out / "completions.jsonl").read_text().splitlines())]
+    assert len(comps(tmp_path / "local")) == 8 and comps(tmp_path / "srv") == comps(tmp_path / "local")
+    assert [s["on_policy"] for s in srv] == [1.0, 1.0]
+    assert [s["loss"] for s in srv] == pytest.approx([s["loss"] for s in local], rel=1e-6)
+    assert [s["grad_norm"] for s in srv] == pytest.approx([s["grad_norm"] for s in local], rel=1e-5)
