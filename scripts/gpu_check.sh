@@ -261,6 +261,12 @@ if [[ "$DRYRUN" != 1 ]] && "$PY" -c "import vllm, torch; assert torch.cuda.is_av
       --sleep_level 1 --torch-dtype "$DTYPE" --max-steps 2 --logging-steps 1 --save-strategy no \
       --log_completions true --log_rollout_offpolicy_metrics true --output-dir "$WORK/grpo_vllm_$tt"
   done
+  # GKD's sampled steps on the same colocated engine (docs/rlhf.md "GKD"), LoRA distilling its own base
+  step gkd-vllm "$RUN_LIMIT" "$PY" -m swiftlite rlhf --rlhf_type gkd --model "$MODEL" --teacher_model "$MODEL" \
+    --train-type lora --lmbda 1 --sft_alpha 0.1 --dataset "$DATA/train.jsonl" --per_device_train_batch_size 4 \
+    --max_completion_length 16 --use_vllm true --vllm_mode colocate --vllm_gpu_memory_utilization 0.3 \
+    --vllm_max_model_len 1024 --sleep_level 1 --torch-dtype "$DTYPE" --max-steps 2 --logging-steps 1 \
+    --save-strategy no --log_completions true --output-dir "$WORK/gkd_vllm"
   # multi-turn (docs/rlhf.md "Multi-turn rollouts"): the second turn on the same engine, without a re-sync
   if "$PY" -c "import math_verify" >/dev/null 2>&1; then
     step grpo-vllm-multi-turn "$RUN_LIMIT" "$PY" -m swiftlite rlhf --rlhf_type grpo --model "$MODEL" --train-type lora \
