@@ -13,7 +13,8 @@ resolved), and run as `python -m swiftlite ...` with:
 - `--model` (and `--ref_model`, `--reward_model`, `--teacher_model`) replaced by a local tiny folder
   built from a config with the repository's tokenizer: a Llama one for a Llama model, a Qwen3-MoE one for
   a mixture of experts (an `-A3B`-style or MoE id), a Qwen2 one
-  otherwise; a pre-quantized AWQ/GPTQ model gets a tiny folder carrying that quantization_config;
+  otherwise; a pre-quantized AWQ/GPTQ model gets a tiny folder carrying that quantization_config; a
+  `--teacher_model` other than the script's `--model` gets the Qwen2 folder's shape with other weights;
 - `--dataset` / `--val_dataset` replaced by local files of the same format (`#N` and `:subset` kept as
   `#N`): alpaca rows, chat messages, tool-calling rows (ms-swift's agent format), query/response,
   self-cognition rows (query/response/tag with {{NAME}}/{{AUTHOR}}), preference pairs, KTO rows, GRPO prompts with a solution column, plain text;
@@ -454,6 +455,15 @@ def build_models(d: Path) -> dict[str, Path]:
             for f in Path(TINY_TOKENIZER).iterdir():
                 shutil.copy(f, p / f.name)
         out[name] = p
+    # a teacher (--teacher_model naming another model than --model): the Qwen2 folder's shape with other weights,
+    # so that distillation (GKD, GRPO's on-policy distillation) has a distance to close
+    p = d / "tiny-qwen2-teacher"
+    if not (p / "config.json").is_file():
+        torch.manual_seed(1)
+        AutoModelForCausalLM.from_config(cfgs["qwen2"], dtype=torch.bfloat16).save_pretrained(p)
+        for f in Path(TINY_TOKENIZER).iterdir():
+            shutil.copy(f, p / f.name)
+    out["teacher"] = p
     for method in ("awq", "gptq"):
         p = d / f"tiny-qwen2-{method}"
         if not p.exists():
@@ -520,7 +530,10 @@ def translate(cmd: Command, models: dict[str, Path], files: dict[str, Path], ckp
         while j < len(a) and not a[j].startswith("--"):
             vals.append(a[j])
             j += 1
-        if name in ("model", "ref_model", "reward_model", "teacher_model") and vals:
+        if name == "teacher_model" and vals and vals != (cmd.opt("model") or []) and \
+                local_model(vals[0], models) == str(models["qwen2"]):   # another model: other weights
+            out += [tok, str(models["teacher"])]
+        elif name in ("model", "ref_model", "reward_model", "teacher_model") and vals:
             out += [tok, *[local_model(v, models) for v in vals]]
         elif name in ("dataset", "val_dataset") and vals:
             out += [tok, *[local_dataset(v, files, cmd) for v in vals]]

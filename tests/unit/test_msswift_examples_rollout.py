@@ -173,7 +173,7 @@ NNODES=2 NODE_RANK=1 MASTER_ADDR=<node3_ip> MASTER_PORT=29500 swift rlhf --rlhf_
     --vllm_server_port <node1_port> <node2_port> --dataset AI-MO/NuminaMath-TIR#1000
 """
     cmds, _ = _extract(mx, text)
-    models = {k: Path(f"/m/{k}") for k in ("qwen2", "llama", "moe", "awq", "gptq")}
+    models = {k: Path(f"/m/{k}") for k in ("qwen2", "llama", "moe", "awq", "gptq", "teacher")}
     files = {"grpo": Path("/d/grpo.jsonl")}
     plan = mx.make_plan("examples/x.sh", cmds, models, files, None, 29999, "transformers")
     assert plan.rollout == "transformers" and len(plan.steps) == 1 and len(plan.steps[0]) == 2
@@ -219,10 +219,14 @@ def test_gkd_is_run_with_a_local_teacher_and_sft_rows(mx):
     cmds, launchers = _extract(mx, GKD)
     assert [c.sub for c in cmds] == ["rlhf"] and mx.skip_reason("examples/x.sh", cmds, launchers) is None
     assert cmds[0].opt("gkd_logits_topk") == ["64"] and cmds[0].opt("vllm_max_model_len") == ["4096"]
-    models = {k: Path(f"/m/{k}") for k in ("qwen2", "llama", "moe", "awq", "gptq")}
+    models = {k: Path(f"/m/{k}") for k in ("qwen2", "llama", "moe", "awq", "gptq", "teacher")}
     files = {k: Path(f"/d/{k}.jsonl") for k in ("alpaca", "messages", "grpo")}
     _, argv = mx.translate(cmds[0], models, files, None, 29500)
-    assert mx.opt_values(argv, "model") == mx.opt_values(argv, "teacher_model") == ["/m/qwen2"]
+    assert mx.opt_values(argv, "model") == ["/m/qwen2"]
+    assert mx.opt_values(argv, "teacher_model") == ["/m/teacher"]   # another model: other weights
+    same = mx.Command("examples/x.sh", "rlhf", {}, ["--rlhf_type", "gkd", "--model", "Qwen/Qwen3-4B",
+                                                    "--teacher_model", "Qwen/Qwen3-4B"])   # opsd.sh: itself
+    assert mx.opt_values(mx.translate(same, models, files, None, 1)[1], "teacher_model") == ["/m/qwen2"]
     # GKD trains on sft rows: a GRPO prompt set (NuminaMath-TIR) is read as chat messages with their answers
     assert mx.opt_values(argv, "dataset") == ["/d/alpaca.jsonl#2000", "/d/messages.jsonl#5000", "/d/messages.jsonl"]
     grpo = mx.Command("examples/x.sh", "rlhf", {}, ["--rlhf_type", "grpo", "--dataset", "AI-MO/NuminaMath-TIR"])
