@@ -58,9 +58,11 @@ def gkd_seq_kd(c: RunConfig) -> str | None:
 def gkd_generation(c: RunConfig) -> str | None:
     if not gkd_run(c):
         return None
-    if c.rlhf.multi_turn_scheduler:
-        return ("--multi-turn-scheduler with --rlhf-type gkd: GKD samples one completion per row here (multi-turn "
-                "rollouts are GRPO's); drop the flag")
+    from swiftlite.config.multi_turn_options import MULTI_TURN_KEYS
+    given = [k for k in MULTI_TURN_KEYS if k in c.explicit]
+    if given:
+        return (f"{', '.join('--' + k.replace('_', '-') for k in given)} with --rlhf-type gkd: GKD samples one "
+                "completion per row here (multi-turn rollouts are GRPO's); drop the flag")
     from swiftlite.config.rules_vllm import vllm_problem   # --use_vllm: GRPO's engines, GRPO's rules
     return vllm_problem(c)
 
