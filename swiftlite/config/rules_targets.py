@@ -28,7 +28,11 @@ def _loss_scale(c: RunConfig):
             return f"--loss-scale {v}: {e}"
         if spec.plain_text and scale != LossScale("all"):
             return f"--loss-scale {v}: {c.task} trains every token of plain-text rows (all); drop the flag"
-        if spec.own_options == "rlhf" and scale != LossScale("last_round"):
+        if spec.own_options == "rlhf" and c.rlhf.rlhf_type == "gkd":   # sft rows: their targets, unweighted
+            if not scale.is_binary:
+                return (f"--loss-scale {v}: GKD's divergence takes no per-token weights; use a binary scale "
+                        "(last_round, ms-swift's rlhf default; default: every assistant turn)")
+        elif spec.own_options == "rlhf" and scale != LossScale("last_round"):
             return (f"--loss-scale {v}: rlhf trains on the answer of each pair or completion (last_round, ms-swift's "
                     "default there); drop the flag")
     if not scale.is_binary and c.train.loss_impl in ("liger", "cce"):

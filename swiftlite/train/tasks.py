@@ -298,7 +298,11 @@ class GkdTask(Task):
 
     def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
                      progress: Callable[[str, int], Any] | None = None) -> Any:
+        """sft's rows; their targets by --loss_scale, whose rlhf default is ms-swift's last_round (the
+        assistant turns after the last user turn: the response a sampled step replaces)."""
         from swiftlite.data.pipeline import prepare_datasets
+        if cfg.data.loss_scale is None:
+            cfg = cfg.with_values(loss_scale="last_round")
         return prepare_datasets(cfg, tokenizer, world_size, progress=progress)
 
     def make_batches(self, cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> Any:

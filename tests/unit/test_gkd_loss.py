@@ -79,3 +79,35 @@ def test_response_start_is_the_last_run_of_targets():
     assert response_start([IGNORE, 1, 2, IGNORE, 3, IGNORE]) == 4   # a trailing non-target after the response
     assert response_start([IGNORE, IGNORE]) == 2                    # no target: the completion follows the row
     assert response_start([4, 5]) == 0
+
+
+def test_gkd_rows_train_the_last_response_by_default(tmp_path):
+    """ms-swift's rlhf default --loss_scale is last_round: a GKD row's targets are the response after the last
+    user turn (the one a sampled step replaces); --loss_scale default trains every assistant turn."""
+    import json
+
+    from swiftlite.cli import parse_run_args
+    from swiftlite.config import load_config
+    from swiftlite.models.loading import load_tokenizer
+    from swiftlite.train.tasks import task_of
+    data = tmp_path / "mt.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "one"},
+                                             {"role": "user", "content": "again"},
+                                             {"role": "assistant", "content": "two"}]}) + "\n")
+    extra_args = ["--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1"]
+    runs = {}
+    for extra in ([], ["--loss_scale", "default"]):
+        config_file, values = parse_run_args(["--model", "tiny-llama-2l", "--dataset", str(data), "--rlhf_type", "gkd",
+                                              "--teacher_model", "tiny-llama", "--output_dir", str(tmp_path / "o"), "--max_length", "512",
+                                              *extra_args, *extra])
+        cfg = load_config(config_file, values, task="rlhf", validate_paths=False)
+        tok = load_tokenizer(cfg)
+        rows = task_of(cfg).prepare_data(cfg, tok, 1)[0].rows
+        labels = list(rows[0]["labels"])
+        runs[bool(extra)] = (labels, tok)
+    last, tok = runs[False]
+    every, _ = runs[True]
+    runs_of = lambda lab: sum(1 for i, x in enumerate(lab) if x != IGNORE and (i == 0 or lab[i - 1] == IGNORE))  # noqa
+    assert runs_of(last) == 1 and runs_of(every) == 2
+    assert "two" in tok.decode([x for x in last if x != IGNORE]) and "one" not in tok.decode([x for x in last
+                                                                                                 if x != IGNORE])
