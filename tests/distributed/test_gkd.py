@@ -4,7 +4,8 @@ FSDP2 on the policy's mesh, a ZeRO-3 partition). --lmbda 0.5 with --seed 0 makes
 dataset's responses and step 2 on completions the student samples (the draw is (seed + step)'s, the
 completion seeds (seed, step, row)'s: the same completions on any number of processes). Asserted per step:
 the branch, loss, jsd and gradient norm (1e-5 relative) equal the one-process run's, and the completions
-logged are the same texts."""
+logged are the same texts. With LoRA whose teacher is the run's own model (the base with the adapter
+disabled inside the sharded student), FSDP2 and FSDP1 x 2 give one process's steps too."""
 
 from __future__ import annotations
 
@@ -70,3 +71,38 @@ def test_two_processes_match_one(runs, backend):
         for k in ("loss", "grad_norm", "jsd"):
             assert b[k] == pytest.approx(a[k], rel=1e-5), (backend, a["step"], k)
     assert sorted(c["completion"] for c in c2) == sorted(c["completion"] for c in c1)
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """LoRA (dropout 0: the same masks on any world size) whose teacher is the run's own model, i.e. its base
+    with the adapter disabled inside the sharded student (FSDP2's DTensors, FSDP1's flat parameters);
+    --sft_alpha moves the adapter on the dataset step, so the sampled step has a distance to close."""
+    d = tmp_path_factory.mktemp("gkd_lora")
+    (d / "d.jsonl").write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"reverse: {w}"},
+                                 {"role": "assistant", "content": w[::-1]}]}) + "\n"
+        for w in ["abcd", "bcda", "cdab", "dabc", "abdc", "badc", "cadb", "dcba"]))
+    common = ["rlhf", "--rlhf-type", "gkd", "--model", "tiny-llama-2l", "--teacher-model", "tiny-llama-2l",
+              "--torch-dtype", "fp32", "--seed", str(SEED), "--train-type", "lora", "--lora-dropout", "0",
+              "--logging-steps", "1", "--save-strategy", "no", "--learning-rate", "1e-2", "--lmbda", "0.5",
+              "--max-completion-length", "6", "--gradient-accumulation-steps", "1", "--dataset", d / "d.jsonl",
+              "--max-steps", "2", "--sft-alpha", "0.5"]
+    run_cli([*common, "--per-device-train-batch-size", "4", "--parallelism", "single", "--output-dir", d / "one"])
+    env = cli_env()
+    env["NPROC_PER_NODE"] = "2"
+    for backend in ("fsdp", "fsdp1"):
+        run_cli([*common, "--per-device-train-batch-size", "2", "--parallelism", backend, "--output-dir", d / backend],
+                env=env)
+    return {n: [json.loads(x) for x in (d / n / "logging.jsonl").read_text().splitlines() if '"loss"' in x]
+            for n in ("one", "fsdp", "fsdp1")}
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "fsdp1"])
+def test_lora_base_teacher_on_two_processes_matches_one(lora_runs, backend):
+    one, two = lora_runs["one"], lora_runs[backend]
+    assert [s["on_policy"] for s in one] == [s["on_policy"] for s in two] == [0.0, 1.0]
+    assert abs(one[0]["jsd"]) < 1e-7 and one[1]["jsd"] > 1e-4      # B = 0 at the start; then the adapter moved
+    for a, b in zip(one, two):
+        for k in ("loss", "grad_norm", "jsd"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-9), (backend, a["step"], k)
