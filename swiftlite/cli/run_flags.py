@@ -16,8 +16,9 @@ IGNORED_FLAGS = {"--local_rank", "--local-rank"}  # appended by the DeepSpeed la
 SHORTHANDS = {"--lora": ("train_type", "lora"), "--qlora": ("train_type", "qlora"),
               "--full": ("train_type", "full")}
 TASK_HELP = {"sft": "Supervised fine-tuning on chat data.", "pt": "Continued pre-training on text.",
-             "rlhf": "Preference training (--rlhf-type: DPO and its siblings on chosen/rejected pairs), or GRPO "
-                     "(--rlhf-type grpo) on prompts with reward functions (docs/rlhf.md)."}
+             "rlhf": "Preference training (--rlhf-type: DPO and its siblings on chosen/rejected pairs), GRPO "
+                     "(--rlhf-type grpo) on prompts with reward functions, or GKD (--rlhf-type gkd) distilling a "
+                     "teacher on sft rows (docs/rlhf.md)."}
 FLAG_WIDTH = 36
 
 
@@ -165,7 +166,9 @@ def help_line(spec: Any) -> str:
 def run_help(task: str) -> str:
     """`swiftlite sft --help` / `pt --help` / `rlhf --help`: every config field, by section."""
     from swiftlite.config import SECTIONS, field_specs
+    from swiftlite.config.schema import section_classes
     from swiftlite.config.tasks import task_spec
+    classes = section_classes()
     lines = [f"Usage: swiftlite {task} [OPTIONS]", "", TASK_HELP[task],
              "Every option also accepts its underscore spelling (--max_length = --max-length); ms-swift's "
              "flags mean what they mean there, and the ones that mean nothing here say what to use instead "
@@ -177,5 +180,8 @@ def run_help(task: str) -> str:
         if sec == "rlhf" and task_spec(task).own_options != sec:
             continue  # rlhf's own options (config/rules.py refuses them elsewhere)
         lines.append(f"\n{sec}:")
-        lines += [help_line(s) for s in specs.values() if s.section == sec and s.cli]
+        mine = [s for s in specs.values() if s.section == sec and s.cli]
+        own = set(vars(classes[sec]).get("__annotations__", {}))
+        # a section's own fields first, then those of its option mixins (config/*_options.py)
+        lines += [help_line(s) for s in sorted(mine, key=lambda s: s.name not in own)]
     return "\n".join(lines)

@@ -429,10 +429,10 @@ class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, MultiTurnOptions, Gk
     generation_batch_size: int | None = opt(None, "GRPO: completions per generation round (ms-swift's); sets the "
                                             "steps per generation to it / (per-device x processes). Give this or "
                                             "--steps-per-generation.")
-    use_vllm: bool = opt(False, "GRPO: generate with vLLM (needs the vllm package and a GPU; otherwise "
+    use_vllm: bool = opt(False, "GRPO, GKD: generate with vLLM (colocate: the vllm package and a GPU; otherwise "
                          "transformers' generate is used).")
-    vllm_mode: str | None = opt(None, "GRPO with --use-vllm: colocate (vLLM in the training processes).",
-                                choices=("colocate", "server"))
+    vllm_mode: str | None = opt(None, "GRPO, GKD with --use-vllm: colocate (vLLM in the training processes) or server "
+                                "(a `swiftlite rollout` server).", choices=("colocate", "server"))
     cosine_min_len_value_wrong: float = opt(-0.5, "cosine reward: value of a wrong answer of length 0.")
     cosine_max_len_value_wrong: float = opt(0.0, "cosine reward: value of a wrong answer of the longest length.")
     cosine_min_len_value_correct: float = opt(1.0, "cosine reward: value of a correct answer of length 0.")
