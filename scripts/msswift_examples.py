@@ -16,7 +16,7 @@ resolved), and run as `python -m swiftlite ...` with:
   otherwise; a pre-quantized AWQ/GPTQ model gets a tiny folder carrying that quantization_config; a
   `--teacher_model` other than the script's `--model` gets the Qwen2 folder's shape with other weights;
 - `--dataset` / `--val_dataset` replaced by local files of the same format (`#N` and `:subset` kept as
-  `#N`): alpaca rows, chat messages, tool-calling rows (ms-swift's agent format), query/response,
+  `#N`; a `--to_cached_dataset true` export of a whole hub dataset gets `#CACHED_ROWS`, enough rows to pack): alpaca rows, chat messages, tool-calling rows (ms-swift's agent format), query/response,
   self-cognition rows (query/response/tag with {{NAME}}/{{AUTHOR}}), preference pairs, KTO rows, GRPO prompts with a solution column, plain text;
   GRPO's `--chord_sft_dataset` (CHORD's expert rows) by the chat-messages file, and so is a GRPO prompt set
   under `--rlhf_type gkd` (GKD trains on sft rows: ms-swift's loader gives NuminaMath-TIR's `messages`,
@@ -425,7 +425,15 @@ def local_dataset(spec: str, files: dict[str, Path], cmd: Command) -> str:
     if kind is None:
         kind = {"grpo": "grpo", "kto": "kto", "dpo": "preference", "orpo": "preference", "simpo": "preference",
                 "cpo": "preference", "rm": "preference"}.get(rl, "text" if cmd.sub == "pt" else "messages")
+    if not n and cmd.sub == "export" and (cmd.opt("to_cached_dataset") or ["false"])[0].lower() == "true":
+        n = str(CACHED_ROWS)   # the hub dataset's size stands in: the cached rows are packed into long sequences
     return str(files[kind]) + (f"#{n}" if n else "")
+
+
+#: Rows a `--to_cached_dataset true` export of a whole hub dataset (no `#N`) gets from the local file (ms-swift's
+#: `#N` sampling, repeating it): its scripts pack the cached rows into 8192-token sequences, 8 per step, which
+#: the 64 local rows of this tokenizer's bytes do not fill (the hub's hold 110k rows).
+CACHED_ROWS = 3000
 
 
 def build_models(d: Path) -> dict[str, Path]:

@@ -248,3 +248,14 @@ swift rlhf --rlhf_type gkd --model Qwen/Qwen2.5-7B --teacher_model $teacher_mode
     assert cmds[0].opt("teacher_model") == ["Qwen/Qwen2.5-14B-Instruct"]
     files = {"messages": Path("/d/messages.jsonl")}
     assert mx.local_dataset("new_dataset.jsonl#10000", files, cmds[0]) == "/d/messages.jsonl#10000"
+
+
+def test_a_cached_dataset_export_gets_enough_rows_to_pack(mx):
+    """examples/train/cached_dataset/sft.sh exports a whole hub dataset (no #N) and packs it into 8192-token
+    sequences, 8 per step: its local stand-in is sampled to CACHED_ROWS rows; an export with #N keeps its N."""
+    files = {k: Path(f"/d/{k}.jsonl") for k in ("messages", "text")}
+    cached = mx.Command("examples/x.sh", "export", {}, ["--dataset", "swift/x-SFT", "--to_cached_dataset", "true"])
+    assert mx.local_dataset("swift/x-SFT", files, cached) == f"/d/messages.jsonl#{mx.CACHED_ROWS}"
+    assert mx.local_dataset("swift/x-SFT#100", files, cached) == "/d/messages.jsonl#100"
+    plain = mx.Command("examples/x.sh", "sft", {}, ["--dataset", "swift/x-SFT"])
+    assert mx.local_dataset("swift/x-SFT", files, plain) == "/d/messages.jsonl"
