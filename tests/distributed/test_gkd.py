@@ -19,13 +19,16 @@ from tests.conftest import cli_env, run_cli
 SEED = 0
 
 
+def _write_rows(path):
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"reverse: {w}"},
+                                                     {"role": "assistant", "content": w[::-1]}]}) + "\n"
+                            for w in ["abcd", "bcda", "cdab", "dabc", "abdc", "badc", "cadb", "dcba"]))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("gkd_dist")
-    (d / "d.jsonl").write_text("".join(
-        json.dumps({"messages": [{"role": "user", "content": f"reverse: {w}"},
-                                 {"role": "assistant", "content": w[::-1]}]}) + "\n"
-        for w in ["abcd", "bcda", "cdab", "dabc", "abdc", "badc", "cadb", "dcba"]))
+    _write_rows(d / "d.jsonl")
     common = ["rlhf", "--rlhf-type", "gkd", "--model", "tiny-llama-2l", "--teacher-model", "tiny-llama",
               "--torch-dtype", "fp32", "--seed", str(SEED), "--train-type", "full", "--logging-steps", "1",
               "--save-hf-model", "false", "--save-strategy", "no", "--learning-rate", "1e-3", "--lmbda", "0.5",
@@ -79,10 +82,7 @@ def lora_runs(tmp_path_factory):
     with the adapter disabled inside the sharded student (FSDP2's DTensors, FSDP1's flat parameters);
     --sft_alpha moves the adapter on the dataset step, so the sampled step has a distance to close."""
     d = tmp_path_factory.mktemp("gkd_lora")
-    (d / "d.jsonl").write_text("".join(
-        json.dumps({"messages": [{"role": "user", "content": f"reverse: {w}"},
-                                 {"role": "assistant", "content": w[::-1]}]}) + "\n"
-        for w in ["abcd", "bcda", "cdab", "dabc", "abdc", "badc", "cadb", "dcba"]))
+    _write_rows(d / "d.jsonl")
     common = ["rlhf", "--rlhf-type", "gkd", "--model", "tiny-llama-2l", "--teacher-model", "tiny-llama-2l",
               "--torch-dtype", "fp32", "--seed", str(SEED), "--train-type", "lora", "--lora-dropout", "0",
               "--logging-steps", "1", "--save-strategy", "no", "--learning-rate", "1e-2", "--lmbda", "0.5",
