@@ -107,7 +107,7 @@ def setup(run: Any) -> Any:
     b = run.batches
     b.model = run.model
     b.teacher, b.teacher_kind = teacher_module(run)
-    from swiftlite.rlhf.vllm_gen import build_generator   # --use_vllm: every micro-batch of a step in one call
+    from swiftlite.rlhf.generators import build_generator   # --use_vllm: every micro-batch of a step in one call
     b.vllm = build_generator(run, per_device=b.plan.per_device, steps_per_generation=b.plan.accumulation)
     if run.cfg.rlhf.log_completions and run.world.is_main:
         b.log_path = run.run_dir / COMPLETIONS_FILE

@@ -169,7 +169,7 @@ def setup(run: Any) -> Any:
         from swiftlite.rlhf.reward_model import build_reward_models
         b.rewards = [*b.rewards, *build_reward_models(cfg.rlhf, run.world.device, torch_dtype(cfg.model.torch_dtype),
                                                       cfg.model.trust_remote_code)]
-    from swiftlite.rlhf.vllm_gen import build_generator   # --use_vllm: a rollout server's client or colocated
+    from swiftlite.rlhf.generators import build_generator   # --use_vllm: a rollout server's client or colocated
     b.vllm = build_generator(run, per_device=b.plan.per_device, steps_per_generation=b.plan.steps_per_generation)
     if cfg.rlhf.log_completions and run.world.is_main:
         b.log_path = run.run_dir / COMPLETIONS_FILE
