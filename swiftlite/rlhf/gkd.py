@@ -116,20 +116,20 @@ def setup(run: Any) -> Any:
 
 def _sampled_rows(engine: Any, b: GkdBatches, micro: list[list[int]], step: int) -> tuple[list[list[dict]], list]:
     """Each micro-batch's rows with their last response replaced by the student's completion, and
-    (row index, completion text, its tokens) for the log and the length metric."""
+    (row index, completion ids) for the length metric and the log (decoded only there)."""
     rows = [select(b.rows, mb) for mb in micro]
     starts = [[response_start(list(r["labels"])) for r in rs] for rs in rows]
     prompts = [[list(r["input_ids"][:s]) for r, s in zip(rs, ss)] for rs, ss in zip(rows, starts)]
     seeds = [[completion_seed(b.seed, step, i) for i in mb] for mb in micro]
-    out, texts = [], []
+    out, sampled = [], []
     for rs, ss, mb, (comp, cmask) in zip(rows, starts, micro, _generate(engine, b, prompts, seeds)):
         new = []
         for r, s, i, c, m in zip(rs, ss, mb, comp.tolist(), cmask.sum(-1).tolist()):
             c = c[:int(m)]
             new.append({"input_ids": list(r["input_ids"][:s]) + c, "labels": list(r["labels"][:s]) + c})
-            texts.append((i, b.tokenizer.decode(c), len(c)))
+            sampled.append((i, c))
         out.append(new)
-    return out, texts
+    return out, sampled
 
 
 def _generate(engine: Any, b: GkdBatches, prompts: list[list[list[int]]], seeds: list[list[int]]
@@ -177,9 +177,9 @@ def gkd_step(engine: Any, batches: GkdBatches, step: int, *, data_step: int | No
     k = step if data_step is None else data_step
     micro = b.plan.micro_batches(k, world.rank)
     on_policy = b.on_policy(step)
-    texts: list = []
+    sampled: list = []
     if on_policy:
-        rows, texts = _sampled_rows(engine, b, micro, step)
+        rows, sampled = _sampled_rows(engine, b, micro, step)
     else:
         rows = [select(b.rows, mb) for mb in micro]
     sft = b.options.sft_alpha > 0 and not on_policy
@@ -200,7 +200,7 @@ def gkd_step(engine: Any, batches: GkdBatches, step: int, *, data_step: int | No
         before_optimizer(engine)
     grad_norm = engine.step()
     jsd_all, nll_all, tokens_all, n_comp, len_comp = all_reduce_sum(
-        [jsd_total, nll_total, float(tokens), float(len(texts)), float(sum(n for _, _, n in texts))])
+        [jsd_total, nll_total, float(tokens), float(len(sampled)), float(sum(len(c) for _, c in sampled))])
     metrics = {"jsd": jsd_all / targets, "on_policy": float(on_policy)}
     if on_policy:
         metrics["completions/mean_length"] = len_comp / max(1.0, n_comp)
@@ -209,20 +209,20 @@ def gkd_step(engine: Any, batches: GkdBatches, step: int, *, data_step: int | No
     stats = StepStats(step=step + 1, loss=(jsd_all + b.options.sft_alpha * nll_all) / targets,
                       grad_norm=float(grad_norm), tokens=int(tokens_all), target_tokens=int(targets), metrics=metrics)
     if on_policy and b.options.log_completions:
-        _log(b, step, texts)
+        _log(b, step, sampled)
     return stats
 
 
-def _log(b: GkdBatches, step: int, texts: list) -> None:
+def _log(b: GkdBatches, step: int, sampled: list) -> None:
     """The step's sampled completions, every process's, into completions.jsonl (main rank)."""
-    parts = gather_objects(texts, b.world.world_size)
+    parts = gather_objects(sampled, b.world.world_size)
     if b.log_path is None:
         return
     with open(b.log_path, "a") as f:
-        for i, text, _ in sorted(x for part in parts for x in part):
+        for i, ids in sorted(x for part in parts for x in part):
             row = b.rows[i]
             prompt = b.tokenizer.decode(list(row["input_ids"][:response_start(list(row["labels"]))]))
-            f.write(json.dumps({"step": step + 1, "prompt": prompt, "completion": text}) + "\n")
+            f.write(json.dumps({"step": step + 1, "prompt": prompt, "completion": b.tokenizer.decode(ids)}) + "\n")
 
 
 def evaluate_gkd(run: Any) -> dict[str, float]:
