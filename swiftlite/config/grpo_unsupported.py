@@ -15,8 +15,8 @@ _FLAT = ("the weights always reach the rollout server tensor by tensor over the 
          "gloo on CPUs), one bucket being what the flag would change: drop the flag")
 _ENGINE = ("is not passed to swiftlite's colocated vLLM engine (the options it takes: docs/rlhf.md \"vLLM\"): drop "
            "the flag")
-_VARIANT = ("is an option of a GRPO variant swiftlite does not have (its GRPO: --loss-type grpo, bnpo, dr_grpo or "
-            "dapo, token-level ratios, group advantages; docs/rlhf.md): drop the flag")
+_VARIANT = ("is an option of a GRPO variant swiftlite does not have (its GRPO: --loss-type grpo, bnpo, dr_grpo, "
+            "dapo, real or fipo, --delta, --dynamic-sample; docs/rlhf.md): drop the flag")
 _ROLLOUT = ("gym and tool rollouts are not available: a completion is sampled per prompt and sample (with "
             "--multi_turn_scheduler math_tip_trick, continued over turns) and scored by --reward-funcs")
 
@@ -33,11 +33,9 @@ GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vLLM gets the merged weights every round (base + B@A x scale), no LoRA adapter inside vLLM: drop the flag",
      ("vllm_max_lora_rank",)),
     (f"this {_VARIANT}",
-     ("delta", "off_policy_sequence_mask_delta", "rollout_importance_sampling_mode",
-      "rollout_importance_sampling_threshold", "top_entropy_quantile",
-      "advantage_reweight", "dynamic_sample",
-      "max_resample_times", "tau_pos", "tau_neg", "fipo_clip_high_only",
-      "fipo_clip_range", "fipo_decay_rate", "fipo_safety_threshold", "sdar_gate_beta", "sdar_loss_coef",
+     ("off_policy_sequence_mask_delta", "rollout_importance_sampling_mode",
+      "rollout_importance_sampling_threshold", "top_entropy_quantile", "advantage_reweight", "tau_pos", "tau_neg",
+      "sdar_gate_beta", "sdar_loss_coef",
       "rlsd_lambda", "rlsd_lambda_decay_steps", "rlsd_lambda_warmup_steps", "rlsd_negative_only",
       "rlsd_reweight_clip_range", "teacher_tag_key", "ref_model_sync_steps", "ref_model_mixup_alpha", "sync_ref_model")),
     (_ROLLOUT, ("gym_env", "use_gym_env")),

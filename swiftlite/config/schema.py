@@ -24,6 +24,7 @@ from swiftlite.config.chord_options import ChordOptions
 from swiftlite.config.data_options import TRUNCATION, DataConfig
 from swiftlite.config.galore_options import GaloreOptions
 from swiftlite.config.gkd_options import GkdOptions
+from swiftlite.config.grpo_variant_options import GrpoVariantOptions
 from swiftlite.config.multi_turn_options import MultiTurnOptions
 from swiftlite.config.muonclip_options import MuonClipOptions
 from swiftlite.config.quant_options import QuantConfig
@@ -72,7 +73,7 @@ STRATEGIES, DPO_LOSS_TYPES = ("steps", "epoch", "no"), ("sigmoid", "ipo", "hinge
 RLHF_TYPES = ("dpo", "orpo", "simpo", "cpo", "kto", "rm", "grpo", "gkd")
 #: --optim values (optim.build_optimizer builds each; transformers' OptimizerNames spellings, plus muon).
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd", "adagrad", "rmsprop", "adafactor", "muon")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "real")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "real", "fipo")
 #: sft/pt --loss-type values (ms-swift's): with a binary --loss-scale both are the token cross-entropy.
 SFT_LOSS_TYPES = ("cross_entropy", "loss_scale")
 
@@ -354,8 +355,8 @@ class CheckpointConfig(Section):
 
 
 @dataclass(kw_only=True)
-class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, MultiTurnOptions, GkdOptions, Section):  # config/*_options.py
-    """`swiftlite rlhf` only (ms-swift's flag names); a sft/pt run that sets one is refused (rules.py)."""
+class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, MultiTurnOptions, GkdOptions, GrpoVariantOptions):
+    """`swiftlite rlhf` only (ms-swift's names; bases: config/*_options.py); refused in sft/pt (rules.py)."""
     rlhf_type: str = opt("dpo", "Preference method: dpo or kto (unpaired rows with a label; both with a reference "
                          "model), orpo, simpo or cpo (none); rm (a reward model: a score head on the pairs); "
                          "grpo (online: completions scored by --reward-funcs); gkd (distilling --teacher-model).",
@@ -364,7 +365,8 @@ class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, MultiTurnOptions, Gk
                              "GRPO's KL weight (0: no reference model) / GKD's JSD interpolation in [0, 1]. "
                              "Default: 2.0 for simpo, 0.04 for grpo, 0.5 for gkd, 0.1 otherwise (ms-swift's).")
     loss_type: str | None = opt(None, "DPO loss: sigmoid (default), ipo (on per-token mean log-ratios, as TRL) or "
-                                "hinge. GRPO loss aggregation: grpo (default, ms-swift's), bnpo, dr_grpo, dapo or real (REAL) "
+                                "hinge. GRPO loss aggregation: grpo (default, ms-swift's), bnpo, dr_grpo, dapo, real "
+                                "(REAL) or fipo (FIPO) "
                                 "(docs/rlhf.md). sft/pt: cross_entropy or loss_scale, both the sum of weight x "
                                 "cross-entropy over --loss-scale's targets / their number (weight 1 unless a "
                                 "weighted scale).",

@@ -50,6 +50,9 @@ from swiftlite.rlhf.teacher import k3_sum, token_advantages
 #: The completions table of --log_completions and each rank's generation round in a checkpoint (a
 #: resume inside a round continues with it): named in checkpoint/layout.py with the run's other files.
 COMPLETIONS_FILE, ROUND_FILE = layout.COMPLETIONS_FILE, layout.ROUND_FILE
+#: --dynamic_sample's resampling attempt a draws its completions from seed + a x this (generate.completion_seed),
+#: apart from every round's own draws.
+ATTEMPT_SEED_STRIDE = 7919
 
 
 @dataclass
@@ -118,7 +121,8 @@ def grpo_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) ->
     r = cfg.rlhf
     beta = 0.04 if r.beta is None else r.beta
     loss = GrpoLoss(r.loss_type or "grpo", beta, r.epsilon, r.epsilon if r.epsilon_high is None else r.epsilon_high,
-                    r.max_completion_length, r.importance_sampling_level, estimator_choices(r)[1], r.real_tau)
+                    r.max_completion_length, r.importance_sampling_level, estimator_choices(r)[1], r.real_tau,
+                    r.delta, r.fipo_decay_rate, r.fipo_clip_range, r.fipo_clip_high_only, r.fipo_safety_threshold)
     sft = getattr(train, "sft", None)
     chord = None if sft is None else ChordData(sft.rows, r.chord_sft_per_device_train_batch_size, cfg.train.seed,
                                                world.rank, tokenizer.pad_token_id)
@@ -255,30 +259,28 @@ def _call_reward(r: Any, completions: list[str], kwargs: dict, wheres: list[str]
 
 
 def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
-    """Sample, score and (where needed) take the old and reference log-probs of round `rnd`."""
+    """Sample and score round `rnd` (with --dynamic_sample, resample its groups without a reward signal:
+    rlhf/dynamic_sample.py), then take the old, reference and teacher log-probs where needed."""
     plan, world, o = b.plan, b.world, b.options
     prompts = plan.prompts(rnd)
     G = plan.num_generations
-    tok = b.tokenizer
-    micro: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
-    texts: dict[int, str] = {}
-    lengths: dict[int, int] = {}
-    truncated: dict[int, float] = {}
-    eos_ids = set(b.eos_ids)
     mine = plan.rank_micro_batches(b.data_rank)
+    mine_c = [c for mb in mine for c in mb] if b.scores else []   # a group's other ranks add nothing
+    got = _collect(b, mine, _sample_round(engine, b, rnd, prompts))
+    rewards_table = _rewards(b, got, prompts, mine_c, step)
+    resampled: dict[str, float] = {}
+    if o.dynamic_sample:
+        from swiftlite.rlhf.dynamic_sample import dynamic_round
+
+        def attempt(p: list[int], a: int) -> tuple[tuple, list[float]]:   # resampling a: sampled, scored
+            again = _collect(b, mine, _sample_round(engine, b, rnd, p, a))
+            return again, _rewards(b, again, p, mine_c, step)
+        prompts, sampled, rewards_table, resampled = dynamic_round(b, rnd, prompts, got, rewards_table, mine, attempt)
+        if sampled is not None:
+            got = _collect(b, mine, sampled)
+    micro, texts, lengths, truncated = got
+    rollout_of = {key: t.pop("rollout_logps") for key, t in micro.items() if "rollout_logps" in t}
     offp = bool(o.log_rollout_offpolicy_metrics)
-    rollout_of: dict[tuple[int, ...], torch.Tensor] = {}    # the sampling log-probs (rlhf/offpolicy.py)
-    for mb, t in zip(mine, _sample_round(engine, b, rnd)):
-        if "rollout_logps" in t:
-            rollout_of[tuple(mb)] = t.pop("rollout_logps")
-        micro[tuple(mb)] = t
-        c_ids, c_mask, counted = t["completion_ids"], t["completion_mask"], scored(t).sum(-1).tolist()
-        for j, c in enumerate(mb):
-            n = int(c_mask[j].sum())
-            lengths[c] = int(counted[j])   # the tokens the loss counts (a multi-turn round's insertions out)
-            truncated[c] = float(n == 0 or int(c_ids[j, n - 1]) not in eos_ids)   # no EOS: cut at the limit
-            texts[c] = tok.decode(c_ids[j, :n].tolist(), skip_special_tokens=True)
-        micro[tuple(mb)]["truncated"] = torch.tensor([truncated[c] for c in mb], device=c_mask.device)
     # the reference's and the sampling policy's log-probs (the old ones: --num_iterations > 1 or
     # --steps_per_generation > GA; both: --kl_in_reward, whose KL goes into the rewards below), and the
     # teacher's (--teacher_model: its log-ratio to the sampling policy joins the advantages below)
@@ -310,33 +312,19 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
                 distil[key] = (teacher, old)
                 part = k3_sum(teacher, old, scored(t))
                 k3 = [k3[0] + part[0], k3[1] + part[1]]
-    # rewards of this rank's completions, then the whole round's table on every rank
+    # the whole round's lengths, truncation flags and KLs on every rank (its rewards: `_rewards`)
     N, F = plan.round_completions, len(b.rewards)
-    mine_c = [c for mb in mine for c in mb] if b.scores else []   # a group's other ranks add nothing
-    rows = [b.rows[prompts[c // G]] for c in mine_c]
-    comps = [texts[c] for c in mine_c]
-    ids = [_completion_ids(micro, c) for c in mine_c]
-    kwargs: dict[str, Any] = {}
-    for key in sorted({k for r in rows for k in r["columns"]}):
-        kwargs[key] = [r["columns"].get(key) for r in rows]
-    kwargs.update(prompts=[r["prompt"] for r in rows], completion_ids=ids, response_token_ids=ids,
-                  messages=[r["prompt"] + [{"role": "assistant", "content": t}] for r, t in zip(rows, comps)],
-                  trainer_state=type("TrainerState", (), {"global_step": step})())
-    wheres = [r["where"] for r in rows]
-    table = [0.0] * (N * F + 3 * N + 2)                 # + completion lengths, truncated flags, KL, teacher k3
-    for f, r in enumerate(b.rewards if mine_c else ()):
-        for c, v in zip(mine_c, _call_reward(r, comps, kwargs, wheres)):
-            table[c * F + f] = v
+    table = [0.0] * (3 * N + 2)                 # completion lengths, truncated flags, KL, teacher k3
     for c in mine_c:
-        table[N * F + c] = float(lengths[c])
-        table[N * F + N + c] = truncated[c]
-        table[N * F + 2 * N + c] = kl_of.get(c, 0.0)
+        table[c] = float(lengths[c])
+        table[N + c] = truncated[c]
+        table[2 * N + c] = kl_of.get(c, 0.0)
     table[-2:] = k3 if b.scores else [0.0, 0.0]
     table = all_reduce_sum(table) if world.world_size > 1 else table
-    rpf = torch.tensor(table[:N * F], dtype=torch.float32).view(N, F)
-    lens = torch.tensor(table[N * F:N * F + N], dtype=torch.float32)
-    cut = torch.tensor(table[N * F + N:N * F + 2 * N], dtype=torch.float32)
-    kl = torch.tensor(table[N * F + 2 * N:N * F + 3 * N], dtype=torch.float32) if in_reward else None
+    rpf = torch.tensor(rewards_table, dtype=torch.float32).view(N, F)
+    lens = torch.tensor(table[:N], dtype=torch.float32)
+    cut = torch.tensor(table[N:2 * N], dtype=torch.float32)
+    kl = torch.tensor(table[2 * N:3 * N], dtype=torch.float32) if in_reward else None
     weights = torch.tensor(o.reward_weights or [1.0] * F, dtype=torch.float32)
     adv, rewards, std_zero = advantages(rpf, weights, G, estimator_choices(o)[0], o.advantage_estimator, kl,
                                         b.loss.beta)
@@ -356,7 +344,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
                "frac_reward_zero_std": float(std_zero.float().mean()),
                "completions/mean_length": float(lens.mean()), "completions/min_length": float(lens.min()),
                "completions/max_length": float(lens.max()),
-               "completions/clipped_ratio": float(cut.mean())}
+               "completions/clipped_ratio": float(cut.mean()), **resampled}
     if kl is not None:   # ms-swift's kl metric under --kl_in_reward: the completions' mean summed KL
         metrics["kl"] = float(kl.mean())
     if b.teacher is not None:   # ms-swift's teacher_kl: the k3 token mean (rlhf/teacher.py)
@@ -367,21 +355,67 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
         metrics[f"rewards/{r.name}/mean"] = float(torch.nanmean(rpf[:, f]))
         metrics[f"rewards/{r.name}/std"] = float(nanstd(rpf[:, f]))
     if o.log_completions:
-        _log_completions(b, step, prompts, mine_c, comps, rpf, adv, world)
+        _log_completions(b, step, prompts, mine_c, [texts[c] for c in mine_c], rpf, adv, world)
     return Round(rnd, micro, metrics, float(lens.sum()))
 
 
-def _sample_round(engine: Any, b: GrpoBatches, rnd: int) -> list[dict[str, torch.Tensor]]:
+def _collect(b: GrpoBatches, mine: list[list[int]], sampled: list[dict[str, torch.Tensor]]) -> tuple:
+    """(micro, texts, lengths, truncated) of this rank's sampled micro-batches: each micro-batch's tensors
+    keyed by its completions (with a `truncated` flag per row), and per completion its text, the tokens the
+    loss counts (a multi-turn round's insertions out) and 1.0 where it has no EOS (cut at the limit)."""
+    micro: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
+    texts: dict[int, str] = {}
+    lengths: dict[int, int] = {}
+    truncated: dict[int, float] = {}
+    eos_ids = set(b.eos_ids)
+    for mb, t in zip(mine, sampled):
+        micro[tuple(mb)] = t
+        c_ids, c_mask, counted = t["completion_ids"], t["completion_mask"], scored(t).sum(-1).tolist()
+        for j, c in enumerate(mb):
+            n = int(c_mask[j].sum())
+            lengths[c] = int(counted[j])
+            truncated[c] = float(n == 0 or int(c_ids[j, n - 1]) not in eos_ids)
+            texts[c] = b.tokenizer.decode(c_ids[j, :n].tolist(), skip_special_tokens=True)
+        t["truncated"] = torch.tensor([truncated[c] for c in mb], device=c_mask.device)
+    return micro, texts, lengths, truncated
+
+
+def _rewards(b: GrpoBatches, got: tuple, prompts: list[int], mine_c: list[int], step: int) -> list[float]:
+    """The round's [completions x reward functions] table, flat, the same on every rank: each rank scores
+    its own completions (`mine_c`) with every reward function and the table is summed over ranks."""
+    micro, texts = got[0], got[1]
+    G, N, F = b.plan.num_generations, b.plan.round_completions, len(b.rewards)
+    rows = [b.rows[prompts[c // G]] for c in mine_c]
+    comps = [texts[c] for c in mine_c]
+    ids = [_completion_ids(micro, c) for c in mine_c]
+    kwargs: dict[str, Any] = {}
+    for key in sorted({k for r in rows for k in r["columns"]}):
+        kwargs[key] = [r["columns"].get(key) for r in rows]
+    kwargs.update(prompts=[r["prompt"] for r in rows], completion_ids=ids, response_token_ids=ids,
+                  messages=[r["prompt"] + [{"role": "assistant", "content": t}] for r, t in zip(rows, comps)],
+                  trainer_state=type("TrainerState", (), {"global_step": step})())
+    wheres = [r["where"] for r in rows]
+    table = [0.0] * (N * F)
+    for f, r in enumerate(b.rewards if mine_c else ()):
+        for c, v in zip(mine_c, _call_reward(r, comps, kwargs, wheres)):
+            table[c * F + f] = v
+    return all_reduce_sum(table) if b.world.world_size > 1 else table
+
+
+def _sample_round(engine: Any, b: GrpoBatches, rnd: int, prompts: list[int], attempt: int = 0
+                  ) -> list[dict[str, torch.Tensor]]:
     """prompt_ids, prompt_mask, completion_ids, completion_mask (and rollout_logps, loss_mask where they
-    apply) of each of this rank's micro-batches of round `rnd`: transformers' generate per micro-batch on
+    apply) of each of this rank's micro-batches of round `rnd` (`attempt` > 0: --dynamic_sample's resampling
+    of other `prompts`, seeded apart and on the weights already synced): transformers' generate per micro-batch on
     the gathered weights, or (--use_vllm) one call to the colocated vLLM engine, the weights synced to it
     for the round (rlhf/vllm_gen.py), or (--vllm_mode server) to the rollout server(s)
     (rlhf/rollout_client.py); with --multi_turn_scheduler, one such call per turn (rlhf/multi_turn.py)."""
     plan, world, o = b.plan, b.world, b.options
-    prompts, G = plan.prompts(rnd), plan.num_generations
+    G = plan.num_generations
     mine = plan.rank_micro_batches(b.data_rank)
     ids = [[b.rows[prompts[c // G]]["input_ids"] for c in mb] for mb in mine]
-    seeds = [[completion_seed(plan.seed, rnd, c) for c in mb] for mb in mine]
+    seed = plan.seed + ATTEMPT_SEED_STRIDE * attempt
+    seeds = [[completion_seed(seed, rnd, c) for c in mb] for mb in mine]
     rows = [[b.rows[prompts[c // G]] for c in mb] for mb in mine]
     kw = dict(pad_id=b.pad_id, eos_id=b.tokenizer.eos_token_id, temperature=o.temperature, top_p=o.top_p,
               top_k=o.top_k, device=world.device)
@@ -390,7 +424,8 @@ def _sample_round(engine: Any, b: GrpoBatches, rnd: int) -> list[dict[str, torch
         off = None if o.vllm_mode == "server" else offloaded(engine, model=o.offload_model, optim=o.offload_optimizer,
                                                             device=world.device)
         return _turns(b, lambda p, s, n, first: b.vllm.generate_round(
-            b.model, engine.root(), gathered, p, s, offload=off, max_new_tokens=n, sync=first, **kw), ids, seeds, rows)
+            b.model, engine.root(), gathered, p, s, offload=off, max_new_tokens=n, sync=first and not attempt, **kw),
+            ids, seeds, rows)
     from swiftlite.parallel.gather import lockstep
     synced = lockstep(engine.root())          # FSDP1: the same generate calls on every process
     with gathered(engine.root()):            # the wrapper (FSDP1's root, the DeepSpeed engine) or the model
@@ -470,7 +505,7 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     micro = b.plan.micro_batches(j, b.data_rank)
     loss_sum, tokens, comp_tokens = 0.0, 0, 0
     sums = {"kl": 0.0, "entropy": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "clip_n": 0.0, "kept": 0.0,
-            "chord": 0.0}
+            "chord": 0.0, "future_kl": 0.0, "influence_weight": 0.0, "safety": 0.0}
     r = b.options
     mu = 0.0 if b.chord is None else mu_schedule(step, r.chord_mu_warmup_steps, r.chord_mu_decay_steps,
                                                  r.chord_mu_peak, r.chord_mu_valley)
@@ -520,6 +555,8 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
         if terms.kl is not None:
             sums["kl"] += float((terms.kl.detach() * m).sum())
         sums["entropy"] += float((ent * m).sum())
+        for name, v in (terms.fipo or {}).items():   # FIPO's token means (ms-swift's fipo/* metrics)
+            sums[name] += float((v.to(m.dtype) * m).sum())
         cs = clip_stats(o, terms.ratio.detach(), t["advantages"], lmask)
         for name in ("low", "high", "region"):
             sums[name] += float(cs[name].sum())
@@ -542,6 +579,10 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     out["clip_ratio/low_mean"] = agg["low"] / clip_n
     out["clip_ratio/high_mean"] = agg["high"] / clip_n
     out["clip_ratio/region_mean"] = agg["region"] / clip_n
+    if o.loss_type == "fipo":
+        out.update({"fipo/future_kl_mean": agg["future_kl"] / denom,
+                    "fipo/influence_weight_mean": agg["influence_weight"] / denom,
+                    "fipo/safety_keep_ratio": agg["safety"] / denom})
     if b.chord is not None:   # mu of this step; the expert batches' mean cross-entropy (0 when mu is 0)
         out["chord_mu"] = mu
         out["chord_sft_loss"] = agg["chord"] / (len(micro) * world.world_size)

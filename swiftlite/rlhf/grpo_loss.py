@@ -28,6 +28,17 @@ Aggregation over one micro-batch (mask m: completion tokens up to and including 
 and the optimizer step's loss is the mean of its micro-batches' (TRL divides by the accumulation
 steps and the backends average over ranks).
 
+--delta (two-sided clipping, INTELLECT-2, ms-swift's and TRL's) caps the unclipped term's ratio:
+    loss_it = -min(min(ratio, delta) A_i, clipped A_i)
+so that a token with a negative advantage and a large ratio has a bounded loss.
+
+FIPO (--loss_type fipo, ms-swift's `_compute_fipo_influence`) is dapo's loss with each token's term
+(before the KL) times an influence weight w_t (`fipo_weight`): exp of the decayed sum of the log-ratios
+from t to the end of the completion, clamped by --fipo_clip_range and capped for negative-advantage tokens
+above --fipo_safety_threshold. w is detached, and 1 while the policy is the sampling one (l_old = l), so
+FIPO differs from dapo only on a round's later optimizer steps (--num_iterations > 1 or
+--steps_per_generation > GA).
+
 REAL (--loss_type real, ms-swift's, arXiv 2602.05630) is no per-token loss: each completion's score is
 its mean token log-ratio s_i = mean_t m (l - l_old), and each group whose advantages hold both a positive
 and a non-positive one (a valid group) gives
@@ -50,7 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "real")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "real", "fipo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
 #: ms-swift's defaults tied to --advantage_estimator: (--scale_rewards, --kl_in_reward).
 ESTIMATOR_DEFAULTS = {"grpo": ("group", False), "rloo": ("none", True), "reinforce_plus_plus": ("batch", True)}
@@ -115,6 +126,11 @@ class GrpoLoss:
     importance_sampling_level: str = "token"
     kl_in_reward: bool = False         # beta's KL is in the rewards (advantages), not in the loss
     real_tau: float = 0.5              # --real_tau (REAL's temperature)
+    delta: float | None = None         # --delta: the unclipped ratio's cap (two-sided clipping)
+    fipo_decay_rate: float = 32.0      # --fipo_* (FIPO, below)
+    fipo_clip_range: float | None = 0.2
+    fipo_clip_high_only: bool = True
+    fipo_safety_threshold: float | None = 4.0
 
 
 def real_terms(adv: torch.Tensor, num_generations: int, tau: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,6 +152,43 @@ class TokenTerms:
     per_token_loss: torch.Tensor     # [B, T] before masking
     ratio: torch.Tensor              # [B, T] exp(l - l_old)
     kl: torch.Tensor | None          # [B, T] k3 estimate, None when beta == 0
+    fipo: dict[str, torch.Tensor] | None = None   # [B, T] future_kl, influence_weight, safety (--loss_type fipo)
+
+
+#: Target positions per block of FIPO's decay matrix: a [block, T] matrix alive at a time, not [T, T].
+FIPO_BLOCK = 128
+
+
+def fipo_weight(o: GrpoLoss, log_ratio: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+                ) -> dict[str, torch.Tensor]:
+    """FIPO's token influence weights (module docstring), detached: the future KL F_t = sum over s >= t of
+    gamma^(s - t) d_s, d = the masked token log-ratio (0 where the ratio exceeds --delta), gamma =
+    2^(-1 / --fipo_decay_rate); w = exp(F) clamped to [1 - r, 1 + r] ([1, 1 + r] with --fipo_clip_high_only,
+    r = --fipo_clip_range, no clamp when r is 0 or None); tokens with a negative advantage and a ratio above
+    --fipo_safety_threshold keep w within [0.8, 1] (ms-swift's constants)."""
+    with torch.no_grad():
+        m = mask.bool()
+        d = log_ratio.masked_fill(~m, 0.0)
+        if o.delta is not None:
+            d = torch.where(ratio.expand_as(d) > o.delta, torch.zeros_like(d), d)
+        T = d.shape[1]
+        gamma = 2.0 ** (-1.0 / o.fipo_decay_rate)
+        s = torch.arange(T, device=d.device, dtype=d.dtype)
+        future = torch.empty_like(d)
+        for lo in range(0, T, FIPO_BLOCK):
+            t = s[lo:lo + FIPO_BLOCK].unsqueeze(1)             # [block, 1] target positions
+            dist = s.unsqueeze(0) - t                          # [block, T]: s - t
+            decay = torch.where(dist >= 0, gamma ** dist.clamp(min=0), torch.zeros_like(dist))
+            future[:, lo:lo + FIPO_BLOCK] = d @ decay.t()
+        future = future.masked_fill(~m, 0.0)
+        w = torch.exp(future)
+        if o.fipo_clip_range:
+            w = w.clamp(min=1.0 if o.fipo_clip_high_only else 1.0 - o.fipo_clip_range, max=1.0 + o.fipo_clip_range)
+        safe = torch.ones_like(m)
+        if o.fipo_safety_threshold is not None:
+            safe = ~((adv < 0) & (ratio > o.fipo_safety_threshold)).expand_as(m)
+            w = torch.where(safe, w, w.clamp(min=0.8, max=1.0))
+    return {"future_kl": future, "influence_weight": w, "safety": safe}
 
 
 def token_terms(o: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
@@ -165,13 +218,18 @@ def token_terms(o: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor | None
     else:
         raise ValueError(f"importance_sampling_level {o.importance_sampling_level!r}")
     clipped = torch.clamp(ratio, 1 - o.epsilon, 1 + o.epsilon_high)
-    loss = -torch.min(ratio * a, clipped * a)
+    unclipped = ratio if o.delta is None else torch.clamp(ratio, max=o.delta)   # --delta: two-sided
+    loss = -torch.min(unclipped * a, clipped * a)
+    fipo = None
+    if o.loss_type == "fipo":
+        fipo = fipo_weight(o, log_ratio, ratio.detach(), a, torch.ones_like(logps) if mask is None else mask)
+        loss = loss * fipo["influence_weight"]
     kl = None
     if o.beta != 0.0 and not o.kl_in_reward:
         d = ref_logps - logps
         kl = torch.exp(d) - d - 1
         loss = loss + o.beta * kl
-    return TokenTerms(loss.expand_as(logps) if loss.shape != logps.shape else loss, ratio, kl)
+    return TokenTerms(loss.expand_as(logps) if loss.shape != logps.shape else loss, ratio, kl, fipo)
 
 
 def aggregate(o: GrpoLoss, per_token_loss: torch.Tensor, mask: torch.Tensor, dapo_tokens: float | None = None,
@@ -186,7 +244,7 @@ def aggregate(o: GrpoLoss, per_token_loss: torch.Tensor, mask: torch.Tensor, dap
         return s.sum() / m.sum().clamp(min=1.0)
     if o.loss_type == "dr_grpo":
         return s.sum() / (per_token_loss.size(0) * o.max_completion_length)
-    if o.loss_type == "dapo":
+    if o.loss_type in ("dapo", "fipo"):
         return s.sum() / max(1.0, float(dapo_tokens if dapo_tokens is not None else m.sum()))
     if o.loss_type == "real":   # real = (sum of the completions' value shares, groups, k3 KL or None)
         value, groups, kl = real
@@ -213,7 +271,7 @@ def micro_batch_loss(o: GrpoLoss, per_token_loss: torch.Tensor, mask: torch.Tens
             m = mask.to(per_token_loss.dtype)
             part = part + o.beta * (kl * m).sum() / m.sum().clamp(min=1.0) / accumulation
         return part
-    if o.loss_type == "dapo":
+    if o.loss_type in ("dapo", "fipo"):
         if round_tokens is None:
             return aggregate(o, per_token_loss, mask)
         spg = accumulation if steps_per_generation is None else steps_per_generation
@@ -236,5 +294,5 @@ def clip_stats(o: GrpoLoss, ratio: torch.Tensor, adv: torch.Tensor, mask: torch.
             "tokens": m.sum(-1)}
 
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "ESTIMATOR_DEFAULTS", "GrpoLoss", "IMPORTANCE_LEVELS", "LOSS_TYPES", "TokenTerms", "advantages", "aggregate", "clip_stats", "micro_batch_loss",
+__all__ = ["ADVANTAGE_ESTIMATORS", "ESTIMATOR_DEFAULTS", "GrpoLoss", "IMPORTANCE_LEVELS", "LOSS_TYPES", "TokenTerms", "advantages", "aggregate", "clip_stats", "fipo_weight", "micro_batch_loss",
            "nanstd", "real_terms", "token_terms"]

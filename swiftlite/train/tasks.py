@@ -270,15 +270,19 @@ class GrpoTask(Task):
         scale, in_reward = estimator_choices(b.options)
         adv = (f"; {b.options.advantage_estimator} advantages, scaled by {scale}"
                + (", KL in the rewards" if in_reward and o.beta != 0.0 else ""))
+        from swiftlite.config.grpo_variant_options import describe_variants
         from swiftlite.config.multi_turn_options import describe_turns
-        return (f"grpo ({o.loss_type} loss, beta {o.beta:g}{ref}{adv}; {p.num_generations} completions per prompt, "
+        return (f"grpo ({o.loss_type} loss{describe_variants(b.options)}, beta {o.beta:g}{ref}{adv}; "
+                f"{p.num_generations} completions per prompt, "
                 f"{p.round_prompts} prompts per generation round, rewards "
                 f"{', '.join(r.key for r in b.rewards) or 'none'}{describe_turns(b.options)}), ")
 
     def dry_run_lines(self, cfg: Any) -> list[str]:
+        from swiftlite.config.grpo_variant_options import describe_variants
         from swiftlite.config.multi_turn_options import describe_turns
         r = cfg.rlhf
-        return [f"grpo:           {r.loss_type or 'grpo'} loss, beta {0.04 if r.beta is None else r.beta:g}, "
+        return [f"grpo:           {r.loss_type or 'grpo'} loss{describe_variants(r)}, "
+                f"beta {0.04 if r.beta is None else r.beta:g}, "
                 f"{r.num_generations} completions per prompt, rewards "
                 f"{', '.join([*r.reward_funcs, *(r.reward_model or [])]) or 'none'}"
                 + (f", teacher {r.teacher_model} (x {r.teacher_kl_coef:g} per token)" if r.teacher_model else "")
