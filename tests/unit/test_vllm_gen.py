@@ -114,7 +114,8 @@ def _options(**kw):
              vllm_max_num_seqs=None, vllm_enable_prefix_caching=True, vllm_enforce_eager=True, vllm_enable_lora=False, sleep_level=0,
              move_model_batches=None, offload_model=False, offload_optimizer=False, max_completion_length=6,
              temperature=0.7, top_p=0.9, top_k=5, reward_weights=None, scale_rewards=None, log_completions=False,
-             advantage_estimator="grpo", kl_in_reward=None, overlong_filter=False, log_rollout_offpolicy_metrics=False)
+             advantage_estimator="grpo", kl_in_reward=None, overlong_filter=False, log_rollout_offpolicy_metrics=False,
+             dynamic_sample=False)
     o.update(kw)
     return SimpleNamespace(**o)
 
