@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from swiftlite.config.access import Section, opt
+from swiftlite.config.multi_turn_options import describe_turns
 
 
 @dataclass(kw_only=True)
@@ -47,7 +48,7 @@ def describe_gkd(r: object) -> str:
           if r.lmbda > 0 else "the dataset's responses only (--lmbda 0)")
     return (f"{kind} to {r.teacher_model} at temperature {r.temperature:g}"
             + (f" over its top {r.gkd_logits_topk} tokens" if r.gkd_logits_topk else "")
-            + f", {on}" + (f", + {r.sft_alpha:g} x cross-entropy" if r.sft_alpha else ""))
+            + f", {on}" + (f", + {r.sft_alpha:g} x cross-entropy" if r.sft_alpha else "") + describe_turns(r))
 
 
 __all__ = ["GKD_KEYS", "GKD_SHARED", "GkdOptions", "describe_gkd"]

@@ -65,6 +65,11 @@ def multi_turn_problem(r: object, explicit: set[str] | frozenset[str]) -> str | 
     return None
 
 
+def scheduler_columns(r: object) -> tuple[str, ...]:
+    """The dataset columns the run's scheduler reads from each row (math_tip_trick: `solution`)."""
+    return ("solution",) if r.multi_turn_scheduler == "math_tip_trick" else ()
+
+
 def turn_bound(r: object) -> int:
     """The most turns a completion can take (the scheduler's own limit, --max-turns): what the memory
     planner multiplies --max-completion-length by under --completion-length-limit-scope per_round."""
@@ -89,4 +94,4 @@ def describe_turns(r: object) -> str:
 
 
 __all__ = ["LIMIT_SCOPES", "MULTI_TURN_KEYS", "MULTI_TURN_SCHEDULERS", "MultiTurnOptions", "completion_tokens",
-           "describe_turns", "multi_turn_problem", "turn_bound"]
+           "describe_turns", "multi_turn_problem", "scheduler_columns", "turn_bound"]

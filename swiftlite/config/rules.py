@@ -379,7 +379,7 @@ RLHF_USES = {"dpo": {"beta", "loss_type", "rpo_alpha", "label_smoothing", "ref_m
              "kto": {"beta", "desirable_weight", "undesirable_weight", "ref_model"},
              "rm": {"center_rewards_coefficient"},
              "grpo": {"beta", "loss_type", "ref_model", *GRPO_KEYS},
-             # gkd: its own keys and those it shares with GRPO; the multi-turn ones get rules_gkd's reason
+             # gkd: its own keys and those it shares with GRPO (its vLLM and multi-turn sampling)
              "gkd": {*GKD_KEYS, *GKD_SHARED, "use_vllm", "vllm_mode", *VLLM_KEYS, *MULTI_TURN_KEYS}}
 
 

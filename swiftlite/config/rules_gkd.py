@@ -58,11 +58,13 @@ def gkd_seq_kd(c: RunConfig) -> str | None:
 def gkd_generation(c: RunConfig) -> str | None:
     if not gkd_run(c):
         return None
-    from swiftlite.config.multi_turn_options import MULTI_TURN_KEYS
-    given = [k for k in MULTI_TURN_KEYS if k in c.explicit]
-    if given:
-        return (f"{', '.join('--' + k.replace('_', '-') for k in given)} with --rlhf-type gkd: GKD samples one "
-                "completion per row here (multi-turn rollouts are GRPO's); drop the flag")
+    from swiftlite.config.multi_turn_options import multi_turn_problem   # GRPO's turns, GRPO's rules
+    why = multi_turn_problem(c.rlhf, c.explicit)
+    if why:
+        return why
+    if c.rlhf.multi_turn_scheduler is not None and c.rlhf.lmbda == 0:
+        return (f"--multi-turn-scheduler {c.rlhf.multi_turn_scheduler} with --lmbda 0: no step samples completions "
+                "to continue; give --lmbda > 0 or drop the scheduler")
     from swiftlite.config.rules_vllm import vllm_problem   # --use_vllm: GRPO's engines, GRPO's rules
     return vllm_problem(c)
 

@@ -136,10 +136,12 @@ def cached(key: str, build: Callable[[], Tokenized], *, kind: type = Tokenized, 
 
 def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_length: int,
                  skip_bad_rows: bool, truncation: str = "right", system: str | None = None,
-                 loss_scale: LossScale | None = None, agent: Agent | None = None) -> tuple[list[dict], DataStats]:
+                 loss_scale: LossScale | None = None, agent: Agent | None = None,
+                 keep: tuple[str, ...] = ()) -> tuple[list[dict], DataStats]:
     """Tokenize (row, where) pairs in order; rows with no target token are dropped and counted, and so
     are rows longer than max_length under truncation "delete". A bad row raises its UserError, or is
-    skipped and counted with --skip-bad-rows. `agent`: --agent_template (tool-calling rows: data/agent.py)."""
+    skipped and counted with --skip-bad-rows. `agent`: --agent_template (tool-calling rows: data/agent.py).
+    `keep`: source columns each tokenized row carries as its "columns" (those the row has; `kept_columns`)."""
     stats = DataStats()
     rows: list[dict] = []
     cut = "right" if truncation in ("delete", "split") else truncation
@@ -175,8 +177,19 @@ def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_l
             stats.no_target += 1  # nothing to learn (e.g. the answer was truncated away)
             continue
         rows.append({"input_ids": enc.input_ids, "labels": enc.labels,
-                     **({"loss_scale": enc.weights} if enc.weights is not None else {})})
+                     **({"loss_scale": enc.weights} if enc.weights is not None else {}),
+                     **({"columns": {k: row[k] for k in keep if k in row}} if keep else {})})
     return rows, stats
+
+
+def kept_columns(cfg: Any) -> tuple[str, ...]:
+    """The source columns a run's tokenized rows keep: GKD's multi-turn sampling verifies completions
+    against each row's (config/multi_turn_options.scheduler_columns); none otherwise."""
+    from swiftlite.config.multi_turn_options import scheduler_columns
+    r = getattr(cfg, "rlhf", None)
+    if cfg.task != "rlhf" or r is None or r.rlhf_type != "gkd":
+        return ()
+    return scheduler_columns(r)
 
 
 # What forked tokenization workers use: set in the parent just before the pool forks, so the
@@ -188,15 +201,15 @@ def _encode_chunk(items: list[tuple[dict, str]]) -> tuple[list[dict], DataStats]
     w = _WORKER
     try:
         return _encode_rows(items, w["tokenizer"], w["task"], w["max_length"], w["skip"], w["truncation"],
-                            w["system"], w["loss_scale"], w["agent"])
+                            w["system"], w["loss_scale"], w["agent"], w["keep"])
     except UserError as e:  # returned, not raised: the parent re-raises the first one in row order
         return e
 
 
 def _encode_parallel(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_length: int,
                      skip_bad_rows: bool, num_proc: int, truncation: str = "right",
-                     system: str | None = None, loss_scale: LossScale | None = None, agent: Agent | None = None
-                     ) -> tuple[list[dict], DataStats]:
+                     system: str | None = None, loss_scale: LossScale | None = None, agent: Agent | None = None,
+                     keep: tuple[str, ...] = ()) -> tuple[list[dict], DataStats]:
     """`_encode_rows` over `num_proc` forked processes, chunked in row order: the same rows, stats
     and first error as one process. The tokenizer's own thread pool is turned off first (a forked
     Rust pool deadlocks)."""
@@ -206,7 +219,7 @@ def _encode_parallel(items: list[tuple[dict, str]], tokenizer: Any, task: str, m
     size = max(1, -(-len(items) // n_chunks))
     chunks = [items[i:i + size] for i in range(0, len(items), size)]
     _WORKER.update(tokenizer=tokenizer, task=task, max_length=max_length, skip=skip_bad_rows,
-                   truncation=truncation, system=system, loss_scale=loss_scale, agent=agent)
+                   truncation=truncation, system=system, loss_scale=loss_scale, agent=agent, keep=keep)
     try:
         with mp.get_context("fork").Pool(num_proc) as pool:
             parts = pool.map(_encode_chunk, chunks)
@@ -233,7 +246,7 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
                    system: str | None = None, seed: int = 42, load_from_cache_file: bool = True,
                    transform: Callable[[Any], Any] | None = None, key_extra: dict | None = None,
                    columns: dict[str, str] | None = None, loss_scale: LossScale | None = None,
-                   agent: Agent | None = None) -> Tokenized:
+                   agent: Agent | None = None, keep: tuple[str, ...] = ()) -> Tokenized:
     """Load, convert and tokenize every spec; rows with no target token are dropped and counted, and
     rows over max_length are cut or (truncation_strategy "delete") dropped and counted. `system` is the
     system turn of sft rows that have none. `num_proc` > 1 (--dataset-num-proc) tokenizes in that many
@@ -243,12 +256,13 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
     (--model-name/--model-author: data/self_cognition.py; its inputs go into `key_extra`, the cache
     key); `load_from_cache_file`: see `cached`; `columns`: --columns, renamed as each source is read;
     `loss_scale`: --loss-scale, which tokens of a chat row are targets (config/loss_scale.py); `agent`:
-    --agent_template, how tool-calling rows are written as turns (data/agent.py)."""
+    --agent_template, how tool-calling rows are written as turns (data/agent.py); `keep`: `_encode_rows`'s."""
     key = _fingerprint(specs, tokenizer, {"task": task, "max_length": max_length, "packing": packing,
                                           "skip": skip_bad_rows, "truncation": truncation_strategy,
                                           "system": system, "seed": seed, **({"columns": columns} if columns else {}),
                                           **({"loss_scale": repr(loss_scale)} if loss_scale not in (None, LossScale()) else {}),
                                           **({"agent": repr(agent)} if agent is not None else {}),
+                                          **({"keep": list(keep)} if keep else {}),
                                           **(key_extra or {})})
 
     def build() -> Tokenized:
@@ -265,11 +279,11 @@ def tokenize_specs(specs: list[str], tokenizer: Any, *, task: str, max_length: i
             items = list(zip(src.rows, src.where))
             if num_proc > 1 and len(items) >= PARALLEL_MIN_ROWS:
                 part, st = _encode_parallel(items, tokenizer, task, max_length, skip_bad_rows, num_proc,
-                                            truncation_strategy, system, loss_scale, agent)
+                                            truncation_strategy, system, loss_scale, agent, keep)
             else:
                 it = progress(f"tokenizing {spec}", len(items))(items) if progress is not None else items
                 part, st = _encode_rows(it, tokenizer, task, max_length, skip_bad_rows, truncation_strategy,
-                                        system, loss_scale, agent)
+                                        system, loss_scale, agent, keep)
             rows += part
             stats.add(st)
         if packing:
@@ -369,7 +383,7 @@ def spec_tokenizer(cfg: Any, tokenizer: Any, *, progress: Callable[[str, int], A
                               truncation_strategy=d.truncation_strategy, system=system, seed=t.seed,
                               load_from_cache_file=d.load_from_cache_file, transform=sc,
                               key_extra={"self_cognition": sc.key()} if sc else None, columns=d.columns,
-                              loss_scale=scale, agent=agent)
+                              loss_scale=scale, agent=agent, keep=kept_columns(cfg))
     return tok, sc
 
 
@@ -414,7 +428,7 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
     def encode(items: list[tuple[dict, str]]) -> tuple[list[dict], DataStats]:
         """(row, where) items -> their usable tokenized rows and stats (lazy and streamed rows)."""
         return _encode_rows(items, tokenizer, cfg.task, d.max_length, d.skip_bad_rows, d.truncation_strategy,
-                            system, scale, agent)
+                            system, scale, agent, kept_columns(cfg))
 
     def tok_train(specs: list[str]) -> Tokenized:
         if d.lazy_tokenize and specs is d.dataset:   # validation rows stay eager

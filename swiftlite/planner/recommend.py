@@ -217,7 +217,7 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
     gkd = rlhf and r.rlhf_type == "gkd"
     sampled = gkd and r.lmbda > 0 and bool(cfg.data.max_length)
     if sampled:
-        seq_len = cfg.data.max_length + r.max_completion_length
+        seq_len = cfg.data.max_length + completion_tokens(r)
     return Workload(
         train_type=cfg.train.train_type, dtype=cfg.model.torch_dtype, lora_rank=cfg.lora.lora_rank,
         lora_targets=tuple(cfg.lora.target_modules) or ("all-linear",),

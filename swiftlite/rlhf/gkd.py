@@ -64,6 +64,7 @@ class GkdBatches:
     teacher_kind: str = ""
     log_path: Any = None
     vllm: Any = None                   # --use_vllm: vllm_gen.VllmGenerator or rollout_client.ServerGenerator
+    turns: Any = None                  # --multi_turn_scheduler's scheduler (rlhf/multi_turn.py), else None
 
     @property
     def padding_free(self) -> bool:
@@ -83,8 +84,9 @@ def gkd_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> 
     if cfg.data.padding_free or cfg.data.packing:   # rlhf is padded unless asked (ms-swift's default)
         from swiftlite.models.loading import batch_form
         form = batch_form(cfg)
+    from swiftlite.rlhf.multi_turn import build
     return GkdBatches(train.rows, plan, tokenizer.pad_token_id, world, cfg.rlhf, cfg.train.seed, form=form,
-                      tokenizer=tokenizer)
+                      tokenizer=tokenizer, turns=build(cfg.rlhf, tokenizer))
 
 
 def response_start(labels: list[int]) -> int:
@@ -101,6 +103,20 @@ def response_start(labels: list[int]) -> int:
     return start
 
 
+def check_columns(r: Any, rows: Any, which: Any = None) -> None:
+    """Every training row (or those in `which`) has the columns --multi_turn_scheduler reads (one line naming
+    how many lack one, and the first)."""
+    from swiftlite.config.multi_turn_options import scheduler_columns
+    from swiftlite.errors import UserError
+    need = scheduler_columns(r)
+    idx = range(len(rows)) if which is None else which
+    bad = [i for i in idx if any(k not in rows[i].get("columns", {}) for k in need)]
+    if bad:
+        raise UserError(f"--multi-turn-scheduler {r.multi_turn_scheduler} verifies each sampled completion against "
+                        f"the row's '{need[0]}' column: {len(bad)} training row(s) have none (the first: row "
+                        f"{bad[0] + 1} of the training rows); add it to every row of --dataset")
+
+
 def setup(run: Any) -> Any:
     """Attach the policy, the teacher and the completions log to run.batches; returns the engine."""
     from swiftlite.rlhf.teacher import teacher_module
@@ -115,42 +131,67 @@ def setup(run: Any) -> Any:
 
 
 def _sampled_rows(engine: Any, b: GkdBatches, micro: list[list[int]], step: int) -> tuple[list[list[dict]], list]:
-    """Each micro-batch's rows with their last response replaced by the student's completion, and
-    (row index, completion ids) for the length metric and the log (decoded only there)."""
+    """Each micro-batch's rows with their last response replaced by the student's completion (its targets: the
+    completion's tokens, less a multi-turn scheduler's insertions), and (row index, completion ids, trained
+    tokens) for the length metric and the log (decoded only there)."""
+    if b.turns is not None:
+        check_columns(b.options, b.rows, [i for mb in micro for i in mb])
     rows = [select(b.rows, mb) for mb in micro]
     starts = [[response_start(list(r["labels"])) for r in rs] for rs in rows]
     prompts = [[list(r["input_ids"][:s]) for r, s in zip(rs, ss)] for rs, ss in zip(rows, starts)]
     seeds = [[completion_seed(b.seed, step, i) for i in mb] for mb in micro]
     out, sampled = [], []
-    for rs, ss, mb, (comp, cmask) in zip(rows, starts, micro, _generate(engine, b, prompts, seeds)):
+    for rs, ss, mb, (comp, cmask, lmask) in zip(rows, starts, micro, _generate(engine, b, prompts, seeds, rows)):
         new = []
-        for r, s, i, c, m in zip(rs, ss, mb, comp.tolist(), cmask.sum(-1).tolist()):
-            c = c[:int(m)]
-            new.append({"input_ids": list(r["input_ids"][:s]) + c, "labels": list(r["labels"][:s]) + c})
-            sampled.append((i, c))
+        for j, (r, s, i) in enumerate(zip(rs, ss, mb)):
+            n = int(cmask[j].sum())
+            c = comp[j, :n].tolist()
+            keep = [1] * n if lmask is None else lmask[j, :n].tolist()
+            new.append({"input_ids": list(r["input_ids"][:s]) + c,
+                        "labels": list(r["labels"][:s]) + [t if k else IGNORE for t, k in zip(c, keep)]})
+            sampled.append((i, c, sum(keep)))
         out.append(new)
     return out, sampled
 
 
-def _generate(engine: Any, b: GkdBatches, prompts: list[list[list[int]]], seeds: list[list[int]]
-              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(completion ids, completion mask) of each micro-batch: transformers' generate on the gathered weights,
-    or (--use_vllm) one call to the colocated engine or the rollout server(s) for all of them, the student's
-    weights synced first (GRPO's generators, rlhf/vllm_gen.py, rlhf/rollout_client.py)."""
+def _generate(engine: Any, b: GkdBatches, prompts: list[list[list[int]]], seeds: list[list[int]],
+              rows: list[list[dict]]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """(completion ids, completion mask, loss mask or None) of each micro-batch: transformers' generate on the
+    gathered weights, or (--use_vllm) one call to the colocated engine or the rollout server(s) for all of them,
+    the student's weights synced first (GRPO's generators, rlhf/vllm_gen.py, rlhf/rollout_client.py); with
+    --multi_turn_scheduler, one such call per turn (rlhf/multi_turn.py, GRPO's rollouts), the loss mask 0 on
+    the scheduler's insertions."""
     o = b.options
-    kw = dict(pad_id=b.pad_id, eos_id=b.tokenizer.eos_token_id, max_new_tokens=o.max_completion_length,
-              temperature=o.temperature, top_p=o.top_p, top_k=o.top_k, device=b.world.device)
+    kw = dict(pad_id=b.pad_id, eos_id=b.tokenizer.eos_token_id, temperature=o.temperature, top_p=o.top_p,
+              top_k=o.top_k, device=b.world.device)
     if b.vllm is not None:
         from swiftlite.parallel.offload import offloaded
         off = None if o.vllm_mode == "server" else offloaded(engine, model=o.offload_model, optim=o.offload_optimizer,
                                                             device=b.world.device)
-        return [(r[2], r[3]) for r in b.vllm.generate_round(b.model, engine.root(), gathered, prompts, seeds,
-                                                              offload=off, **kw)]
+        return _turns(b, lambda p, s, n, first: b.vllm.generate_round(
+            b.model, engine.root(), gathered, p, s, offload=off, max_new_tokens=n, sync=first, **kw), prompts, seeds, rows)
     from swiftlite.parallel.gather import lockstep
     synced = lockstep(engine.root())          # FSDP1: the same generate calls on every process
     with gathered(engine.root()):
-        return [tuple(sample(b.model, p, sd, autocast=engine.autocast(), synced=synced, **kw)[2:4])
-                for p, sd in zip(prompts, seeds)]
+        return _turns(b, lambda p, s, n, first: [sample(b.model, pp, sd, autocast=engine.autocast(), synced=synced,
+                                                        max_new_tokens=n, **kw) for pp, sd in zip(p, s)],
+                      prompts, seeds, rows, synced)
+
+
+def _turns(b: GkdBatches, gen: Callable[..., list], prompts: list, seeds: list, rows: list, lockstep: bool = False
+           ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """`gen`'s first turn of every micro-batch, then (--multi_turn_scheduler) the scheduler's next turns."""
+    o = b.options
+    first = gen(prompts, seeds, o.max_completion_length, True)
+    if b.turns is None:
+        return [(f[2], f[3], None) for f in first]
+    from swiftlite.rlhf.multi_turn import rollout
+    eos = b.tokenizer.eos_token_id
+    outs = rollout(b.turns, lambda p, s, n: gen(p, s, n, False), first, prompts, rows, seeds,
+                   max_new_tokens=o.max_completion_length, per_round=o.completion_length_limit_scope == "per_round",
+                   max_turns=o.max_turns, eos_ids=set(eos if isinstance(eos, list) else [eos]), pad_id=b.pad_id,
+                   any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0, lockstep=lockstep)
+    return [(t["completion_ids"], t["completion_mask"], t["loss_mask"]) for t in outs]
 
 
 def micro_terms(engine: Any, b: GkdBatches, batch: dict[str, torch.Tensor], sft: bool
@@ -200,7 +241,7 @@ def gkd_step(engine: Any, batches: GkdBatches, step: int, *, data_step: int | No
         before_optimizer(engine)
     grad_norm = engine.step()
     jsd_all, nll_all, tokens_all, n_comp, len_comp = all_reduce_sum(
-        [jsd_total, nll_total, float(tokens), float(len(sampled)), float(sum(len(c) for _, c in sampled))])
+        [jsd_total, nll_total, float(tokens), float(len(sampled)), float(sum(k for _, _, k in sampled))])
     metrics = {"jsd": jsd_all / targets, "on_policy": float(on_policy)}
     if on_policy:
         metrics["completions/mean_length"] = len_comp / max(1.0, n_comp)
@@ -219,7 +260,7 @@ def _log(b: GkdBatches, step: int, sampled: list) -> None:
     if b.log_path is None:
         return
     with open(b.log_path, "a") as f:
-        for i, ids in sorted(x for part in parts for x in part):
+        for i, ids, _ in sorted(x for part in parts for x in part):
             row = b.rows[i]
             prompt = b.tokenizer.decode(list(row["input_ids"][:response_start(list(row["labels"]))]))
             f.write(json.dumps({"step": step + 1, "prompt": prompt, "completion": b.tokenizer.decode(ids)}) + "\n")

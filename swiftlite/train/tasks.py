@@ -296,6 +296,9 @@ class GkdTask(Task):
     def check(self, cfg: Any) -> None:
         from swiftlite.rlhf.teacher import check_teacher
         check_teacher(cfg)
+        if cfg.rlhf.multi_turn_scheduler:
+            from swiftlite.rlhf.multi_turn import check_installed
+            check_installed(cfg.rlhf.multi_turn_scheduler)
 
     def wait_for_services(self, cfg: Any) -> None:
         _wait_for_rollout_servers(cfg)
@@ -303,11 +306,16 @@ class GkdTask(Task):
     def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
                      progress: Callable[[str, int], Any] | None = None) -> Any:
         """sft's rows; their targets by --loss_scale, whose rlhf default is ms-swift's last_round (the
-        assistant turns after the last user turn: the response a sampled step replaces)."""
+        assistant turns after the last user turn: the response a sampled step replaces). With
+        --multi_turn_scheduler the rows keep the column it verifies against (data/pipeline.kept_columns)."""
         from swiftlite.data.pipeline import prepare_datasets
         if cfg.data.loss_scale is None:
             cfg = cfg.with_values(loss_scale="last_round")
-        return prepare_datasets(cfg, tokenizer, world_size, progress=progress)
+        out = prepare_datasets(cfg, tokenizer, world_size, progress=progress)
+        if cfg.rlhf.multi_turn_scheduler and not hasattr(out[0], "split"):   # lazy rows: checked as sampled
+            from swiftlite.rlhf.gkd import check_columns
+            check_columns(cfg.rlhf, out[0].rows)
+        return out
 
     def make_batches(self, cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> Any:
         from swiftlite.rlhf.gkd import gkd_batches
@@ -326,8 +334,9 @@ class GkdTask(Task):
         return setup(run)
 
     def describe(self, run: Any) -> str:
+        from swiftlite.config.multi_turn_options import describe_turns
         b = run.batches
-        return f"gkd (beta {b.beta:g}, lmbda {b.options.lmbda:g}, teacher: {b.teacher_kind}), "
+        return f"gkd (beta {b.beta:g}, lmbda {b.options.lmbda:g}, teacher: {b.teacher_kind}{describe_turns(b.options)}), "
 
     def dry_run_lines(self, cfg: Any) -> list[str]:
         from swiftlite.config.gkd_options import describe_gkd
