@@ -1,4 +1,4 @@
-"""GRPO's multi-turn rollout options (ms-swift's `--multi_turn_scheduler`, `--max_turns`,
+"""GRPO's (and GKD's sampled steps') multi-turn rollout options (ms-swift's `--multi_turn_scheduler`, `--max_turns`,
 `--completion_length_limit_scope`: swift/rlhf_trainers/args_mixin.py, its names and defaults). A base of
 schema.RlhfConfig, kept here so that schema.py stays short; rlhf/multi_turn.py runs the turns,
 `multi_turn_problem` (config/rules.py's GRPO rule) says which values run. Import-light (no torch).
@@ -30,15 +30,15 @@ LIMIT_SCOPES = ("per_round", "total")
 
 @dataclass(kw_only=True)
 class MultiTurnOptions(Section):
-    multi_turn_scheduler: str | None = opt(None, "GRPO multi-turn rollouts: math_tip_trick (ms-swift's built-in): a "
+    multi_turn_scheduler: str | None = opt(None, "GRPO, GKD multi-turn rollouts: math_tip_trick (ms-swift's built-in): a "
                                            "completion whose answer does not verify against the row's `solution` "
                                            "(math_verify) is cut at its first <answer> or </think>, gets \"But "
                                            "wait... It seems I made a mistake,\" appended (not trained on: out of "
                                            "the loss) and is continued by the policy; the tip is given once. "
                                            "ms-swift's default: none (one turn).")
-    max_turns: int | None = opt(None, "GRPO with --multi-turn-scheduler: most turns per completion (ms-swift's "
+    max_turns: int | None = opt(None, "GRPO, GKD with --multi-turn-scheduler: most turns per completion (ms-swift's "
                                 "default: none, the scheduler decides; math_tip_trick stops after 2).")
-    completion_length_limit_scope: str = opt("per_round", "GRPO with --multi-turn-scheduler: per_round (ms-swift's "
+    completion_length_limit_scope: str = opt("per_round", "GRPO, GKD with --multi-turn-scheduler: per_round (ms-swift's "
                                              "default): every turn generates up to --max-completion-length tokens; "
                                              "total: all turns together, the tip included.",
                                              choices=LIMIT_SCOPES)

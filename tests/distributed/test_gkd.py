@@ -106,3 +106,39 @@ def test_lora_base_teacher_on_two_processes_matches_one(lora_runs, backend):
     for a, b in zip(one, two):
         for k in ("loss", "grad_norm", "jsd"):
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-9), (backend, a["step"], k)
+
+
+@pytest.fixture(scope="module")
+def turn_runs(tmp_path_factory):
+    """--multi_turn_scheduler math_tip_trick (GRPO's rollouts, whose turns every process joins while any has a
+    completion left): the student makes EOS likely (tests/e2e/test_grpo_multi_turn_e2e.py), so its completions
+    end early and get the tip."""
+    from tests.e2e.test_grpo_multi_turn_e2e import build_eos_prone
+    d = tmp_path_factory.mktemp("gkd_turns")
+    build_eos_prone(d / "model")
+    (d / "d.jsonl").write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"what is {i} + 1?"},
+                                 {"role": "assistant", "content": f"{i + 1}"}], "solution": f"${i + 1}$"}) + "\n"
+        for i in range(8)))
+    common = ["rlhf", "--rlhf-type", "gkd", "--model", d / "model", "--teacher-model", "tiny-llama",
+              "--torch-dtype", "fp32", "--seed", str(SEED), "--train-type", "full", "--logging-steps", "1",
+              "--save-hf-model", "false", "--save-strategy", "no", "--learning-rate", "1e-3", "--lmbda", "1",
+              "--multi-turn-scheduler", "math_tip_trick", "--max-completion-length", "12",
+              "--gradient-accumulation-steps", "1", "--dataset", d / "d.jsonl", "--max-steps", "2",
+              "--log-completions", "true"]
+    run_cli([*common, "--per-device-train-batch-size", "4", "--parallelism", "single", "--output-dir", d / "one"])
+    env = cli_env()
+    env["NPROC_PER_NODE"] = "2"
+    run_cli([*common, "--per-device-train-batch-size", "2", "--parallelism", "fsdp", "--output-dir", d / "fsdp"],
+            env=env)
+    return {n: ([json.loads(x) for x in (d / n / "logging.jsonl").read_text().splitlines() if '"loss"' in x],
+                [json.loads(x) for x in (d / n / "completions.jsonl").read_text().splitlines()]) for n in ("one", "fsdp")}
+
+
+def test_multi_turn_on_two_processes_matches_one(turn_runs):
+    (one, c1), (two, c2) = turn_runs["one"], turn_runs["fsdp"]
+    assert sum("But wait... It seems I made a mistake," in c["completion"] for c in c1) >= 2
+    assert sorted(c["completion"] for c in c2) == sorted(c["completion"] for c in c1)
+    for a, b in zip(one, two):
+        for k in ("loss", "grad_norm", "jsd", "completions/mean_length"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5), (a["step"], k)
