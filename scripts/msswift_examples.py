@@ -19,8 +19,8 @@ resolved), and run as `python -m swiftlite ...` with:
   `#N`; a `--to_cached_dataset true` export of a whole hub dataset gets `#CACHED_ROWS`, enough rows to pack): alpaca rows, chat messages, tool-calling rows (ms-swift's agent format), query/response,
   self-cognition rows (query/response/tag with {{NAME}}/{{AUTHOR}}), preference pairs, KTO rows, GRPO prompts with a solution column, plain text;
   GRPO's `--chord_sft_dataset` (CHORD's expert rows) by the chat-messages file, and so is a GRPO prompt set
-  under `--rlhf_type gkd` (GKD trains on sft rows: ms-swift's loader gives NuminaMath-TIR's `messages`,
-  gsm8k's question/answer, as a question and its answer); a file an earlier `swift infer` of the script
+  under `--rlhf_type gkd` (GKD trains on sft rows: ms-swift's loader gives NuminaMath-TIR's `messages` with its
+  `solution` column, gsm8k's question/answer, as a question and its answer); a file an earlier `swift infer` of the script
   writes (GKD's `new_dataset.jsonl`; that command is not run) is replaced the same way, with as many rows as
   it would hold (`#N`, the sum of that command's `--val_dataset` counts);
 - a placeholder checkpoint path (`--adapters`/`--ckpt_dir output/vx-xxx/checkpoint-xxx`) replaced by a
@@ -364,8 +364,8 @@ def _row_text(i: int) -> tuple[str, str]:
 def write_data(d: Path, n: int = 64) -> dict[str, Path]:
     """One small local file per hub dataset format the scripts use."""
     d.mkdir(parents=True, exist_ok=True)
-    rows: dict[str, list[dict]] = {k: [] for k in ("alpaca", "messages", "query_response", "self_cognition",
-                                                   "preference", "kto", "grpo", "text", "agent")}
+    rows: dict[str, list[dict]] = {k: [] for k in ("alpaca", "messages", "messages_solution", "query_response",
+                                                   "self_cognition", "preference", "kto", "grpo", "text", "agent")}
     tool = {"name": "reverse", "description": "Reverse a word",
             "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}
     for i in range(n):
@@ -382,6 +382,8 @@ def write_data(d: Path, n: int = 64) -> dict[str, Path]:
                             "completion": [{"role": "assistant", "content": a if i % 2 else a + "!"}],
                             "label": bool(i % 2)})
         rows["grpo"].append({"messages": [{"role": "user", "content": q}], "solution": a})
+        rows["messages_solution"].append({"messages": [{"role": "user", "content": q},
+                                                       {"role": "assistant", "content": a}], "solution": a})
         rows["text"].append({"text": f"{q} {a}. " * 3})
     # ms-swift's agent format (AI-ModelScope/function-calling-chatml after its preprocessing): tools, a tool
     # call, its response, the answer. Twice as many rows: its scripts pack them into 8192-token sequences
@@ -421,7 +423,8 @@ def local_dataset(spec: str, files: dict[str, Path], cmd: Command) -> str:
     kind = HUB_FORMAT.get(hub)
     rl = (cmd.opt("rlhf_type") or [""])[0]
     if kind == "grpo" and rl == "gkd":   # GKD's rows are sft ones: the problem and its solution as the answer
-        kind = "messages"
+        # (NuminaMath-TIR's rows also keep their `solution` column, which a multi-turn scheduler verifies against)
+        kind = "messages_solution" if "NuminaMath-TIR" in hub else "messages"
     if kind is None:
         kind = {"grpo": "grpo", "kto": "kto", "dpo": "preference", "orpo": "preference", "simpo": "preference",
                 "cpo": "preference", "rm": "preference"}.get(rl, "text" if cmd.sub == "pt" else "messages")
