@@ -36,7 +36,7 @@ class GkdOptions(Section):
 GKD_KEYS = ("lmbda", "sft_alpha", "seq_kd", "gkd_logits_topk")
 #: The options GKD shares with GRPO (schema.RlhfConfig, config/teacher_options.py).
 GKD_SHARED = ("beta", "teacher_model", "teacher_deepspeed", "max_completion_length", "temperature", "top_p", "top_k",
-              "log_completions")   # and GRPO's vLLM options (config/vllm_options.py): --use_vllm generates there
+              "log_completions", "stop_words")   # and GRPO's vLLM options (config/vllm_options.py): --use_vllm generates there
 
 
 

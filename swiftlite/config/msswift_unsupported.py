@@ -61,7 +61,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "vera_d_initial", "adapter_act", "adapter_length", "reft_layer_key", "reft_layers",
               "reft_intervention_type", "reft_args")),   # reft_rank is Bone's rank (config/tuner_options.py)
     # swift/arguments/base_args/generation_args.py: GenerationArguments
-    (_GEN, ("repetition_penalty", "num_beams", "stream", "stop_words", "logprobs",
+    (_GEN, ("repetition_penalty", "num_beams", "stream", "logprobs",
             "top_logprobs", "structured_outputs_regex")),
     # data_args.py: DataArguments
     ("validation rows are read in file order (a loss over all of them does not depend on it): drop the flag",

@@ -24,6 +24,7 @@ from swiftlite.config.rules_teacher import teacher_problem
 from swiftlite.config.rules_grpo_loss import _real_problem, _reward_model_problem
 from swiftlite.config.teacher_options import TEACHER_KEYS
 from swiftlite.config.gkd_options import GKD_KEYS, GKD_SHARED
+from swiftlite.config.generation_options import GENERATION_KEYS
 from swiftlite.config.grpo_variant_options import GRPO_VARIANT_KEYS
 from swiftlite.config.vllm_options import VLLM_KEYS
 from swiftlite.config.data_options import TEMPLATE_NAMES
@@ -366,7 +367,7 @@ GRPO_KEYS = ("reward_funcs", "reward_model", "reward_model_plugin", "reward_weig
              "log_completions", "log_rollout_offpolicy_metrics", "overlong_filter", "advantage_estimator", "kl_in_reward", "steps_per_generation", "generation_batch_size", "use_vllm", "vllm_mode", *VLLM_KEYS, "cosine_min_len_value_wrong",
              "cosine_max_len_value_wrong", "cosine_min_len_value_correct", "cosine_max_len_value_correct",
              "cosine_max_len", "repetition_n_grams", "repetition_max_penalty", "soft_max_length", "soft_cache_length", *TEACHER_KEYS, *CHORD_KEYS,
-             *MULTI_TURN_KEYS, *GRPO_VARIANT_KEYS)
+             *MULTI_TURN_KEYS, *GRPO_VARIANT_KEYS, *GENERATION_KEYS)
 #: RlhfConfig keys (schema.py): `swiftlite rlhf` options, refused elsewhere when given.
 RLHF_KEYS = ("rlhf_type", "beta", "loss_type", "rpo_alpha", "label_smoothing", "cpo_alpha", "simpo_gamma",
              "ref_model", "precompute_ref_log_probs", "desirable_weight", "undesirable_weight",

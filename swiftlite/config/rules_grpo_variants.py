@@ -63,4 +63,18 @@ def grpo_fipo_delta(c: RunConfig) -> str | None:
     return None
 
 
-__all__ = ["grpo_dynamic_sample", "grpo_fipo_delta"]
+@rule("stop words")
+def stop_words(c: RunConfig) -> str | None:
+    r = c.rlhf
+    if task_spec(c.task).own_options != "rlhf" or r.rlhf_type not in ("grpo", "gkd") or not r.stop_words:
+        return None
+    if any(not w for w in r.stop_words):
+        return "--stop-words: an empty string would stop every completion at its first token; drop it"
+    if r.multi_turn_scheduler is not None:
+        return (f"--stop-words with --multi-turn-scheduler {r.multi_turn_scheduler}: a stop word ends a turn the "
+                "scheduler would then continue (ms-swift's finish_reason stop); not available together here: drop "
+                "one of them")
+    return None
+
+
+__all__ = ["grpo_dynamic_sample", "grpo_fipo_delta", "stop_words"]

@@ -23,6 +23,7 @@ from swiftlite.config.access import Sealable, Section, field_reads, opt
 from swiftlite.config.chord_options import ChordOptions
 from swiftlite.config.data_options import TRUNCATION, DataConfig
 from swiftlite.config.galore_options import GaloreOptions
+from swiftlite.config.generation_options import GenerationOptions
 from swiftlite.config.gkd_options import GkdOptions
 from swiftlite.config.grpo_variant_options import GrpoVariantOptions
 from swiftlite.config.multi_turn_options import MultiTurnOptions
@@ -117,8 +118,7 @@ class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*/reft_rank/llamapro
     lora_dropout: float = opt(0.05, "LoRA dropout.")
     target_modules: list[str] = opt(help="Modules to adapt: all-linear or names (q_proj v_proj ...).",
                                     factory=lambda: ["all-linear"])
-    modules_to_save: list[str] = opt(help="Extra modules trained in full and saved with the adapter.",
-                                     factory=list)
+    modules_to_save: list[str] = opt(help="Extra modules trained in full and saved with the adapter.", factory=list)
     use_dora: bool = opt(False, "DoRA (peft use_dora): a trained magnitude vector per adapted layer on top of "
                          "LoRA; saved in the adapter, merged by export.")
     use_rslora: bool = opt(False, "rsLoRA (peft use_rslora): scale the adapter by lora_alpha/sqrt(r) instead "
@@ -131,8 +131,7 @@ class LoraConfig(TunerOptions, Section):   # boft_*/adalora_*/reft_rank/llamapro
                             "the gradient of the first training rows, --lora_ga_*). Adapters saved from "
                             "pissa/olora/lora-ga runs are converted to plain LoRA on the original base (peft's "
                             "rank-2r conversion). --train_type bone (peft's MiSS, formerly Bone) takes true "
-                            "(block zero), false (random) or bat.",
-                            normalize=lambda v: str(v).strip().lower())
+                            "(block zero), false (random) or bat.", normalize=lambda v: str(v).strip().lower())
     lorap_lr_ratio: float | None = opt(None, "LoRA+: the B matrices (and 1-D adapter tensors) train at "
                                        "learning rate x this ratio (ms-swift: 16 is typical). Default: off.")
     lora_bias: str = opt("none", "Biases trained with the adapter (peft bias): none, or all (every bias of "
@@ -355,7 +354,8 @@ class CheckpointConfig(Section):
 
 
 @dataclass(kw_only=True)
-class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, MultiTurnOptions, GkdOptions, GrpoVariantOptions):
+class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, MultiTurnOptions, GkdOptions, GrpoVariantOptions,
+                 GenerationOptions):
     """`swiftlite rlhf` only (ms-swift's names; bases: config/*_options.py); refused in sft/pt (rules.py)."""
     rlhf_type: str = opt("dpo", "Preference method: dpo or kto (unpaired rows with a label; both with a reference "
                          "model), orpo, simpo or cpo (none); rm (a reward model: a score head on the pairs); "

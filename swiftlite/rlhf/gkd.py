@@ -169,7 +169,8 @@ def _generate(engine: Any, b: GkdBatches, prompts: list[list[list[int]]], seeds:
         off = None if o.vllm_mode == "server" else offloaded(engine, model=o.offload_model, optim=o.offload_optimizer,
                                                             device=b.world.device)
         return _turns(b, lambda p, s, n, first: b.vllm.generate_round(
-            b.model, engine.root(), gathered, p, s, offload=off, max_new_tokens=n, sync=first, **kw), prompts, seeds, rows)
+            b.model, engine.root(), gathered, p, s, offload=off, max_new_tokens=n, sync=first, **kw),
+            prompts, seeds, rows)
     from swiftlite.parallel.gather import lockstep
     synced = lockstep(engine.root())          # FSDP1: the same generate calls on every process
     with gathered(engine.root()):
@@ -183,8 +184,11 @@ def _turns(b: GkdBatches, gen: Callable[..., list], prompts: list, seeds: list, 
     """`gen`'s first turn of every micro-batch, then (--multi_turn_scheduler) the scheduler's next turns."""
     o = b.options
     first = gen(prompts, seeds, o.max_completion_length, True)
-    if b.turns is None:
-        return [(f[2], f[3], None) for f in first]
+    if b.turns is None:   # --stop_words: each completion cut after its first (rlhf/stop_words.py)
+        from swiftlite.rlhf.stop_words import cut
+        cuts = [cut({"completion_ids": f[2], "completion_mask": f[3]}, b.tokenizer, o.stop_words, b.pad_id)
+                for f in first]
+        return [(t["completion_ids"], t["completion_mask"], None) for t in cuts]
     from swiftlite.rlhf.multi_turn import rollout
     eos = b.tokenizer.eos_token_id
     outs = rollout(b.turns, lambda p, s, n: gen(p, s, n, False), first, prompts, rows, seeds,

@@ -363,6 +363,7 @@ def _collect(b: GrpoBatches, mine: list[list[int]], sampled: list[dict[str, torc
     """(micro, texts, lengths, truncated) of this rank's sampled micro-batches: each micro-batch's tensors
     keyed by its completions (with a `truncated` flag per row), and per completion its text, the tokens the
     loss counts (a multi-turn round's insertions out) and 1.0 where it has no EOS (cut at the limit)."""
+    from swiftlite.rlhf.stop_words import ended
     micro: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
     texts: dict[int, str] = {}
     lengths: dict[int, int] = {}
@@ -374,7 +375,8 @@ def _collect(b: GrpoBatches, mine: list[list[int]], sampled: list[dict[str, torc
         for j, c in enumerate(mb):
             n = int(c_mask[j].sum())
             lengths[c] = int(counted[j])
-            truncated[c] = float(n == 0 or int(c_ids[j, n - 1]) not in eos_ids)
+            truncated[c] = float(n == 0 or (int(c_ids[j, n - 1]) not in eos_ids   # neither EOS nor a stop word
+                                            and not ended(b.tokenizer, c_ids[j, :n].tolist(), b.options.stop_words)))
             texts[c] = b.tokenizer.decode(c_ids[j, :n].tolist(), skip_special_tokens=True)
         t["truncated"] = torch.tensor([truncated[c] for c in mb], device=c_mask.device)
     return micro, texts, lengths, truncated
@@ -451,9 +453,10 @@ def _share(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, row
     """This process's share of the round: `gen`'s first turn of each micro-batch, then the later turns."""
     o = b.options
     first = gen(ids, seeds, o.max_completion_length, True)
-    if b.turns is None:
-        return [dict(zip(("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "rollout_logps"), f))
-                for f in first]
+    if b.turns is None:   # --stop_words: each completion cut after its first (rlhf/stop_words.py)
+        from swiftlite.rlhf.stop_words import cut
+        return [cut(dict(zip(("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "rollout_logps"), f)),
+                    b.tokenizer, o.stop_words, b.pad_id) for f in first]
     from swiftlite.rlhf.multi_turn import rollout
     return rollout(b.turns, lambda p, s, n: gen(p, s, n, False), first, ids, rows, seeds,
                    max_new_tokens=o.max_completion_length, per_round=o.completion_length_limit_scope == "per_round",

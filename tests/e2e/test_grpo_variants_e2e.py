@@ -100,3 +100,40 @@ def test_variant_misuses_are_refused_together(files, tmp_path):
         proc = run_cli(["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--external-plugins",
                         files / "plugin.py", "--reward-funcs", "picky", *extra, "--dry-run"], check=False)
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+
+
+def test_stop_words_cut_the_completions_the_run_without_them_samples(files, tmp_path):
+    """Step 1 (the same weights): each completion of a run with --stop_words is the run's without them, cut
+    after its first stop word (the draws do not depend on where generation stops: rlhf/generate.py); a
+    completion cut there is not counted as clipped. GKD's sampled steps are cut the same way."""
+    base = ["rlhf", *COMMON, "--dataset", files / "data.jsonl", "--external-plugins", files / "plugin.py",
+            "--reward-funcs", "length", "--log-completions", "true", "--max-steps", "1",
+            "--max-completion-length", "12"]
+    words = list("abcdefghijklmnopqrstuvwxyz")   # random bytes: about one token in ten completes one
+    run_cli([*base, "--output-dir", tmp_path / "plain"])
+    run_cli([*base, "--stop_words", *words, "--output-dir", tmp_path / "stop"])
+    plain = [json.loads(x)["completion"] for x in (tmp_path / "plain" / "completions.jsonl").read_text().splitlines()]
+    stop = [json.loads(x)["completion"] for x in (tmp_path / "stop" / "completions.jsonl").read_text().splitlines()]
+    cut = 0
+    for p, s in zip(plain, stop):
+        first = min([p.index(w) + len(w) for w in words if w in p] or [len(p)])
+        assert s == p[:first]
+        cut += first < len(p)
+    assert cut >= 2 and len(stop) == 8
+    a, b = _steps(tmp_path / "plain")[0], _steps(tmp_path / "stop")[0]
+    assert b["completions/mean_length"] < a["completions/mean_length"]
+    assert b["completions/clipped_ratio"] < a["completions/clipped_ratio"]
+    gkd = ["rlhf", "--rlhf-type", "gkd", "--model", "tiny-llama-2l", "--teacher-model", "tiny-llama", "--lmbda", "1",
+           "--torch-dtype", "fp32", "--parallelism", "single", "--seed", "3", "--per-device-train-batch-size", "4",
+           "--gradient-accumulation-steps", "1",
+           "--max-completion-length", "12", "--max-steps", "1", "--log-completions", "true", "--save-hf-model",
+           "false", "--dataset", tmp_path / "gkd.jsonl"]
+    (tmp_path / "gkd.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                                        {"role": "assistant", "content": "a"}]}) + "\n"
+                                                for i in range(4)))
+    run_cli([*gkd, "--output-dir", tmp_path / "gkd_plain"])
+    run_cli([*gkd, "--stop_words", *words, "--output-dir", tmp_path / "gkd_stop"])
+    rows = [[json.loads(x)["completion"] for x in (tmp_path / n / "completions.jsonl").read_text().splitlines()]
+            for n in ("gkd_plain", "gkd_stop")]
+    assert sum(s != p for p, s in zip(*rows)) >= 1
+    assert all(p.startswith(s) and (s == p or s.endswith(tuple(words))) for p, s in zip(*rows))

@@ -1,0 +1,47 @@
+"""--stop_words (rlhf/stop_words.py): a completion is cut after the token that completes its first stop word
+(kept), found with the shipped byte-level tokenizer, whatever the token boundaries; the tensors past the cut
+are reset; a completion without one is left whole."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import AutoTokenizer
+
+from swiftlite.models.presets import TINY_TOKENIZER
+from swiftlite.rlhf.stop_words import cut, ended, stop_length
+
+TOK = AutoTokenizer.from_pretrained(TINY_TOKENIZER)
+
+
+def _ids(text):
+    return TOK.encode(text, add_special_tokens=False)
+
+
+def test_stop_length_is_the_first_token_completing_a_stop_word():
+    ids = _ids("Thought: go\nAction: x\nObservation: y\nObservation:")
+    k = stop_length(TOK, ids, ["Observation:"])
+    assert TOK.decode(ids[:k]) == "Thought: go\nAction: x\nObservation:"
+    assert stop_length(TOK, ids, ["Action:", "Observation:"]) == len(_ids("Thought: go\nAction:"))   # the first
+    assert stop_length(TOK, ids, ["nowhere"]) is None and stop_length(TOK, [], ["x"]) is None
+    assert ended(TOK, ids[:k], ["Observation:"]) and not ended(TOK, ids[:k - 1], ["Observation:"])
+    assert not ended(TOK, ids, [])
+
+
+def test_cut_resets_the_tensors_past_the_stop_and_keeps_the_others():
+    a, b = _ids("abc STOP def"), _ids("no stop here")
+    n = max(len(a), len(b))
+    t = {"completion_ids": torch.full((2, n), 259), "completion_mask": torch.zeros(2, n, dtype=torch.long),
+         "rollout_logps": torch.full((2, n), float("nan"))}
+    for j, ids in enumerate((a, b)):
+        t["completion_ids"][j, :len(ids)] = torch.tensor(ids)
+        t["completion_mask"][j, :len(ids)] = 1
+        t["rollout_logps"][j, :len(ids)] = -1.0
+    before = t["completion_ids"][1].clone()
+    cut(t, TOK, ["STOP"], 259)
+    k = len(_ids("abc STOP"))
+    assert t["completion_mask"][0].tolist() == [1] * k + [0] * (n - k)
+    assert TOK.decode(t["completion_ids"][0, :k].tolist()) == "abc STOP"
+    assert (t["completion_ids"][0, k:] == 259).all() and all(math.isnan(v) for v in t["rollout_logps"][0, k:].tolist())
+    assert torch.equal(t["completion_ids"][1], before) and int(t["completion_mask"][1].sum()) == len(b)
