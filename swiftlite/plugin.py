@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import math
 import re
 from typing import Any, Callable
@@ -157,10 +158,71 @@ class SoftOverlong(ORM):
         return [min(-(len(ids) - expected) / self.soft_cache_length, 0) for ids in kwargs["response_token_ids"]]
 
 
+class ReActFormat(ORM):
+    """1.0 for `<think>...</think>` then `Action: ... Action Input: ...`, else 0.0 (ms-swift's `react_format`,
+    the answer form --agent_template react_grpo asks for)."""
+
+    def __call__(self, completions: list[str], **kwargs: Any) -> list[float]:
+        pattern = r"^<think>.*?</think>\s*Action:.*?Action Input:.*?$"
+        return [1.0 if re.match(pattern, c, re.DOTALL | re.MULTILINE) else 0.0 for c in completions]
+
+
+class ReactORM(ORM):
+    """ms-swift's `toolbench` reward (swift/rewards/orm.py ReactORM): 1.0 when the completion's last `Action:`
+    names the `solution`'s and its last `Action Input:` matches the solution's, else 0.0. A trailing
+    `Observation:` and the end tokens are dropped first. Inputs that are both JSON objects match when their
+    keys' F1 (a key with an equal value counts 1, with another value 0.5) is 1, i.e. they are equal; two empty
+    objects match. Inputs that are not both JSON never match: ms-swift compares their ROUGE-L F (0 to 1)
+    with 10 and 20, which it never reaches, so no ROUGE is computed here."""
+
+    @staticmethod
+    def parse(text: str) -> tuple[str, str]:
+        """(action, action input) as ms-swift's parse_action reads them: after the last markers."""
+        action_input = text[text.rindex("Action Input:") + len("Action Input:"):].strip() \
+            if "Action Input:" in text else "{}"
+        if "Action:" not in text:
+            return "none", action_input
+        action = text[text.rindex("Action:") + len("Action:"):].strip()
+        if "Action Input:" in action:
+            action = action[:action.index("Action Input:")].strip()
+        return action, action_input
+
+    @staticmethod
+    def _json(text: str) -> tuple[bool, Any]:
+        try:
+            return True, json.loads(text)
+        except Exception:
+            return False, text
+
+    @classmethod
+    def match(cls, prediction: str, reference: str) -> bool:
+        if prediction.endswith("Observation:"):   # ms-swift cuts at the first one
+            prediction = prediction[:prediction.index("Observation:")].strip()
+        prediction = prediction.replace("<|endoftext|>", "").replace("<|im_end|>", "").strip()
+        (ref_action, ref_input), (action, given) = cls.parse(reference), cls.parse(prediction)
+        (ref_is_json, ref), (is_json, cand) = cls._json(ref_input), cls._json(given)
+        if ref_action != action or ref_is_json != is_json or not ref_is_json:
+            return False
+        if not isinstance(ref, dict) or not isinstance(cand, dict):
+            return False
+        if ref == {}:
+            return cand == {}
+        full = sum(1 for k, v in ref.items() if k in cand and cand[k] == v)
+        half = sum(1 for k, v in ref.items() if k in cand and cand[k] != v)
+        recall = (0.5 * half + full) / (len(ref) + 1e-30)
+        precision = (0.5 * half + full) / (len(cand) + 1e-30)
+        return recall + precision > 0 and (2 * recall * precision) / (recall + precision) == 1.0
+
+    def __call__(self, completions: list[str], solution: list[str], **kwargs: Any) -> list[float]:
+        return [float(self.match(c, s)) for c, s in zip(completions, solution)]
+
+
 #: name -> reward class or function. Plugin files add theirs (`orms["name"] = Class`).
 orms: dict[str, Any] = {
     "accuracy": MathAccuracy,
     "format": Format,
+    "react_format": ReActFormat,
+    "toolbench": ReactORM,
     "cosine": CosineReward,
     "repetition": RepetitionPenalty,
     "soft_overlong": SoftOverlong,
@@ -231,5 +293,6 @@ def build_rewards(names: list[str], args: Any) -> list[Reward]:
     return out
 
 
-__all__ = ["CosineReward", "Format", "MathAccuracy", "ORM", "PASSED", "RepetitionPenalty", "Reward", "SoftOverlong",
+__all__ = ["CosineReward", "Format", "MathAccuracy", "ORM", "PASSED", "ReActFormat", "ReactORM", "RepetitionPenalty",
+           "Reward", "SoftOverlong",
            "build_rewards", "check_reward_funcs", "orms"]

@@ -13,7 +13,7 @@ TRUNCATION = ("delete", "left", "right", "split")
 #: ms-swift template names --template takes besides a Jinja file (their Jinja: data/templates.py).
 TEMPLATE_NAMES = ("default",)
 #: ms-swift's --agent_template names available here (data/agent.py).
-AGENT_TEMPLATES = ("hermes", "react_en", "react_zh")
+AGENT_TEMPLATES = ("hermes", "react_en", "react_zh", "react_grpo")
 
 
 @dataclass(kw_only=True)
@@ -62,8 +62,9 @@ class DataConfig(Section):
                                      "<tool_call> JSON in the answer, <tool_response> in a user turn), react_en / "
                                      "react_zh (ms-swift's ReAct: the tool prompt as the system text, Action / "
                                      "Action Input / Observation in the answer, tool responses inside the answer's "
-                                     "turn, not targets). Required for such rows; ms-swift's other agent templates "
-                                     "are not available.")
+                                     "turn, not targets), react_grpo (ReAct with <think> reasoning, for GRPO's "
+                                     "react_format and toolbench rewards). Required for such rows (sft, GRPO's "
+                                     "prompts, GKD); ms-swift's other agent templates are not available.")
     packing: bool = opt(False, "Pack several rows into each sequence of --max-length tokens (rlhf dpo, orpo, "
                         "simpo, cpo: whole pairs, chosen and rejected together; a pack is one sample of the batch).")
     skip_bad_rows: bool = opt(False, "Skip (and count) rows that are not valid instead of stopping.")

@@ -36,10 +36,13 @@ def agent_template(c: RunConfig):
         return None
     if v not in AGENT_TEMPLATES:
         return (f"--agent_template {v}: not available; {', '.join(AGENT_TEMPLATES)} are (hermes: Qwen2.5's and Qwen3's "
-                "tool format; react_en/react_zh: ReAct text); ms-swift's other agent templates write tool calls in "
-                "their model's own syntax")
-    if not task_spec(c.task).chat or task_spec(c.task).own_options is not None:
-        return f"--agent_template applies to sft (tool-calling chat rows); drop it from `swiftlite {c.task}`"
+                "tool format; react_en/react_zh/react_grpo: ReAct text); ms-swift's other agent templates write tool "
+                "calls in their model's own syntax")
+    rows = task_spec(c.task).own_options == "rlhf" and c.rlhf.rlhf_type in ("grpo", "gkd")   # prompts, sft rows
+    if not task_spec(c.task).chat or (task_spec(c.task).own_options is not None and not rows):
+        kind = f" --rlhf-type {c.rlhf.rlhf_type}" if task_spec(c.task).own_options == "rlhf" else ""
+        return (f"--agent_template applies to tool-calling chat rows (sft, rlhf grpo and gkd); drop it from "
+                f"`swiftlite {c.task}{kind}`")
 
 
 @rule("response prefix")

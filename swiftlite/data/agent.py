@@ -69,7 +69,7 @@ def render_turns(row: dict, messages: list[dict], agent: Agent | None, system: s
     if agent is None:
         raise UserError(f"{where}: a tool-calling row (tools, tool_call or tool_response): pass --agent_template "
                         "hermes (the tool format of Qwen2.5's and Qwen3's chat templates, ms-swift's default for them) "
-                        "or react_en / react_zh (ReAct: Action / Action Input / Observation)")
+                        "or react_en / react_zh / react_grpo (ReAct: Action / Action Input / Observation)")
     if agent.name != "hermes":
         from swiftlite.data.agent_react import render_react
         return render_react(row, messages, agent.name, where)

@@ -53,6 +53,26 @@ Final Answer: the final answer to the original input question
 
 Begin!
 """)
+#: react_grpo (ms-swift's ReactGRPOAgentTemplate, swift/agent_template/extra.py): the English tool lines, the
+#: reasoning in <think></think> before each Action, for GRPO's format rewards (react_format)
+_GRPO = ("A conversation for tool calling between User and Assistant. The user asks a question which may be solved "
+         "by calling tools, and the Assistant solves it. The assistant first thinks about the reasoning process in "
+         "the mind and then provides the user with the answer. The reasoning process should be enclosed within "
+         "<think> </think>tags and answer should follow the ReACT format(Action:xxx\nAction Input:xxx), i.e., "
+         "<think> reasoning process here </think> Action: action here\nAction Input: parameters here\n\n"
+         "Answer the following questions as best as you can. You have access to the following tools:\n\n", """
+
+Use the following format:
+
+<think>you should always think about what to do</think>
+Action: the action to take, should be one of [{names}]
+Action Input: the input to the action
+Observation: the result of the action, given by the actual calling
+... (this Thought/Action/Action Input/Observation can be repeated zero or more times)
+Final Answer: the final answer to the original input question
+
+Begin!
+""")
 _ZH = ("尽可能地回答以下问题。你可以使用以下工具:\n\n", """
 
 请按照以下格式进行:
@@ -93,7 +113,7 @@ def _describe(tool: dict, zh: bool, where: str, i: int) -> tuple[str, str]:
 
 def tools_prompt(tools: list[dict], name: str, where: str) -> str:
     """The system text of a row with tools (module docstring)."""
-    head, tail = _ZH if name == "react_zh" else _EN
+    head, tail = {"react_zh": _ZH, "react_grpo": _GRPO}.get(name, _EN)
     described = [_describe(t, name == "react_zh", where, i) for i, t in enumerate(tools)]
     return head + "\n\n".join(d for _, d in described) + tail.format(names=",".join(n for n, _ in described))
 

@@ -367,6 +367,11 @@ def _rendering(cfg: Any, tokenizer: Any) -> tuple[str | None, LossScale | None, 
             parse_loss_scale(cfg.data.loss_scale, binary=cfg.data.is_binary_loss_scale) if chat else None, agent)
 
 
+def run_agent(cfg: Any, tokenizer: Any) -> Agent | None:
+    """The run's --agent_template (with the chat template's default system), for GRPO's prompts."""
+    return _rendering(cfg, tokenizer)[2]
+
+
 def spec_tokenizer(cfg: Any, tokenizer: Any, *, progress: Callable[[str, int], Any] | None = None
                    ) -> tuple[Callable[[list[str]], Tokenized], Any]:
     """(specs -> their Tokenized rows under the run's options, the self-cognition transform or None):

@@ -31,6 +31,7 @@ from typing import Any, Callable
 from swiftlite.data.formats import _history, _role_messages, _system, _text, no_answer_fields
 from swiftlite.data.pipeline import DataStats, Tokenized
 from swiftlite.data.sources import load_rows
+from swiftlite.data.agent import render_turns
 from swiftlite.data.tokenize import IGNORE, render, system_prompt, with_system
 from swiftlite.errors import UserError
 
@@ -74,7 +75,9 @@ class PromptData(Tokenized):
 
 def tokenize_prompts(specs: list[str], tokenizer: Any, *, max_length: int, truncation: str, skip_bad_rows: bool,
                      system: str | None, seed: int, progress: Callable[[str, int], Any] | None = None,
-                     columns: dict[str, str] | None = None) -> PromptData:
+                     columns: dict[str, str] | None = None, agent: Any = None) -> PromptData:
+    """GRPO's prompt rows; a row with tools is written by `agent` (--agent_template: data/agent.py, the tools in
+    the system turn as sft writes them), and refused without one."""
     import numpy as np
     stats = DataStats()
     rows: list[dict] = []
@@ -86,7 +89,7 @@ def tokenize_prompts(specs: list[str], tokenizer: Any, *, max_length: int, trunc
         it = progress(f"tokenizing {spec}", len(items))(items) if progress is not None else items
         for row, where in it:
             try:
-                msgs = with_system(to_prompt(row, where), system)
+                msgs = with_system(render_turns(row, to_prompt(row, where), agent, system, where), system)
             except UserError as e:
                 if skip_bad_rows:
                     stats.skipped.append(str(e))
@@ -209,10 +212,13 @@ def prepare_prompts(cfg: Any, tokenizer: Any, world_size: int, *,
                         f"{S}) does not divide into groups of {r.num_generations}")
     truncation = d.truncation_strategy if "truncation_strategy" in cfg.explicit else "left"
 
+    from swiftlite.data.pipeline import run_agent
+    agent = run_agent(cfg, tokenizer)
+
     def tok(specs: list[str]) -> PromptData:
         return tokenize_prompts(specs, tokenizer, max_length=d.max_length, truncation=truncation,
                                 skip_bad_rows=d.skip_bad_rows, system=system_prompt(d.system), seed=t.seed,
-                                progress=progress, columns=d.columns)
+                                progress=progress, columns=d.columns, agent=agent)
     train, _ = train_and_validation(d, tok, t.seed, unit="prompt")
     check_rewards(rewards, train, "--reward_funcs")
     if r.multi_turn_scheduler:
