@@ -141,7 +141,8 @@ def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_l
     """Tokenize (row, where) pairs in order; rows with no target token are dropped and counted, and so
     are rows longer than max_length under truncation "delete". A bad row raises its UserError, or is
     skipped and counted with --skip-bad-rows. `agent`: --agent_template (tool-calling rows: data/agent.py).
-    `keep`: source columns each tokenized row carries as its "columns" (those the row has; `kept_columns`)."""
+    `keep`: source columns each tokenized row carries as its "columns" (those the row has: the task's
+    `prepare_data` asks for them, GKD's for its multi-turn scheduler)."""
     stats = DataStats()
     rows: list[dict] = []
     cut = "right" if truncation in ("delete", "split") else truncation
@@ -181,15 +182,6 @@ def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_l
                      **({"columns": {k: row[k] for k in keep if k in row}} if keep else {})})
     return rows, stats
 
-
-def kept_columns(cfg: Any) -> tuple[str, ...]:
-    """The source columns a run's tokenized rows keep: GKD's multi-turn sampling verifies completions
-    against each row's (config/multi_turn_options.scheduler_columns); none otherwise."""
-    from swiftlite.config.multi_turn_options import scheduler_columns
-    r = getattr(cfg, "rlhf", None)
-    if cfg.task != "rlhf" or r is None or r.rlhf_type != "gkd":
-        return ()
-    return scheduler_columns(r)
 
 
 # What forked tokenization workers use: set in the parent just before the pool forks, so the
@@ -372,11 +364,11 @@ def run_agent(cfg: Any, tokenizer: Any) -> Agent | None:
     return _rendering(cfg, tokenizer)[2]
 
 
-def spec_tokenizer(cfg: Any, tokenizer: Any, *, progress: Callable[[str, int], Any] | None = None
-                   ) -> tuple[Callable[[list[str]], Tokenized], Any]:
+def spec_tokenizer(cfg: Any, tokenizer: Any, *, progress: Callable[[str, int], Any] | None = None,
+                   keep: tuple[str, ...] = ()) -> tuple[Callable[[list[str]], Tokenized], Any]:
     """(specs -> their Tokenized rows under the run's options, the self-cognition transform or None):
     what training (prepare_datasets) and `swiftlite export --to_cached_dataset true` tokenize with, so
-    that a cached folder holds exactly the rows the run would have made."""
+    that a cached folder holds exactly the rows the run would have made. `keep`: `_encode_rows`'s."""
     d, t = cfg.data, cfg.train
     system, scale, agent = _rendering(cfg, tokenizer)
     from swiftlite.data.self_cognition import from_config
@@ -388,7 +380,7 @@ def spec_tokenizer(cfg: Any, tokenizer: Any, *, progress: Callable[[str, int], A
                               truncation_strategy=d.truncation_strategy, system=system, seed=t.seed,
                               load_from_cache_file=d.load_from_cache_file, transform=sc,
                               key_extra={"self_cognition": sc.key()} if sc else None, columns=d.columns,
-                              loss_scale=scale, agent=agent, keep=kept_columns(cfg))
+                              loss_scale=scale, agent=agent, keep=keep)
     return tok, sc
 
 
@@ -416,15 +408,16 @@ def cached_reader(cfg: Any, tokenizer: Any) -> Callable[[list[str], str], Tokeni
 
 
 def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
-                     progress: Callable[[str, int], Any] | None = None
+                     progress: Callable[[str, int], Any] | None = None, keep: tuple[str, ...] = ()
                      ) -> tuple[Tokenized, Tokenized | None, Any]:
     """--dataset / --val-dataset / --split-dataset-ratio -> (train, validation or None, BatchPlan),
     with the checks a run needs before it starts: some usable rows, and at least one global batch
-    (per-device x world size x accumulation) of them. UserErrors name the culprit."""
+    (per-device x world size x accumulation) of them. UserErrors name the culprit. `keep`: the source
+    columns the rows carry (`_encode_rows`)."""
     from swiftlite.data.loader import BatchPlan
     d, t = cfg.data, cfg.train
     # `cfg` is the run's resolved config (swiftlite/job.py): --max-length is concrete here.
-    tok, sc = spec_tokenizer(cfg, tokenizer, progress=progress)   # rows; --packing packs after the split
+    tok, sc = spec_tokenizer(cfg, tokenizer, progress=progress, keep=keep)   # rows; --packing packs after the split
     system, scale, agent = _rendering(cfg, tokenizer)
 
     def pack(rows: Tokenized) -> Tokenized:
@@ -433,7 +426,7 @@ def prepare_datasets(cfg: Any, tokenizer: Any, world_size: int, *,
     def encode(items: list[tuple[dict, str]]) -> tuple[list[dict], DataStats]:
         """(row, where) items -> their usable tokenized rows and stats (lazy and streamed rows)."""
         return _encode_rows(items, tokenizer, cfg.task, d.max_length, d.skip_bad_rows, d.truncation_strategy,
-                            system, scale, agent, kept_columns(cfg))
+                            system, scale, agent, keep)
 
     def tok_train(specs: list[str]) -> Tokenized:
         if d.lazy_tokenize and specs is d.dataset:   # validation rows stay eager

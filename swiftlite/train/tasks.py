@@ -307,11 +307,12 @@ class GkdTask(Task):
                      progress: Callable[[str, int], Any] | None = None) -> Any:
         """sft's rows; their targets by --loss_scale, whose rlhf default is ms-swift's last_round (the
         assistant turns after the last user turn: the response a sampled step replaces). With
-        --multi_turn_scheduler the rows keep the column it verifies against (data/pipeline.kept_columns)."""
+        --multi_turn_scheduler the rows keep the column it verifies against (config/multi_turn_options.py)."""
+        from swiftlite.config.multi_turn_options import scheduler_columns
         from swiftlite.data.pipeline import prepare_datasets
         if cfg.data.loss_scale is None:
             cfg = cfg.with_values(loss_scale="last_round")
-        out = prepare_datasets(cfg, tokenizer, world_size, progress=progress)
+        out = prepare_datasets(cfg, tokenizer, world_size, progress=progress, keep=scheduler_columns(cfg.rlhf))
         if cfg.rlhf.multi_turn_scheduler and not hasattr(out[0], "split"):   # lazy rows: checked as sampled
             from swiftlite.rlhf.gkd import check_columns
             check_columns(cfg.rlhf, out[0].rows)
@@ -336,7 +337,8 @@ class GkdTask(Task):
     def describe(self, run: Any) -> str:
         from swiftlite.config.multi_turn_options import describe_turns
         b = run.batches
-        return f"gkd (beta {b.beta:g}, lmbda {b.options.lmbda:g}, teacher: {b.teacher_kind}{describe_turns(b.options)}), "
+        return (f"gkd (beta {b.beta:g}, lmbda {b.options.lmbda:g}, teacher: {b.teacher_kind}"
+                f"{describe_turns(b.options)}), ")
 
     def dry_run_lines(self, cfg: Any) -> list[str]:
         from swiftlite.config.gkd_options import describe_gkd

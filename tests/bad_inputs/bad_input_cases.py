@@ -178,7 +178,7 @@ CASES: list[Case] = [
                                      "--split_dataset_ratio", "0.1"],
          "--streaming with --split-dataset-ratio: a stream cannot hold rows out"),
     Case("msswift-agent-template-glm4", ["sft", *GOOD, *DATA, "--agent_template", "glm4"],
-         "--agent_template glm4: not available; hermes, react_en, react_zh are"),
+         "--agent_template glm4: not available; hermes, react_en, react_zh, react_grpo are"),
     Case("msswift-agent-row-without-template", ["sft", *GOOD, "--dataset", "agent.jsonl"],
          "agent.jsonl:1: a tool-calling row (tools, tool_call or tool_response): pass --agent_template hermes",
          setup=write("agent.jsonl", '{"tools": [], "messages": [{"role": "user", "content": "q"}, {"role": '

@@ -113,13 +113,10 @@ def turn_runs(tmp_path_factory):
     """--multi_turn_scheduler math_tip_trick (GRPO's rollouts, whose turns every process joins while any has a
     completion left): the student makes EOS likely (tests/e2e/test_grpo_multi_turn_e2e.py), so its completions
     end early and get the tip."""
-    from tests.e2e.test_grpo_multi_turn_e2e import build_eos_prone
+    from tests.e2e.test_gkd_multi_turn_e2e import build_eos_prone, write_math_rows
     d = tmp_path_factory.mktemp("gkd_turns")
     build_eos_prone(d / "model")
-    (d / "d.jsonl").write_text("".join(
-        json.dumps({"messages": [{"role": "user", "content": f"what is {i} + 1?"},
-                                 {"role": "assistant", "content": f"{i + 1}"}], "solution": f"${i + 1}$"}) + "\n"
-        for i in range(8)))
+    write_math_rows(d / "d.jsonl")
     common = ["rlhf", "--rlhf-type", "gkd", "--model", d / "model", "--teacher-model", "tiny-llama",
               "--torch-dtype", "fp32", "--seed", str(SEED), "--train-type", "full", "--logging-steps", "1",
               "--save-hf-model", "false", "--save-strategy", "no", "--learning-rate", "1e-3", "--lmbda", "1",

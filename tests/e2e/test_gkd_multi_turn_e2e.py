@@ -34,14 +34,20 @@ gkd._sampled_rows = recorded
 '''
 
 
+def write_math_rows(path):
+    """8 sft rows (a sum and its answer) with the `solution` column math_tip_trick verifies against."""
+    path.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"what is {i} + 1?"},
+                                 {"role": "assistant", "content": f"{i + 1}"}], "solution": f"${i + 1}$"}) + "\n"
+        for i in range(8)))
+    return path
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("gkd_mt")
     build_eos_prone(d / "model")
-    (d / "data.jsonl").write_text("".join(
-        json.dumps({"messages": [{"role": "user", "content": f"what is {i} + 1?"},
-                                 {"role": "assistant", "content": f"{i + 1}"}], "solution": f"${i + 1}$"}) + "\n"
-        for i in range(8)))
+    write_math_rows(d / "data.jsonl")
     (d / "plugin.py").write_text(PLUGIN)
     return d
 

@@ -112,7 +112,7 @@ def test_agent_roles_refused_where_not_rendered():
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["--agent_template", "glm4"], "--agent_template glm4: not available; hermes, react_en, react_zh are"),
+    (["--agent_template", "glm4"], "--agent_template glm4: not available; hermes, react_en, react_zh, react_grpo are"),
 ])
 def test_rules(argv, words):
     from swiftlite.cli import parse_run_args
@@ -120,6 +120,6 @@ def test_rules(argv, words):
     config_file, values = parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl", *argv])
     with pytest.raises(UserError, match=words):
         load_config(config_file, values, validate_paths=False)
-    with pytest.raises(UserError, match="applies to sft"):
+    with pytest.raises(UserError, match=r"applies to tool-calling chat rows \(sft, rlhf grpo and gkd\)"):
         load_config(*parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl", "--agent_template",
                                      "hermes"]), task="pt", validate_paths=False)

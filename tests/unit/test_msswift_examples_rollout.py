@@ -220,15 +220,17 @@ def test_gkd_is_run_with_a_local_teacher_and_sft_rows(mx):
     assert [c.sub for c in cmds] == ["rlhf"] and mx.skip_reason("examples/x.sh", cmds, launchers) is None
     assert cmds[0].opt("gkd_logits_topk") == ["64"] and cmds[0].opt("vllm_max_model_len") == ["4096"]
     models = {k: Path(f"/m/{k}") for k in ("qwen2", "llama", "moe", "awq", "gptq", "teacher")}
-    files = {k: Path(f"/d/{k}.jsonl") for k in ("alpaca", "messages", "grpo")}
+    files = {k: Path(f"/d/{k}.jsonl") for k in ("alpaca", "messages", "messages_solution", "grpo")}
     _, argv = mx.translate(cmds[0], models, files, None, 29500)
     assert mx.opt_values(argv, "model") == ["/m/qwen2"]
     assert mx.opt_values(argv, "teacher_model") == ["/m/teacher"]   # another model: other weights
     same = mx.Command("examples/x.sh", "rlhf", {}, ["--rlhf_type", "gkd", "--model", "Qwen/Qwen3-4B",
                                                     "--teacher_model", "Qwen/Qwen3-4B"])   # opsd.sh: itself
     assert mx.opt_values(mx.translate(same, models, files, None, 1)[1], "teacher_model") == ["/m/qwen2"]
-    # GKD trains on sft rows: a GRPO prompt set (NuminaMath-TIR) is read as chat messages with their answers
-    assert mx.opt_values(argv, "dataset") == ["/d/alpaca.jsonl#2000", "/d/messages.jsonl#5000", "/d/messages.jsonl"]
+    # GKD trains on sft rows: a GRPO prompt set (NuminaMath-TIR) is read as chat messages with their answers, and
+    # its solution column (a multi-turn scheduler's)
+    assert mx.opt_values(argv, "dataset") == ["/d/alpaca.jsonl#2000", "/d/messages_solution.jsonl#5000",
+                                              "/d/messages.jsonl"]
     grpo = mx.Command("examples/x.sh", "rlhf", {}, ["--rlhf_type", "grpo", "--dataset", "AI-MO/NuminaMath-TIR"])
     assert mx.opt_values(mx.translate(grpo, models, files, None, 1)[1], "dataset") == ["/d/grpo.jsonl"]
     ppo = mx.Command("examples/x.sh", "rlhf", {}, ["--rlhf_type", "ppo", "--model", "m"])

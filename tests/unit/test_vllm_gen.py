@@ -115,7 +115,7 @@ def _options(**kw):
              move_model_batches=None, offload_model=False, offload_optimizer=False, max_completion_length=6,
              temperature=0.7, top_p=0.9, top_k=5, reward_weights=None, scale_rewards=None, log_completions=False,
              advantage_estimator="grpo", kl_in_reward=None, overlong_filter=False, log_rollout_offpolicy_metrics=False,
-             dynamic_sample=False)
+             dynamic_sample=False, stop_words=[])
     o.update(kw)
     return SimpleNamespace(**o)
 
