@@ -257,7 +257,7 @@ CACHED = [
 #: a word the refusal line must hold). One run of each command gives all of them.
 REFUSED = {
     "sft": [
-        ("--agent_template glm4", "hermes, react_en, react_zh are"),
+        ("--agent_template glm4", "hermes, react_en, react_zh, react_grpo are"),
 
         ("--galore_quantization true", "Q-GaLore"),
         ("--reft_intervention_type LoreftIntervention", "tuner"), ("--template_backend jinja", "template"),
