@@ -12,6 +12,7 @@ import json
 import pytest
 
 from tests.conftest import LazyRuns, run_cli
+from tests.e2e.test_grpo_e2e import write_reverse_rows
 
 REL = 1e-5
 PLUGIN = '''from swiftlite.plugin import orms
@@ -37,10 +38,7 @@ RUNS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("grpo_dynamic")
-    words = ["abcd", "bcda", "cdab", "dabc", "abdc", "badc", "cadb", "dcba"]
-    (d / "data.jsonl").write_text("".join(
-        json.dumps({"messages": [{"role": "user", "content": f"reverse: {w}"}], "solution": w[::-1]}) + "\n"
-        for w in words))
+    write_reverse_rows(d / "data.jsonl")
     (d / "plugin.py").write_text(PLUGIN)
 
     def one(name):

@@ -40,13 +40,19 @@ orms["length"] = lambda completions, **kwargs: [len(c) / 10 for c in completions
 '''
 
 
+def write_reverse_rows(path):
+    """8 GRPO prompts ("reverse: abcd", ...) with their answers as the `solution` column."""
+    words = ["abcd", "bcda", "cdab", "dabc", "abdc", "badc", "cadb", "dcba"]
+    path.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"reverse: {w}"}], "solution": w[::-1]}) + "\n"
+        for w in words))
+    return path
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("grpo")
-    words = ["abcd", "bcda", "cdab", "dabc", "abdc", "badc", "cadb", "dcba"]
-    (d / "data.jsonl").write_text("".join(
-        json.dumps({"messages": [{"role": "user", "content": f"reverse: {w}"}], "solution": w[::-1]}) + "\n"
-        for w in words))
+    write_reverse_rows(d / "data.jsonl")
     (d / "plugin.py").write_text(PLUGIN)
     return d
 

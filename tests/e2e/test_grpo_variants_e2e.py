@@ -11,6 +11,7 @@ import statistics
 import pytest
 
 from tests.conftest import run_cli
+from tests.e2e.test_grpo_e2e import write_reverse_rows
 
 COMMON = ["--rlhf-type", "grpo", "--model", "tiny-llama-2l", "--torch-dtype", "fp32", "--parallelism", "single",
           "--seed", "3", "--per-device-train-batch-size", "4", "--gradient-accumulation-steps", "2",
@@ -26,10 +27,7 @@ orms["length"] = lambda completions, **kw: [len(c) / 10 for c in completions]
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("grpo_variants")
-    words = ["abcd", "bcda", "cdab", "dabc", "abdc", "badc", "cadb", "dcba"]
-    (d / "data.jsonl").write_text("".join(
-        json.dumps({"messages": [{"role": "user", "content": f"reverse: {w}"}], "solution": w[::-1]}) + "\n"
-        for w in words))
+    write_reverse_rows(d / "data.jsonl")
     (d / "plugin.py").write_text(PLUGIN)
     return d
 
