@@ -14,7 +14,9 @@ resolved), and run as `python -m swiftlite ...` with:
   built from a config with the repository's tokenizer: a Llama one for a Llama model, a Qwen3-MoE one for
   a mixture of experts (an `-A3B`-style or MoE id), a Qwen2 one
   otherwise; a pre-quantized AWQ/GPTQ model gets a tiny folder carrying that quantization_config; a
-  `--teacher_model` other than the script's `--model` gets the Qwen2 folder's shape with other weights;
+  `--teacher_model` other than the script's `--model` gets the Qwen2 folder's shape with other weights; a
+  `--reward_model` a tiny one-output Qwen2 classifier when its id names a reward model, else a tiny Qwen2 chat
+  model of 3072 positions as a generative judge (a random judge never ends an answer early);
 - `--dataset` / `--val_dataset` replaced by local files of the same format (`#N` and `:subset` kept as
   `#N`; a `--to_cached_dataset true` export of a whole hub dataset gets `#CACHED_ROWS`, enough rows to pack): alpaca rows, chat messages, tool-calling rows (ms-swift's agent format), query/response,
   self-cognition rows (query/response/tag with {{NAME}}/{{AUTHOR}}), preference pairs, KTO rows, GRPO prompts with a solution column, plain text;
@@ -475,6 +477,21 @@ def build_models(d: Path) -> dict[str, Path]:
         for f in Path(TINY_TOKENIZER).iterdir():
             shutil.copy(f, p / f.name)
     out["teacher"] = p
+    # reward models: a one-output classifier (a hub reward model: the default plugin's score) and a chat model as
+    # a generative judge (genrm), the Qwen2 shape with 3072 positions: a random judge never ends its answer and
+    # ms-swift's engine generates up to the model's length
+    from transformers import AutoModelForSequenceClassification
+    for name, cls, extra in (("rm", AutoModelForSequenceClassification, dict(num_labels=1)),
+                             ("judge", AutoModelForCausalLM, {})):
+        p = d / f"tiny-qwen2-{name}"
+        if not (p / "config.json").is_file():
+            torch.manual_seed(2)
+            conf = Qwen2Config(max_position_embeddings=3072 if name == "judge" else 32768, tie_word_embeddings=False,
+                               **common, **extra)
+            cls.from_config(conf, dtype=torch.bfloat16).save_pretrained(p)
+            for f in Path(TINY_TOKENIZER).iterdir():
+                shutil.copy(f, p / f.name)
+        out[name] = p
     for method in ("awq", "gptq"):
         p = d / f"tiny-qwen2-{method}"
         if not p.exists():
@@ -544,7 +561,9 @@ def translate(cmd: Command, models: dict[str, Path], files: dict[str, Path], ckp
         if name == "teacher_model" and vals and vals != (cmd.opt("model") or []) and \
                 local_model(vals[0], models) == str(models["qwen2"]):   # another model: other weights
             out += [tok, str(models["teacher"])]
-        elif name in ("model", "ref_model", "reward_model", "teacher_model") and vals:
+        elif name == "reward_model" and vals:   # a hub reward model is a classifier; another model judges (genrm)
+            out += [tok, *[str(models["rm" if re.search(r"reward|-rm\b", v, re.I) else "judge"]) for v in vals]]
+        elif name in ("model", "ref_model", "teacher_model") and vals:
             out += [tok, *[local_model(v, models) for v in vals]]
         elif name in ("dataset", "val_dataset") and vals:
             out += [tok, *[local_dataset(v, files, cmd) for v in vals]]

@@ -1,8 +1,10 @@
 """GRPO reward functions: ms-swift's plugin shape and its built-ins (`--reward_funcs`, docs/rlhf.md).
 
-A plugin file passed with `--external_plugins` registers its rewards in `orms`, as an ms-swift plugin
-does. ms-swift's own plugin files run unedited: while one runs, its `from swift.rewards import ORM, orms`
-imports this module (swiftlite.plugin_imports). A plugin written for swiftlite imports it by name:
+A plugin file passed with `--external_plugins` registers its rewards in `orms` (an `ORM`, an `AsyncORM` whose
+`__call__` is a coroutine, or a function), and reward-model plugins in `rm_plugins` (msswift_api/rm_plugin.py),
+as an ms-swift plugin does. ms-swift's own plugin files run unedited: while their code runs, `from
+swift.rewards import ORM, orms` imports this module (swiftlite.plugin_imports). A plugin written for
+swiftlite imports it by name:
 
     from swiftlite.plugin import ORM, orms
 
@@ -45,6 +47,18 @@ class ORM:
         self.args = args
 
     def __call__(self, completions: list[str], **kwargs: Any) -> list[float]:
+        raise NotImplementedError
+
+
+class AsyncORM:
+    """Base class of an asynchronous outcome reward (ms-swift's): `async def __call__(completions, **kwargs)`,
+    for rewards that wait on I/O (an API judge). swiftlite awaits each call where it calls a reward
+    (ms-swift gathers several async rewards concurrently; the scores are the same)."""
+
+    def __init__(self, args: Any = None, **kwargs: Any):
+        self.args = args
+
+    async def __call__(self, completions: list[str], **kwargs: Any) -> list[float]:
         raise NotImplementedError
 
 
@@ -228,6 +242,8 @@ orms: dict[str, Any] = {
     "soft_overlong": SoftOverlong,
 }
 
+from swiftlite.msswift_api.rm_plugin import rm_plugins  # noqa: E402  (ms-swift's swift.rewards has it: plugins register theirs)
+
 #: Keyword arguments every call gets besides the dataset's columns (never "missing" from a row).
 PASSED = frozenset({"completions", "prompts", "messages", "completion_ids", "response_token_ids", "trainer_state"})
 
@@ -240,7 +256,13 @@ class Reward:
         self.key, self.fn, self.name, self.needs = key, fn, name, needs
 
     def __call__(self, completions: list[str], **kwargs: Any) -> list[float]:
-        return self.fn(completions, **kwargs)
+        from swiftlite.plugin_imports import msswift_aliases
+        with msswift_aliases():   # a plugin's function-level `from swift... import` resolves as at its top
+            out = self.fn(completions, **kwargs)
+            if inspect.isawaitable(out):   # an AsyncORM
+                import asyncio
+                out = asyncio.run(out)
+        return out
 
 
 def _required(fn: Callable) -> tuple[str, ...]:
@@ -281,7 +303,9 @@ def build_rewards(names: list[str], args: Any) -> list[Reward]:
             raise UserError(_unknown(key))
         obj = orms[key]
         if inspect.isclass(obj):
-            fn = obj(args=args)
+            from swiftlite.plugin_imports import msswift_aliases
+            with msswift_aliases():
+                fn = obj(args=args)
             name = obj.__name__
         elif callable(obj):
             fn, name = obj, getattr(obj, "__name__", key)
@@ -293,6 +317,6 @@ def build_rewards(names: list[str], args: Any) -> list[Reward]:
     return out
 
 
-__all__ = ["CosineReward", "Format", "MathAccuracy", "ORM", "PASSED", "ReActFormat", "ReactORM", "RepetitionPenalty",
+__all__ = ["AsyncORM", "CosineReward", "Format", "MathAccuracy", "ORM", "PASSED", "ReActFormat", "ReactORM", "RepetitionPenalty",
            "Reward", "SoftOverlong",
-           "build_rewards", "check_reward_funcs", "orms"]
+           "build_rewards", "check_reward_funcs", "orms", "rm_plugins"]

@@ -7,7 +7,7 @@ Only ms-swift's built-in `math_tip_trick` scheduler is here. Its other built-ins
 reason: `thinking_tips_scheduler` splits one trajectory into several training rows (a variable number
 of samples per round, which ms-swift itself marks for removal), `gym_scheduler` and
 `openenv_scheduler` drive an environment server, and a plugin's scheduler subclasses ms-swift's own
-classes.
+classes (it registers, swiftlite/msswift_api/rollout.py, so its file loads; it does not run).
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ def multi_turn_problem(r: object, explicit: set[str] | frozenset[str]) -> str | 
         return (f"--{given[0].replace('_', '-')} applies to multi-turn rollouts (--multi-turn-scheduler "
                 f"{MULTI_TURN_SCHEDULERS[0]}): drop it or give the scheduler") if given else None
     if s not in MULTI_TURN_SCHEDULERS:
-        why = OTHER_SCHEDULERS.get(s, "is neither a built-in scheduler nor one swiftlite can load (ms-swift's plugin "
-                                      "schedulers subclass its own classes)")
+        why = OTHER_SCHEDULERS.get(s, "is not a built-in scheduler; one a plugin file registers (ms-swift's "
+                                      "MultiTurnScheduler class) loads but is not run: ms-swift's scheduler API drives "
+                                      "its own inference engines turn by turn")
         return (f"--multi-turn-scheduler {s}: not available here: it {why}; swiftlite has "
                 f"{', '.join(MULTI_TURN_SCHEDULERS)}")
     if r.max_turns is not None and r.max_turns < 1:

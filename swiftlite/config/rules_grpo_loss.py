@@ -13,12 +13,9 @@ def _reward_model_problem(r) -> str | None:
         return "--reward-model-plugin applies to --reward-model: drop it"
     if plugins and len(plugins) != len(models):
         return (f"--reward-model-plugin has {len(plugins)} values for {len(models)} --reward-model (one plugin each)")
-    bad = [p for p in plugins if p != "default"]
-    if bad:
-        return (f"--reward-model-plugin {bad[0]}: only ms-swift's `default` plugin is available (the classifier's "
-                "first logit); generative judges (genrm) and ms-swift's Python plugin classes are not: write a "
-                "reward function instead (--external-plugins, swiftlite.plugin)")
-    return None   # the folders are checked before launch (rlhf/grpo_data.py: rlhf/reward_model.config_problem)
+    # the names (a plugin file's are registered when it runs) and the folders are checked before launch
+    # (rlhf/grpo_data.py: rlhf/reward_model.check_plugins, config_problem)
+    return None
 
 
 def _real_problem(c: RunConfig) -> str | None:

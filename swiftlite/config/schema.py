@@ -390,7 +390,7 @@ class RlhfConfig(VllmOptions, TeacherOptions, ChordOptions, MultiTurnOptions, Gk
                                   "soft_overlong) or registered in `orms` by an --external-plugins file.",
                                   factory=list)
     reward_model: list[str] | None = opt(None, "GRPO: reward models (one-output classifiers; docs/rlhf.md).")
-    reward_model_plugin: list[str] | None = opt(None, "GRPO: one per --reward-model; only ms-swift's `default`.")
+    reward_model_plugin: list[str] | None = opt(None, "GRPO, per --reward-model: default, genrm, or a plugin's.")
     reward_weights: list[float] | None = opt(None, "GRPO: one weight per reward function, then per reward model.")
     num_generations: int = opt(8, "GRPO: completions sampled per prompt (the group size G); at least 2.")
     max_completion_length: int = opt(512, "GRPO, GKD: most tokens generated per completion.")

@@ -261,15 +261,20 @@ def whole_matrix_optimizer(cfg: "RunConfig") -> str:
 
 
 def _reward_model_params(paths: list[str] | None) -> int:
-    """GRPO's reward models (rlhf/reward_model.py), sequence classifiers: the causal LM's config without
-    lm_head, with a one-output score head; 0 for a hub id whose config is not here."""
+    """GRPO's reward models (rlhf/reward_model.py): a sequence classifier is the causal LM's config without
+    lm_head, with a one-output score head; a causal LM (a genrm judge) is whole; 0 for a hub id whose config
+    is not here."""
     total = 0
     for path in paths or []:
         try:
-            shape = resolve_model(path).shape()
+            src = resolve_model(path)
+            shape = src.shape()
         except UserError:
             continue
-        total += shape.n_params - (0 if shape.tie else shape.vocab * shape.hidden) + shape.hidden
+        conf = src.config_dict() if src.kind == "folder" else None
+        classifier = (((conf or {}).get("architectures") or [""])[0]).endswith("ForSequenceClassification")
+        total += shape.n_params - (0 if shape.tie else shape.vocab * shape.hidden) + shape.hidden if classifier \
+            else shape.n_params
     return total
 
 

@@ -172,7 +172,7 @@ def setup(run: Any) -> Any:
         from swiftlite.models.loading import torch_dtype
         from swiftlite.rlhf.reward_model import build_reward_models
         b.rewards = [*b.rewards, *build_reward_models(cfg.rlhf, run.world.device, torch_dtype(cfg.model.torch_dtype),
-                                                      cfg.model.trust_remote_code)]
+                                                      cfg.model.trust_remote_code, cfg.data.max_length)]
     from swiftlite.rlhf.generators import build_generator   # --use_vllm: a rollout server's client or colocated
     b.vllm = build_generator(run, per_device=b.plan.per_device, steps_per_generation=b.plan.steps_per_generation)
     if cfg.rlhf.log_completions and run.world.is_main:

@@ -193,8 +193,10 @@ def prepare_prompts(cfg: Any, tokenizer: Any, world_size: int, *,
         raise UserError(f"{'--val-dataset' if d.val_dataset else '--split-dataset-ratio'}: validation is not "
                         "available for GRPO (the training metrics log the rewards of every round)")
     rewards = build_rewards(r.reward_funcs, r)
-    from swiftlite.rlhf.reward_model import config_problem
-    why = next((w for w in map(config_problem, r.reward_model or []) if w), None)
+    from swiftlite.rlhf.reward_model import check_plugins, config_problem
+    check_plugins(r)
+    plugins = r.reward_model_plugin or ["default"] * len(r.reward_model or [])
+    why = next((w for w in map(config_problem, r.reward_model or [], plugins) if w), None)
     if why:
         raise UserError(why)
     S = r.steps_per_generation or t.gradient_accumulation_steps

@@ -1,18 +1,23 @@
-"""Reward models as GRPO rewards (--reward_model, ms-swift's default reward-model plugin).
+"""Reward models as GRPO rewards (--reward_model, with ms-swift's reward-model plugins).
 
 ms-swift's `--reward_model M ...` appends one reward per model after the --reward_funcs ones (their
-weights follow in --reward_weights, in that order). Its default plugin (swift/rewards/rm_plugin.
-DefaultRMPlugin) renders each completion's conversation (the prompt's messages, then the completion as
-the assistant turn) with the reward model's own template, runs the model, and takes its first logit:
-the score of a sequence-classification model with one output, pooled at the last token that is not
-padding (transformers' pooling). That is what `swiftlite rlhf --rlhf_type rm` trains and `swiftlite
-export` writes, so a reward model trained here scores GRPO's completions as is.
+weights follow in --reward_weights, in that order), each scored by its `--reward_model_plugin`
+(swiftlite/msswift_api/rm_plugin.py, one per model, `default` when not given):
 
-Here the template is the reward model's tokenizer's chat template (its folder's), each process scores
-its own completions (one frozen copy of each reward model per process, in the run's compute dtype, on
-its device: the planner counts it so, planner/memory.reference_bytes), in batches of BATCH rows,
-right-padded. Only ms-swift's `default` plugin is available (its `genrm` asks a generative model in a
-chat and parses "Reward: x"; custom plugins are Python classes of ms-swift's): the rules refuse others.
+- `default` (DefaultRMPlugin): M is a sequence classifier with one output; the score is its first logit
+  on the completion's conversation (the prompt's messages, then the completion as the assistant turn)
+  rendered with M's template, pooled at the last token that is not padding (transformers' pooling).
+  That is what `swiftlite rlhf --rlhf_type rm` trains and `swiftlite export` writes, so a reward model
+  trained here scores GRPO's completions as is.
+- `genrm` (GenRMPlugin): M is a causal LM asked to judge each conversation; the score is the
+  "Reward: x" of its answer.
+- a name a plugin file registered (`rm_plugins["name"] = Cls`, ms-swift's class shape): M is loaded as a
+  sequence classifier when its config says so, else as a causal LM, and the class is built with it
+  and its Template.
+
+Here the template is M's tokenizer's chat template (its folder's); each process scores its own
+completions (one frozen copy of each reward model per process, in the run's compute dtype, on its
+device: the planner counts it so, planner/memory.reference_bytes), BATCH rows per plugin call.
 """
 
 from __future__ import annotations
@@ -29,9 +34,14 @@ if TYPE_CHECKING:   # torch is imported where a model runs: the rules and the pl
 BATCH = 8
 
 
-def config_problem(path: str) -> str | None:
-    """Why a local --reward_model folder is not a one-output sequence classifier (None when it is, or
-    when the argument is a hub id: its config is read when the run loads it). Called before launch
+def _is_classifier(conf: dict) -> bool:
+    return (conf.get("architectures") or [""])[0].endswith("ForSequenceClassification")
+
+
+def config_problem(path: str, plugin: str = "default") -> str | None:
+    """Why a local --reward_model folder does not fit its plugin (None when it does, or when the argument
+    is a hub id: its config is read when the run loads it). `default` needs a one-output sequence
+    classifier, `genrm` a causal LM; a plugin file's class takes either. Called before launch
     (rlhf/grpo_data.prepare_prompts)."""
     from swiftlite.models.source import resolve_model
     try:
@@ -42,60 +52,84 @@ def config_problem(path: str) -> str | None:
     if conf is None:
         return None
     arch = (conf.get("architectures") or [""])[0]
+    if plugin == "genrm":
+        return None if arch.endswith("ForCausalLM") else (
+            f"--reward_model {path}: a {arch or 'model'}; the genrm plugin asks a causal LM (a chat model) to judge "
+            "each completion: give one, or --reward_model_plugin default for a sequence classifier")
+    if plugin != "default":
+        return None
     labels = len(conf.get("id2label") or {}) or conf.get("num_labels") or 2
-    if not arch.endswith("ForSequenceClassification") or labels != 1:
+    if not _is_classifier(conf) or labels != 1:
         return (f"--reward_model {path}: a {arch or 'model'} with {labels} outputs; ms-swift's default reward-model "
                 "plugin scores with a sequence-classification model of one output (what `swiftlite rlhf --rlhf_type "
-                "rm` trains and `swiftlite export` writes); generative judges (ms-swift's genrm) are not available")
+                "rm` trains and `swiftlite export` writes); a chat model judges with --reward_model_plugin genrm")
     return None
 
 
+def check_plugins(r: Any) -> None:
+    """Every --reward_model_plugin is registered (built-ins, then what --external_plugins added): before
+    launch, after the plugin files ran."""
+    from swiftlite.plugin import rm_plugins
+    for name in r.reward_model_plugin or []:
+        if name not in rm_plugins:
+            raise UserError(f"--reward_model_plugin {name}: unknown reward-model plugin (registered: "
+                            f"{', '.join(sorted(rm_plugins))}; a plugin file adds one with rm_plugins['name'] = Cls, "
+                            "ms-swift's shape)")
+
+
 class RewardModelScorer:
-    """One --reward_model, loaded frozen on `device` in `dtype`; called as a reward function."""
+    """One --reward_model with its plugin, loaded frozen on `device` in `dtype`; called as a reward function."""
 
-    def __init__(self, path: str, device: Any, dtype: "torch.dtype", trust_remote_code: bool = False):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    def __init__(self, path: str, device: Any, dtype: "torch.dtype", trust_remote_code: bool = False,
+                 plugin: str = "default", max_length: int | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+        from swiftlite.msswift_api.template import Template
+        from swiftlite.plugin import rm_plugins
+        from swiftlite.plugin_imports import msswift_aliases
         self.path = path
-        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code).to(device).train(False).requires_grad_(False)
-        if self.model.config.num_labels != 1:
-            raise UserError(config_problem(path) or f"--reward_model {path}: {self.model.config.num_labels} outputs, "
-                            "not 1")
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id
-        if self.model.config.pad_token_id is None:   # transformers pools at the last token that is not this one
-            self.model.config.pad_token_id = self.pad_id
-        self.device = device
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        conf = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).to_dict()
+        auto = AutoModelForSequenceClassification if _is_classifier(conf) else AutoModelForCausalLM
+        if plugin == "default" and auto is not AutoModelForSequenceClassification or \
+                plugin == "genrm" and auto is not AutoModelForCausalLM:
+            raise UserError(config_problem(path, plugin) or f"--reward_model {path}: not a model for {plugin}")
+        model = auto.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = model.to(device).train(False).requires_grad_(False)
+        if plugin == "default" and model.config.num_labels != 1:
+            raise UserError(config_problem(path) or f"--reward_model {path}: {model.config.num_labels} outputs, not 1")
+        template = Template(tokenizer, max_length)
+        if auto is AutoModelForSequenceClassification and model.config.pad_token_id is None:
+            model.config.pad_token_id = template.pad_id   # transformers pools at the last token that is not this one
+        self.model = model
+        with msswift_aliases():   # a plugin class's own `from swift... import` in its __init__
+            self.plugin = rm_plugins[plugin](model=model, template=template)
 
-    def __call__(self, completions: list[str], messages: list[list[dict]], **kwargs: Any) -> list[float]:
-        import torch
-        texts = [self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in conv],
-                                                    tokenize=False) for conv in messages]
-        out: list[float] = []
-        for i in range(0, len(texts), BATCH):
-            ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts[i:i + BATCH]]
-            n = max(len(x) for x in ids)
-            batch = torch.full((len(ids), n), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(ids), n), dtype=torch.long)
-            for j, x in enumerate(ids):
-                batch[j, :len(x)] = torch.tensor(x)
-                mask[j, :len(x)] = 1
-            with torch.no_grad():
-                logits = self.model(input_ids=batch.to(self.device), attention_mask=mask.to(self.device)).logits
-            out += logits[:, 0].float().tolist()
+    def __call__(self, completions: list[str], messages: list[list[dict]], **kwargs: Any) -> list[Any]:
+        """The plugin's scores of BATCH rows at a time; each row is ms-swift's: `messages` (prompt and
+        completion) and the dataset row's columns, which also come batched as keyword lists."""
+        lists = {k: v for k, v in kwargs.items() if isinstance(v, list) and len(v) == len(completions)}
+        rows = [{"messages": m, **{k: v[i] for k, v in lists.items()}} for i, m in enumerate(messages)]
+        out: list[Any] = []
+        for i in range(0, len(rows), BATCH):
+            part = {k: v[i:i + BATCH] for k, v in lists.items()}
+            got = self.plugin(inputs=rows[i:i + BATCH], **part,
+                              **{k: v for k, v in kwargs.items() if k not in lists})
+            out += [None if v is None else float(v) for v in (got.tolist() if hasattr(got, "tolist") else got)]
         return out
 
 
-def build_reward_models(r: Any, device: Any, dtype: "torch.dtype", trust_remote_code: bool = False) -> list:
+def build_reward_models(r: Any, device: Any, dtype: "torch.dtype", trust_remote_code: bool = False,
+                        max_length: int | None = None) -> list:
     """--reward_model -> plugin.Reward entries (after the --reward_funcs ones), named as ms-swift names them
     (the folder's last part)."""
     from swiftlite.plugin import Reward
+    plugins = r.reward_model_plugin or ["default"] * len(r.reward_model or [])
     out = []
-    for path in r.reward_model or []:
-        scorer = RewardModelScorer(path, device, dtype, trust_remote_code)
+    for path, plugin in zip(r.reward_model or [], plugins):
+        scorer = RewardModelScorer(path, device, dtype, trust_remote_code, plugin, max_length)
         out.append(Reward(path, scorer, Path(path.rstrip("/")).name, ()))
     return out
 
 
-__all__ = ["BATCH", "RewardModelScorer", "build_reward_models", "config_problem"]
+__all__ = ["BATCH", "RewardModelScorer", "build_reward_models", "check_plugins", "config_problem"]

@@ -59,10 +59,11 @@ def test_folder_checks(rm_dir, tmp_path):
     lm.mkdir()
     (lm / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
     assert "a Qwen2ForCausalLM with 2 outputs" in config_problem(str(lm))
+    assert config_problem(str(lm), "genrm") is None and config_problem(str(lm), "my_plugin") is None
+    assert "the genrm plugin asks a causal LM" in config_problem(str(rm_dir), "genrm")
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--reward_model", "{rm}", "--reward_model_plugin", "genrm"], "--reward-model-plugin genrm: only ms-swift's"),
     (["--reward_model", "{rm}", "--reward_model_plugin", "default", "default"], "has 2 values for 1 --reward-model"),
     (["--reward_funcs", "format", "--reward_model", "{rm}", "--reward_weights", "1"],
      "--reward-weights has 1 values for 1 --reward-funcs and 1 --reward-model"),

@@ -48,33 +48,54 @@ def test_msswift_reward_plugin_runs_unedited_and_registers_here(tmp_path, monkey
 
 def test_msswift_plugin_importing_more_of_ms_swift_names_the_import(tmp_path):
     p = tmp_path / "plugin.py"
-    p.write_text("import re\n\nfrom swift.rewards import ORM, orms\nfrom swift.template import Template\n")
+    p.write_text("import re\n\nfrom swift.rewards import ORM, orms\nfrom swift.template import register_template\n")
     with pytest.raises(UserError) as e:
         load_plugins([str(p)])
     assert str(e.value) == (
-        f"--external_plugins {p}:4: `from swift.template import Template` failed (No module named 'swift.template'): "
-        "this ms-swift plugin imports a part of ms-swift swiftlite does not have; ms-swift's Python templates are "
-        "not used: conversations are rendered with the tokenizer's chat template (or --template FILE.jinja); drop "
-        "the registration")
-    p.write_text("from swift.rewards import AsyncORM\n")
-    with pytest.raises(UserError, match=r"plugin\.py:1: `from swift.rewards import AsyncORM` failed .*other reward "
-                                        r"kinds \(AsyncORM, PRM, reward-model plugins\) are not available"):
+        f"--external_plugins {p}:4: `from swift.template import register_template` failed (swift.template here is "
+        "swiftlite.msswift_api.template, which has no register_template): this ms-swift plugin imports a part of "
+        "ms-swift swiftlite does not have; ms-swift's Python templates are not used: conversations are rendered with "
+        "the tokenizer's chat template (or --template FILE.jinja); drop the registration")
+    p.write_text("from swift.rewards import prms\n")
+    with pytest.raises(UserError, match=r"plugin\.py:1: `from swift.rewards import prms` failed \(swift.rewards here is "
+                                        r"swiftlite.plugin, which has no prms\).*other reward kinds \(PRM\) are not"):
+        load_plugins([str(p)])
+    p.write_text("from swift.llm import get_model_tokenizer\n")
+    with pytest.raises(UserError, match=r"plugin\.py:1: `from swift.llm import get_model_tokenizer` failed \(No module "
+                                        r"named 'swift.llm'\).*of ms-swift, plugin files here can import swift.rewards"):
         load_plugins([str(p)])
 
 
-def test_msswift_import_inside_a_function_is_refused_before_launch(tmp_path):
-    """It would run in the rank, when the reward is called, after the aliases are gone."""
+def test_msswift_import_inside_a_function_resolves_when_it_is_called_or_is_refused_before_launch(tmp_path):
+    """Such an import runs in the rank, when the reward is built or called: inside the aliases there (a
+    counterpart with the names imported), refused now otherwise."""
+    import sys
+
+    from swiftlite.plugin import build_rewards, orms
     p = tmp_path / "lazy.py"
     p.write_text("from swift.rewards import ORM, orms\n\n\nclass R(ORM):\n    def __call__(self, completions, **kw):\n"
-                 "        from swift.utils import get_logger\n        return [0.0] * len(completions)\n")
+                 "        from swift.llm import get_model_tokenizer\n        return [0.0] * len(completions)\n")
     with pytest.raises(UserError) as e:
         load_plugins([str(p)])
-    assert str(e.value).startswith(f"--external_plugins {p}:6: `from swift.utils import get_logger` inside a "
-                                   "function runs when it is called, after the file has loaded")
-    p.write_text("def reward(completions, **kw):\n    import swift.rewards\n    return [0.0] * len(completions)\n")
-    with pytest.raises(UserError, match=r"lazy\.py:2: `import swift.rewards` inside a function .*import it at the "
-                                        r"top of the file"):
+    assert str(e.value).startswith(f"--external_plugins {p}:6: `from swift.llm import get_model_tokenizer` inside a "
+                                   "function runs when it is called and would fail there; of ms-swift, plugin files")
+    p.write_text("def reward(completions, **kw):\n    from swift.utils import is_master\n    return [0.0]\n")
+    with pytest.raises(UserError, match=r"lazy\.py:2: .* swift.utils here \(swiftlite.msswift_api.utils\) has no "
+                                        r"is_master"):
         load_plugins([str(p)])
+    # ms-swift's plugin.py: MultiTurnThinkingTips imports MathAccuracy in its __init__
+    p.write_text("from swift.rewards import ORM, orms\n\n\nclass Lazy(ORM):\n    def __init__(self, args=None):\n"
+                 "        from swift.rewards.orm import Format\n        import swift.utils\n"
+                 "        self.inner, self.log = Format(), swift.utils.get_logger()\n\n"
+                 "    def __call__(self, completions, **kw):\n        from swift.rewards import orms as o\n"
+                 "        return self.inner(completions) if 'format' in o else None\n\n\norms['lazy_fmt'] = Lazy\n")
+    load_plugins([str(p)])
+    try:
+        r, = build_rewards(["lazy_fmt"], None)
+        assert r(["<think>a</think><answer>b</answer>", "no"]) == [1.0, 0.0]
+        assert "swift.rewards" not in sys.modules      # the aliases are gone again after the call
+    finally:
+        del orms["lazy_fmt"]
     p.write_text("def reward(completions, **kw):\n    import json\n    return [0.0] * len(completions)\n")
     load_plugins([str(p)])              # other lazy imports are the file's own business
 

@@ -86,7 +86,9 @@ def test_the_checks_see_what_they_look_for():
 
 
 def test_no_engine_internals_outside_parallel():
-    found = {path: leaks for path, src in _sources(("swiftlite/parallel/",)).items()
+    # swiftlite/msswift_api mirrors ms-swift's plugin API, whose `engine` is an inference engine
+    # (TransformersEngine.infer), not the training Engine of this seam
+    found = {path: leaks for path, src in _sources(("swiftlite/parallel/", "swiftlite/msswift_api/")).items()
              if (leaks := engine_leaks(src))}
     assert found == {}
 

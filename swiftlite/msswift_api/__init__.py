@@ -1,0 +1,22 @@
+"""The part of ms-swift's Python API that its plugin files use, as swiftlite provides it.
+
+An ms-swift plugin file (`--external_plugins`, e.g. its examples/train/grpo/plugin/plugin.py) imports
+more of ms-swift than the reward registry: inference engines and their request/response types for
+generative judges, the `Template` a reward-model plugin encodes with, the reward-model plugin registry
+(`rm_plugins`, its `DefaultRMPlugin` and `GenRMPlugin`), the multi-turn scheduler and gym registries,
+and two helpers of swift.utils. While a plugin file's code runs (its load, and each call of a reward or
+reward-model plugin it registered), those `swift.*` names resolve to the modules here
+(swiftlite/plugin_imports.ALIASES): such a file loads unedited and what it registers lands where this run
+looks.
+
+What each module implements, and where it stops:
+- protocol: the request and response dataclasses (fields a plugin reads or sets).
+- engine: `TransformersEngine` over a loaded causal LM (transformers' generate, ms-swift's rules for the
+  request's sampling settings and its default max_tokens).
+- template: `Template.encode` / `data_collator` with the model's own chat template.
+- rm_plugin: ms-swift's two built-in reward-model plugins and their registry.
+- rollout: the registries of multi-turn schedulers and gym environments. A plugin may register into
+  them (the file loads); a run that names one is refused before launch (config/multi_turn_options.py):
+  swiftlite's rollouts are its own (rlhf/multi_turn.py).
+- utils: get_logger, to_device.
+"""

@@ -1,0 +1,68 @@
+"""ms-swift's request and response types (swift/infer_engine/protocol.py) as plugins use them: a
+`RequestConfig` for an engine's sampling, the chat-completion response whose choices carry the
+generated message. Only the fields a plugin reads or sets; an engine here honours those listed in
+engine.TransformersEngine's docstring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestConfig:
+    """ms-swift's defaults: None takes the model's generation_config (engine.generation_config)."""
+
+    max_tokens: int | None = None          # None: the model's max length minus the prompt's
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    num_beams: int = 1
+    stop: list[str] | None = field(default_factory=list)
+    seed: int | None = None
+    n: int = 1
+    length_penalty: float = 1.0
+    stream: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass
+class ChatCompletionResponseChoice:
+    index: int
+    message: ChatMessage
+    finish_reason: str | None = None       # "stop" (EOS) or "length"
+    token_ids: list[int] | None = None
+
+
+@dataclass
+class ChatCompletionResponse:
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    id: str = ""
+    object: str = "chat.completion"
+
+
+@dataclass
+class RolloutInferRequest:
+    """A request as ms-swift's rollout passes it: the conversation and the row's other columns."""
+
+    messages: list[dict[str, Any]]
+    data_dict: dict[str, Any] = field(default_factory=dict)
+
+
+InferRequest = RolloutInferRequest
+
+__all__ = ["ChatCompletionResponse", "ChatCompletionResponseChoice", "ChatMessage", "InferRequest", "RequestConfig",
+           "RolloutInferRequest"]
