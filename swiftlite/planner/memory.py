@@ -141,8 +141,8 @@ class Workload:
     reference: str = "none"              # rlhf DPO: "copy" (a frozen reference copy) or "none"
     teacher_params: int = 0              # GRPO/GKD --teacher_model's frozen copy (0: none, or the LoRA base)
     teacher_partitioned: bool = False    # --teacher_deepspeed of stage 3: the teacher sharded over all ranks
-    reward_model_params: int = 0         # GRPO --reward_model: the frozen reward models' parameters, a whole
-                                         # copy on every rank (rlhf/reward_model.py)
+    reward_model_params: int = 0         # GRPO --reward_model: frozen, whole on every rank (rlhf/reward_model.py)
+    judge_kv_elems: int = 0              # GRPO genrm judges: one scoring call's KV cache, in elements
     generation_length: int = 0           # GRPO: prompt + completion tokens a generated sequence reaches
                                          # (0: no generation); micro_batch sequences are generated at once
     whole_matrices: str = ""              # the flag of an optimizer that needs each matrix whole (--optim muon,
@@ -505,7 +505,7 @@ def estimate(shape: ModelShape, workload: Workload, backend: str | Backend) -> M
     # The step runs after the backward has freed the activations and the gathered parameters; the
     # reduce bucket (h*h elements) stays allocated through it.
     bucket = min(shape.hidden * shape.hidden, trainable_params(shape, w)) * w.elem if step else 0
-    gen = generation_bytes(shape, w, rec)
+    gen = max(generation_bytes(shape, w, rec), w.judge_kv_elems * w.elem)   # a judge answers after the round
     base = sum(states.values()) + ref + w.overhead_bytes
     # GRPO's generation round runs before the round's forward/backward passes: its KV cache and
     # gathered weights are one more phase next to the backward's activations and the optimizer step

@@ -233,6 +233,7 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         teacher_params=_teacher_params(cfg) if grpo or gkd else 0,
         teacher_partitioned=(grpo or gkd) and (r.teacher_deepspeed or "").startswith("zero3"),
         reward_model_params=_reward_model_params(r.reward_model) if grpo else 0,
+        judge_kv_elems=_judge_kv_elems(r.reward_model, r.reward_model_plugin) if grpo else 0,
         whole_matrices=whole_matrix_optimizer(cfg),
         # CHORD's expert rows: sft rows of at most --max_length, a micro-batch of their own per step
         side_batch=((r.chord_sft_per_device_train_batch_size or 0, cfg.data.max_length or 0)
@@ -276,6 +277,27 @@ def _reward_model_params(paths: list[str] | None) -> int:
         total += shape.n_params - (0 if shape.tie else shape.vocab * shape.hidden) + shape.hidden if classifier \
             else shape.n_params
     return total
+
+
+def _judge_kv_elems(paths: list[str] | None, plugins: list[str] | None) -> int:
+    """GRPO's genrm judges (msswift_api/engine.py): the largest KV cache of one scoring call, BATCH rows
+    answered up to the judge's max length (its max_position_embeddings, the engine's 8192 without one), 2 x
+    layers x kv_heads x head_dim elements a token; a plugin file's class may judge too, and is not counted."""
+    from swiftlite.msswift_api.engine import DEFAULT_MAX_MODEL_LEN
+    from swiftlite.rlhf.reward_model import BATCH
+    most = 0
+    for path, plugin in zip(paths or [], plugins or []):
+        if plugin != "genrm":
+            continue
+        try:
+            src = resolve_model(path)
+            shape = src.shape()
+        except UserError:
+            continue
+        conf = (src.config_dict() if src.kind == "folder" else None) or {}
+        tokens = conf.get("max_position_embeddings") or DEFAULT_MAX_MODEL_LEN
+        most = max(most, 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * BATCH)
+    return most
 
 
 def _teacher_params(cfg: "RunConfig") -> int:

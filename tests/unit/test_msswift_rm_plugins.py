@@ -236,3 +236,24 @@ def test_msswifts_plugin_imports_load_and_register_here(tmp_path):
         for reg, key in ((orms, "async_len"), (rm_plugins, "my_judge"), (multi_turns, "my_scheduler"),
                          (envs, "my_env")):
             reg.pop(key, None)
+
+
+def test_the_planner_counts_a_judges_answers(tmp_path):
+    """genrm's scoring call keeps a KV cache of BATCH rows up to the judge's length: a phase of its own after
+    the generation round (the larger of the two counts), none for the default plugin."""
+    from swiftlite.models.source import resolve_model
+    from swiftlite.planner.memory import Workload, estimate
+    from swiftlite.planner.recommend import _judge_kv_elems
+    from swiftlite.rlhf.reward_model import BATCH
+    judge = str(build_tiny_judge(tmp_path / "judge", positions=480))
+    shape = resolve_model(judge).shape()
+    n = _judge_kv_elems([judge], ["genrm"])
+    assert n == 2 * shape.layers * shape.kv_heads * shape.head_dim * 480 * BATCH > 0
+    assert _judge_kv_elems([judge], ["default"]) == 0 and _judge_kv_elems(None, None) == 0
+    policy = resolve_model("tiny-llama-2l").shape()
+    w = Workload(dtype="bf16")
+    base = estimate(policy, w, "ddp")
+    with_judge = estimate(policy, Workload(dtype="bf16", judge_kv_elems=n), "ddp")
+    assert base.generation == 0 and with_judge.generation == n * 2
+    big = estimate(policy, Workload(dtype="bf16", judge_kv_elems=10 ** 9), "ddp")   # larger than the backward
+    assert big.generation == 2 * 10 ** 9 and big.total - base.total > 10 ** 9
