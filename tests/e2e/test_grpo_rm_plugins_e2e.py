@@ -14,14 +14,11 @@ import torch
 
 from tests.conftest import run_cli
 from tests.e2e.test_grpo_e2e import COMMON, _steps, write_reverse_rows
+from tests.unit.test_msswift_rm_plugins import RM_PLUGIN
 
-PLUGIN = '''import torch
-from copy import deepcopy
-
-from swift.rewards import rm_plugins
+#: ms-swift's CustomizedRMPlugin (test_msswift_rm_plugins.RM_PLUGIN) and a judge of genrm's prompt and engine
+PLUGIN = RM_PLUGIN + '''
 from swift.rewards.rm_plugin import GenRMPlugin
-from swift.template import Template
-from swift.utils import to_device
 
 
 class LengthJudge(GenRMPlugin):
@@ -32,20 +29,7 @@ class LengthJudge(GenRMPlugin):
         return (len(model_output) % 10) / 10
 
 
-class CustomizedRMPlugin:
-    def __init__(self, model, template):
-        self.model = model
-        self.template: Template = template
-
-    def __call__(self, inputs, **kwargs):
-        batched_inputs = [self.template.encode(deepcopy(infer_request)) for infer_request in inputs]
-        reward_inputs = to_device(self.template.data_collator(batched_inputs), self.model.device)
-        with torch.inference_mode():
-            return self.model(**reward_inputs).logits[:, 0]
-
-
 rm_plugins['length_judge'] = LengthJudge
-rm_plugins['my_rmplugin'] = CustomizedRMPlugin
 '''
 
 

@@ -10,19 +10,25 @@ import pytest
 import torch
 
 
-def build_tiny_rm(d):
-    """A tiny one-output Qwen2 classifier folder, as an exported `--rlhf_type rm` run is (also used by the
-    GRPO e2e test)."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+def build_tiny_qwen2(d, cls_name, **config):
+    """A tiny Qwen2 folder of class `cls_name` (random weights, fp32) with the repository's tokenizer."""
+    import transformers
+    from transformers import AutoTokenizer, Qwen2Config
 
     from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
     conf = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                       num_key_value_heads=1, vocab_size=TINY_VOCAB, max_position_embeddings=512, num_labels=1,
-                       eos_token_id=258, pad_token_id=259, bos_token_id=None)
+                       num_key_value_heads=1, vocab_size=TINY_VOCAB, eos_token_id=258, pad_token_id=259,
+                       bos_token_id=None, **config)
     torch.manual_seed(0)
-    Qwen2ForSequenceClassification(conf).save_pretrained(d)
+    getattr(transformers, cls_name)(conf).save_pretrained(d)
     AutoTokenizer.from_pretrained(TINY_TOKENIZER).save_pretrained(d)
     return d
+
+
+def build_tiny_rm(d):
+    """A tiny one-output Qwen2 classifier folder, as an exported `--rlhf_type rm` run is (also used by the
+    GRPO e2e test)."""
+    return build_tiny_qwen2(d, "Qwen2ForSequenceClassification", max_position_embeddings=512, num_labels=1)
 
 
 @pytest.fixture(scope="module")

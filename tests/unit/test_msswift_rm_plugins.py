@@ -10,23 +10,14 @@ import re
 import pytest
 import torch
 
-from tests.unit.test_grpo_reward_model import CONVS, build_tiny_rm
+from tests.unit.test_grpo_reward_model import CONVS, build_tiny_qwen2, build_tiny_rm
 
 
 def build_tiny_judge(d, positions=96):
     """A tiny Qwen2 chat model (fp32, random weights) as a generative judge; `positions` bounds its answers
     (ms-swift's engine generates up to the model's length)."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
-    conf = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                       num_key_value_heads=1, vocab_size=TINY_VOCAB, max_position_embeddings=positions,
-                       eos_token_id=258, pad_token_id=259, bos_token_id=None,
-                       initializer_range=0.2)   # 0.02's logits barely depend on the prompt: every answer the same
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(conf).save_pretrained(d)
-    AutoTokenizer.from_pretrained(TINY_TOKENIZER).save_pretrained(d)
-    return d
+    return build_tiny_qwen2(d, "Qwen2ForCausalLM", max_position_embeddings=positions,
+                            initializer_range=0.2)   # 0.02's logits barely depend on the prompt: every answer the same
 
 
 @pytest.fixture(scope="module")
