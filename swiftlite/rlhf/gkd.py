@@ -182,20 +182,11 @@ def _generate(engine: Any, b: GkdBatches, prompts: list[list[list[int]]], seeds:
 def _turns(b: GkdBatches, gen: Callable[..., list], prompts: list, seeds: list, rows: list, lockstep: bool = False
            ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """`gen`'s first turn of every micro-batch, then (--multi_turn_scheduler) the scheduler's next turns."""
-    o = b.options
-    first = gen(prompts, seeds, o.max_completion_length, True)
-    if b.turns is None:   # --stop_words: each completion cut after its first (rlhf/stop_words.py)
-        from swiftlite.rlhf.stop_words import cut
-        cuts = [cut({"completion_ids": f[2], "completion_mask": f[3]}, b.tokenizer, o.stop_words, b.pad_id)
-                for f in first]
-        return [(t["completion_ids"], t["completion_mask"], None) for t in cuts]
-    from swiftlite.rlhf.multi_turn import rollout
+    from swiftlite.rlhf.multi_turn import sample_turns
     eos = b.tokenizer.eos_token_id
-    outs = rollout(b.turns, lambda p, s, n: gen(p, s, n, False), first, prompts, rows, seeds,
-                   max_new_tokens=o.max_completion_length, per_round=o.completion_length_limit_scope == "per_round",
-                   max_turns=o.max_turns, eos_ids=set(eos if isinstance(eos, list) else [eos]), pad_id=b.pad_id,
-                   any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0, lockstep=lockstep)
-    return [(t["completion_ids"], t["completion_mask"], t["loss_mask"]) for t in outs]
+    outs = sample_turns(b.turns, gen, b.options, b.tokenizer, prompts, seeds, rows,
+                        eos_ids=set(eos if isinstance(eos, list) else [eos]), pad_id=b.pad_id, lockstep=lockstep)
+    return [(t["completion_ids"], t["completion_mask"], t.get("loss_mask")) for t in outs]
 
 
 def micro_terms(engine: Any, b: GkdBatches, batch: dict[str, torch.Tensor], sft: bool

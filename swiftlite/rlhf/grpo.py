@@ -451,17 +451,9 @@ def _turns(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, row
 def _share(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, rows: list,
            lockstep: bool = False) -> list[dict[str, torch.Tensor]]:
     """This process's share of the round: `gen`'s first turn of each micro-batch, then the later turns."""
-    o = b.options
-    first = gen(ids, seeds, o.max_completion_length, True)
-    if b.turns is None:   # --stop_words: each completion cut after its first (rlhf/stop_words.py)
-        from swiftlite.rlhf.stop_words import cut
-        return [cut(dict(zip(("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "rollout_logps"), f)),
-                    b.tokenizer, o.stop_words, b.pad_id) for f in first]
-    from swiftlite.rlhf.multi_turn import rollout
-    return rollout(b.turns, lambda p, s, n: gen(p, s, n, False), first, ids, rows, seeds,
-                   max_new_tokens=o.max_completion_length, per_round=o.completion_length_limit_scope == "per_round",
-                   max_turns=o.max_turns, eos_ids=set(b.eos_ids), pad_id=b.pad_id,
-                   any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0, lockstep=lockstep)
+    from swiftlite.rlhf.multi_turn import sample_turns
+    return sample_turns(b.turns, gen, b.options, b.tokenizer, ids, seeds, rows, eos_ids=set(b.eos_ids),
+                        pad_id=b.pad_id, lockstep=lockstep)
 
 
 def _completion_ids(micro: dict, c: int) -> list[int]:

@@ -166,6 +166,29 @@ def _layout(first: tuple[torch.Tensor, ...], trajs: list[Trajectory], pad_id: in
     return out
 
 
+#: the tensors of a generator's micro-batch, in the order it returns them (rlhf/generate.sample)
+FIRST_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "rollout_logps")
+
+
+def sample_turns(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], options: Any, tokenizer: Any,
+                 micro_prompts: list[list[list[int]]], micro_seeds: list[list[int]], micro_rows: list[list[dict]], *,
+                 eos_ids: set[int], pad_id: int, lockstep: bool = False) -> list[dict]:
+    """GRPO's and GKD's sampling of this process's micro-batches: `gen`'s first turn (`gen(prompts, seeds,
+    max_new_tokens, first)`), each completion cut after its first --stop_words word (rlhf/stop_words.py), or
+    with `sched` (--multi_turn_scheduler) the scheduler's later turns (`rollout`). One dict of tensors per
+    micro-batch, FIRST_KEYS (and `loss_mask` after turns)."""
+    from swiftlite.distributed import all_reduce_sum
+    o = options
+    first = gen(micro_prompts, micro_seeds, o.max_completion_length, True)
+    if sched is None:
+        from swiftlite.rlhf.stop_words import cut
+        return [cut(dict(zip(FIRST_KEYS, f)), tokenizer, o.stop_words, pad_id) for f in first]
+    return rollout(sched, lambda p, s, n: gen(p, s, n, False), first, micro_prompts, micro_rows, micro_seeds,
+                   max_new_tokens=o.max_completion_length, per_round=o.completion_length_limit_scope == "per_round",
+                   max_turns=o.max_turns, eos_ids=set(eos_ids), pad_id=pad_id,
+                   any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0, lockstep=lockstep)
+
+
 def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], first: list[tuple[torch.Tensor, ...]],
             micro_prompts: list[list[list[int]]], micro_rows: list[list[dict]], micro_seeds: list[list[int]], *,
             max_new_tokens: int, per_round: bool, max_turns: int | None, eos_ids: set[int], pad_id: int,
