@@ -34,6 +34,7 @@ COMMANDS = {
     "export": "swiftlite.cli.export:export_cmd",
     "infer": "swiftlite.cli.infer:infer_cmd",
     "rollout": "swiftlite.cli.rollout:rollout_cmd",
+    "deploy": "swiftlite.cli.rollout:deploy_cmd",
     "bench": "swiftlite.cli.bench:bench_cmd",
 }
 #: Commands whose function takes the raw argv (list[str]) and returns the exit code.

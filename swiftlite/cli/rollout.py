@@ -1,5 +1,7 @@
-"""`swiftlite rollout`: its flags -> `swiftlite.rollout.server.RolloutOptions` (the server is in
-swiftlite/rollout/server.py, imported when the command runs).
+"""`swiftlite rollout` and `swiftlite deploy`: their flags -> `swiftlite.rollout.server.RolloutOptions` (the
+server is in swiftlite/rollout/server.py, imported when the command runs). `deploy` is the same server
+started with ms-swift's `swift deploy` flags and defaults, for what a GKD run asks a teacher server
+(`/v1/completions` with prompt_logprobs, vLLM's OpenAI API).
 
 ms-swift's `swift rollout` flags: both spellings of every multi-word flag, a switch bare or with a
 value (`--vllm_enable_prefix_caching true`). ms-swift's rollout options swiftlite's server does not
@@ -33,6 +35,13 @@ REFUSED = {
           "stop words of its own; drop the flag" for k in ("template", "system", "stop_words", "max_new_tokens",
                                                            "temperature", "top_k", "top_p")},
 }
+#: ms-swift deploy options (DeployArguments, 3602360a) whose absence a user of `swift deploy` would miss.
+DEPLOY_REFUSED = {
+    **{k: "the server scores token ids a run sends (/v1/completions with prompt_logprobs) and has no chat template, "
+          "adapters or sampling of its own; drop the flag" for k in
+       ("adapters", "template", "system", "max_new_tokens", "temperature", "top_k", "top_p", "stream",
+        "infer_backend_kwargs", "api_key", "ssl_keyfile", "ssl_certfile")},
+}
 SWITCHES = ("--vllm_enable_prefix_caching", "--vllm-enable-prefix-caching", "--vllm_enforce_eager",
             "--vllm-enforce-eager", "--vllm_enable_lora", "--vllm-enable-lora")
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -49,7 +58,10 @@ class _RolloutCommand(typer.core.TyperCommand):
             name = a.partition("=")[0]
             key = name[2:].replace("-", "_") if name.startswith("--") else None
             if key is not None and name not in known:
-                problems.append(f"{name}: {REFUSED.get(key, 'not an option of swiftlite rollout (swiftlite rollout --help)')}")
+                cmd = ctx.info_name or "rollout"
+                why = (REFUSED if cmd == "rollout" else DEPLOY_REFUSED).get(
+                    key, f"not an option of swiftlite {cmd} (swiftlite {cmd} --help)")
+                problems.append(f"{name}: {why}")
             out.append(a)
             if a in SWITCHES and (i + 1 == len(args) or args[i + 1].startswith("-")):
                 out.append("true")
@@ -138,6 +150,53 @@ def rollout_cmd(
 rollout_cmd.command_settings = {"cls": _RolloutCommand}
 
 
+def deploy_cmd(
+    model: str = typer.Option(..., "--model", help="The teacher: an HF folder or hub id (a built-in preset with "
+                                                   "--infer_backend transformers)."),
+    host: str = typer.Option("0.0.0.0", "--host", help="Address to listen on (ms-swift's default)."),
+    port: int = typer.Option(8000, "--port", help="HTTP port (ms-swift's default); the run's --teacher_model_server."),
+    infer_backend: str = typer.Option("transformers", "--infer_backend", "--infer-backend",
+                                      help="transformers (ms-swift's default; any device) or vllm (a CUDA GPU)."),
+    torch_dtype: str = typer.Option("auto", "--torch_dtype", "--torch-dtype", help="auto, bf16, fp16, fp32."),
+    seed: int = typer.Option(42, "--seed", help="Engine seed."),
+    model_revision: Optional[str] = typer.Option(None, "--model_revision", "--model-revision",
+                                                 help="A hub model id's branch, tag or commit."),
+    served_model_name: Optional[str] = typer.Option(None, "--served_model_name", "--served-model-name",
+                                                    help="The name /v1/models gives (default: --model)."),
+    max_logprobs: int = typer.Option(20, "--max_logprobs", "--max-logprobs",
+                                     help="The most prompt_logprobs a request may ask (ms-swift's default 20); a "
+                                          "GKD run's --gkd_logits_topk must not exceed it."),
+    max_length: Optional[int] = typer.Option(None, "--max_length", "--max-length",
+                                             help="The longest prompt served, in tokens (default: the model's)."),
+    tp: int = typer.Option(1, "--vllm_tensor_parallel_size", "--vllm-tensor-parallel-size",
+                           help="vLLM: GPUs one engine spans (tensor parallel)."),
+    gpu_mem: float = typer.Option(0.9, "--vllm_gpu_memory_utilization", "--vllm-gpu-memory-utilization",
+                                  help="vLLM: fraction of each GPU's memory the engine may take."),
+    max_model_len: Optional[int] = typer.Option(None, "--vllm_max_model_len", "--vllm-max-model-len",
+                                                help="vLLM: context length (default: the model's)."),
+) -> None:
+    """Serve a model's prompt log-probabilities for a GKD run's --teacher_model_server (ms-swift's `swift
+    deploy`): vLLM's OpenAI /v1/completions with prompt token ids and prompt_logprobs, and /v1/models. The
+    same server as `swiftlite rollout` (its GRPO endpoints too)."""
+    from swiftlite.rollout.server import RolloutOptions, serve
+    if infer_backend not in ("vllm", "transformers", "pt"):
+        raise UserError(f"--infer_backend {infer_backend}: transformers or vllm")
+    if torch_dtype.lower() not in ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
+        raise UserError(f"--torch_dtype {torch_dtype}: auto, bf16, fp16 or fp32")
+    if max_logprobs < 0 or (max_length is not None and max_length < 1):
+        raise UserError(f"--max_logprobs {max_logprobs} --max_length {max_length}: >= 0 and >= 1")
+    dt = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype.lower(), torch_dtype.lower())
+    raise typer.Exit(serve(RolloutOptions(
+        model=model, host=host, port=port, infer_backend="transformers" if infer_backend == "pt" else infer_backend,
+        torch_dtype=dt, seed=seed, model_revision=model_revision, vllm_tensor_parallel_size=tp,
+        vllm_gpu_memory_utilization=gpu_mem, vllm_max_model_len=max_model_len, max_logprobs=max_logprobs,
+        served_model_name=served_model_name, max_length=max_length, command="deploy")))
+
+
+deploy_cmd.command_settings = {"cls": _RolloutCommand}
+
+
 def register(app: typer.Typer) -> None:
     """Add `rollout` to an app of your own (swiftlite's app takes it from COMMANDS in cli/main.py)."""
     app.command("rollout", cls=_RolloutCommand)(rollout_cmd)
+    app.command("deploy", cls=_RolloutCommand)(deploy_cmd)

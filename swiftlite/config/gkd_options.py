@@ -35,7 +35,7 @@ class GkdOptions(Section):
 #: The keys above (config/rules.py's RLHF_USES lists them for gkd).
 GKD_KEYS = ("lmbda", "sft_alpha", "seq_kd", "gkd_logits_topk")
 #: The options GKD shares with GRPO (schema.RlhfConfig, config/teacher_options.py).
-GKD_SHARED = ("beta", "teacher_model", "teacher_deepspeed", "max_completion_length", "temperature", "top_p", "top_k",
+GKD_SHARED = ("beta", "teacher_model", "teacher_model_server", "teacher_deepspeed", "max_completion_length", "temperature", "top_p", "top_k",
               "log_completions", "stop_words")   # and GRPO's vLLM options (config/vllm_options.py): --use_vllm generates there
 
 
@@ -46,7 +46,8 @@ def describe_gkd(r: object) -> str:
     kind = {0.0: "forward KL", 1.0: "reverse KL"}.get(beta, f"generalized JSD, beta {beta:g}")
     on = (f"on-policy with probability {r.lmbda:g} (completions of up to {r.max_completion_length} tokens)"
           if r.lmbda > 0 else "the dataset's responses only (--lmbda 0)")
-    return (f"{kind} to {r.teacher_model} at temperature {r.temperature:g}"
+    teacher = r.teacher_model or f"the teacher server {r.teacher_model_server}"
+    return (f"{kind} to {teacher} at temperature {r.temperature:g}"
             + (f" over its top {r.gkd_logits_topk} tokens" if r.gkd_logits_topk else "")
             + f", {on}" + (f", + {r.sft_alpha:g} x cross-entropy" if r.sft_alpha else "") + describe_turns(r))
 

@@ -133,7 +133,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      "(zero_hpz_partition_size)", ("zero_hpz_partition_size",)),
     (_TP, ("deepspeed_autotp_size",)),
     # swift/arguments/rlhf_args.py: TeacherModelArguments, PPOArguments, RewardModelArguments, RLHFArguments
-    (_GKD, ("teacher_adapters", "teacher_model_type", "teacher_model_revision", "teacher_model_server", "offload_teacher_model")),
+    (_GKD, ("teacher_adapters", "teacher_model_type", "teacher_model_revision", "offload_teacher_model")),
     (_PPO, ("num_ppo_epochs", "whiten_rewards", "kl_coef", "cliprange", "vf_coef", "cliprange_value", "gamma", "lam",
             "num_mini_batches", "local_rollout_forward_batch_size", "num_sample_generations", "response_length",
             "missing_eos_penalty")),

@@ -15,12 +15,27 @@ def gkd_run(c: RunConfig) -> bool:
 
 @rule("gkd teacher")
 def gkd_teacher(c: RunConfig) -> str | None:
-    if not gkd_run(c) or c.rlhf.teacher_model is not None:
+    r = c.rlhf
+    if r.teacher_model_server is not None:   # rlhf/teacher_server.py; ms-swift's rules
+        if not gkd_run(c):
+            return ("--teacher-model-server: a teacher server is GKD's here (--rlhf-type gkd); GRPO's on-policy "
+                    "distillation scores with a local --teacher-model")
+        if r.teacher_model is not None:
+            return "--teacher-model and --teacher-model-server: one teacher, local or served (ms-swift refuses both)"
+        if r.gkd_logits_topk is None:
+            return ("--teacher-model-server needs --gkd-logits-topk K: a server returns the teacher's K most likely "
+                    "tokens at each position (its --max_logprobs at least), not whole distributions")
+        if r.teacher_deepspeed is not None:
+            return "--teacher-deepspeed lays out a local teacher; a served one has none: drop it"
+        if not r.teacher_model_server.startswith(("http://", "https://")):
+            return f"--teacher-model-server {r.teacher_model_server}: a URL (http://host:port)"
+        return None
+    if not gkd_run(c) or r.teacher_model is not None:
         return None
     return ("--rlhf-type gkd needs --teacher-model (the model to distil: a preset, folder or hub id sharing the "
-            "student's tokenizer; the student's own --model with LoRA is its base with the adapter disabled). "
-            "ms-swift's teacher-less self-distillation scores a teacher prompt that its dataset plugins add, "
-            "which swiftlite does not have")
+            "student's tokenizer; the student's own --model with LoRA is its base with the adapter disabled) or "
+            "--teacher-model-server URL. ms-swift's teacher-less self-distillation scores a teacher prompt that its "
+            "dataset plugins add, which swiftlite does not have")
 
 
 @rule("gkd values")

@@ -19,7 +19,8 @@ def vllm_problem(c: RunConfig) -> str | None:
     if not r.use_vllm:
         if r.vllm_mode is not None:
             return "--vllm-mode needs --use-vllm true (ms-swift's rule)"
-        given = [k for k in VLLM_KEYS if k in c.explicit]
+        given = [k for k in VLLM_KEYS if k in c.explicit
+                 and not (k == "vllm_server_timeout" and r.teacher_model_server)]   # GKD's teacher server waits too
         return f"{_flag(given[0])} applies to --use-vllm true (vLLM generation); drop it or add --use-vllm true" \
             if given else None
     if r.vllm_mode is None:

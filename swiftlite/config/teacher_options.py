@@ -24,6 +24,11 @@ class TeacherOptions(Section):
                                     "p_policy) of the sampled token (on-policy distillation); with it --reward-funcs "
                                     "may be empty and --num-generations 1. The policy's own model with LoRA: the "
                                     "base with the adapter disabled (no second copy).")
+    teacher_model_server: str | None = opt(None, "GKD: the teacher behind a server (URL, e.g. http://localhost:8000) "
+                                           "of vLLM's OpenAI API: `swiftlite deploy --model M`, ms-swift's `swift "
+                                           "deploy`, or `vllm serve M --max-logprobs K`. The run sends each "
+                                           "sequence's token ids and distils the teacher's --gkd-logits-topk (needed) "
+                                           "most likely tokens at every position; instead of --teacher-model.")
     teacher_kl_coef: float = opt(1.0, "GRPO with --teacher-model: weight of the teacher's per-token log-ratio in "
                                  "the advantages.")
     teacher_deepspeed: str | None = opt(None, "GRPO or GKD with --teacher-model on DeepSpeed: the teacher's own ZeRO config "
@@ -33,6 +38,6 @@ class TeacherOptions(Section):
 
 
 #: The keys above (config/rules.py lists them among GRPO's own).
-TEACHER_KEYS = ("teacher_model", "teacher_kl_coef", "teacher_deepspeed")
+TEACHER_KEYS = ("teacher_model", "teacher_model_server", "teacher_kl_coef", "teacher_deepspeed")
 
 __all__ = ["TEACHER_DS_PRESETS", "TEACHER_KEYS", "TeacherOptions"]

@@ -42,8 +42,8 @@ class VllmOptions(Section):
                                       "(ms-swift's default: 8000).", factory=lambda: [8000])
     vllm_server_base_url: list[str] | None = opt(None, "GRPO --vllm-mode server: the server(s)' URL(s) "
                                                  "(http://host:port); replaces --vllm-server-host/--vllm-server-port.")
-    vllm_server_timeout: float = opt(240.0, "GRPO --vllm-mode server: seconds to wait for the server(s) to answer "
-                                     "at start (ms-swift's).")
+    vllm_server_timeout: float = opt(240.0, "GRPO --vllm-mode server, GKD --teacher-model-server: seconds to wait "
+                                     "for the server(s) to answer at start (ms-swift's).")
     vllm_server_group_port: list[int] | None = opt(None, "GRPO --vllm-mode server: the TCP port of each server's "
                                                    "weight-sync group, opened by the server (default: 51216, "
                                                    "51217, ... as ms-swift).")

@@ -90,6 +90,12 @@ def teacher_module(run: Any) -> tuple[Callable[[dict], torch.Tensor], str]:
     scores the sampled tokens only). The batch is a collated sft micro-batch (padded or padding-free)."""
     from swiftlite.rlhf.reference import adapters_disabled, peft_model, root_module
     cfg, engine = run.cfg, run.engine
+    if cfg.rlhf.teacher_model_server:   # its top-k log-probabilities (rlhf/teacher_server.py)
+        from swiftlite.rlhf.teacher_server import ServerTeacher, wait_for_server
+        url, k = cfg.rlhf.teacher_model_server, cfg.rlhf.gkd_logits_topk
+        vocab = root_module(engine)[0].config.vocab_size
+        return ServerTeacher(url, k, vocab, wait_for_server(url, 60.0)), \
+            f"the teacher server {url} (its top {k} log-probabilities at each position)"
     if same_model(cfg) and cfg.is_peft:
         peft = peft_model(engine.module)
 

@@ -10,6 +10,10 @@ one at a time from the server's engine thread (rollout/server.py):
 - `receive(name, dtype, shape)`: one tensor broadcast by the run, loaded under that name;
 - `after_sync()`: the weights of a round are all in (vLLM: its prefix cache is stale now);
 - `generate(groups, seeds, sampling)`: completions, token ids, one list per group of prompts;
+- `prompt_logprobs(prompts, k)`: per prompt, (vLLM's prompt_logprobs: None for the first token, then for
+  each later token {token id: (log-probability, rank)} of the k most likely next tokens after the prefix
+  and the token itself; the greedy token after the whole prompt): a GKD teacher's scores
+  (rollout/server.py `/v1/completions`);
 - `close()` leaves the group; `shutdown()` ends what the engine started (the server's exit; a
   data-parallel engine's copies, rollout/replicas.py); `copies`: 1 here.
 
@@ -94,6 +98,27 @@ class TransformersEngine:
             out.append([cids[j, :int(cmask[j].sum())].tolist() for j in range(len(prompts))])
         return out
 
+    def prompt_logprobs(self, prompts: list[list[int]], k: int) -> list[tuple[list, int]]:
+        """One forward per prompt, the log-softmax of its logits in fp32 (what vLLM reports)."""
+        out = []
+        with torch.no_grad():
+            for ids in prompts:
+                x = torch.tensor([ids], device=self.device)
+                logits = self.model(input_ids=x).logits[0].float()
+                lp = torch.log_softmax(logits[:-1], dim=-1)
+                top_v, top_i = torch.topk(lp, k=min(k, lp.shape[-1]), dim=-1) if k else (None, None)
+                rows: list[dict[int, tuple[float, int]] | None] = [None]
+                for j in range(1, len(ids)):
+                    row = {int(i): (float(v), r + 1) for r, (v, i) in enumerate(zip(top_v[j - 1], top_i[j - 1]))} \
+                        if k else {}
+                    tok = ids[j]
+                    if tok not in row:   # the prompt's own token, with its rank among all
+                        v = lp[j - 1, tok]
+                        row[tok] = (float(v), int((lp[j - 1] > v).sum()) + 1)
+                    rows.append(row)
+                out.append((rows, int(logits[-1].argmax())))
+        return out
+
     def close(self) -> None:
         if self.group is not None:
             self.group.close()
@@ -139,6 +164,13 @@ class VllmEngine:
             result.append(comps[k:k + len(g)])
             k += len(g)
         return result
+
+    def prompt_logprobs(self, prompts: list[list[int]], k: int) -> list[tuple[list, int]]:
+        from vllm import SamplingParams
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], use_tqdm=False,
+                                 sampling_params=SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k))
+        return [([None if d is None else {int(t): (float(lp.logprob), int(lp.rank)) for t, lp in d.items()}
+                  for d in o.prompt_logprobs], int(o.outputs[0].token_ids[0])) for o in outs]
 
     def close(self) -> None:
         try:

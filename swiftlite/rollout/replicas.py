@@ -154,6 +154,18 @@ class ReplicatedEngine:
             out.extend(part)
         return out
 
+    def prompt_logprobs(self, prompts: list[list[int]], k: int) -> list:
+        """Contiguous shares of the prompts, one per copy, answered in order."""
+        n = len(self.conns)
+        cuts = [len(prompts) * i // n for i in range(n + 1)]
+        busy = [i for i in range(n) if cuts[i + 1] > cuts[i]]
+        for i in busy:
+            self.conns[i].send(("prompt_logprobs", (prompts[cuts[i]:cuts[i + 1]], k)))
+        out: list = []
+        for part in self._answers([self._recv(i) for i in busy]):
+            out.extend(part)
+        return out
+
     def close(self) -> None:
         """Every copy leaves the weight-sync group (/close_communicator/)."""
         self._all("close")

@@ -16,6 +16,14 @@ The HTTP API (JSON in and out; the paths are ms-swift's where they mean the same
 - POST /infer/             {"groups": [[prompt ids, ...], ...], "seeds": [[...], ...], "max_tokens",
   "temperature", "top_p", "top_k", "stop_token_ids", "pad_id"} -> {"completions": [[ids, ...], ...]}.
 - POST /close_communicator/ the run leaves the group.
+- GET  /v1/models          vLLM's OpenAI model list: the served model's name.
+- POST /v1/completions     vLLM's OpenAI completions API for scoring prompts, as a GKD teacher is asked
+  (`swiftlite deploy`, a run's --teacher_model_server: rlhf/teacher_server.py): {"prompt": token ids
+  (one list, or one per prompt), "max_tokens": 1, "temperature": 0, "prompt_logprobs": k <= --max_logprobs}
+  -> {"choices": [{"index", "prompt_logprobs": [null, {"<token id>": {"logprob", "rank",
+  "decoded_token"}, ...}, ...], "token_ids": [the greedy next token], "text": "", ...}]}: per prompt
+  token after the first, the k most likely tokens after its prefix and the token itself (vLLM's shape).
+  Nothing else of the API is served (no text prompts, no sampling: /infer/ samples for GRPO).
 
 Requests are JSON and token ids, not ms-swift's chat requests (the run renders its prompts itself), so
 the server speaks to swiftlite's runs, not to ms-swift's trainer; the commands and flags are ms-swift's.
@@ -58,6 +66,12 @@ class RolloutOptions:
     vllm_enable_lora: bool = False
     #: copies of the engine, each on its own GPUs (ms-swift's --vllm_data_parallel_size; rollout/replicas.py)
     vllm_data_parallel_size: int = 1
+    #: /v1/completions: the most prompt_logprobs a request may ask (ms-swift's and vLLM's --max_logprobs)
+    max_logprobs: int = 20
+    served_model_name: str | None = None
+    #: /v1/completions: the longest prompt served (ms-swift deploy's --max_length; None: the model's)
+    max_length: int | None = None
+    command: str = "rollout"
 
 
 def build_engine(o: RolloutOptions) -> Any:
@@ -77,7 +91,7 @@ def build_engine(o: RolloutOptions) -> Any:
     missing = ("vllm is not installed" if importlib.util.find_spec("vllm") is None
                else None if torch.cuda.is_available() else "no CUDA GPU is visible here")
     if missing:
-        raise UserError(f"swiftlite rollout --infer_backend vllm needs a CUDA GPU and the vllm package: {missing}; "
+        raise UserError(f"swiftlite {o.command} --infer_backend vllm needs a CUDA GPU and the vllm package: {missing}; "
                         "--infer_backend transformers serves on a CPU (slower)")
     from swiftlite.models.loading import resolve_model
     ms = resolve_model(o.model)
@@ -91,7 +105,7 @@ def build_engine(o: RolloutOptions) -> Any:
                    tensor_parallel_size=o.vllm_tensor_parallel_size,
                    gpu_memory_utilization=o.vllm_gpu_memory_utilization, max_model_len=o.vllm_max_model_len,
                    max_num_seqs=o.vllm_max_num_seqs or 256, enable_prefix_caching=o.vllm_enable_prefix_caching,
-                   enforce_eager=o.vllm_enforce_eager, skip_tokenizer_init=True,
+                   enforce_eager=o.vllm_enforce_eager, skip_tokenizer_init=True, max_logprobs=o.max_logprobs,
                    worker_extension_cls="swiftlite.rollout.vllm_worker.WeightReceiver")
     core = llm.llm_engine      # vLLM's own engine object (the dtype "auto" resolved to), not a training engine
     return VllmEngine(llm, o.vllm_tensor_parallel_size, str(core.model_config.dtype).removeprefix("torch."))
@@ -143,8 +157,43 @@ def _reason(e: BaseException) -> str:
     return str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
 
 
-def make_handler(work: EngineThread, timeout_s: float = 1800.0) -> type:
+def completions(body: dict, score: Callable[[list[list[int]], int], list], name: str, max_logprobs: int,
+                max_length: int | None) -> dict:
+    """POST /v1/completions (module docstring): the request checked against what is served, `score(prompts,
+    k)` (an engine's prompt_logprobs), the answer in vLLM's shape."""
+    import time
+    prompts = body.get("prompt")
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        prompts = [prompts]
+    if not (isinstance(prompts, list) and prompts and all(isinstance(p, list) and p and all(
+            isinstance(t, int) for t in p) for p in prompts)):
+        raise UserError("/v1/completions: prompt must be token ids (a list of ints, or one list per prompt); "
+                        "this server scores prompts, it has no tokenizer")
+    k = body.get("prompt_logprobs")
+    if not isinstance(k, int) or not 0 <= k <= max_logprobs:
+        raise UserError(f"/v1/completions: prompt_logprobs {k!r}: an int from 0 to --max_logprobs {max_logprobs}")
+    if int(body.get("max_tokens", 1)) != 1 or float(body.get("temperature") or 0) != 0 or int(body.get("n", 1)) != 1:
+        raise UserError("/v1/completions: this server scores prompts (max_tokens 1, temperature 0, n 1); GRPO's "
+                        "sampling is /infer/")
+    if max_length is not None and max(len(p) for p in prompts) > max_length:
+        raise UserError(f"/v1/completions: a prompt of {max(len(p) for p in prompts)} tokens, over --max_length "
+                        f"{max_length}")
+    scored = score(prompts, k)
+    choices = []
+    for i, (rows, nxt) in enumerate(scored):
+        choices.append({"index": i, "text": "", "finish_reason": "length", "logprobs": None, "token_ids": [nxt],
+                        "prompt_logprobs": [None if d is None else {
+                            str(t): {"logprob": v, "rank": r, "decoded_token": None} for t, (v, r) in d.items()}
+                            for d in rows]})
+    n = sum(len(p) for p in prompts)
+    return {"id": f"cmpl-{time.time_ns()}", "object": "text_completion", "created": int(time.time()), "model": name,
+            "choices": choices, "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}}
+
+
+def make_handler(work: EngineThread, timeout_s: float = 1800.0, o: RolloutOptions | None = None) -> type:
     from swiftlite.rollout.engines import Sampling
+    o = o or RolloutOptions(model="")
+    name = o.served_model_name or o.model
 
     def infer(body: dict) -> dict:
         s = Sampling(max_tokens=int(body["max_tokens"]), temperature=float(body["temperature"]),
@@ -167,6 +216,10 @@ def make_handler(work: EngineThread, timeout_s: float = 1800.0) -> type:
         ("POST", "/reset_prefix_cache/"): lambda b: (work.call(e.after_sync), {"status": "ok"})[1],
         ("POST", "/infer/"): infer,
         ("POST", "/close_communicator/"): lambda b: (work.call(e.close), {"status": "ok"})[1],
+        ("GET", "/v1/models/"): lambda b: {"object": "list", "data": [{"id": name, "object": "model",
+                                                                        "owned_by": "swiftlite"}]},
+        ("POST", "/v1/completions/"): lambda b: completions(
+            b, lambda p, k: work.call(lambda: e.prompt_logprobs(p, k)), name, o.max_logprobs, o.max_length),
     }
 
     class Handler(BaseHTTPRequestHandler):
@@ -210,7 +263,7 @@ def serve(o: RolloutOptions, *, ready: Callable[[str], None] | None = None) -> i
     import signal
     backend = build_engine(o)
     work = EngineThread(backend)
-    httpd = ThreadingHTTPServer((o.host, o.port), make_handler(work))
+    httpd = ThreadingHTTPServer((o.host, o.port), make_handler(work, o=o))
     httpd.daemon_threads = True
 
     def stop(*_: Any) -> None:
@@ -219,7 +272,7 @@ def serve(o: RolloutOptions, *, ready: Callable[[str], None] | None = None) -> i
     signal.signal(signal.SIGINT, stop)
     host, port = httpd.server_address[:2]
     copies = backend.copies
-    msg = (f"swiftlite rollout: {backend.name} engine{f' x {copies} (data parallel)' if copies > 1 else ''} on "
+    msg = (f"swiftlite {o.command}: {backend.name} engine{f' x {copies} (data parallel)' if copies > 1 else ''} on "
            f"{o.model}, serving http://{host}:{port}")
     print(msg, file=sys.stderr, flush=True)
     if ready is not None:
@@ -236,4 +289,4 @@ def serve(o: RolloutOptions, *, ready: Callable[[str], None] | None = None) -> i
     return 0
 
 
-__all__ = ["EngineThread", "RolloutOptions", "build_engine", "make_handler", "serve"]
+__all__ = ["EngineThread", "RolloutOptions", "build_engine", "completions", "make_handler", "serve"]

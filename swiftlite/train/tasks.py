@@ -302,6 +302,9 @@ class GkdTask(Task):
 
     def wait_for_services(self, cfg: Any) -> None:
         _wait_for_rollout_servers(cfg)
+        if cfg.rlhf.teacher_model_server:   # the teacher server answers before anything launches
+            from swiftlite.rlhf.teacher_server import wait_for_server
+            wait_for_server(cfg.rlhf.teacher_model_server, cfg.rlhf.vllm_server_timeout)
 
     def prepare_data(self, cfg: Any, tokenizer: Any, world_size: int, *,
                      progress: Callable[[str, int], Any] | None = None) -> Any:
