@@ -111,6 +111,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MIRROR = Path("/work/.mirror/modelscope+ms-swift/repo")
 COMMANDS = ("sft", "pt", "rlhf", "export")
 ROLLOUT = "rollout"      # `swift rollout`: a training command's generation server
+DEPLOY = "deploy"        # `swift deploy`: GKD's teacher server (--teacher_model_server)
+SERVERS = (ROLLOUT, DEPLOY)
 SERVER_PORT = "8000"     # ms-swift's default `swift rollout --port` and `--vllm_server_port`
 
 # ---------------------------------------------------------------- reading the scripts
@@ -163,18 +165,20 @@ def drop_opt(argv: list[str], name: str) -> list[str]:
 @dataclass
 class Command:
     script: str
-    sub: str                  # sft | pt | rlhf | export | rollout
+    sub: str                  # sft | pt | rlhf | export | rollout | deploy
     env: dict[str, str]
     argv: list[str]           # after `swift SUB`
-    commented: bool = False   # a rollout command from a commented-out block
+    commented: bool = False   # a server command from a commented-out block
 
     def opt(self, name: str) -> list[str] | None:
         """The values of --name (None when absent; [] for a bare flag)."""
         return opt_values(self.argv, name)
 
     def server_mode(self) -> bool:
-        """A GRPO training command that asks a running rollout server for its generations."""
-        return self.sub == "rlhf" and (self.opt("vllm_mode") or [""])[0] == "server"   # ms-swift: no default mode
+        """A training command that asks a running server: GRPO's (GKD's) rollout server for its generations,
+        or GKD's teacher server."""
+        return self.sub == "rlhf" and ((self.opt("vllm_mode") or [""])[0] == "server"   # ms-swift: no default mode
+                                       or bool(self.opt("teacher_model_server")))
 
 
 def git_show(mirror: Path, path: str) -> str:
@@ -280,14 +284,15 @@ def extract(path: str, text: str, platform: dict[str, str]) -> tuple[list[Comman
     for c in cmds:   # a later command's `--dataset F` (GKD's new_dataset.jsonl): as many rows as F would have
         if written and c.opt("dataset"):
             c.argv = set_opt(c.argv, "dataset", [f"{v}#{written[v]}" if v in written else v for v in c.opt("dataset")])
-    if not any(c.sub == ROLLOUT for c in cmds) and any(c.server_mode() for c in cmds):
+    if not any(c.sub in SERVERS for c in cmds) and any(c.server_mode() for c in cmds):
         cmds[:0] = commented_rollouts(path, text, shell)
     return cmds, launchers
 
 
 def commented_rollouts(path: str, text: str, shell: dict[str, str]) -> list[Command]:
-    """The `swift rollout` commands of a script's commented-out blocks (`# swift rollout \\` / `#     --model ...`):
-    each run of comment lines with its `#` stripped, read as shell lines."""
+    """The `swift rollout` (and `swift deploy`: a GKD teacher server) commands of a script's commented-out blocks
+    (`# swift rollout \\` / `#     --model ...`): each run of comment lines with its `#` stripped, read as shell
+    lines."""
     blocks, cur = [], []
     for raw in [*text.splitlines(), ""]:
         m = re.match(r"\s*#(.*)$", raw)
@@ -300,8 +305,8 @@ def commented_rollouts(path: str, text: str, shell: dict[str, str]) -> list[Comm
     for block in blocks:
         for line in logical_lines(block):
             split = _split(line, shell)
-            if split and split[1][:2] == ["swift", ROLLOUT]:
-                out.append(Command(path, ROLLOUT, split[0], split[1][2:], commented=True))
+            if split and split[1][:1] == ["swift"] and split[1][1:2] and split[1][1] in SERVERS:
+                out.append(Command(path, split[1][1], split[0], split[1][2:], commented=True))
     return out
 
 
@@ -324,7 +329,7 @@ def skip_reason(path: str, cmds: list[Command], launchers: list[str]) -> str | N
     text_all = " ".join(" ".join(c.argv) for c in cmds)
     if "megatron" in path or "megatron" in launchers:
         return "Megatron (its training half runs under `megatron sft`)"
-    if all(c.sub == ROLLOUT for c in cmds):
+    if all(c.sub in SERVERS for c in cmds):
         other = sorted({*launchers, *(f"swift {c.sub}" for c in cmds)})   # a rollout server alone
         if any(lch in ("accelerate", "torchrun", "deepspeed", "python") for lch in other):
             return f"ms-swift's Python entry under {'/'.join(x for x in other if not x.startswith('swift'))}, no swift command"
@@ -574,7 +579,7 @@ def translate(cmd: Command, models: dict[str, Path], files: dict[str, Path], ckp
         else:
             out += [tok, *vals]
         i = j
-    if cmd.sub not in ("export", ROLLOUT):
+    if cmd.sub not in ("export", *SERVERS):
         out += ["--max_steps", "2"]
     return env, out
 
@@ -611,13 +616,18 @@ def training_argv(argv: list[str], ports: dict[str, int]) -> list[str]:
 
     def port(written: str) -> str:
         return str(ports[written]) if written in ports else (only or [written])[0]
+
+    def local(u: str) -> str:
+        m = URL.match(u)
+        return f"{m['scheme'] or ''}127.0.0.1:{port(m['port'] or SERVER_PORT)}{m['rest'] or ''}" if m else u
+    teacher = opt_values(argv, "teacher_model_server")
+    if teacher:   # GKD's teacher server (`swift deploy`); GRPO's server mode only where asked
+        argv = set_opt(argv, "teacher_model_server", [local(u) for u in teacher])
+        if (opt_values(argv, "vllm_mode") or [""])[0] != "server":
+            return argv
     urls = opt_values(argv, "vllm_server_base_url")
     if urls:
-        new = []
-        for u in urls:
-            m = URL.match(u)
-            new.append(f"{m['scheme'] or ''}127.0.0.1:{port(m['port'] or SERVER_PORT)}{m['rest'] or ''}" if m else u)
-        return set_opt(argv, "vllm_server_base_url", new)
+        return set_opt(argv, "vllm_server_base_url", [local(u) for u in urls])
     hosts = opt_values(argv, "vllm_server_host")
     if hosts:
         argv = set_opt(argv, "vllm_server_host", ["127.0.0.1"] * len(hosts))
@@ -659,7 +669,7 @@ Step = tuple[dict, list[str], str]   # (env, swiftlite argv, subcommand)
 class Plan:
     """One script, translated: its rollout servers and its training commands, step by step."""
     script: str
-    servers: list[tuple[dict, list[str]]]   # (env, argv of `swiftlite rollout`)
+    servers: list[tuple[dict, list[str]]]   # (env, argv of `swiftlite`: rollout or deploy, then its flags)
     steps: list[list[Step]]                 # the commands of a step run at once (the nodes of a pair)
     rollout: str = ""                       # the servers' backend; "" when the script has none
     stand_ins: list[str] = field(default_factory=list)   # --cpu-stand-ins: what was swapped
@@ -667,14 +677,14 @@ class Plan:
 
 def make_plan(path: str, cmds: list[Command], models: dict[str, Path], files: dict[str, Path], ckpt: Path | None,
               port: int, backend: str | None) -> Plan:
-    rollouts = [c for c in cmds if c.sub == ROLLOUT]
+    rollouts = [c for c in cmds if c.sub in SERVERS]
     ports = server_ports(rollouts, free_ports(len(rollouts)))
     servers = []
     for c in rollouts:
         env, argv = translate(c, models, files, None, port)
-        servers.append((env, rollout_argv(argv, ports, backend)))
+        servers.append((env, [c.sub, *rollout_argv(argv, ports, backend)]))
     steps, stand_ins = [], []
-    for step in node_steps([c for c in cmds if c.sub != ROLLOUT]):
+    for step in node_steps([c for c in cmds if c.sub not in SERVERS]):
         steps.append([])
         for c in step:
             env, argv = translate(c, models, files, ckpt, port)
@@ -682,7 +692,8 @@ def make_plan(path: str, cmds: list[Command], models: dict[str, Path], files: di
                 argv, subs = cpu_stand_ins(argv)
                 stand_ins += [x for x in subs if x not in stand_ins]
             steps[-1].append((env, training_argv(argv, ports) if rollouts and c.server_mode() else argv, c.sub))
-    written = next((v for c in rollouts for v in c.opt("infer_backend") or []), "vllm")
+    written = next((v for c in rollouts for v in c.opt("infer_backend") or []),
+                   "vllm" if any(c.sub == ROLLOUT for c in rollouts) else "transformers")   # each command's default
     return Plan(path, servers, steps, (backend or written) if rollouts else "", stand_ins)
 
 
@@ -742,13 +753,14 @@ def run_one(sub: str, env: dict[str, str], argv: list[str], cwd: Path, timeout: 
 
 
 class Server:
-    """A `swiftlite rollout` process in the background, its output in files of the script's folder."""
+    """A `swiftlite rollout` (or `deploy`) process in the background, its output in files of the script's folder;
+    `argv` starts with the subcommand."""
 
     def __init__(self, env: dict[str, str], argv: list[str], cwd: Path, k: int):
         self.port = int((opt_values(argv, "port") or [SERVER_PORT])[0])
-        self.out, self.err = cwd / f"rollout-{k}.stdout", cwd / f"rollout-{k}.stderr"
+        self.out, self.err = cwd / f"{argv[0]}-{k}.stdout", cwd / f"{argv[0]}-{k}.stderr"
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "swiftlite", ROLLOUT, *argv], cwd=cwd,
+            self.proc = subprocess.Popen([sys.executable, "-m", "swiftlite", *argv], cwd=cwd,
                                          env={**base_env(), **env}, stdout=out, stderr=err, start_new_session=True)
 
     def output(self) -> str:
@@ -794,7 +806,7 @@ def start_servers(plans: list[Plan], cwds: dict[str, Path], results: dict[str, R
     server exits first (or never answers) gets its class from that exit."""
     for p in plans:
         for k, (env, argv) in enumerate(p.servers):
-            results[p.script].commands.append([*(f"{a}={b}" for a, b in env.items()), "swiftlite", ROLLOUT, *argv])
+            results[p.script].commands.append([*(f"{a}={b}" for a, b in env.items()), "swiftlite", *argv])
             servers.append((p.script, Server(env, argv, cwds[p.script], k)))
     end = time.time() + ready_s
     for s, srv in servers:

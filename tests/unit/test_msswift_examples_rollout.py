@@ -188,6 +188,34 @@ NNODES=2 NODE_RANK=1 MASTER_ADDR=<node3_ip> MASTER_PORT=29500 swift rlhf --rlhf_
                         "transformers").rollout == ""
 
 
+def test_a_commented_deploy_block_is_a_gkd_teacher_server(mx):
+    """teacher_server.sh: `# swift deploy ...` (the teacher) runs as `swiftlite deploy`, and the training's
+    --teacher_model_server points at it; nothing of GRPO's server mode is added."""
+    text = """# CUDA_VISIBLE_DEVICES=0 \\
+# swift deploy \\
+#     --model Qwen/Qwen3.5-4B \\
+#     --infer_backend vllm \\
+#     --port 8000 \\
+#     --max_logprobs 64
+
+NPROC_PER_NODE=4 swift rlhf --rlhf_type gkd --model Qwen/Qwen3.5-4B \\
+    --teacher_model_server http://localhost:8000 --gkd_logits_topk 64 --use_vllm true --vllm_mode colocate \\
+    --dataset modelscope/gsm8k
+"""
+    cmds, _ = _extract(mx, text)
+    assert [c.sub for c in cmds] == ["deploy", "rlhf"] and cmds[0].commented
+    models = {k: Path(f"/m/{k}") for k in ("qwen2", "llama", "moe", "awq", "gptq", "teacher")}
+    files = type("Files", (dict,), {"__missing__": lambda self, k: Path(f"/d/{k}.jsonl")})()
+    plan = mx.make_plan("examples/x.sh", cmds, models, files, None, 29999, "transformers")
+    (_, argv), = plan.servers
+    port = mx.opt_values(argv, "port")[0]
+    assert argv[0] == "deploy" and mx.opt_values(argv, "infer_backend") == ["transformers"] and port != "8000"
+    assert mx.opt_values(argv, "max_logprobs") == ["64"] and plan.rollout == "transformers"
+    (_, train, sub), = plan.steps[0]
+    assert mx.opt_values(train, "teacher_model_server") == [f"http://127.0.0.1:{port}"]
+    assert mx.opt_values(train, "vllm_server_port") is None and mx.opt_values(train, "vllm_mode") == ["colocate"]
+
+
 def test_cpu_stand_ins_swap_only_the_gpu_only_flags(mx):
     argv = ["--model", "m", "--attn_impl", "flash_attn", "--use_liger_kernel", "true", "--use_vllm", "true",
             "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.4", "--sleep_level", "1",
