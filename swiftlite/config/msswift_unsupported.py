@@ -23,9 +23,9 @@ MSSWIFT_COMMIT = "3602360a56 (2026-08-22)"
 
 _MM = "multimodal models are not supported (text causal LMs only): drop the flag"
 _TUNER = "is an option of an ms-swift tuner swiftlite does not have (it trains full, lora, qlora, longlora, boft, adalora, bone or llamapro): drop the flag"
-_GKD = ("an option of a teacher form swiftlite does not have (teacher adapters, a teacher server, CPU offloading "
-        "of the teacher): the teacher of --rlhf_type gkd and of GRPO's on-policy distillation is --teacher_model M, "
-        "a local frozen copy (docs/rlhf.md); drop the flag")
+_GKD = ("an option of a teacher form swiftlite does not have (teacher adapters, CPU offloading of the teacher): "
+        "the teacher of --rlhf_type gkd and of GRPO's on-policy distillation is --teacher_model M, a local frozen "
+        "copy, or for GKD --teacher_model_server URL (docs/rlhf.md); drop the flag")
 _PPO = "PPO (--rlhf_type ppo) is not available: the --rlhf_type choices are in `swiftlite rlhf --help`"
 _TEMPLATE = ("ms-swift's Python templates are not used: conversations are rendered with the tokenizer's own chat "
              "template; to change the rendering pass a Jinja file (--template chat.jinja)")

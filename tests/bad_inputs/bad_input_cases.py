@@ -430,9 +430,9 @@ CASES: list[Case] = [
     # GRPO's teacher (rlhf/teacher.py): --teacher_deepspeed off DeepSpeed, a teacher's option without one
     Case("grpo-teacher-deepspeed-on-ddp", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--teacher_model", "tiny-llama",
                                            "--num_generations", "1", "--teacher_deepspeed", "zero3",
-                                           "--parallelism", "ddp", "--teacher_model_server", "http://x:8000"],
-         "error: --teacher_model_server: an option of a teacher form swiftlite does not have (teacher adapters, a "
-         "teacher server, CPU offloading of the teacher)",
+                                           "--parallelism", "ddp", "--offload_teacher_model", "true"],
+         "error: --offload_teacher_model: an option of a teacher form swiftlite does not have (teacher adapters, CPU "
+         "offloading of the teacher)",
          more=("error: --teacher-deepspeed zero3 applies to a DeepSpeed run (--deepspeed zero2, ...)",)),
     # GKD (rlhf/gkd.py): no teacher, deprecated sequence-level KD, vLLM generation: all three at once
     Case("gkd-no-teacher", ["rlhf", *GOOD, *DATA, "--rlhf_type", "gkd", "--seq_kd", "true", "--use_vllm", "true"],
@@ -448,6 +448,12 @@ CASES: list[Case] = [
                                           "--max_resample_times", "2", "--fipo_clip_range", "0.3"],
          "error: --max-resample-times applies to --dynamic-sample true",
          more=("error: --fipo-clip-range applies to --loss-type fipo",)),
+    Case("gkd-teacher-server-no-topk", ["rlhf", *GOOD, *DATA, "--rlhf_type", "gkd", "--teacher_model_server",
+                                        "http://127.0.0.1:9"],
+         "error: --teacher-model-server needs --gkd-logits-topk K"),
+    Case("grpo-teacher-server", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format",
+                                 "--teacher_model_server", "http://127.0.0.1:9"],
+         "error: --teacher-model-server: a teacher server is GKD's here"),
     Case("gkd-packing-on-policy", ["rlhf", *GOOD, *DATA, "--rlhf_type", "gkd", "--teacher_model", "tiny-llama",
                                    "--packing", "true"],
          "error: --packing with --lmbda 0.5: an on-policy step replaces each row's response by a sampled one"),
