@@ -80,6 +80,23 @@ def _switch(flag: str, value: str) -> bool:
 VLLM_ONLY = ("gpu_mem", "max_model_len", "max_num_seqs", "prefix_caching", "enforce_eager")
 
 
+#: options both commands take (the same typer declarations)
+_REVISION = typer.Option(None, "--model_revision", "--model-revision", help="A hub model id's branch, tag or commit.")
+_TP = typer.Option(1, "--vllm_tensor_parallel_size", "--vllm-tensor-parallel-size",
+                   help="vLLM: GPUs one engine spans (tensor parallel).")
+_GPU_MEM = typer.Option(0.9, "--vllm_gpu_memory_utilization", "--vllm-gpu-memory-utilization",
+                        help="vLLM: fraction of each GPU's memory the engine may take.")
+_MAX_MODEL_LEN = typer.Option(None, "--vllm_max_model_len", "--vllm-max-model-len",
+                              help="vLLM: context length (default: the model's).")
+
+
+def _dtype(torch_dtype: str) -> str:
+    """--torch_dtype checked, in swiftlite's short names."""
+    if torch_dtype.lower() not in ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
+        raise UserError(f"--torch_dtype {torch_dtype}: auto, bf16, fp16 or fp32")
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype.lower(), torch_dtype.lower())
+
+
 def rollout_cmd(
     ctx: typer.Context,
     model: str = typer.Option(..., "--model", help="The run's --model: an HF folder or hub id (a built-in preset "
@@ -93,14 +110,10 @@ def rollout_cmd(
                                     help="auto (the model's for vLLM; bf16 on GPU, fp32 on CPU for transformers), "
                                          "bf16, fp16, fp32."),
     seed: int = typer.Option(42, "--seed", help="Engine seed (each completion has its own seed from the run)."),
-    model_revision: Optional[str] = typer.Option(None, "--model_revision", "--model-revision",
-                                                 help="A hub model id's branch, tag or commit."),
-    tp: int = typer.Option(1, "--vllm_tensor_parallel_size", "--vllm-tensor-parallel-size",
-                           help="vLLM: GPUs one engine spans (tensor parallel)."),
-    gpu_mem: float = typer.Option(0.9, "--vllm_gpu_memory_utilization", "--vllm-gpu-memory-utilization",
-                                  help="vLLM: fraction of each GPU's memory the engine may take."),
-    max_model_len: Optional[int] = typer.Option(None, "--vllm_max_model_len", "--vllm-max-model-len",
-                                                help="vLLM: context length (default: the model's)."),
+    model_revision: Optional[str] = _REVISION,
+    tp: int = _TP,
+    gpu_mem: float = _GPU_MEM,
+    max_model_len: Optional[int] = _MAX_MODEL_LEN,
     max_num_seqs: Optional[int] = typer.Option(None, "--vllm_max_num_seqs", "--vllm-max-num-seqs",
                                                help="vLLM: most sequences at once (default 256)."),
     prefix_caching: str = typer.Option("true", *SWITCHES[:2], help="vLLM: reuse shared prompt prefixes' KV cache."),
@@ -118,9 +131,7 @@ def rollout_cmd(
     from swiftlite.rollout.server import RolloutOptions, serve
     if infer_backend not in ("vllm", "transformers"):
         raise UserError(f"--infer_backend {infer_backend}: vllm or transformers")
-    if torch_dtype.lower() not in ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
-        raise UserError(f"--torch_dtype {torch_dtype}: auto, bf16, fp16 or fp32")
-    dt = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype.lower(), torch_dtype.lower())
+    dt = _dtype(torch_dtype)
     if tp < 1 or not 0 < gpu_mem <= 1:
         raise UserError(f"--vllm_tensor_parallel_size {tp} --vllm_gpu_memory_utilization {gpu_mem}: >= 1 and in (0, 1]")
     if dp < 1:
@@ -159,8 +170,7 @@ def deploy_cmd(
                                       help="transformers (ms-swift's default; any device) or vllm (a CUDA GPU)."),
     torch_dtype: str = typer.Option("auto", "--torch_dtype", "--torch-dtype", help="auto, bf16, fp16, fp32."),
     seed: int = typer.Option(42, "--seed", help="Engine seed."),
-    model_revision: Optional[str] = typer.Option(None, "--model_revision", "--model-revision",
-                                                 help="A hub model id's branch, tag or commit."),
+    model_revision: Optional[str] = _REVISION,
     served_model_name: Optional[str] = typer.Option(None, "--served_model_name", "--served-model-name",
                                                     help="The name /v1/models gives (default: --model)."),
     max_logprobs: int = typer.Option(20, "--max_logprobs", "--max-logprobs",
@@ -168,12 +178,9 @@ def deploy_cmd(
                                           "GKD run's --gkd_logits_topk must not exceed it."),
     max_length: Optional[int] = typer.Option(None, "--max_length", "--max-length",
                                              help="The longest prompt served, in tokens (default: the model's)."),
-    tp: int = typer.Option(1, "--vllm_tensor_parallel_size", "--vllm-tensor-parallel-size",
-                           help="vLLM: GPUs one engine spans (tensor parallel)."),
-    gpu_mem: float = typer.Option(0.9, "--vllm_gpu_memory_utilization", "--vllm-gpu-memory-utilization",
-                                  help="vLLM: fraction of each GPU's memory the engine may take."),
-    max_model_len: Optional[int] = typer.Option(None, "--vllm_max_model_len", "--vllm-max-model-len",
-                                                help="vLLM: context length (default: the model's)."),
+    tp: int = _TP,
+    gpu_mem: float = _GPU_MEM,
+    max_model_len: Optional[int] = _MAX_MODEL_LEN,
 ) -> None:
     """Serve a model's prompt log-probabilities for a GKD run's --teacher_model_server (ms-swift's `swift
     deploy`): vLLM's OpenAI /v1/completions with prompt token ids and prompt_logprobs, and /v1/models. The
@@ -181,11 +188,9 @@ def deploy_cmd(
     from swiftlite.rollout.server import RolloutOptions, serve
     if infer_backend not in ("vllm", "transformers", "pt"):
         raise UserError(f"--infer_backend {infer_backend}: transformers or vllm")
-    if torch_dtype.lower() not in ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32"):
-        raise UserError(f"--torch_dtype {torch_dtype}: auto, bf16, fp16 or fp32")
     if max_logprobs < 0 or (max_length is not None and max_length < 1):
         raise UserError(f"--max_logprobs {max_logprobs} --max_length {max_length}: >= 0 and >= 1")
-    dt = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(torch_dtype.lower(), torch_dtype.lower())
+    dt = _dtype(torch_dtype)
     raise typer.Exit(serve(RolloutOptions(
         model=model, host=host, port=port, infer_backend="transformers" if infer_backend == "pt" else infer_backend,
         torch_dtype=dt, seed=seed, model_revision=model_revision, vllm_tensor_parallel_size=tp,
