@@ -120,14 +120,20 @@ class ServerTeacher:
         out = torch.full((*ids.shape, self.vocab), float("-inf"), dtype=torch.float32, device=ids.device)
         segs = segments(batch)
         got = self.scores([ids[r, a:b].tolist() for r, a, b in segs])
+        rows, cols, toks, vals = [], [], [], []
         for (r, a, b), seq in zip(segs, got):
             for j, d in enumerate(seq):     # position a + j predicts token a + j + 1
-                if d:
-                    t = torch.tensor(list(d), device=ids.device)
-                    if int(t.max()) >= self.vocab:
-                        raise UserError(f"--teacher_model_server {self.url}: token id {int(t.max())} beyond the "
-                                        f"student's vocabulary of {self.vocab} (a teacher with another tokenizer?)")
-                    out[r, a + j, t] = torch.tensor(list(d.values()), device=ids.device)
+                rows += [r] * len(d)
+                cols += [a + j] * len(d)
+                toks += list(d)
+                vals += list(d.values())
+        if toks and max(toks) >= self.vocab:
+            raise UserError(f"--teacher_model_server {self.url}: token id {max(toks)} beyond the student's "
+                            f"vocabulary of {self.vocab} (a teacher with another tokenizer?)")
+        if toks:   # one scatter for the batch
+            dev = ids.device
+            out[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev), torch.tensor(toks, device=dev)] = \
+                torch.tensor(vals, dtype=torch.float32, device=dev)
         return out
 
 
