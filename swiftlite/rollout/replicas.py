@@ -143,28 +143,25 @@ class ReplicatedEngine:
     def after_sync(self) -> None:
         self._all("after_sync")
 
-    def generate(self, groups: list[list[list[int]]], seeds: list[list[int]], s: Any) -> list[list[list[int]]]:
+    def _deal(self, method: str, items: list, *per_item: list, rest: tuple = ()) -> list:
+        """`method` on contiguous shares of `items` (and of the lists aligned with them), one share per copy,
+        the answers concatenated in order; `rest` goes to every copy as is."""
         n = len(self.conns)
-        cuts = [len(groups) * i // n for i in range(n + 1)]     # contiguous shares, whole groups
+        cuts = [len(items) * i // n for i in range(n + 1)]
         busy = [i for i in range(n) if cuts[i + 1] > cuts[i]]
         for i in busy:
-            self.conns[i].send(("generate", (groups[cuts[i]:cuts[i + 1]], seeds[cuts[i]:cuts[i + 1]], s)))
-        out: list[list[list[int]]] = []
-        for part in self._answers([self._recv(i) for i in busy]):
-            out.extend(part)
-        return out
-
-    def prompt_logprobs(self, prompts: list[list[int]], k: int) -> list:
-        """Contiguous shares of the prompts, one per copy, answered in order."""
-        n = len(self.conns)
-        cuts = [len(prompts) * i // n for i in range(n + 1)]
-        busy = [i for i in range(n) if cuts[i + 1] > cuts[i]]
-        for i in busy:
-            self.conns[i].send(("prompt_logprobs", (prompts[cuts[i]:cuts[i + 1]], k)))
+            a, b = cuts[i], cuts[i + 1]
+            self.conns[i].send((method, (items[a:b], *(x[a:b] for x in per_item), *rest)))
         out: list = []
         for part in self._answers([self._recv(i) for i in busy]):
             out.extend(part)
         return out
+
+    def generate(self, groups: list[list[list[int]]], seeds: list[list[int]], s: Any) -> list[list[list[int]]]:
+        return self._deal("generate", groups, seeds, rest=(s,))     # whole groups to a copy
+
+    def prompt_logprobs(self, prompts: list[list[int]], k: int) -> list:
+        return self._deal("prompt_logprobs", prompts, rest=(k,))
 
     def close(self) -> None:
         """Every copy leaves the weight-sync group (/close_communicator/)."""
