@@ -17,8 +17,9 @@ _ENGINE = ("is not passed to swiftlite's colocated vLLM engine (the options it t
            "the flag")
 _VARIANT = ("is an option of a GRPO variant swiftlite does not have (its GRPO: --loss-type grpo, bnpo, dr_grpo, "
             "dapo, real or fipo, --delta, --dynamic-sample; docs/rlhf.md): drop the flag")
-_ROLLOUT = ("gym and tool rollouts are not available: a completion is sampled per prompt and sample (with "
-            "--multi_turn_scheduler math_tip_trick, continued over turns) and scored by --reward-funcs")
+_ROLLOUT = ("gym rollouts are not available: a completion is sampled per prompt and sample (with "
+            "--multi_turn_scheduler math_tip_trick or a plugin's MultiTurnScheduler, continued over turns, tool calls "
+            "included) and scored by --reward-funcs")
 
 #: (reason, names), as config/msswift_unsupported.GROUPS.
 GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (

@@ -3,11 +3,12 @@
 schema.RlhfConfig, kept here so that schema.py stays short; rlhf/multi_turn.py runs the turns,
 `multi_turn_problem` (config/rules.py's GRPO rule) says which values run. Import-light (no torch).
 
-Only ms-swift's built-in `math_tip_trick` scheduler is here. Its other built-ins are refused with the
-reason: `thinking_tips_scheduler` splits one trajectory into several training rows (a variable number
-of samples per round, which ms-swift itself marks for removal), `gym_scheduler` and
-`openenv_scheduler` drive an environment server, and a plugin's scheduler subclasses ms-swift's own
-classes (it registers, swiftlite/msswift_api/rollout.py, so its file loads; it does not run).
+The schedulers: ms-swift's built-in `math_tip_trick`, and in GRPO any name a plugin file registers in ms-swift's
+`multi_turns` (a MultiTurnScheduler with step/check_finished: rlhf/plugin_turns.py). A plugin's name is known
+only once --external_plugins ran, so here it is taken as given and checked before launch (GrpoTask.check).
+ms-swift's other built-ins are refused with the reason: `thinking_tips_scheduler` splits one trajectory into
+several training rows (a variable number of samples per round, which ms-swift itself marks for removal),
+`gym_scheduler` and `openenv_scheduler` drive an environment server.
 """
 
 from __future__ import annotations
@@ -34,10 +35,13 @@ class MultiTurnOptions(Section):
                                            "completion whose answer does not verify against the row's `solution` "
                                            "(math_verify) is cut at its first <answer> or </think>, gets \"But "
                                            "wait... It seems I made a mistake,\" appended (not trained on: out of "
-                                           "the loss) and is continued by the policy; the tip is given once. "
+                                           "the loss) and is continued by the policy; the tip is given once. GRPO "
+                                           "also: a name an --external_plugins file registers (ms-swift's "
+                                           "multi_turns[name] = a MultiTurnScheduler with step/check_finished). "
                                            "ms-swift's default: none (one turn).")
     max_turns: int | None = opt(None, "GRPO, GKD with --multi-turn-scheduler: most turns per completion (ms-swift's "
-                                "default: none, the scheduler decides; math_tip_trick stops after 2).")
+                                "default: none, the scheduler decides; math_tip_trick stops after 2; the memory "
+                                "plan counts one turn of a plugin's scheduler without it).")
     completion_length_limit_scope: str = opt("per_round", "GRPO, GKD with --multi-turn-scheduler: per_round (ms-swift's "
                                              "default): every turn generates up to --max-completion-length tokens; "
                                              "total: all turns together, the tip included.",
@@ -55,12 +59,12 @@ def multi_turn_problem(r: object, explicit: set[str] | frozenset[str]) -> str | 
         given = [k for k in MULTI_TURN_KEYS[1:] if k in explicit]
         return (f"--{given[0].replace('_', '-')} applies to multi-turn rollouts (--multi-turn-scheduler "
                 f"{MULTI_TURN_SCHEDULERS[0]}): drop it or give the scheduler") if given else None
-    if s not in MULTI_TURN_SCHEDULERS:
-        why = OTHER_SCHEDULERS.get(s, "is not a built-in scheduler; one a plugin file registers (ms-swift's "
-                                      "MultiTurnScheduler class) loads but is not run: ms-swift's scheduler API drives "
-                                      "its own inference engines turn by turn")
-        return (f"--multi-turn-scheduler {s}: not available here: it {why}; swiftlite has "
-                f"{', '.join(MULTI_TURN_SCHEDULERS)}")
+    if s in OTHER_SCHEDULERS:
+        return (f"--multi-turn-scheduler {s}: not available here: it {OTHER_SCHEDULERS[s]}; swiftlite has "
+                f"{', '.join(MULTI_TURN_SCHEDULERS)} and the schedulers --external_plugins files register")
+    if s not in MULTI_TURN_SCHEDULERS and r.rlhf_type != "grpo":
+        return (f"--multi-turn-scheduler {s}: a plugin's scheduler runs in GRPO (it reads the prompt's messages, which "
+                f"{r.rlhf_type}'s rows do not keep); {r.rlhf_type} has {', '.join(MULTI_TURN_SCHEDULERS)}")
     if r.max_turns is not None and r.max_turns < 1:
         return f"--max-turns {r.max_turns}: out of range (1 or more; none lets the scheduler decide)"
     return None
@@ -76,6 +80,8 @@ def turn_bound(r: object) -> int:
     planner multiplies --max-completion-length by under --completion-length-limit-scope per_round."""
     if r.multi_turn_scheduler is None:
         return 1
+    if r.multi_turn_scheduler not in MULTI_TURN_SCHEDULERS:   # a plugin's: --max_turns, else one (said in the plan)
+        return r.max_turns or 1
     most = 2    # math_tip_trick gives its tip once: one continuation at most
     return most if r.max_turns is None else min(most, r.max_turns)
 
@@ -90,6 +96,9 @@ def describe_turns(r: object) -> str:
     """The run line's and --dry-run's words for the turns ('' for one-turn rounds)."""
     if r.multi_turn_scheduler is None:
         return ""
+    if r.multi_turn_scheduler not in MULTI_TURN_SCHEDULERS and r.max_turns is None:
+        return (f", multi-turn: {r.multi_turn_scheduler} (turns as the scheduler decides; the memory plan counts one "
+                "turn: give --max-turns to count them)")
     return (f", multi-turn: {r.multi_turn_scheduler} (up to {turn_bound(r)} turns, --max-completion-length "
             f"{'per turn' if r.completion_length_limit_scope == 'per_round' else 'in all'})")
 

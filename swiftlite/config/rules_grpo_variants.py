@@ -70,10 +70,6 @@ def stop_words(c: RunConfig) -> str | None:
         return None
     if any(not w for w in r.stop_words):
         return "--stop-words: an empty string would stop every completion at its first token; drop it"
-    if r.multi_turn_scheduler is not None:
-        return (f"--stop-words with --multi-turn-scheduler {r.multi_turn_scheduler}: a stop word ends a turn the "
-                "scheduler would then continue (ms-swift's finish_reason stop); not available together here: drop "
-                "one of them")
     return None
 
 

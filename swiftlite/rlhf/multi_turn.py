@@ -64,13 +64,14 @@ class MathTips:
     def text(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def finished(self, ids: list[int], row: dict) -> bool:
-        text = self.text(ids)
-        return TIPS in text or self.accuracy([text], [row["columns"][SOLUTION]])[0] == 1
+    def finished(self, t: "Trajectory", turn: int) -> bool:
+        text = self.text(t.ids)
+        return TIPS in text or self.accuracy([text], [t.row["columns"][SOLUTION]])[0] == 1
 
-    def step(self, ids: list[int], eos_ids: set[int]) -> tuple[int, list[int]]:
-        """(how many of the completion's tokens to keep, the tokens to append out of the loss): cut before
-        its first <answer> or </think>, its end-of-turn token dropped, then the tip."""
+    def step(self, t: "Trajectory", turn: int, eos_ids: set[int]) -> tuple[list[int], list[int]]:
+        """The completion's tokens and loss mask after the step: cut before its first <answer> or </think>,
+        its end-of-turn token dropped, then the tip (out of the loss)."""
+        ids = t.ids
         text = self.text(ids)
         cut = min([text.index(m) for m in ("<answer>", "</think>") if m in text] or [len(text)])
         keep = len(ids)
@@ -85,7 +86,7 @@ class MathTips:
             keep = lo
         while keep and ids[keep - 1] in eos_ids:
             keep -= 1
-        return keep, self.tips
+        return ids[:keep] + self.tips, t.loss[:keep] + [0] * len(self.tips)
 
 
 SCHEDULERS: dict[str, Callable[[Any], Any]] = {MathTips.name: MathTips}
@@ -107,9 +108,16 @@ def check_rows(name: str, data: Any) -> None:
 
 
 def build(options: Any, tokenizer: Any) -> Any:
-    """The run's scheduler, or None for one-turn rounds."""
+    """The run's scheduler, or None for one-turn rounds: a built-in, or a plugin's (rlhf/plugin_turns.py)."""
     name = options.multi_turn_scheduler
-    return None if name is None else SCHEDULERS[name](tokenizer)
+    if name is None:
+        return None
+    if name in SCHEDULERS:
+        return SCHEDULERS[name](tokenizer)
+    from swiftlite.msswift_api.rollout import multi_turns
+    from swiftlite.rlhf.plugin_turns import PluginTurns, check_scheduler
+    check_scheduler(name)
+    return PluginTurns(name, multi_turns[name], tokenizer, options.max_turns)
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -127,18 +135,30 @@ class Trajectory:
     logps: list[float] | None
     done: bool = False
     turns: int = 1
+    last: int = 0                 # where the latest turn's tokens begin in `ids`
+    length_cut: bool = False      # the latest turn ended at the length limit (ms-swift's finish_reason 'length')
+    state: Any = None             # a plugin scheduler's conversation (rlhf/plugin_turns.py)
+
+
+def _ended(ids: list[int], eos_ids: set[int], stop: Callable[[list[int]], int | None]) -> tuple[list[int], bool]:
+    """A turn's tokens cut after its first stop word, and whether it ended at the length limit (neither an
+    end-of-turn token nor a stop word)."""
+    k = stop(ids)
+    if k is not None:
+        return ids[:k], False
+    return ids, not ids or ids[-1] not in eos_ids
 
 
 def _unpack(first: list[tuple[torch.Tensor, ...]], micro_prompts: list[list[list[int]]],
-            micro_rows: list[list[dict]], micro_seeds: list[list[int]], eos_ids: set[int]) -> list[list[Trajectory]]:
+            micro_rows: list[list[dict]], micro_seeds: list[list[int]], eos_ids: set[int],
+            stop: Callable[[list[int]], int | None]) -> list[list[Trajectory]]:
     out = []
     for (_, _, c_ids, c_mask, *lp), prompts, rows, seeds in zip(first, micro_prompts, micro_rows, micro_seeds):
         mb = []
         for j, (p, row, s) in enumerate(zip(prompts, rows, seeds)):
-            n = int(c_mask[j].sum())
-            ids = c_ids[j, :n].tolist()
-            logps = lp[0][j, :n].tolist() if lp else None
-            mb.append(Trajectory(p, row, s, ids, [1] * n, logps, done=not ids or ids[-1] not in eos_ids))
+            ids, cut = _ended(c_ids[j, :int(c_mask[j].sum())].tolist(), eos_ids, stop)
+            logps = lp[0][j, :len(ids)].tolist() if lp else None
+            mb.append(Trajectory(p, row, s, ids, [1] * len(ids), logps, done=cut, length_cut=cut))
         out.append(mb)
     return out
 
@@ -183,36 +203,46 @@ def sample_turns(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]],
     if sched is None:
         from swiftlite.rlhf.stop_words import cut
         return [cut(dict(zip(FIRST_KEYS, f)), tokenizer, o.stop_words, pad_id) for f in first]
+    from swiftlite.rlhf.stop_words import stop_length
+    words = list(o.stop_words or [])
     return rollout(sched, lambda p, s, n: gen(p, s, n, False), first, micro_prompts, micro_rows, micro_seeds,
                    max_new_tokens=o.max_completion_length, per_round=o.completion_length_limit_scope == "per_round",
                    max_turns=o.max_turns, eos_ids=set(eos_ids), pad_id=pad_id,
-                   any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0, lockstep=lockstep)
+                   any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0, lockstep=lockstep,
+                   stop=(lambda ids: stop_length(tokenizer, ids, words)) if words else None)
 
 
 def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], first: list[tuple[torch.Tensor, ...]],
             micro_prompts: list[list[list[int]]], micro_rows: list[list[dict]], micro_seeds: list[list[int]], *,
             max_new_tokens: int, per_round: bool, max_turns: int | None, eos_ids: set[int], pad_id: int,
-            any_pending: Callable[[bool], bool], lockstep: bool = False) -> list[dict]:
+            any_pending: Callable[[bool], bool], lockstep: bool = False,
+            stop: Callable[[list[int]], int | None] | None = None) -> list[dict]:
     """The turns after `first` (this process's micro-batches of the first turn, as the generator returned
     them): `gen(micro_prompts, micro_seeds, max_new_tokens)` samples a turn. Returns one dict of tensors per
     micro-batch (`_layout`). `lockstep` (parallel/gather.py): every turn asks for every micro-batch, one
     with nothing left standing in with its first prompt (the answer unused), so that every process makes
-    the same generate calls."""
-    trajs = _unpack(first, micro_prompts, micro_rows, micro_seeds, eos_ids)
+    the same generate calls. `stop(ids)`: how many of a turn's tokens its first stop word keeps (--stop_words,
+    rlhf/stop_words.py), a turn so cut ending as at its end-of-turn token (finish_reason 'stop').
+
+    A scheduler has `finished(t, turn)` and `step(t, turn, eos_ids)` -> the completion's tokens and loss mask
+    after the step (MathTips here; a plugin's, rlhf/plugin_turns.py)."""
+    stop = stop or (lambda ids: None)
+    trajs = _unpack(first, micro_prompts, micro_rows, micro_seeds, eos_ids, stop)
     logprobs = any(len(f) > 4 for f in first)
     turn = 1
     while True:
         for t in (t for mb in trajs for t in mb if not t.done):
-            if (max_turns is not None and t.turns >= max_turns) or sched.finished(t.ids, t.row):
+            if (max_turns is not None and t.turns >= max_turns) or sched.finished(t, t.turns):
                 t.done = True
                 continue
-            keep, insert = sched.step(t.ids, eos_ids)
-            if not per_round and keep + len(insert) >= max_new_tokens:   # no budget left for another turn
+            ids, loss = sched.step(t, t.turns, eos_ids)
+            if not per_round and len(ids) >= max_new_tokens:   # no budget left for another turn
                 t.done = True
                 continue
-            t.ids, t.loss = t.ids[:keep] + insert, t.loss[:keep] + [0] * len(insert)
-            if t.logps is not None:   # the inserted tokens were not sampled: no sampling log-prob
-                t.logps = t.logps[:keep] + [float("nan")] * len(insert)
+            if t.logps is not None:   # tokens the step changed or added were not sampled: no sampling log-prob
+                same = next((i for i, (a, b) in enumerate(zip(ids, t.ids)) if a != b), min(len(ids), len(t.ids)))
+                t.logps = t.logps[:same] + [float("nan")] * (len(ids) - same)
+            t.ids, t.loss = ids, loss
         pending = [[t for t in mb if not t.done] for mb in trajs]
         if not any_pending(any(pending)):
             break
@@ -226,11 +256,12 @@ def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], firs
             for j, t in enumerate(mb):
                 n = int(c_mask[j].sum())
                 room = n if per_round else min(n, max_new_tokens - len(t.ids))
-                new = c_ids[j, :room].tolist()
+                new, cut = _ended(c_ids[j, :room].tolist(), eos_ids, stop)
+                t.last, t.length_cut = len(t.ids), cut
                 t.ids, t.loss, t.turns = t.ids + new, t.loss + [1] * len(new), t.turns + 1
                 if t.logps is not None:
-                    t.logps = t.logps + (lp[0][j, :room].tolist() if lp else [float("nan")] * len(new))
-                t.done = not new or new[-1] not in eos_ids     # cut at the length limit: finished
+                    t.logps = t.logps + (lp[0][j, :len(new)].tolist() if lp else [float("nan")] * len(new))
+                t.done = cut     # cut at the length limit: finished
     return [_layout(f, mb, pad_id, logprobs) for f, mb in zip(first, trajs)]
 
 

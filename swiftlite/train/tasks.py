@@ -232,8 +232,10 @@ class GrpoTask(Task):
         check_reward_funcs(cfg.rlhf.reward_funcs)
         check_teacher(cfg)
         if cfg.rlhf.multi_turn_scheduler:
-            from swiftlite.rlhf.multi_turn import check_installed
-            check_installed(cfg.rlhf.multi_turn_scheduler)
+            from swiftlite.rlhf.multi_turn import SCHEDULERS, check_installed
+            from swiftlite.rlhf.plugin_turns import check_scheduler
+            name = cfg.rlhf.multi_turn_scheduler
+            check_installed(name) if name in SCHEDULERS else check_scheduler(name)
 
     def wait_for_services(self, cfg: Any) -> None:
         _wait_for_rollout_servers(cfg)

@@ -216,13 +216,18 @@ def test_msswifts_plugin_imports_load_and_register_here(tmp_path):
         r, = build_rewards(["async_len"], None)
         assert r(["ab", "abcd"]) == [2.0, 4.0]             # an AsyncORM is awaited
         assert "my_judge" in rm_plugins and "my_scheduler" in multi_turns and "my_env" in envs
-        with pytest.raises(NotImplementedError, match="drive its own inference engines"):
-            multi_turns["my_scheduler"]()
+        with pytest.raises(NotImplementedError, match="gym environments drive an environment server"):
+            envs["my_env"]()
+        assert multi_turns["my_scheduler"](max_turns=3).max_turns == 3      # a step scheduler runs (plugin_turns)
         config_file, values = parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl", "--rlhf_type", "grpo",
                                               "--reward_funcs", "async_len", "--multi_turn_scheduler", "my_scheduler"])
-        with pytest.raises(UserError, match=r"--multi-turn-scheduler my_scheduler: not available here: it is not a "
-                                            r"built-in scheduler; one a plugin file registers .* loads but is not run"):
-            load_config(config_file, values, validate_paths=False, task="rlhf")
+        cfg = load_config(config_file, values, validate_paths=False, task="rlhf")
+        from swiftlite.train.tasks import task_of
+        task_of(cfg).check(cfg)                                            # registered, and runs here
+        gkd = parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl", "--rlhf_type", "gkd",
+                              "--teacher_model", "tiny-llama-2l", "--multi_turn_scheduler", "my_scheduler"])
+        with pytest.raises(UserError, match=r"--multi-turn-scheduler my_scheduler: a plugin's scheduler runs in GRPO"):
+            load_config(*gkd, validate_paths=False, task="rlhf")
     finally:
         for reg, key in ((orms, "async_len"), (rm_plugins, "my_judge"), (multi_turns, "my_scheduler"),
                          (envs, "my_env")):

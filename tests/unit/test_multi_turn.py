@@ -19,32 +19,41 @@ def tok():
     return AutoTokenizer.from_pretrained(TINY_TOKENIZER)
 
 
+def _traj(ids, row=None):
+    from swiftlite.rlhf.multi_turn import Trajectory
+    return Trajectory([1], row or {}, 0, list(ids), [1] * len(ids), None)
+
+
 def test_the_tip_follows_the_text_before_the_first_answer_tag_and_drops_the_eos(tok):
     s = MathTips(tok)
+    tips = tok.encode(TIPS, add_special_tokens=False)
     ids = tok.encode("so it is <answer>7</answer>", add_special_tokens=False) + [EOS]
-    keep, insert = s.step(ids, {EOS})
-    assert tok.decode(ids[:keep]) == "so it is " and insert == tok.encode(TIPS, add_special_tokens=False)
+    out, loss = s.step(_traj(ids), 1, {EOS})
+    keep = len(out) - len(tips)
+    assert tok.decode(out[:keep]) == "so it is " and out[keep:] == tips
+    assert loss == [1] * keep + [0] * len(tips)                      # the tip is out of the loss
     plain = tok.encode("no tags here", add_special_tokens=False)
-    assert s.step(plain + [EOS], {EOS})[0] == len(plain)           # nothing to cut: only the EOS goes
+    assert s.step(_traj(plain + [EOS]), 1, {EOS})[0] == plain + tips  # nothing to cut: only the EOS goes
     think = tok.encode("hmm</think> x <answer>", add_special_tokens=False)
-    assert tok.decode(think[:s.step(think, {EOS})[0]]) == "hmm"      # the earlier of the two tags
+    assert tok.decode(s.step(_traj(think), 1, {EOS})[0][:-len(tips)]) == "hmm"      # the earlier of the two tags
 
 
 def test_a_completion_finishes_when_it_verifies_or_already_has_the_tip(tok):
     s = MathTips(tok)
     row = {"columns": {"solution": "$4$"}}
-    assert s.finished(tok.encode("<answer>4</answer>", add_special_tokens=False), row)
-    assert not s.finished(tok.encode("<answer>5</answer>", add_special_tokens=False), row)
-    assert s.finished(tok.encode("x " + TIPS + " y", add_special_tokens=False), row)
+    assert s.finished(_traj(tok.encode("<answer>4</answer>", add_special_tokens=False), row), 1)
+    assert not s.finished(_traj(tok.encode("<answer>5</answer>", add_special_tokens=False), row), 1)
+    assert s.finished(_traj(tok.encode("x " + TIPS + " y", add_special_tokens=False), row), 1)
 
 
 class Tips:
     """A scheduler that tips every completion once (insert [7, 7]) and keeps all its tokens."""
-    def finished(self, ids, row):
-        return 7 in ids
+    def finished(self, t, turn):
+        return 7 in t.ids
 
-    def step(self, ids, eos_ids):
-        return len(ids) - (1 if ids and ids[-1] in eos_ids else 0), [7, 7]
+    def step(self, t, turn, eos_ids):
+        keep = len(t.ids) - (1 if t.ids and t.ids[-1] in eos_ids else 0)
+        return t.ids[:keep] + [7, 7], t.loss[:keep] + [0, 0]
 
 
 def _layout(prompts, comps):
