@@ -63,6 +63,8 @@ class Resolved:
     reason: str = ""
     deepspeed_source: str | None = None
     memory_family: str | None = None
+    #: A rollout server's multi-turn scheduler the run took (launch/server_turns.py), applied by `bind`
+    turns: dict | None = None
     #: The concrete, sealed config (the user's, with torch_dtype and max_length above): what every stage
     #: after the resolution reads. Not part of the JSON.
     config: Any = field(default=None, compare=False, repr=False)
@@ -102,21 +104,26 @@ class Resolved:
     def bind(self, cfg: "RunConfig") -> "Resolved":
         """These facts with `cfg` (the user's config, as this process parsed it) made concrete: a rank
         that parsed the command line again still has `auto` / no length."""
-        return replace(self, config=concrete_config(cfg, self.torch_dtype, self.max_length), said=cfg)
+        return replace(self, config=concrete_config(cfg, self.torch_dtype, self.max_length, self.turns), said=cfg)
 
 
-def concrete_config(said: "RunConfig", torch_dtype: str, max_length: int | None) -> "RunConfig":
+def concrete_config(said: "RunConfig", torch_dtype: str, max_length: int | None,
+                    turns: dict | None = None) -> "RunConfig":
     """The one writer of a run's config after config.load: a sealed copy of `said` with the concrete
-    dtype and max length. When the dtype was `auto` the rules run again on the copy (one of them
-    compares the dtype: --bnb-4bit-compute-dtype); a max length read from the model's context is
-    positive by construction, so filling it alone leaves the rules' answer as config.load had it."""
+    dtype and max length (and a rollout server's scheduler, `turns`: launch/server_turns.py). When the
+    dtype was `auto` or a scheduler was taken, the rules run again on the copy (one of them compares the
+    dtype: --bnb-4bit-compute-dtype; the scheduler has its own); a max length read from the model's
+    context is positive by construction, so filling it alone leaves the rules' answer as config.load had it."""
     changes: dict[str, Any] = {}
     if said.model.torch_dtype != torch_dtype:
         changes["torch_dtype"] = torch_dtype
     if said.data.max_length is None and max_length is not None:
         changes["max_length"] = max_length
+    if turns is not None:
+        from swiftlite.launch.server_turns import apply
+        changes.update(apply(said, turns))
     run = said.with_values(**changes) if changes or not said.sealed else said
-    if "torch_dtype" in changes:
+    if "torch_dtype" in changes or turns is not None:
         from swiftlite.config import validate
         validate(run, check_paths=False)
     return run.seal()
@@ -173,6 +180,12 @@ def rank_resolved(cfg: "RunConfig", world: Any, handed: Resolved | None = None,
     if handed is not None and handed.world_size == world.world_size and handed.gpu_memory == mem:
         # resolved in this very process (a single-process run) for this config: handed over as is
         return handed if handed.said is cfg else handed.bind(cfg)
+    turns = handed.turns if handed is not None else None
+    if turns is not None:   # a rollout server's scheduler, taken before launch: kept when resolving again
+        from swiftlite.launch.server_turns import apply
+        again = resolve_run(cfg.with_values(**apply(cfg, turns)), world.world_size, gpu_memory=mem,
+                            gpus_per_node=world.local_world_size)
+        return replace(again, turns=turns, said=cfg)
     return resolve_run(cfg, world.world_size, gpu_memory=mem, gpus_per_node=world.local_world_size)
 
 

@@ -20,15 +20,10 @@ from swiftlite.errors import UserError
 
 _SCHEDULER = ("gym rollouts are not available: the server samples one completion per prompt and seed, and the run "
               "scores them with --reward_funcs; drop the flag")
-_TURNS = ("the run drives multi-turn rollouts (swiftlite rlhf --multi_turn_scheduler math_tip_trick --max_turns N), "
-          "asking the server for each turn; drop the flag here")
 #: ms-swift rollout options (RolloutArguments and the vLLM part of DeployArguments, ms-swift 3602360a) that
 #: swiftlite's server does not take, with their reasons.
 REFUSED = {
-    **{k: _SCHEDULER for k in ("use_gym_env", "gym_env", "context_manager", "vllm_use_async_engine")},
-    **{k: _TURNS for k in ("multi_turn_scheduler", "max_turns")},
-    "external_plugins": "the server runs no plugins (a run's reward functions are the run's --external_plugins): "
-                        "drop the flag",
+    **{k: _SCHEDULER for k in ("use_gym_env", "gym_env", "context_manager")},
     "vllm_max_lora_rank": "the server always gets the run's merged weights (base + B@A x scale), no LoRA adapter: "
                           "drop the flag",
     **{k: "the server takes the run's prompts as token ids and answers token ids: no chat template, tokenizer or "
@@ -43,7 +38,8 @@ DEPLOY_REFUSED = {
         "infer_backend_kwargs", "api_key", "ssl_keyfile", "ssl_certfile")},
 }
 SWITCHES = ("--vllm_enable_prefix_caching", "--vllm-enable-prefix-caching", "--vllm_enforce_eager",
-            "--vllm-enforce-eager", "--vllm_enable_lora", "--vllm-enable-lora")
+            "--vllm-enforce-eager", "--vllm_enable_lora", "--vllm-enable-lora", "--vllm_use_async_engine",
+            "--vllm-use-async-engine")
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -124,8 +120,24 @@ def rollout_cmd(
                                                         "visible ones in order; on CPUs, a share of the threads): "
                                                         "the weights reach all, each request's micro-batches are "
                                                         "dealt among them (ms-swift's)."),
-    enable_lora: str = typer.Option("false", *SWITCHES[4:], help="Accepted for ms-swift's commands: the run sends "
+    enable_lora: str = typer.Option("false", *SWITCHES[4:6], help="Accepted for ms-swift's commands: the run sends "
                                                                  "merged weights, so no adapter is loaded."),
+    multi_turn_scheduler: Optional[str] = typer.Option(
+        None, "--multi_turn_scheduler", "--multi-turn-scheduler",
+        help="The multi-turn scheduler of the GRPO runs this server serves (math_tip_trick, or one an "
+             "--external_plugins file registers). As ms-swift's, it is the server's option; here the run reads it "
+             "(with --max_turns and the plugin files) from the server before launch and drives the turns, asking "
+             "the server for each one."),
+    max_turns: Optional[int] = typer.Option(None, "--max_turns", "--max-turns",
+                                            help="With --multi_turn_scheduler: the most turns per completion."),
+    external_plugins: list[str] = typer.Option(
+        [], "--external_plugins", "--external-plugins",
+        help="Python files that register --multi_turn_scheduler's scheduler (ms-swift's flag); the run loads them "
+             "too, from the path the server gives (the same machine or a shared file system)."),
+    async_engine: str = typer.Option("false", *SWITCHES[6:],
+                                     help="Accepted for ms-swift's commands (its server needs vLLM's async engine to "
+                                          "run schedulers): here each turn is one batched request, so no async "
+                                          "engine is used (said when true)."),
 ) -> None:
     """Serve GRPO's generation for runs in --vllm_mode server (ms-swift's `swift rollout`)."""
     from swiftlite.rollout.server import RolloutOptions, serve
@@ -145,6 +157,10 @@ def rollout_cmd(
         if given:   # ms-swift's commands carry them; the transformers engine has no such settings: said
             print(f"{', '.join(given)}: vLLM engine options, not used by --infer_backend transformers",
                   file=sys.stderr, flush=True)
+    plugins = _turn_options(multi_turn_scheduler, max_turns, external_plugins)
+    if _switch("--vllm_use_async_engine", async_engine):   # ms-swift's multi-turn scripts carry it: said
+        print("--vllm_use_async_engine true: the run asks for each turn as one batched request; vLLM's async engine "
+              "is not used (the completions are the same)", file=sys.stderr, flush=True)
     lora = _switch("--vllm_enable_lora", enable_lora)
     if lora:   # accepted so that ms-swift's commands start; said, as the run says it (docs/rlhf.md "Rollout server")
         print("--vllm_enable_lora true: the run sends its merged weights every round, so no LoRA adapter is loaded "
@@ -155,7 +171,31 @@ def rollout_cmd(
         vllm_max_model_len=max_model_len, vllm_max_num_seqs=max_num_seqs,
         vllm_enable_prefix_caching=_switch("--vllm_enable_prefix_caching", prefix_caching),
         vllm_enforce_eager=_switch("--vllm_enforce_eager", enforce_eager),
-        vllm_enable_lora=lora, vllm_data_parallel_size=dp)))
+        vllm_enable_lora=lora, vllm_data_parallel_size=dp, multi_turn_scheduler=multi_turn_scheduler,
+        max_turns=max_turns, external_plugins=plugins)))
+
+
+def _turn_options(name: str | None, max_turns: int | None, plugins: list[str]) -> tuple[str, ...]:
+    """The scheduler checked as a run would check it (a built-in, or registered by the plugin files and able
+    to run: rlhf/plugin_turns.check_scheduler); the plugin files as absolute paths, which the run loads."""
+    from pathlib import Path
+    if name is None:
+        given = [f for f, v in (("--max_turns", max_turns), ("--external_plugins", plugins)) if v]
+        if given:
+            raise UserError(f"{given[0]} applies to --multi_turn_scheduler (the scheduler the served runs use): give "
+                            "one or drop the flag")
+        return ()
+    if max_turns is not None and max_turns < 1:
+        raise UserError(f"--max_turns {max_turns}: 1 or more")
+    from swiftlite.config.multi_turn_options import MULTI_TURN_SCHEDULERS, OTHER_SCHEDULERS
+    if name in OTHER_SCHEDULERS:
+        raise UserError(f"--multi_turn_scheduler {name}: not available here: it {OTHER_SCHEDULERS[name]}")
+    from swiftlite.parallel.base import load_plugins
+    load_plugins(plugins)
+    if name not in MULTI_TURN_SCHEDULERS:
+        from swiftlite.rlhf.plugin_turns import check_scheduler
+        check_scheduler(name)
+    return tuple(str(Path(p).expanduser().resolve()) for p in plugins)
 
 
 rollout_cmd.command_settings = {"cls": _RolloutCommand}

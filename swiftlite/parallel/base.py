@@ -311,6 +311,16 @@ def tensor_bytes(t: Any) -> int:
     return local.numel() * local.element_size()
 
 
+#: the plugin files this process ran (resolved paths): load_missing_plugins runs only the others
+_LOADED: set[str] = set()
+
+
+def load_missing_plugins(paths: list[str]) -> None:
+    """The files of `paths` this process has not run yet (a rollout server's plugin files, which a run takes
+    with its scheduler: launch/server_turns.py, once before launch and again in a rank)."""
+    load_plugins([p for p in paths if str(Path(p).expanduser().resolve()) not in _LOADED])
+
+
 def load_plugins(paths: list[str]) -> None:
     """Run the user's `--external-plugins` Python files (ms-swift's flag): they may register backends.
     These are files the user names on the command line, run like any script of theirs."""
@@ -319,6 +329,7 @@ def load_plugins(paths: list[str]) -> None:
     from swiftlite.plugin_imports import deferred_import_error, msswift_aliases, plugin_import_error
     for p in paths:
         path = Path(p).expanduser()
+        _LOADED.add(str(path.resolve()))
         if not path.is_file() or path.suffix != ".py":
             raise UserError(f"--external-plugins {p}: not a Python file")
         name = f"swiftlite_plugin_{path.stem}"
@@ -342,5 +353,6 @@ def load_plugins(paths: list[str]) -> None:
             raise UserError(deferred)
 
 
-__all__ += ["BUILTIN_MODULES", "Check", "LIKE_POLICY", "OPTION_FLAGS", "load_plugins", "parallelism_names",
+__all__ += ["BUILTIN_MODULES", "Check", "LIKE_POLICY", "OPTION_FLAGS", "load_missing_plugins", "load_plugins",
+            "parallelism_names",
             "unregister_backend"]

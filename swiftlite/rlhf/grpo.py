@@ -131,6 +131,9 @@ def grpo_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) ->
         from swiftlite.models.loading import batch_form
         form = batch_form(cfg)
     from swiftlite.rlhf.multi_turn import build
+    if r.multi_turn_scheduler:   # a rollout server's plugin files, taken with its scheduler (launch/server_turns.py)
+        from swiftlite.parallel.base import load_missing_plugins
+        load_missing_plugins(list(cfg.parallel.external_plugins))
     return GrpoBatches(train.rows, plan, tokenizer.pad_token_id, world, build_rewards(r.reward_funcs, r), loss,
                        form=form, options=r, tokenizer=tokenizer, chord=chord, turns=build(r, tokenizer))
 

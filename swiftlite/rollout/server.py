@@ -72,6 +72,11 @@ class RolloutOptions:
     #: /v1/completions: the longest prompt served (ms-swift deploy's --max_length; None: the model's)
     max_length: int | None = None
     command: str = "rollout"
+    #: the multi-turn scheduler the runs it serves drive their turns with (ms-swift's rollout options; the
+    #: run reads them from /get_world_size/ before launch: launch/server_turns.py)
+    multi_turn_scheduler: str | None = None
+    max_turns: int | None = None
+    external_plugins: tuple[str, ...] = ()
 
 
 def build_engine(o: RolloutOptions) -> Any:
@@ -205,9 +210,11 @@ def make_handler(work: EngineThread, timeout_s: float = 1800.0, o: RolloutOption
         return {"completions": work.call(lambda: work.backend.generate(groups, seeds, s))}
 
     e = work.backend
+    turns = ({"multi_turn_scheduler": o.multi_turn_scheduler, "max_turns": o.max_turns,
+              "external_plugins": list(o.external_plugins)} if o.multi_turn_scheduler else {})
     routes: dict[tuple[str, str], Callable[[dict], Any]] = {
         ("GET", "/health/"): lambda b: {"status": "ok"},
-        ("GET", "/get_world_size/"): lambda b: work.call(e.info),
+        ("GET", "/get_world_size/"): lambda b: {**work.call(e.info), **turns},
         ("POST", "/init_communicator/"): lambda b: (work.queue(lambda: e.join(
             str(b["host"]), int(b["port"]), int(b["world_size"]), str(b["backend"]),
             float(b.get("timeout", timeout_s)))), {"status": "joining"})[1],
