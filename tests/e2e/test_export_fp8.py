@@ -3,8 +3,9 @@ folder): transformers' FineGrainedFP8 format written on the CPU, block by block 
 quantization operation. The folder's stored FP8 weights times their block scales are the source's to
 FP8's rounding, transformers loads it (dequantizing, as it does without an FP8 GPU) with logits close to
 the source's; layers the blocks do not divide and the head stay 16-bit and are named in
-modules_to_not_convert; a LoRA checkpoint is merged first; a mixture of experts and wrong options are
-refused, nothing written."""
+modules_to_not_convert; a LoRA checkpoint is merged first; a mixture of experts is written per expert
+(the official FP8 checkpoints' layout) from either layout of its 16-bit tensors; wrong options are refused,
+nothing written."""
 
 from __future__ import annotations
 
@@ -84,21 +85,70 @@ def test_lora_checkpoint_is_merged_then_quantized(model_dir, tmp_path):
 
 
 def test_refusals(model_dir, tmp_path):
-    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
     r = run_cli(["export", "--model", model_dir, "--quant_method", "fp8", "--quant_bits", "8", "--bnb_4bit_quant_type",
                  "nf4", "--output_dir", tmp_path / "o"], check=False)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: --quant_bits: FP8's format has no such setting (e4m3 weights, a scale per 128 x 128 block)",
         "error: --bnb_4bit_quant_type: FP8's format has no such setting (e4m3 weights, a scale per 128 x 128 block)"]
-    moe = tmp_path / "moe"
-    conf = Qwen3MoeConfig(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=1,
+    assert not (tmp_path / "o").exists()
+
+
+def _tiny_moe(d: Path, fused: bool) -> Path:
+    """A tiny Qwen3-MoE folder: expert projections of 128 x 256 and 256 x 128 (FP8 blocks divide them), q/o
+    too, k/v 64 rows (not). `fused`: its tensors under transformers 5's in-memory names (experts.gate_up_proj,
+    3-D), what the 16-bit export of a checkpoint writes; else the hub's per-expert tensors (save_pretrained)."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from swiftlite.models.presets import TINY_TOKENIZER, TINY_VOCAB
+    conf = Qwen3MoeConfig(hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
                           num_experts_per_tok=2, vocab_size=TINY_VOCAB, max_position_embeddings=512,
                           tie_word_embeddings=False, eos_token_id=258, pad_token_id=259, bos_token_id=None)
-    Qwen3MoeForCausalLM(conf).to(torch.bfloat16).save_pretrained(moe)
-    AutoTokenizer.from_pretrained(TINY_TOKENIZER).save_pretrained(moe)
-    r = run_cli(["export", "--model", moe, "--quant_method", "fp8", "--output_dir", tmp_path / "o"], check=False)
-    assert r.returncode == 2 and "--quant_method fp8: moe is a mixture of experts" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(conf).to(torch.bfloat16)
+    model.save_pretrained(d)
+    AutoTokenizer.from_pretrained(TINY_TOKENIZER).save_pretrained(d)
+    if fused:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(d / "model.safetensors"),
+                  metadata={"format": "pt"})
+    return d
+
+
+def test_fp8_export_of_a_mixture_of_experts(tmp_path):
+    """examples/export/quantize/moe/fp8.sh (`--model` a local folder): each expert's projections in FP8 under
+    the hub's per-expert names, with their block scales; router, embeddings, norms and head 16-bit; and the
+    same folder from a source holding the experts fused."""
+    src = _tiny_moe(tmp_path / "moe", fused=False)
+    out = tmp_path / "moe-fp8"
+    log = run_cli(["export", "--model", src, "--quant_method", "fp8", "--output_dir", out, "--verify"]).stdout
+    assert "(28 weights, 24 of them experts' projections)" in log
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128]
+    kept = ("self_attn.k_proj", "self_attn.v_proj", "mlp.gate")            # k/v: 64 rows; the router
+    assert set(qc["modules_to_not_convert"]) == {"lm_head", *(f"model.layers.{i}.{m}" for i in range(2) for m in kept)}
+    ref, got = _weights(src), _weights(out)
+    experts = {f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for i in range(2) for e in range(4)
+               for p in ("gate_proj", "up_proj", "down_proj")}
+    assert experts <= set(ref)                                            # the source's own per-expert names
+    fp8 = {k for k, v in got.items() if v.dtype == torch.float8_e4m3fn}
+    assert fp8 == experts | {f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ("q_proj", "o_proj")}
+    for name in experts:
+        scale = got[name.replace(".weight", ".weight_scale_inv")]
+        assert scale.dtype == torch.float32 and scale.shape == (ref[name].shape[0] // 128, ref[name].shape[1] // 128)
+        want = ref[name].float()
+        err = float((_dequantized(got[name], scale) - want).abs().max() / want.abs().max())
+        assert 0 < err <= 2 ** -4, (name, err)                   # quantized, within e4m3's rounding
+    plain = [k for k in ref if k not in fp8]
+    assert "model.layers.1.mlp.gate.weight" in plain and "model.embed_tokens.weight" in plain
+    for name in plain:                 # router, embeddings, norms, head, k/v: 16-bit, as they were
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], ref[name]), name
+    assert "to FP8 rounding" in (out / "README.md").read_text()          # --verify's reload check
+    # the experts held fused (a checkpoint's 16-bit export): the same folder, bit for bit
+    fused = _tiny_moe(tmp_path / "moe-fused", fused=True)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in _weights(fused)
+    run_cli(["export", "--model", fused, "--quant_method", "fp8", "--output_dir", tmp_path / "fused-fp8", "--verify"])
+    again = _weights(tmp_path / "fused-fp8")
+    assert again.keys() == got.keys()
+    assert all(torch.equal(again[k].view(torch.uint8), got[k].view(torch.uint8)) for k in got if k in fp8)
+    assert all(torch.equal(again[k], got[k]) for k in got if k not in fp8)
