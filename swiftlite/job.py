@@ -120,8 +120,8 @@ def concrete_config(said: "RunConfig", torch_dtype: str, max_length: int | None,
     if said.data.max_length is None and max_length is not None:
         changes["max_length"] = max_length
     if turns is not None:
-        from swiftlite.launch.server_turns import apply
-        changes.update(apply(said, turns))
+        from swiftlite.config.multi_turn_options import taken_turns
+        changes.update(taken_turns(said, turns))
     run = said.with_values(**changes) if changes or not said.sealed else said
     if "torch_dtype" in changes or turns is not None:
         from swiftlite.config import validate
@@ -182,8 +182,8 @@ def rank_resolved(cfg: "RunConfig", world: Any, handed: Resolved | None = None,
         return handed if handed.said is cfg else handed.bind(cfg)
     turns = handed.turns if handed is not None else None
     if turns is not None:   # a rollout server's scheduler, taken before launch: kept when resolving again
-        from swiftlite.launch.server_turns import apply
-        again = resolve_run(cfg.with_values(**apply(cfg, turns)), world.world_size, gpu_memory=mem,
+        from swiftlite.config.multi_turn_options import taken_turns
+        again = resolve_run(cfg.with_values(**taken_turns(cfg, turns)), world.world_size, gpu_memory=mem,
                             gpus_per_node=world.local_world_size)
         return replace(again, turns=turns, said=cfg)
     return resolve_run(cfg, world.world_size, gpu_memory=mem, gpus_per_node=world.local_world_size)

@@ -103,5 +103,14 @@ def describe_turns(r: object) -> str:
             f"{'per turn' if r.completion_length_limit_scope == 'per_round' else 'in all'})")
 
 
+def taken_turns(said: object, turns: dict) -> dict:
+    """The config values a run takes with its rollout server's scheduler (launch/server_turns.py): the
+    scheduler, --max_turns, and the server's plugin files after the run's own (`with_values` names)."""
+    plugins = list(said.parallel.external_plugins)
+    plugins += [p for p in turns["external_plugins"] if p not in plugins]
+    return {"multi_turn_scheduler": turns["multi_turn_scheduler"], "max_turns": turns["max_turns"],
+            "external_plugins": plugins}
+
+
 __all__ = ["LIMIT_SCOPES", "MULTI_TURN_KEYS", "MULTI_TURN_SCHEDULERS", "MultiTurnOptions", "completion_tokens",
-           "describe_turns", "multi_turn_problem", "scheduler_columns", "turn_bound"]
+           "describe_turns", "multi_turn_problem", "scheduler_columns", "taken_turns", "turn_bound"]

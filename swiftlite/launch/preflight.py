@@ -125,7 +125,7 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
     task.wait_for_services(run_cfg)          # GRPO's rollout servers: once all else passed
     if facts is not None and world_size is not None:   # a server's multi-turn scheduler (ms-swift's split)
         from swiftlite.launch.server_turns import adopt
-        facts = adopt(facts, world_size)
+        facts = adopt(facts, world_size, resolve_for_launch)
         run_cfg = facts.config
     d, t = run_cfg.data, run_cfg.train
     if t.eval_strategy != "no" and "eval_strategy" in cfg.explicit and not (d.val_dataset or d.split_dataset_ratio > 0):

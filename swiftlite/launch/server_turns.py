@@ -59,16 +59,9 @@ def _said(t: dict | None) -> str:
         f" --max_turns {t['max_turns']}" if t.get("max_turns") is not None else "")
 
 
-def apply(said: Any, turns: dict) -> Any:
-    """`said` with the server's scheduler: the values to set (config.with_values' names)."""
-    plugins = list(said.parallel.external_plugins)
-    plugins += [p for p in turns["external_plugins"] if p not in plugins]
-    return {"multi_turn_scheduler": turns["multi_turn_scheduler"], "max_turns": turns["max_turns"],
-            "external_plugins": plugins}
-
-
-def adopt(facts: Any, world_size: int, log: Any = print) -> Any:
-    """The job's facts with the servers' scheduler (None: as they were); its plugin files loaded here."""
+def adopt(facts: Any, world_size: int, resolve: Any, log: Any = print) -> Any:
+    """The job's facts with the servers' scheduler (as they were without one), resolved again by
+    `resolve(config, world_size)` (preflight's) with its turns; its plugin files loaded here."""
     from dataclasses import replace
     turns = server_turns(facts.config)
     if turns is None:
@@ -82,12 +75,12 @@ def adopt(facts: Any, world_size: int, log: Any = print) -> Any:
     if name not in SCHEDULERS:
         from swiftlite.rlhf.plugin_turns import check_scheduler
         check_scheduler(name)
-    from swiftlite.launch.preflight import resolve_for_launch
+    from swiftlite.config.multi_turn_options import taken_turns
     said = facts.said
-    again = resolve_for_launch(said.with_values(**apply(said, turns)), world_size)
+    again = resolve(said.with_values(**taken_turns(said, turns)), world_size)
     log(f"rollout server: {_said(turns)}" + (f" (from {', '.join(turns['external_plugins'])})"
                                               if turns["external_plugins"] else "") + "; this run drives the turns")
     return replace(again, turns=turns, said=said)
 
 
-__all__ = ["KEYS", "adopt", "apply", "server_turns"]
+__all__ = ["KEYS", "adopt", "server_turns"]
