@@ -325,6 +325,7 @@ def load_plugins(paths: list[str]) -> None:
     """Run the user's `--external-plugins` Python files (ms-swift's flag): they may register backends.
     These are files the user names on the command line, run like any script of theirs."""
     import importlib.util
+    import sys
 
     from swiftlite.plugin_imports import deferred_import_error, msswift_aliases, plugin_import_error
     for p in paths:
@@ -332,11 +333,16 @@ def load_plugins(paths: list[str]) -> None:
         _LOADED.add(str(path.resolve()))
         if not path.is_file() or path.suffix != ".py":
             raise UserError(f"--external-plugins {p}: not a Python file")
+        # ms-swift's import_external_file puts the file's folder on sys.path, so a plugin imports the modules
+        # next to it (treepo's tree_rollout_plugin.py: `from tree_rollout import ...`); appended, not put
+        # first as ms-swift does, so that a file there cannot shadow an installed module of the same name
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.append(folder)
         name = f"swiftlite_plugin_{path.stem}"
         spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None
         mod = importlib.util.module_from_spec(spec)
-        import sys
         sys.modules[name] = mod
         try:
             with msswift_aliases():  # ms-swift's `from swift.rewards import ORM, orms` is swiftlite.plugin's

@@ -108,6 +108,26 @@ def test_plugin_with_a_missing_package_names_it(tmp_path):
         load_plugins([str(p)])
 
 
+def test_a_plugin_imports_the_modules_next_to_it_as_in_msswift(tmp_path):
+    """ms-swift's import_external_file puts the plugin's folder on sys.path (treepo's plugin imports its
+    tree_rollout.py): so does the loader, after the installed packages."""
+    import sys
+    d = tmp_path / "treepo"
+    d.mkdir()
+    (d / "sibling_helper_mod.py").write_text("VALUE = 41\n")
+    (d / "plug.py").write_text("from sibling_helper_mod import VALUE\nfrom swiftlite.plugin import orms\n"
+                               "orms['sibling_value'] = lambda completions, **kw: [VALUE + 1.0] * len(completions)\n")
+    from swiftlite.plugin import orms
+    try:
+        load_plugins([str(d / "plug.py")])
+        assert orms["sibling_value"](["a"]) == [42.0]
+        assert sys.path.index(str(d.resolve())) > sys.path.index(next(p for p in sys.path if "site-packages" in p))
+    finally:
+        orms.pop("sibling_value", None)
+        sys.modules.pop("sibling_helper_mod", None)
+        sys.path.remove(str(d.resolve()))
+
+
 @pytest.mark.parametrize("method", ["awq", "gptq", "hqq"])
 def test_prequantized_folder_is_refused_with_what_is_supported(tmp_path, method):
     from swiftlite.models.presets import PRESETS
