@@ -149,7 +149,8 @@ def export_cmd(
                                                help="bnb: write the export quantized by bitsandbytes (with "
                                                     "--quant-bits 4 or 8); fp8: block-wise FP8 (transformers' "
                                                     "FineGrainedFP8 format, e4m3 weights with a scale per 128 x "
-                                                    "128 block; dense models); LoRA runs are merged first; as "
+                                                    "128 block; a mixture of experts per expert, as the hub's FP8 "
+                                                    "checkpoints); LoRA runs are merged first; as "
                                                     "ms-swift's `swift export --quant_method bnb|fp8`."),
     quant_bits: Optional[int] = typer.Option(None, "--quant-bits", "--quant_bits",
                                              help="4 or 8, with --quant-method bnb."),
