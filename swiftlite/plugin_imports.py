@@ -39,13 +39,14 @@ ALIASES = {"swift.rewards": "swiftlite.plugin", "swift.rewards.orm": "swiftlite.
            "swift.template": "swiftlite.msswift_api.template",
            "swift.utils": "swiftlite.msswift_api.utils",
            "swift.rollout.multi_turn": "swiftlite.msswift_api.rollout",
-           "swift.rollout.gym_env": "swiftlite.msswift_api.rollout"}
+           "swift.rollout.gym_env": "swiftlite.msswift_api.rollout",
+           "swift.dataset": "swiftlite.msswift_api.dataset"}
 
 #: the list a refusal gives of what a plugin file can import
 AVAILABLE = ("of ms-swift, plugin files here can import swift.rewards (ORM, AsyncORM, orms, rm_plugins), "
              "swift.rewards.rm_plugin, swift.infer_engine (TransformersEngine, RequestConfig), swift.template "
-             "(Template), swift.utils (get_logger, to_device) and the scheduler and gym registries "
-             "(swiftlite.msswift_api)")
+             "(Template), swift.utils (get_logger, to_device), swift.dataset (register_dataset, DatasetMeta, "
+             "RowPreprocessor, ResponsePreprocessor) and the scheduler and gym registries (swiftlite.msswift_api)")
 
 #: What an ms-swift plugin file's other imports become here (the part of ms-swift a plugin uses -> swiftlite's).
 PORTS = {

@@ -123,6 +123,10 @@ def iter_packs(rows: Iterable[dict], max_length: int) -> Iterator[dict]:
 
 
 def _pack(rows: list[dict]) -> dict:
+    if any("teacher_prompt_ids" in r for r in rows):
+        from swiftlite.errors import UserError
+        raise UserError("--packing with a 'teacher_prompt' column (GKD's OPSD): a pack would put several rows' "
+                        "responses after one teacher prompt; drop --packing (--padding_free true keeps rows whole)")
     ids, labels, pos, weights = _join(rows)
     out = {"input_ids": ids, "labels": labels, "position_ids": pos}
     return {**out, "loss_scale": weights} if weights is not None else out

@@ -175,17 +175,19 @@ def detect_format(row: dict) -> str | None:
     return None
 
 
-def to_messages(row: dict, where: str, *, agent_roles: bool = False) -> list[Message]:
+def to_messages(row: dict, where: str, *, agent_roles: bool = False, prompts: bool = False) -> list[Message]:
     """Convert one row (any chat format) to messages; a row that fits no format is an error naming its keys.
     `agent_roles`: the caller renders ms-swift's tool_call / tool_response turns (sft: data/agent.py);
-    elsewhere they are refused."""
+    elsewhere they are refused. `prompts`: a conversation ending with a user turn is a prompt (GKD when
+    every step samples its response), not an error."""
     for _name, det, conv in FORMATS:
         if det(row):
             msgs = conv(row, where)
             if not agent_roles and any(m["role"] in AGENT_ROLES for m in msgs):
                 raise UserError(f"{where}: tool_call / tool_response turns are read by `swiftlite sft` with "
                                 "--agent_template")
-            if not any(m["role"] in ("assistant", "tool_call") for m in msgs):
+            if not any(m["role"] in ("assistant", "tool_call") for m in msgs) and not (prompts and msgs and
+                                                                                 msgs[-1]["role"] == "user"):
                 raise UserError(f"{where}: the conversation has no assistant turn to learn from")
             return msgs
     keys = ", ".join(sorted(map(str, row))) or "none"

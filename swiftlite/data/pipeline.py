@@ -25,7 +25,8 @@ from swiftlite.data.sources import load_rows, parse_spec
 from swiftlite.config.tasks import task_spec
 from swiftlite.config.loss_scale import LossScale
 from swiftlite.config.loss_scale import parse as parse_loss_scale
-from swiftlite.data.tokenize import IGNORE, encode_messages, encode_text
+from swiftlite.data.teacher_view import COLUMN as TEACHER_COLUMN, teacher_prompt_ids
+from swiftlite.data.tokenize import IGNORE, encode_messages, encode_prompt, encode_text
 from swiftlite import env
 from swiftlite.errors import UserError
 
@@ -39,10 +40,12 @@ def cache_dir() -> Path:
 def _fingerprint(specs: list[str], tokenizer: Any, extra: dict) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"v": CACHE_VERSION, **extra}, sort_keys=True).encode())
+    from swiftlite.data.registered import fingerprint
     for spec in specs:
         path, _ = parse_spec(spec)
         p = Path(path)
         h.update(spec.encode())
+        h.update(fingerprint(path).encode())     # a plugin's registered dataset: its preprocessor's code
         if p.is_file():
             st = p.stat()
             h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
@@ -142,10 +145,15 @@ def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_l
     are rows longer than max_length under truncation "delete". A bad row raises its UserError, or is
     skipped and counted with --skip-bad-rows. `agent`: --agent_template (tool-calling rows: data/agent.py).
     `keep`: source columns each tokenized row carries as its "columns" (those the row has: the task's
-    `prepare_data` asks for them, GKD's for its multi-turn scheduler)."""
+    `prepare_data` asks for them, GKD's for its multi-turn scheduler and OPSD's teacher_prompt), and PROMPTS:
+    a conversation ending with a user turn is then a prompt row, its tokens up to the generation prompt and
+    no target (GKD when every step samples the response, --lmbda 1)."""
     stats = DataStats()
     rows: list[dict] = []
     cut = "right" if truncation in ("delete", "split") else truncation
+    prompts = PROMPTS in keep
+    keep = tuple(k for k in keep if k != PROMPTS)
+    msgs: list[dict] = []
     for row, where in items:
         try:
             if task_spec(task).plain_text and truncation == "split":   # pt: --max-length pieces, each a row
@@ -161,9 +169,13 @@ def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_l
             if task_spec(task).plain_text:  # pt: every token a target, no template
                 enc = encode_text(tokenizer, to_text(row, where), max_length, truncation=cut)
             else:
-                msgs = render_turns(row, to_messages(row, where, agent_roles=True), agent, system, where)
-                enc = encode_messages(tokenizer, msgs, max_length, where, truncation=cut,
-                                      system=system, loss_scale=loss_scale)
+                msgs = render_turns(row, to_messages(row, where, agent_roles=True, prompts=prompts), agent, system,
+                                    where)
+                if prompts and msgs[-1]["role"] == "user":   # a prompt: the response is sampled (GKD)
+                    enc = encode_prompt(tokenizer, msgs, max_length, truncation=cut, system=system)
+                else:
+                    enc = encode_messages(tokenizer, msgs, max_length, where, truncation=cut,
+                                          system=system, loss_scale=loss_scale)
         except UserError as e:
             if skip_bad_rows:
                 stats.skipped.append(str(e))
@@ -174,14 +186,28 @@ def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_l
             stats.deleted += 1
             continue
         stats.truncated += int(enc.truncated)
-        if not any(x != IGNORE for x in enc.labels[1:]):
+        if not any(x != IGNORE for x in enc.labels[1:]) and not (prompts and msgs and msgs[-1]["role"] == "user"):
             stats.no_target += 1  # nothing to learn (e.g. the answer was truncated away)
             continue
+        extra = {}
+        if TEACHER_COLUMN in keep and row.get(TEACHER_COLUMN) is not None and not task_spec(task).plain_text:
+            try:   # OPSD: GKD's teacher reads its own prompt before the response (data/teacher_view.py)
+                extra["teacher_prompt_ids"] = teacher_prompt_ids(tokenizer, msgs, row[TEACHER_COLUMN], enc.input_ids,
+                                                                 enc.labels, where, system)
+            except UserError as e:
+                if not skip_bad_rows:
+                    raise
+                stats.skipped.append(str(e))
+                continue
         rows.append({"input_ids": enc.input_ids, "labels": enc.labels,
                      **({"loss_scale": enc.weights} if enc.weights is not None else {}),
-                     **({"columns": {k: row[k] for k in keep if k in row}} if keep else {})})
+                     **({"columns": {k: row[k] for k in keep if k in row}} if keep else {}), **extra})
     return rows, stats
 
+
+
+#: In `keep`: rows ending with a user turn are prompts (`_encode_rows`); part of the cache key as `keep` is.
+PROMPTS = "<prompt rows>"
 
 
 # What forked tokenization workers use: set in the parent just before the pool forks, so the

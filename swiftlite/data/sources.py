@@ -107,6 +107,9 @@ def check_spec(spec: str, flag: str = "--dataset") -> None:
     """Cheap check of one --dataset/--val-dataset spec (no reading): it names an existing file of a
     supported type, a folder, or (only then) a hub id; `ms::` is refused here."""
     s = parse_source(spec)
+    from swiftlite.data import registered
+    if registered.find(s.path) is not None:   # a plugin registered it: read (and refused) with its meta
+        return
     if s.hub == "ms":
         raise _ms_error(spec, flag, s.path)
     if s.hub == "hf":
@@ -184,6 +187,11 @@ def load_rows(spec: str, *, skip_bad_rows: bool = False,
     int, or a RandomState shared by several specs, as ms-swift shares one over its datasets);
     `columns` (--columns) renames keys before any row format reads them."""
     s = parse_source(spec)
+    from swiftlite.data import registered
+    meta = registered.find(s.path)
+    if meta is not None:   # a plugin's register_dataset: its source, then its preprocessor (data/registered.py)
+        src = registered.source(meta, spec)
+        s = Spec(spec, src, s.count, "hf" if src == meta.hf_dataset_id and not meta.dataset_path else None)
     if s.hub == "ms":
         raise _ms_error(spec, "--dataset", s.path)
     path_s, limit = s.path, s.count
@@ -222,6 +230,8 @@ def load_rows(spec: str, *, skip_bad_rows: bool = False,
         rows, where = _load_hub(path_s, spec)
     else:
         raise UserError(f"--dataset {path_s}: file not found")
+    if meta is not None:
+        rows, where = registered.preprocess(meta, rows, where)
     if limit is not None:
         import numpy as np
         rng = seed if isinstance(seed, np.random.RandomState) else np.random.RandomState(seed)

@@ -61,6 +61,15 @@ def cut(ids: list[int], labels: list[int], max_length: int, truncation: str,
     return Encoded(ids[:max_length], labels[:max_length], True, None if weights is None else weights[:max_length])
 
 
+def encode_prompt(tokenizer: Any, messages: list[dict], max_length: int, *, truncation: str = "right",
+                  system: str | None = None) -> Encoded:
+    """A conversation that ends with a user turn, up to the generation prompt, with no target: a row whose
+    response is sampled (GKD, --lmbda 1)."""
+    text = render(tokenizer, with_system(messages, system), add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return cut(ids, [IGNORE] * len(ids), max_length, truncation)
+
+
 def render(tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool = False) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
@@ -207,3 +216,18 @@ def prompt_ids(tokenizer: Any, messages: list[dict], response_prefix: str = "") 
     `response_prefix` (--response_prefix: the start of the answer, tokenized with the prompt)."""
     text = render(tokenizer, messages, add_generation_prompt=True) + response_prefix
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def response_start(labels: list[int]) -> int:
+    """Where a row's last response begins: the first position of its last run of targets (the whole row
+    when it has none: a sampled completion is then its only target). GKD replaces that response by a
+    sampled one and (OPSD, data/teacher_view.py) gives the teacher its own prompt before it."""
+    end = len(labels)
+    while end > 0 and labels[end - 1] == IGNORE:
+        end -= 1
+    if end == 0:
+        return len(labels)
+    start = end
+    while start > 0 and labels[start - 1] != IGNORE:
+        start -= 1
+    return start

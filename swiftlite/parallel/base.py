@@ -353,6 +353,16 @@ def load_plugins(paths: list[str]) -> None:
         except SyntaxError as e:
             del sys.modules[name]
             raise UserError(f"--external_plugins {p}:{e.lineno}: syntax error ({e.msg})") from None
+        except UserError:
+            del sys.modules[name]
+            raise
+        except Exception as e:   # the file's own error (ms-swift's register_dataset of a name twice): its line
+            del sys.modules[name]
+            import traceback
+            line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__))
+                         if Path(f.filename).resolve() == path.resolve()), None)
+            raise UserError(f"--external_plugins {p}" + (f":{line}" if line else "") +
+                            f": {type(e).__name__}: {e}") from None
         deferred = deferred_import_error(p, path)
         if deferred:
             del sys.modules[name]

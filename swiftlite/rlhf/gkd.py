@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from swiftlite.data.collate import collate, count_targets, real_tokens
 from swiftlite.data.loader import select
-from swiftlite.data.tokenize import IGNORE
+from swiftlite.data.tokenize import IGNORE, response_start
 from swiftlite.distributed import all_reduce_sum, gather_objects
 from swiftlite.metrics import StepStats
 from swiftlite.rlhf.generate import completion_seed, gathered, sample
@@ -89,20 +89,6 @@ def gkd_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) -> 
                       tokenizer=tokenizer, turns=build(cfg.rlhf, tokenizer))
 
 
-def response_start(labels: list[int]) -> int:
-    """Where a row's last response begins: the first position of its last run of targets (the whole row
-    when it has none: the sampled completion is then its only target)."""
-    end = len(labels)
-    while end > 0 and labels[end - 1] == IGNORE:
-        end -= 1
-    if end == 0:
-        return len(labels)
-    start = end
-    while start > 0 and labels[start - 1] != IGNORE:
-        start -= 1
-    return start
-
-
 def check_columns(r: Any, rows: Any, which: Any = None) -> None:
     """Every training row (or those in `which`) has the columns --multi_turn_scheduler reads (one line naming
     how many lack one, and the first)."""
@@ -148,7 +134,8 @@ def _sampled_rows(engine: Any, b: GkdBatches, micro: list[list[int]], step: int)
             c = comp[j, :n].tolist()
             keep = [1] * n if lmask is None else lmask[j, :n].tolist()
             new.append({"input_ids": list(r["input_ids"][:s]) + c,
-                        "labels": list(r["labels"][:s]) + [t if k else IGNORE for t, k in zip(c, keep)]})
+                        "labels": list(r["labels"][:s]) + [t if k else IGNORE for t, k in zip(c, keep)],
+                        "response_from": s, **{k: r[k] for k in ("teacher_prompt_ids",) if k in r}})
             sampled.append((i, c, sum(keep)))
         out.append(new)
     return out, sampled
@@ -189,16 +176,35 @@ def _turns(b: GkdBatches, gen: Callable[..., list], prompts: list, seeds: list, 
     return [(t["completion_ids"], t["completion_mask"], t.get("loss_mask")) for t in outs]
 
 
-def micro_terms(engine: Any, b: GkdBatches, batch: dict[str, torch.Tensor], sft: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_rows(rows: list[dict]) -> list[dict] | None:
+    """OPSD (data/teacher_view.py): the teacher's rows, its own prompt followed by each row's response (the
+    dataset's or the sampled one, the same targets), when a row of the micro-batch has a teacher prompt;
+    None when none has (the teacher reads the student's rows). A row without one keeps its own prompt."""
+    if not any("teacher_prompt_ids" in r for r in rows):
+        return None
+    out = []
+    for r in rows:
+        s = r.get("response_from", response_start(list(r["labels"])))
+        prompt = list(r.get("teacher_prompt_ids", r["input_ids"][:s]))
+        out.append({"input_ids": prompt + list(r["input_ids"][s:]), "labels": [IGNORE] * len(prompt) +
+                    list(r["labels"][s:])})
+    return out
+
+
+def micro_terms(engine: Any, b: GkdBatches, batch: dict[str, torch.Tensor], sft: bool,
+                teacher_batch: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed divergence, summed student cross-entropy or 0) over the batch's targets: the teacher's
-    forward first (no grad), then the student's."""
+    forward first (no grad; on `teacher_batch`, OPSD's teacher view with the same targets, when given),
+    then the student's."""
     from swiftlite.rlhf.reference import root_module
     from swiftlite.rlhf.teacher import logits_of
     labels = batch["labels"][:, 1:]
     keep = labels != IGNORE
     with torch.no_grad():
-        teacher = b.teacher(batch)[:, :-1][keep]
+        if teacher_batch is None:
+            teacher = b.teacher(batch)[:, :-1][keep]
+        else:
+            teacher = b.teacher(teacher_batch)[:, :-1][teacher_batch["labels"][:, 1:] != IGNORE]
     module, ctx = root_module(engine)
     logits = logits_of(module, ctx, batch)[:, :-1][keep]
     jsd = jsd_sum(logits, teacher, b.beta, b.options.temperature, b.options.gkd_logits_topk)
@@ -219,8 +225,9 @@ def gkd_step(engine: Any, batches: GkdBatches, step: int, *, data_step: int | No
     else:
         rows = [select(b.rows, mb) for mb in micro]
     sft = b.options.sft_alpha > 0 and not on_policy
-    collated = [{key: v.to(world.device) for key, v in collate(r, b.pad_id, padding_free=b.padding_free).items()}
-                for r in rows]
+    collated = [_on(collate(r, b.pad_id, padding_free=b.padding_free), world.device) for r in rows]
+    teachers = [None if t is None else _on(collate(t, b.pad_id, padding_free=b.padding_free), world.device)
+                for t in map(teacher_rows, rows)]
     local_targets = sum(count_targets(x) for x in collated)
     targets = max(1.0, all_reduce_sum([float(local_targets)])[0])
     scale = world.world_size / targets
@@ -228,7 +235,7 @@ def gkd_step(engine: Any, batches: GkdBatches, step: int, *, data_step: int | No
     for m, batch in enumerate(collated):
         tokens += real_tokens(batch)
         with engine.micro_batch(last=m == len(collated) - 1):
-            jsd, nll = micro_terms(engine, b, batch, sft)
+            jsd, nll = micro_terms(engine, b, batch, sft, teachers[m])
             engine.backward((jsd + b.options.sft_alpha * nll) * scale)   # nll is 0 unless sft
         jsd_total += float(jsd.detach())
         nll_total += float(nll.detach())
@@ -247,6 +254,10 @@ def gkd_step(engine: Any, batches: GkdBatches, step: int, *, data_step: int | No
     if on_policy and b.options.log_completions:
         _log(b, step, sampled)
     return stats
+
+
+def _on(batch: dict[str, torch.Tensor], device: Any) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
 
 
 def _log(b: GkdBatches, step: int, sampled: list) -> None:
@@ -277,8 +288,10 @@ def evaluate_gkd(run: Any) -> dict[str, float]:
         for r in range(rounds):
             idx = mine[r * bs:(r + 1) * bs]
             rows = select(val.rows, idx or [0])
-            batch = {k: v.to(world.device) for k, v in collate(rows, b.pad_id, padding_free=b.padding_free).items()}
-            jsd, nll = micro_terms(run.engine, b, batch, sft)
+            batch = _on(collate(rows, b.pad_id, padding_free=b.padding_free), world.device)
+            view = teacher_rows(rows)
+            jsd, nll = micro_terms(run.engine, b, batch, sft, None if view is None else
+                                   _on(collate(view, b.pad_id, padding_free=b.padding_free), world.device))
             if idx:           # a rank that ran out joined the collectives only
                 jsd_sum_ += float(jsd)
                 nll_sum += float(nll)
@@ -290,4 +303,4 @@ def evaluate_gkd(run: Any) -> dict[str, float]:
 
 
 __all__ = ["COMPLETIONS_FILE", "GkdBatches", "evaluate_gkd", "gkd_batches", "gkd_step", "micro_terms",
-           "response_start", "setup"]
+           "response_start", "setup", "teacher_rows"]

@@ -315,9 +315,14 @@ class GkdTask(Task):
         --multi_turn_scheduler the rows keep the column it verifies against (config/multi_turn_options.py)."""
         from swiftlite.config.multi_turn_options import scheduler_columns
         from swiftlite.data.pipeline import prepare_datasets
+        from swiftlite.data.teacher_view import COLUMN
         if cfg.data.loss_scale is None:
             cfg = cfg.with_values(loss_scale="last_round")
-        out = prepare_datasets(cfg, tokenizer, world_size, progress=progress, keep=scheduler_columns(cfg.rlhf))
+        # OPSD's teacher_prompt column: the teacher's own prompt, tokenized with each row (data/teacher_view.py)
+        from swiftlite.data.pipeline import PROMPTS
+        # --lmbda 1: every step samples the responses, so a row may be a prompt alone (OPSD's rows are)
+        keep = (*scheduler_columns(cfg.rlhf), COLUMN, *((PROMPTS,) if cfg.rlhf.lmbda >= 1 else ()))
+        out = prepare_datasets(cfg, tokenizer, world_size, progress=progress, keep=keep)   # packing refuses it
         if cfg.rlhf.multi_turn_scheduler and not hasattr(out[0], "split"):   # lazy rows: checked as sampled
             from swiftlite.rlhf.gkd import check_columns
             check_columns(cfg.rlhf, out[0].rows)
