@@ -6,9 +6,6 @@ swiftlite has are RlhfConfig fields, schema.py, and shadow these rows). Import-l
 
 from __future__ import annotations
 
-_SERVER_PASS = ("the dataset's other columns reach the rollout server only for ms-swift's server-side multi-turn and "
-                "gym schedulers; swiftlite's run drives its turns itself (--multi_turn_scheduler, docs/rlhf.md "
-                "\"Multi-turn rollouts\"), the server only samples: drop the flag")
 _DP = ("vLLM data parallelism is an option of the rollout server (`swiftlite rollout --data_parallel_size N`: N "
        "copies of its engine), not of the run; a colocated engine is one per process already: drop the flag")
 _FLAT = ("the weights always reach the rollout server tensor by tensor over the weight-sync group (NCCL on GPUs, "
@@ -23,7 +20,6 @@ _ROLLOUT = ("gym rollouts are not available: a completion is sampled per prompt 
 
 #: (reason, names), as config/msswift_unsupported.GROUPS.
 GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (_SERVER_PASS, ("vllm_server_pass_dataset",)),
     (_DP, ("vllm_data_parallel_size",)),
     (_FLAT, ("enable_flattened_weight_sync",)),
     (f"this vLLM option {_ENGINE}",

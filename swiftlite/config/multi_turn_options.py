@@ -42,6 +42,10 @@ class MultiTurnOptions(Section):
     max_turns: int | None = opt(None, "GRPO, GKD with --multi-turn-scheduler: most turns per completion (ms-swift's "
                                 "default: none, the scheduler decides; math_tip_trick stops after 2; the memory "
                                 "plan counts one turn of a plugin's scheduler without it).")
+    vllm_server_pass_dataset: bool = opt(False, "GRPO with --vllm-mode server and a plugin's --multi-turn-scheduler: "
+                                         "the scheduler's request.data_dict holds the row's columns (ms-swift's "
+                                         "default false: an empty data_dict in server mode; colocated, it always "
+                                         "holds them).")
     completion_length_limit_scope: str = opt("per_round", "GRPO, GKD with --multi-turn-scheduler: per_round (ms-swift's "
                                              "default): every turn generates up to --max-completion-length tokens; "
                                              "total: all turns together, the tip included.",

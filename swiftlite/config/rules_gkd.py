@@ -34,8 +34,8 @@ def gkd_teacher(c: RunConfig) -> str | None:
         return None
     return ("--rlhf-type gkd needs --teacher-model (the model to distil: a preset, folder or hub id sharing the "
             "student's tokenizer; the student's own --model with LoRA is its base with the adapter disabled) or "
-            "--teacher-model-server URL. ms-swift's teacher-less self-distillation scores a teacher prompt that its "
-            "dataset plugins add, which swiftlite does not have")
+            "--teacher-model-server URL. ms-swift's teacher-less self-distillation (the policy as its own teacher "
+            "on the rows' teacher_prompt) is not here; OPSD with --teacher-model reads the teacher_prompt column")
 
 
 @rule("gkd values")

@@ -54,13 +54,13 @@ VLLM_KEYS = ("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_m
              "vllm_enable_prefix_caching", "vllm_enforce_eager", "vllm_enable_lora", "sleep_level",
              "move_model_batches", "offload_model",
              "offload_optimizer", "vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout",
-             "vllm_server_group_port")
+             "vllm_server_group_port", "vllm_server_pass_dataset")   # the last: config/multi_turn_options.py
 #: The keys above that configure the colocated engine only: in server mode the rollout server has them
 #: (`swiftlite rollout --vllm_...`), so a training run in server mode refuses them (config/rules.py).
 COLOCATE_ONLY = ("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_max_model_len", "vllm_max_num_seqs",
                  "vllm_enable_prefix_caching", "vllm_enforce_eager", "sleep_level", "offload_model",
                  "offload_optimizer")
 #: The keys above that apply to server mode only.
-SERVER_ONLY = ("vllm_server_host", "vllm_server_base_url", "vllm_server_group_port")
+SERVER_ONLY = ("vllm_server_host", "vllm_server_base_url", "vllm_server_group_port", "vllm_server_pass_dataset")
 
 __all__ = ["COLOCATE_ONLY", "SERVER_ONLY", "VLLM_KEYS", "VllmOptions"]

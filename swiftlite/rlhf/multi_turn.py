@@ -117,7 +117,9 @@ def build(options: Any, tokenizer: Any) -> Any:
     from swiftlite.msswift_api.rollout import multi_turns
     from swiftlite.rlhf.plugin_turns import PluginTurns, check_scheduler
     check_scheduler(name)
-    return PluginTurns(name, multi_turns[name], tokenizer, options.max_turns)
+    server = options.use_vllm and options.vllm_mode == "server"
+    return PluginTurns(name, multi_turns[name], tokenizer, options.max_turns,
+                       columns=not server or options.vllm_server_pass_dataset)
 
 
 def turn_seed(seed: int, turn: int) -> int:

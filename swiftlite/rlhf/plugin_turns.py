@@ -21,7 +21,9 @@ way ms-swift's MultiTurnScheduler.run drives it (swift/rollout/multi_turn.py):
 
 `choice.token_ids` are the turn's sampled tokens (an end-of-turn token included when sampled, as vLLM
 returns them); `choice.message.content` their text without special tokens; `finish_reason` 'stop' or
-'length'. The request's `data_dict` is the row's columns, its `messages` the prompt's conversation.
+'length'. The request's `messages` are the prompt's conversation, its `data_dict` the row's columns (with
+--vllm_mode server only under --vllm_server_pass_dataset true, ms-swift's rule: its server gets them only
+then; an empty dict otherwise).
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ from swiftlite.errors import UserError
 class PluginTurns:
     """A plugin scheduler behind the loop's interface: `finished(t, turn)`, `step(t, turn)`."""
 
-    def __init__(self, name: str, cls: Any, tokenizer: Any, max_turns: int | None):
+    def __init__(self, name: str, cls: Any, tokenizer: Any, max_turns: int | None, columns: bool = True):
         from swiftlite.plugin_imports import msswift_aliases
-        self.name, self.tok = name, tokenizer
+        self.name, self.tok, self.columns = name, tokenizer, columns
         with msswift_aliases():
             self.sched = cls(infer_engine=None, max_turns=max_turns, tokenizer=tokenizer)
 
@@ -49,8 +51,8 @@ class PluginTurns:
         text = self.tok.decode(ids, skip_special_tokens=True)
         st = t.state
         if st is None:
-            st = t.state = {"request": RolloutInferRequest(copy.deepcopy(t.row["prompt"]),
-                                                          copy.deepcopy(t.row["columns"])), "seen": -1}
+            data = copy.deepcopy(t.row["columns"]) if self.columns else {}
+            st = t.state = {"request": RolloutInferRequest(copy.deepcopy(t.row["prompt"]), data), "seen": -1}
         req = st["request"]
         if st["seen"] != t.last:     # this turn's text joins the conversation once
             st["seen"] = t.last

@@ -52,6 +52,14 @@ class AskAgain(MultiTurnScheduler):
         return {'infer_request': infer_request}
 
 
+class Record(MultiTurnScheduler):
+    data = []
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        self.data.append(dict(infer_request.data_dict))
+        return True
+
+
 class OwnRun(MultiTurnScheduler):
     async def run(self, infer_request, request_config, **kwargs):
         return None
@@ -60,6 +68,7 @@ class OwnRun(MultiTurnScheduler):
 multi_turns['tool_calls'] = ToolCalls
 multi_turns['ask_again'] = AskAgain
 multi_turns['own_run'] = OwnRun
+multi_turns['record'] = Record
 '''
 
 
@@ -79,7 +88,7 @@ def registered(tmp_path):
     p.write_text(PLUGIN)
     load_plugins([str(p)])
     yield multi_turns
-    for k in ("tool_calls", "ask_again", "own_run"):
+    for k in ("tool_calls", "ask_again", "own_run", "record"):
         multi_turns.pop(k, None)
 
 
@@ -155,3 +164,22 @@ def test_schedulers_that_cannot_run_here_are_refused_with_the_reason(registered)
         check_scheduler("own_run")
     with pytest.raises(UserError, match=r"--multi_turn_scheduler nope: no scheduler of that name.*ask_again"):
         check_scheduler("nope")
+
+
+@pytest.mark.parametrize("mode,passed,columns", [(None, False, True), ("server", False, False),
+                                                 ("server", True, True)])
+def test_the_scheduler_sees_the_rows_columns_as_msswift_passes_them(tok, registered, mode, passed, columns):
+    """ms-swift's --vllm_server_pass_dataset: its server gets the rows' columns only when true; colocated (and
+    with transformers' generate here) the scheduler always has them."""
+    from types import SimpleNamespace
+
+    from swiftlite.rlhf.multi_turn import build
+    o = SimpleNamespace(multi_turn_scheduler="record", max_turns=2, use_vllm=mode is not None, vllm_mode=mode,
+                        vllm_server_pass_dataset=passed)
+    sched = build(o, tok)
+    row = {"prompt": [{"role": "user", "content": "q"}], "columns": {"solution": "5"}}
+    prompt = _enc(tok, "q")
+    rollout(sched, lambda *a: [], [_layout([prompt], [_enc(tok, "a") + [EOS]])], [[prompt]], [[row]], [[1]],
+            max_new_tokens=8, per_round=True, max_turns=2, eos_ids={EOS}, pad_id=PAD,
+            any_pending=lambda mine: mine)
+    assert registered["record"].data[-1] == ({"solution": "5"} if columns else {})
