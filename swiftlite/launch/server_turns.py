@@ -35,10 +35,10 @@ def server_turns(cfg: Any) -> dict | None:
         info = _get(url + "/get_world_size/", timeout=30)
         named.append({k: info.get(k) for k in KEYS} if info.get("multi_turn_scheduler") else None)
     first = named[0]
-    if any(n != first for n in named):
+    other = next((i for i, n in enumerate(named) if n != first), None)
+    if other is not None:
         raise UserError(f"the rollout servers name different multi-turn schedulers ({urls[0]}: {_said(first)}; "
-                        f"{urls[named.index(next(n for n in named if n != first))]}: "
-                        f"{_said(next(n for n in named if n != first))}): start them with the same ones")
+                        f"{urls[other]}: {_said(named[other])}): start them with the same ones")
     if first is None:
         return None
     if r.rlhf_type != "grpo":
@@ -72,7 +72,10 @@ def adopt(facts: Any, world_size: int, resolve: Any, log: Any = print) -> Any:
     if name not in SCHEDULERS and name not in multi_turns:
         from swiftlite.parallel.base import load_missing_plugins
         load_missing_plugins(turns["external_plugins"])
-    if name not in SCHEDULERS:
+    if name in SCHEDULERS:   # as GrpoTask.check checks a scheduler the run names itself
+        from swiftlite.rlhf.multi_turn import check_installed
+        check_installed(name)
+    else:
         from swiftlite.rlhf.plugin_turns import check_scheduler
         check_scheduler(name)
     from swiftlite.config.multi_turn_options import taken_turns
