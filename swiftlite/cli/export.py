@@ -63,11 +63,11 @@ def refuse_msswift_options(args: list[str], known: set[str]) -> None:
     """Every ms-swift option of the command line that `swiftlite export` does not take, each with its
     reason, at once (exit 2); anything else unknown is left to click ("No such option")."""
     from swiftlite.config.load import alias_keys
-    from swiftlite.config.msswift import NO_MEANING
+    from swiftlite.config.msswift import APPENDS, NO_MEANING
     from swiftlite.config.msswift_unsupported import EXPORT_FROM_RUN, GROUPS, refusal
     from swiftlite.config.schema import field_specs
     from swiftlite.errors import raise_all
-    run_options = set(field_specs()) | set(alias_keys()) | set(NO_MEANING)
+    run_options = set(field_specs()) | set(alias_keys()) | set(NO_MEANING) | set(APPENDS)
     export_groups = {n for why, names in GROUPS if "swiftlite export" in why for n in names}
     problems = []
     for a in args:

@@ -56,7 +56,7 @@ def parse_run_args(args: list[str], refusals: Refusals | None = None) -> tuple[s
     Raised here, or, given `refusals` (the run's: errors.Refusals), added to them with the field each
     names, and the flags accepted returned, so that the later stages report theirs in the same run."""
     from swiftlite.config import FALSE_WORDS, TRUE_WORDS
-    from swiftlite.config.msswift import check_no_meaning, check_value
+    from swiftlite.config.msswift import APPENDS, appended, check_no_meaning, check_value
     from swiftlite.config.msswift_unsupported import misspelling_of, refusal
     table = _flag_table()
     no_meaning = _no_meaning_table()
@@ -85,6 +85,13 @@ def parse_run_args(args: list[str], refusals: Refusals | None = None) -> tuple[s
         if name in SHORTHANDS:
             key, val = SHORTHANDS[name]
             values[key] = val
+            continue
+        key = name[2:].replace("-", "_")
+        if key in APPENDS:   # ms-swift's --custom_register_path: more --external_plugins (config/msswift.py)
+            vals, i = ([inline], i) if eq else _values(args, i, True)
+            if not vals:
+                raise UserError(f"{name} needs a value")
+            values.setdefault(key, []).extend(vals)
             continue
         spec = table.get(name)
         if spec is None and name in no_meaning:  # kept as given: accepted if it fits, else says why not
@@ -141,7 +148,7 @@ def parse_run_args(args: list[str], refusals: Refusals | None = None) -> tuple[s
                 del values[spec.name]
     if refusals is None:
         problems.raise_all()
-    return config_file, values
+    return config_file, appended(values)
 
 
 def _shown_default(default: Any) -> str:

@@ -20,7 +20,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from swiftlite.config.msswift import NO_MEANING, check_no_meaning, check_value, logits_to_keep
+from swiftlite.config.msswift import NO_MEANING, appended, check_no_meaning, check_value, logits_to_keep
 from swiftlite.config.msswift_unsupported import misspelling_of, refusal
 from swiftlite.config.rules import validate
 from swiftlite.config.schema import (FALSE_WORDS, SECRET_KEY, SECTIONS, TRUE_WORDS, FieldSpec, RunConfig,
@@ -346,6 +346,7 @@ def load_config(config_file: str | None, overrides: dict[str, Any], *, task: str
     if config_file:
         file_values = found.check(read_config_file, config_file, about=("config",))
         if file_values is not None:
+            file_values = appended(file_values)   # custom_register_path: more external_plugins
             file_found = Refusals()
             _build(file_values, str(config_file), task, file_found)  # name the file for its own errors
             found.add(file_found, file_found.fields)

@@ -125,6 +125,24 @@ def canonical_value(value: Any, switch: bool) -> str:
     return s
 
 
+#: ms-swift options that add to another option's list (BaseArguments.__post_init__: `external_plugins +=
+#: custom_register_path`): key -> the field they add to.
+APPENDS = {"custom_register_path": "external_plugins"}
+
+
+def appended(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with each APPENDS key's list added after its field's own (--custom_register_path F: one
+    more plugin file, ms-swift's older name for registration files, which now register datasets too)."""
+    out = dict(values)
+    for key, target in APPENDS.items():
+        if key in out:
+            more = out.pop(key)
+            more = list(more) if isinstance(more, (list, tuple)) else [more]
+            mine = out.get(target) or []
+            out[target] = [*(mine if isinstance(mine, (list, tuple)) else [mine]), *more]
+    return out
+
+
 def logits_to_keep(values: dict[str, Any]) -> dict[str, Any]:
     """ms-swift's --use_logits_to_keep false (the logits of every position, not only of the targets)
     is --loss-impl plain here: the model's own forward and full logits. The same loss and gradients as

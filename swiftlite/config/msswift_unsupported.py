@@ -89,8 +89,6 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("to go on training a LoRA checkpoint use --resume-from CKPT (--resume-only-model for its weights alone); to "
      "train on top of merged weights, `swiftlite export --merge-lora` and pass the folder to --model",
      ("adapters", "use_swift_lora")),
-    ("ms-swift registration files are not run: swiftlite plugins are --external_plugins files using "
-     "swiftlite.parallel.base.register_backend", ("custom_register_path",)),
     ("Ascend NPUs are not supported (CUDA/ROCm GPUs and CPU): drop the flag", ("enable_npu_model_patch",)),
     ("a run's options come from flags and --config FILE (YAML/JSON); resume reads the run's args.json itself",
      ("load_args", "load_data_args", "ignore_args_error")),
