@@ -158,3 +158,14 @@ def test_cli_lists_every_refusal_one_line_each(tmp_path):
     assert r.returncode == 2 and len(lines) == 2, r.stderr
     assert lines[0] == ("error: --push_to_hub: nothing is uploaded: upload the exported folder yourself "
                         "(huggingface-cli upload REPO DIR)")
+
+
+def test_custom_register_path_adds_plugin_files_after_external_plugins(tmp_path):
+    """ms-swift's BaseArguments: external_plugins += custom_register_path, from flags and from a config file."""
+    from swiftlite.cli import parse_run_args
+    _, values = parse_run_args(["--dataset", "d.jsonl", "--custom_register_path", "b.py", "c.py",
+                                "--external_plugins", "a.py"])
+    assert values["external_plugins"] == ["a.py", "b.py", "c.py"]
+    conf = tmp_path / "run.yaml"
+    conf.write_text("dataset: [d.jsonl]\nexternal_plugins: [a.py]\ncustom_register_path: b.py\n")
+    assert load_config(conf, {}, validate_paths=False).parallel.external_plugins == ["a.py", "b.py"]
