@@ -183,6 +183,8 @@ class DeepSpeedEngine:
             dist_init_required=None)
         self.module = self.ds.module
         self.device = self.ds.device
+        if self.stage == 0 and not (self.ds.fp16_enabled() or self.ds.bfloat16_enabled()):
+            _keep_fp32_norm(self.ds)
 
     # -- training ---------------------------------------------------------------------------------
     def forward(self, batch: dict[str, "torch.Tensor"]) -> "torch.Tensor":
@@ -417,6 +419,18 @@ class DeepSpeedEngine:
                 if isinstance(v, torch.Tensor) and v.numel() > 1:
                     optim += nbytes(v)
         return {"params": params, "grads": grads, "optimizer": optim}
+
+
+def _keep_fp32_norm(ds: Any) -> None:
+    """ZeRO stage 0 in fp32 (--deepspeed zero0 on a CPU): DeepSpeed clips with its own clip_grad_norm_ and drops
+    the norm it returns (engine.clip_fp32_gradients), so get_global_grad_norm() would be None; keep it where
+    the other stages keep theirs."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip() -> None:
+        ds._global_grad_norm = clip_grad_norm_(parameters=ds.module.parameters(), max_norm=ds.gradient_clipping(),
+                                               mpu=ds.mpu)
+    ds.clip_fp32_gradients = clip
 
 
 #: Modules `deepspeed.initialize` imports on its own the first time a ZeRO engine is built

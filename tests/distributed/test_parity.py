@@ -49,6 +49,10 @@ def runs(demo_data, tmp_path_factory):
                         "--gradient-accumulation-steps", 2],
         "fsdp1": ["--parallelism", "fsdp1", "--nproc-per-node", 2, "--per-device-train-batch-size", 2],
         "zero2": ["--parallelism", "zero2", "--nproc-per-node", 2, "--per-device-train-batch-size", 2],
+        # ms-swift's zero0/zero1 presets (opsd.sh, reinforce_plus_plus.sh): stage 0 keeps DeepSpeed's clipped
+        # fp32 norm (parallel/deepspeed.py _keep_fp32_norm), without which the first step's norm is nan
+        "zero0": ["--deepspeed", "zero0", "--nproc-per-node", 2, "--per-device-train-batch-size", 2],
+        "zero1": ["--deepspeed", "zero1", "--nproc-per-node", 2, "--per-device-train-batch-size", 2],
         "zero3": ["--parallelism", str(zero3_json), "--nproc-per-node", 2, "--per-device-train-batch-size", 2],
         "ddp_lora": ["--parallelism", "ddp", "--nproc-per-node", 2, "--per-device-train-batch-size", 2, "--lora"],
         "fsdp_qlora": ["--parallelism", "fsdp", "--nproc-per-node", 2, "--per-device-train-batch-size", 2,
@@ -74,7 +78,7 @@ def test_loss_falls(runs):
     assert losses[STEPS] < losses[1] - 0.5, losses
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp1", "fsdp_b1_ga2", "zero2", "zero3"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp1", "fsdp_b1_ga2", "zero0", "zero1", "zero2", "zero3"])
 def test_two_process_losses_equal_single_process(runs, name):
     _assert_close(read_losses(runs[name]), read_losses(runs["single_b4"]), REL_FP32)
 
