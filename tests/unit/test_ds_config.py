@@ -12,7 +12,7 @@ from swiftlite.errors import UserError
 from swiftlite.parallel.ds_config import (PRESET_DIR, ds_stage, fill_auto, load_ds_config, offload_devices,
                                           preset_names, resolve_ds_config, validate_ds_config)
 
-PRESETS = ["zero2", "zero2_offload", "zero3", "zero3pp", "zero3_offload", "zero3_offload_nvme"]
+PRESETS = ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3pp", "zero3_offload", "zero3_offload_nvme"]
 REPO = Path(__file__).resolve().parents[2]
 
 
