@@ -3,14 +3,16 @@ dataset.py): a `--dataset` value equal to one of a meta's ids or its path reads 
 Hugging Face hub id (`hf_dataset_id`) or the local `dataset_path`, and every row goes through the meta's
 `preprocess_func` before swiftlite's formats read it (a row it returns None for is dropped, as ms-swift
 drops it; `#N` then samples from what is left, ms-swift's order). A meta that names only a ModelScope id
-is refused with what to do, as a ModelScope dataset is. The preprocessor's file is part of the
-tokenization cache's key (data/pipeline.py), so an edited plugin is not served stale rows.
+is refused with what to do, as a ModelScope dataset is. The preprocessor's whole file and the local source's
+files are part of the tokenization cache's key (data/pipeline.py), so an edited plugin or source is not
+served stale rows.
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
+from pathlib import Path
 from typing import Any
 
 from swiftlite.errors import UserError
@@ -62,16 +64,25 @@ def preprocess(meta: Any, rows: list[dict], where: list[str]) -> tuple[list[dict
 
 
 def fingerprint(path: str) -> str:
-    """What the tokenization cache keys a registered dataset by: the meta's ids and its preprocessor's code."""
+    """What the tokenization cache keys a registered dataset by: the meta's ids, the whole file that defines its
+    preprocessor (its code and the module-level values it reads), and its local source's files (size, mtime)."""
     meta = find(path)
     if meta is None:
         return ""
+    h = hashlib.sha256(repr(meta.names()).encode())
     f = meta.preprocess_func
-    try:
-        code = inspect.getsource(type(f) if f is not None and not inspect.isfunction(f) else f) if f else ""
-    except (OSError, TypeError):
-        code = repr(f)
-    return hashlib.sha256(repr((meta.names(), code)).encode()).hexdigest()[:16]
+    if f is not None:
+        target = f if inspect.isfunction(f) else type(f)
+        try:
+            h.update(Path(inspect.getsourcefile(target) or "").read_bytes())
+        except (OSError, TypeError):
+            h.update(repr(f).encode())
+    if meta.dataset_path:
+        src = Path(meta.dataset_path).expanduser()
+        for p in ([src] if src.is_file() else sorted(q for q in src.rglob("*") if q.is_file()) if src.is_dir() else []):
+            st = p.stat()
+            h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
 
 
 __all__ = ["DATASETS", "find", "fingerprint", "preprocess", "source"]

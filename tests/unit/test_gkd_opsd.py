@@ -130,6 +130,12 @@ def test_a_registered_dataset_is_read_through_its_preprocessor(tmp_path):
         with pytest.raises(UserError, match=r"swift/ms-only: its registered DatasetMeta names only a ModelScope id"):
             load_rows("swift/ms-only")
         assert fingerprint("org/keep") and fingerprint("org/keep") != fingerprint("swift/stsb")
+        key = fingerprint("org/keep")          # the cache key follows the source file and the plugin file
+        raw.write_text(raw.read_text() + json.dumps({"problem": "p6", "correct": True}) + "\n")
+        assert fingerprint("org/keep") not in ("", key)
+        key = fingerprint("org/keep")
+        p.write_text(p.read_text() + "\nFLAG = 1\n")
+        assert fingerprint("org/keep") != key
         with pytest.raises(UserError, match=r"plug\.py:\d+: ValueError: The `.*` has already been registered"):
             load_plugins([str(p)])
     finally:
