@@ -330,7 +330,6 @@ def load_plugins(paths: list[str]) -> None:
     from swiftlite.plugin_imports import deferred_import_error, msswift_aliases, plugin_import_error
     for p in paths:
         path = Path(p).expanduser()
-        _LOADED.add(str(path.resolve()))
         if not path.is_file() or path.suffix != ".py":
             raise UserError(f"--external-plugins {p}: not a Python file")
         # ms-swift's import_external_file puts the file's folder on sys.path, so a plugin imports the modules
@@ -367,6 +366,7 @@ def load_plugins(paths: list[str]) -> None:
         if deferred:
             del sys.modules[name]
             raise UserError(deferred)
+        _LOADED.add(str(path.resolve()))   # only a file that ran: a refused one is tried again, and refused again
 
 
 __all__ += ["BUILTIN_MODULES", "Check", "LIKE_POLICY", "OPTION_FLAGS", "load_missing_plugins", "load_plugins",
