@@ -4,9 +4,10 @@ swift/rollout/multi_turn.py).
 
 A round's first turn is sampled as a one-turn round is (rlhf/grpo.py `_sample_round`: generate, the
 colocated vLLM engine or the rollout server). Then, turn after turn, the scheduler looks at every
-completion not yet finished: it stops one that was cut at the length limit (ms-swift's
-finish_reason 'length'), that reached --max_turns, or that it judges done; it extends the others
-(its `step`), and the same generator continues them, the prompt being the prompt's tokens followed by
+completion not yet finished, after every turn, the last included: it stops one that reached
+--max_turns or that the scheduler judges done (as ms-swift's, a turn cut at the length limit, its
+finish_reason 'length', is done unless a plugin's check_finished or on_turn_end says otherwise); it
+extends the others (its `step`), and the same generator continues them, the prompt being the prompt's tokens followed by
 the completion's so far. Every process takes part in every turn while any process has a completion
 left (the vLLM paths gather across processes), with an empty share when it has none.
 
@@ -65,8 +66,9 @@ class MathTips:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def finished(self, t: "Trajectory", turn: int) -> bool:
+        """Tipped once already, or verified correct, or (ms-swift's base rule) cut at the length limit."""
         text = self.text(t.ids)
-        return TIPS in text or self.accuracy([text], [t.row["columns"][SOLUTION]])[0] == 1
+        return TIPS in text or self.accuracy([text], [t.row["columns"][SOLUTION]])[0] == 1 or t.length_cut
 
     def step(self, t: "Trajectory", turn: int, eos_ids: set[int]) -> tuple[list[int], list[int]]:
         """The completion's tokens and loss mask after the step: cut before its first <answer> or </think>,
@@ -160,7 +162,7 @@ def _unpack(first: list[tuple[torch.Tensor, ...]], micro_prompts: list[list[list
         for j, (p, row, s) in enumerate(zip(prompts, rows, seeds)):
             ids, cut = _ended(c_ids[j, :int(c_mask[j].sum())].tolist(), eos_ids, stop)
             logps = lp[0][j, :len(ids)].tolist() if lp else None
-            mb.append(Trajectory(p, row, s, ids, [1] * len(ids), logps, done=cut, length_cut=cut))
+            mb.append(Trajectory(p, row, s, ids, [1] * len(ids), logps, length_cut=cut))
         out.append(mb)
     return out
 
@@ -226,7 +228,8 @@ def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], firs
     the same generate calls. `stop(ids)`: how many of a turn's tokens its first stop word keeps (--stop_words,
     rlhf/stop_words.py), a turn so cut ending as at its end-of-turn token (finish_reason 'stop').
 
-    A scheduler has `finished(t, turn)` and `step(t, turn, eos_ids)` -> the completion's tokens and loss mask
+    A scheduler has `finished(t, turn)`, asked after every turn (`t.length_cut`: the turn ended at the
+    length limit, which ms-swift's base rule finishes), and `step(t, turn, eos_ids)` -> the completion's tokens and loss mask
     after the step (MathTips here; a plugin's, rlhf/plugin_turns.py)."""
     stop = stop or (lambda ids: None)
     trajs = _unpack(first, micro_prompts, micro_rows, micro_seeds, eos_ids, stop)
@@ -234,7 +237,9 @@ def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], firs
     turn = 1
     while True:
         for t in (t for mb in trajs for t in mb if not t.done):
-            if (max_turns is not None and t.turns >= max_turns) or sched.finished(t, t.turns):
+            # the scheduler is asked after every turn, the last included (a plugin's on_turn_end runs each turn,
+            # as in ms-swift's MultiTurnScheduler.run); --max_turns ends the trajectory whatever it answers
+            if sched.finished(t, t.turns) or (max_turns is not None and t.turns >= max_turns):
                 t.done = True
                 continue
             ids, loss = sched.step(t, t.turns, eos_ids)
@@ -263,7 +268,6 @@ def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], firs
                 t.ids, t.loss, t.turns = t.ids + new, t.loss + [1] * len(new), t.turns + 1
                 if t.logps is not None:
                     t.logps = t.logps + (lp[0][j, :len(new)].tolist() if lp else [float("nan")] * len(new))
-                t.done = cut     # cut at the length limit: finished
     return [_layout(f, mb, pad_id, logprobs) for f, mb in zip(first, trajs)]
 
 

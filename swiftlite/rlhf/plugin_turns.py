@@ -4,9 +4,10 @@ way ms-swift's MultiTurnScheduler.run drives it (swift/rollout/multi_turn.py):
 
 - after each turn: the turn's text is added to the conversation (appended to the last assistant message
   when the last step left one to continue, else as a new assistant message); the async `on_turn_end` hook
-  runs (its 'done', when given, decides); else `check_finished(request, choice, turn)` (ms-swift's
-  default: finish_reason 'length' or --max_turns). A turn cut at the length limit is finished before the
-  scheduler is asked (the loop's rule, which ms-swift's default shares).
+  runs after every turn, the last included (its 'done', when given, decides); else `check_finished(request,
+  choice, turn)` (ms-swift's default: finish_reason 'length' or --max_turns). --max_turns ends the
+  trajectory whatever they answer; a turn cut at the length limit continues only when the scheduler says
+  so (with --completion_length_limit_scope total, only while budget is left).
 - otherwise `step(request, choice, turn)` gives the next request, and optionally `response_token_ids` (the
   turn's tokens as the scheduler wants them trained: ms-swift's ToolCallScheduler returns the turn's tokens
   followed by the tool's answer) with `response_loss_mask` (1 trained, 0 not). Without token ids the turn

@@ -49,7 +49,7 @@ def test_a_completion_finishes_when_it_verifies_or_already_has_the_tip(tok):
 class Tips:
     """A scheduler that tips every completion once (insert [7, 7]) and keeps all its tokens."""
     def finished(self, t, turn):
-        return 7 in t.ids
+        return 7 in t.ids or t.length_cut      # ms-swift's base rule: a turn cut at the length limit is done
 
     def step(self, t, turn, eos_ids):
         keep = len(t.ids) - (1 if t.ids and t.ids[-1] in eos_ids else 0)

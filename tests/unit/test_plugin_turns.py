@@ -60,6 +60,21 @@ class Record(MultiTurnScheduler):
         return True
 
 
+class Hooks(MultiTurnScheduler):
+    ends = []
+
+    async def on_turn_end(self, infer_request, response_choice, current_turn):
+        self.ends.append((current_turn, response_choice.finish_reason))
+        return {}
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return False      # never done by its own judgement: only --max_turns ends it
+
+    def step(self, infer_request, response_choice, current_turn):
+        infer_request.messages.append({'role': 'user', 'content': 'more'})
+        return {'infer_request': infer_request}
+
+
 class OwnRun(MultiTurnScheduler):
     async def run(self, infer_request, request_config, **kwargs):
         return None
@@ -69,6 +84,7 @@ multi_turns['tool_calls'] = ToolCalls
 multi_turns['ask_again'] = AskAgain
 multi_turns['own_run'] = OwnRun
 multi_turns['record'] = Record
+multi_turns['hooks'] = Hooks
 '''
 
 
@@ -88,7 +104,7 @@ def registered(tmp_path):
     p.write_text(PLUGIN)
     load_plugins([str(p)])
     yield multi_turns
-    for k in ("tool_calls", "ask_again", "own_run", "record"):
+    for k in ("tool_calls", "ask_again", "own_run", "record", "hooks"):
         multi_turns.pop(k, None)
 
 
@@ -155,6 +171,32 @@ def test_a_step_that_adds_a_user_turn_inserts_the_templates_text_out_of_the_loss
     n = len(t1) + len(bridge) + len(t2)
     assert out["completion_ids"][0, :n].tolist() == t1 + bridge + t2
     assert out["loss_mask"][0, :n].tolist() == [1] * len(t1) + [0] * len(bridge) + [1] * len(t2)
+
+
+def test_on_turn_end_runs_after_every_turn_and_a_length_cut_turn_continues_when_the_scheduler_says_so(tok, registered):
+    """ms-swift's MultiTurnScheduler.run: on_turn_end and check_finished after every turn, the one --max_turns
+    ends included; a turn cut at the length limit is finished by the base check_finished only, so a scheduler
+    that says otherwise continues it."""
+    from swiftlite.rlhf.plugin_turns import PluginTurns
+    registered["hooks"].ends.clear()
+    sched = PluginTurns("hooks", registered["hooks"], tok, max_turns=3)
+    row = {"prompt": [{"role": "user", "content": "hi"}], "columns": {}}
+    prompt = _enc(tok, tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True))
+    cut, done = _enc(tok, "yo yo"), _enc(tok, "ok") + [EOS]      # no end-of-turn token: cut at the length limit
+
+    def gen(micro_prompts, micro_seeds, n):
+        return [_layout(mb, [done for _ in mb]) for mb in micro_prompts]
+
+    out, = rollout(sched, gen, [_layout([prompt], [cut])], [[prompt]], [[row]], [[7]], max_new_tokens=64,
+                   per_round=True, max_turns=3, eos_ids={EOS}, pad_id=PAD, any_pending=lambda mine: mine)
+    assert registered["hooks"].ends == [(1, "length"), (2, "stop"), (3, "stop")]
+    assert int(out["completion_mask"][0].sum()) > len(cut) + 2 * len(done)      # three turns and the bridges
+    # the base scheduler's rule: a length cut finishes the trajectory after one turn
+    from swiftlite.msswift_api.rollout import MultiTurnScheduler
+    base = PluginTurns("base", MultiTurnScheduler, tok, max_turns=3)
+    out, = rollout(base, gen, [_layout([prompt], [cut])], [[prompt]], [[row]], [[7]], max_new_tokens=64,
+                   per_round=True, max_turns=3, eos_ids={EOS}, pad_id=PAD, any_pending=lambda mine: mine)
+    assert out["completion_ids"][0].tolist()[:len(cut)] == cut and int(out["completion_mask"][0].sum()) == len(cut)
 
 
 def test_schedulers_that_cannot_run_here_are_refused_with_the_reason(registered):
