@@ -192,13 +192,17 @@ def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_l
         extra = {}
         if TEACHER_COLUMN in keep and row.get(TEACHER_COLUMN) is not None and not task_spec(task).plain_text:
             try:   # OPSD: GKD's teacher reads its own prompt before the response (data/teacher_view.py)
-                extra["teacher_prompt_ids"] = teacher_prompt_ids(tokenizer, msgs, row[TEACHER_COLUMN], enc.input_ids,
-                                                                 enc.labels, where, system)
+                view = teacher_prompt_ids(tokenizer, msgs, row[TEACHER_COLUMN], enc.input_ids, enc.labels, where,
+                                          system, max_length, truncation)
             except UserError as e:
                 if not skip_bad_rows:
                     raise
                 stats.skipped.append(str(e))
                 continue
+            if view is None:    # the teacher's view is over --max_length: deleted as a long row is
+                stats.deleted += 1
+                continue
+            extra["teacher_prompt_ids"] = view
         rows.append({"input_ids": enc.input_ids, "labels": enc.labels,
                      **({"loss_scale": enc.weights} if enc.weights is not None else {}),
                      **({"columns": {k: row[k] for k in keep if k in row}} if keep else {}), **extra})
