@@ -46,8 +46,9 @@ def server_turns(cfg: Any) -> dict | None:
                         "--multi_turn_scheduler on the training command; start the server without it")
     mine = (r.multi_turn_scheduler, r.max_turns)
     if r.multi_turn_scheduler is not None and mine != (first["multi_turn_scheduler"], first["max_turns"]):
-        raise UserError(f"--multi_turn_scheduler {r.multi_turn_scheduler} --max_turns {r.max_turns}: the rollout "
-                        f"server at {urls[0]} names {_said(first)}; give the scheduler on one command only")
+        said = _said({"multi_turn_scheduler": r.multi_turn_scheduler, "max_turns": r.max_turns})
+        raise UserError(f"{said}: the rollout server at {urls[0]} names {_said(first)}; give the scheduler on one "
+                        "command only")
     first["external_plugins"] = list(first.get("external_plugins") or [])
     return first
 
