@@ -201,10 +201,10 @@ def micro_terms(engine: Any, b: GkdBatches, batch: dict[str, torch.Tensor], sft:
     labels = batch["labels"][:, 1:]
     keep = labels != IGNORE
     with torch.no_grad():
-        if teacher_batch is None:
-            teacher = b.teacher(batch)[:, :-1][keep]
-        else:
-            teacher = b.teacher(teacher_batch)[:, :-1][teacher_batch["labels"][:, 1:] != IGNORE]
+        seen = batch if teacher_batch is None else teacher_batch
+        out = b.teacher(seen)      # logits [B, T, V], or a teacher server's top-k (values, ids) [B, T, k] each
+        at = seen["labels"][:, 1:] != IGNORE
+        teacher = tuple(x[:, :-1][at] for x in out) if isinstance(out, tuple) else out[:, :-1][at]
     module, ctx = root_module(engine)
     logits = logits_of(module, ctx, batch)[:, :-1][keep]
     jsd = jsd_sum(logits, teacher, b.beta, b.options.temperature, b.options.gkd_logits_topk)

@@ -7,7 +7,9 @@ swift/rlhf_trainers/gkd_loss.py `jsd_loss`), per target position, both logits di
     0 < beta < 1:  beta KL(teacher || m) + (1 - beta) KL(student || m),  m = beta teacher + (1 - beta) student
 
 (m mixes the probabilities, computed as a logsumexp of the log-probabilities). With --gkd_logits_topk k both
-distributions are renormalised over the teacher's k most likely tokens at the position (ms-swift's top-k mode).
+distributions are renormalised over the teacher's k most likely tokens at the position (ms-swift's top-k mode);
+a teacher known only by those k (a teacher server's log-probabilities) is given as (values, token ids), [N, k]
+each, never spread over the vocabulary.
 Vocabularies of different sizes are aligned as ms-swift does: the shorter side's missing entries take the
 other side's logits (so they cancel). Computed in fp32, `CHUNK` positions at a time, so one [CHUNK, V] set of
 log-probabilities is alive at once. Import-light: torch only.
@@ -40,15 +42,20 @@ def align_vocab(s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return s, t
 
 
-def jsd_sum(student: torch.Tensor, teacher: torch.Tensor, beta: float, temperature: float,
-            topk: int | None = None) -> torch.Tensor:
-    """The summed divergence over N positions: `student` [N, Vs] (with grad), `teacher` [N, Vt] logits."""
+def jsd_sum(student: torch.Tensor, teacher: torch.Tensor | tuple[torch.Tensor, torch.Tensor], beta: float,
+            temperature: float, topk: int | None = None) -> torch.Tensor:
+    """The summed divergence over N positions: `student` [N, Vs] (with grad), `teacher` [N, Vt] logits, or
+    the teacher's top-k alone as (log-probabilities, token ids), [N, k] each (`topk` is then theirs)."""
     if student.shape[0] == 0:
         return student.sum() * 0.0
     total = student.new_zeros((), dtype=torch.float32)
     for a in range(0, student.shape[0], CHUNK):
-        s, t = align_vocab(student[a:a + CHUNK].float(), teacher[a:a + CHUNK].float())
-        if topk is not None:
+        if isinstance(teacher, tuple):      # the same as the dense top-k below, without the [N, V] teacher
+            t, idx = teacher[0][a:a + CHUNK].float(), teacher[1][a:a + CHUNK]
+            s = student[a:a + CHUNK].float().gather(-1, idx)
+        else:
+            s, t = align_vocab(student[a:a + CHUNK].float(), teacher[a:a + CHUNK].float())
+        if topk is not None and not isinstance(teacher, tuple):
             t, idx = torch.topk(t, k=min(topk, t.shape[-1]), dim=-1)
             s = s.gather(-1, idx)
         s_log = F.log_softmax(s / temperature, dim=-1)

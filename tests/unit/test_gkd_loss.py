@@ -65,6 +65,23 @@ def test_topk_is_the_divergence_over_the_teachers_top_tokens():
     assert float(jsd_sum(s, t, 0.5, 1.0, topk=k)) != pytest.approx(float(jsd_sum(s, t, 0.5, 1.0)), rel=1e-3)
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_a_teacher_given_by_its_top_k_alone_equals_the_dense_top_k(beta):
+    """A teacher server's (log-probabilities, ids) [N, k]: the divergence and the student's gradient are the dense
+    top-k mode's, on a teacher that is -inf off its top k (how the server's answer was laid out before)."""
+    g = torch.Generator().manual_seed(5)
+    s, t = torch.randn(6, 12, generator=g), torch.randn(6, 12, generator=g)
+    k = 4
+    vals, idx = torch.topk(torch.log_softmax(t, -1), k, dim=-1)
+    dense = torch.full_like(t, float("-inf")).scatter(-1, idx, vals)
+    a, b = s.clone().requires_grad_(), s.clone().requires_grad_()
+    want, got = jsd_sum(a, dense, beta, 0.8, topk=k), jsd_sum(b, (vals, idx), beta, 0.8, topk=k)
+    assert float(got) == pytest.approx(float(want), rel=1e-6) and float(got) > 0
+    want.backward()
+    got.backward()
+    assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7) and float(b.grad.abs().sum()) > 0
+
+
 def test_a_larger_teacher_vocabulary_is_aligned():
     g = torch.Generator().manual_seed(4)
     s, t = torch.randn(2, 5, generator=g), torch.randn(2, 8, generator=g)
