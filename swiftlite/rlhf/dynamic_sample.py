@@ -110,12 +110,8 @@ def _layout(prompts: list[list[int]], rows: list[dict], pad_id: int, device: Any
     """A sampled micro-batch from prompt token lists and `_record`s, laid out as generate.sample lays one
     out: prompts left-padded, completions right-padded (ids with pad_id, float values with nan, the rest 0)
     with the mask 1 over each completion's length."""
-    width = max(len(p) for p in prompts)
-    out = {"prompt_ids": torch.full((len(prompts), width), pad_id, dtype=torch.long),
-           "prompt_mask": torch.zeros((len(prompts), width), dtype=torch.long)}
-    for i, p in enumerate(prompts):
-        out["prompt_ids"][i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        out["prompt_mask"][i, width - len(p):] = 1
+    from swiftlite.rlhf.vllm_gen import left_padded
+    out = dict(zip(("prompt_ids", "prompt_mask"), left_padded(prompts, pad_id)))
     n = max(1, max(len(r["completion_ids"][0]) for r in rows))
     out["completion_mask"] = torch.zeros((len(rows), n), dtype=torch.long)
     for k, (_, dtype) in rows[0].items():

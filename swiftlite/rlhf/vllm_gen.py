@@ -171,17 +171,24 @@ def _zero3_gather(params: list[Any]) -> Any:
     return deepspeed.zero.GatheredParameters(params)
 
 
-def completion_layout(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int, eos_ids: list[int],
-                      device: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`generate.sample`'s tensors from token lists: prompt ids [B, P] left-padded with their mask,
-    completion ids [B, C] (C the longest completion; pad after the first EOS) with the mask (1 up
-    to and including the first EOS)."""
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt ids [B, P] left-padded to the longest with `pad_id`, and their mask (CPU): how
+    generate.sample lays prompts out, so that every prompt ends where the completions begin."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def completion_layout(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int, eos_ids: list[int],
+                      device: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`generate.sample`'s tensors from token lists: prompt ids [B, P] left-padded with their mask,
+    completion ids [B, C] (C the longest completion; pad after the first EOS) with the mask (1 up
+    to and including the first EOS)."""
+    ids, mask = left_padded(prompts, pad_id)
     n = max(1, max(len(c) for c in completions))
     cids = torch.full((len(completions), n), pad_id, dtype=torch.long)
     cmask = torch.zeros((len(completions), n), dtype=torch.long)
@@ -339,5 +346,5 @@ class VllmGenerator:
         return result
 
 
-__all__ = ["VllmGenerator", "completion_layout", "engine_kwargs", "output_logprobs", "output_token_ids", "policy_weights", "sampling_params",
+__all__ = ["VllmGenerator", "completion_layout", "left_padded", "engine_kwargs", "output_logprobs", "output_token_ids", "policy_weights", "sampling_params",
            "vllm_model_dir", "weight_batches"]
