@@ -110,7 +110,7 @@ def _layout(prompts: list[list[int]], rows: list[dict], pad_id: int, device: Any
     """A sampled micro-batch from prompt token lists and `_record`s, laid out as generate.sample lays one
     out: prompts left-padded, completions right-padded (ids with pad_id, float values with nan, the rest 0)
     with the mask 1 over each completion's length."""
-    from swiftlite.rlhf.vllm_gen import left_padded
+    from swiftlite.rlhf.generate import left_padded
     out = dict(zip(("prompt_ids", "prompt_mask"), left_padded(prompts, pad_id)))
     n = max(1, max(len(r["completion_ids"][0]) for r in rows))
     out["completion_mask"] = torch.zeros((len(rows), n), dtype=torch.long)

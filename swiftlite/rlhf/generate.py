@@ -49,6 +49,18 @@ def completion_seed(seed: int, rnd: int, c: int) -> int:
     return (seed * 1_000_003 + rnd * 10_007 + c) % (2 ** 63 - 1)
 
 
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt ids [B, P] left-padded to the longest with `pad_id`, and their mask (CPU): every prompt ends
+    where the completions begin (`sample`, vLLM's completion layout, dynamic sampling's rebuilt batches)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
 def sample(model: Any, prompts: list[list[int]], seeds: list[int], *, pad_id: int, eos_id: int | list[int],
            max_new_tokens: int, temperature: float, top_p: float, top_k: int, device: Any, autocast: Any = None,
            logprobs: bool = False, synced: bool = False) -> tuple[torch.Tensor, ...]:
@@ -61,12 +73,8 @@ def sample(model: Any, prompts: list[list[int]], seeds: list[int], *, pad_id: in
     from transformers import GenerationConfig, LogitsProcessorList
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_padded(prompts, pad_id)
+    width = ids.shape[1]
     ids, mask = ids.to(device), mask.to(device)
     gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
     procs = [TemperatureLogitsWarper(temperature)]
@@ -179,4 +187,4 @@ def spread(flat: torch.Tensor, lengths: list[int], width: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-__all__ = ["GumbelSampler", "completion_seed", "gathered", "sample", "token_logps"]
+__all__ = ["GumbelSampler", "completion_seed", "gathered", "left_padded", "sample", "token_logps"]

@@ -23,7 +23,11 @@ whole global batch, the same for any world size or accumulation. Every process b
 micro-batches' share scaled by world_size; on-policy steps count their targets (which the sampling
 decides) with one all-reduce before the first backward.
 
-Validation (`evaluate_gkd`) scores the validation rows' own responses (no sampling): eval_loss.
+Validation (`evaluate_gkd`), as ms-swift's (its `_prepare_inputs` in eval mode): after optimizer step s the
+branch is drawn as step s's is, from (--seed + s): with probability --lmbda each validation row's response
+is the student's sampled completion (row i of the validation set seeded by (--seed, s, i)), otherwise the
+row's own response; eval_loss and eval_jsd over its targets. Prompt-only validation rows (OPSD's, with
+--lmbda 1) are therefore always sampled; with --lmbda below 1 they are refused as training rows are.
 """
 
 from __future__ import annotations
@@ -116,13 +120,15 @@ def setup(run: Any) -> Any:
     return run.engine
 
 
-def _sampled_rows(engine: Any, b: GkdBatches, micro: list[list[int]], step: int) -> tuple[list[list[dict]], list]:
-    """Each micro-batch's rows with their last response replaced by the student's completion (its targets: the
-    completion's tokens, less a multi-turn scheduler's insertions), and (row index, completion ids, trained
-    tokens) for the length metric and the log (decoded only there)."""
+def _sampled_rows(engine: Any, b: GkdBatches, micro: list[list[int]], step: int,
+                  source: Any = None) -> tuple[list[list[dict]], list]:
+    """Each micro-batch's rows (of `source`, default the training rows) with their last response replaced by
+    the student's completion (its targets: the completion's tokens, less a multi-turn scheduler's insertions),
+    and (row index, completion ids, trained tokens) for the length metric and the log (decoded only there)."""
+    source = b.rows if source is None else source
     if b.turns is not None:
-        check_columns(b.options, b.rows, [i for mb in micro for i in mb])
-    rows = [select(b.rows, mb) for mb in micro]
+        check_columns(b.options, source, [i for mb in micro for i in mb])
+    rows = [select(source, mb) for mb in micro]
     starts = [[response_start(list(r["labels"])) for r in rs] for rs in rows]
     prompts = [[list(r["input_ids"][:s]) for r, s in zip(rs, ss)] for rs, ss in zip(rows, starts)]
     seeds = [[completion_seed(b.seed, step, i) for i in mb] for mb in micro]
@@ -273,10 +279,12 @@ def _log(b: GkdBatches, step: int, sampled: list) -> None:
 
 
 def evaluate_gkd(run: Any) -> dict[str, float]:
-    """eval_loss (and eval_jsd): the validation rows' own responses, each rank its share, every rank the
-    same number of forwards (`per_device_eval_batch_size` rows each)."""
+    """eval_loss (and eval_jsd) after step `run.eval_step`: the validation rows' own responses, or on a sampled
+    branch the student's completions (module docstring); each rank its share, every rank the same number of
+    generate calls and forwards (`per_device_eval_batch_size` rows each)."""
     import math
     b, world, val = run.batches, run.world, run.val_data
+    on_policy = b.on_policy(run.eval_step)
     bs = run.cfg.train.per_device_eval_batch_size
     n = len(val.rows)
     mine = list(range(world.rank, n, world.world_size))
@@ -287,7 +295,10 @@ def evaluate_gkd(run: Any) -> dict[str, float]:
     with torch.no_grad():
         for r in range(rounds):
             idx = mine[r * bs:(r + 1) * bs]
-            rows = select(val.rows, idx or [0])
+            if on_policy:
+                rows = _sampled_rows(run.engine, b, [idx or [0]], run.eval_step, val.rows)[0][0]
+            else:
+                rows = select(val.rows, idx or [0])
             batch = _on(collate(rows, b.pad_id, padding_free=b.padding_free), world.device)
             view = teacher_rows(rows)
             jsd, nll = micro_terms(run.engine, b, batch, sft, None if view is None else

@@ -40,6 +40,7 @@ from typing import Any, Iterator
 import torch
 
 from swiftlite.errors import UserError
+from swiftlite.rlhf.generate import left_padded
 
 
 def engine_kwargs(o: Any, *, model_dir: str, dtype: str, rank: int, per_device: int, steps_per_generation: int
@@ -169,18 +170,6 @@ def _zero3(model: Any) -> bool:
 def _zero3_gather(params: list[Any]) -> Any:
     import deepspeed
     return deepspeed.zero.GatheredParameters(params)
-
-
-def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt ids [B, P] left-padded to the longest with `pad_id`, and their mask (CPU): how
-    generate.sample lays prompts out, so that every prompt ends where the completions begin."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    return ids, mask
 
 
 def completion_layout(prompts: list[list[int]], completions: list[list[int]], *, pad_id: int, eos_ids: list[int],
@@ -346,5 +335,5 @@ class VllmGenerator:
         return result
 
 
-__all__ = ["VllmGenerator", "completion_layout", "left_padded", "engine_kwargs", "output_logprobs", "output_token_ids", "policy_weights", "sampling_params",
+__all__ = ["VllmGenerator", "completion_layout", "engine_kwargs", "output_logprobs", "output_token_ids", "policy_weights", "sampling_params",
            "vllm_model_dir", "weight_batches"]

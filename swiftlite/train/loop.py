@@ -149,6 +149,7 @@ def _loop(run: Any, probe: Any, preempt: Any) -> TrainResult:
 
     def validate(step: int) -> None:
         if run.val_data is not None:
+            run.eval_step = step
             record = run.task.run_evaluate(run)
             best.evaluated(record, step)
             log.log({"step": step, **record})

@@ -41,6 +41,7 @@ class Run:
     lock: Any = None               # checkpoint/run_dir.RunLock held by rank 0
     task: Any = None               # train/tasks.Task: the command's data, step, validation, setup
     resolved: Any = None           # job.Resolved: the run as resolved (cfg is its config)
+    eval_step: int = 0             # the optimizer steps done when validation runs (GKD draws its branch from it)
 
     @property
     def cadence(self) -> Any:
@@ -194,9 +195,11 @@ def build_run(cfg: RunConfig, probe_factory: Any = None, facts: Any = None) -> t
         if probe is not None:
             probe.start()
         from swiftlite.errors import UserError
+        from swiftlite.models.adapter import backend_problem as adapter_backend
         from swiftlite.models.llamapro import backend_problem
-        if backend_problem(cfg, choice):   # preflight refuses it; a rank started by another launcher too
-            raise UserError(backend_problem(cfg, choice))
+        for why in (backend_problem(cfg, choice), adapter_backend(cfg, choice)):
+            if why:   # preflight refuses it; a rank started by another launcher too
+                raise UserError(why)
         from swiftlite.models.lora_ga import estimation_rows
         model = prepare_model(cfg, source, world, init_context=init_context, skeleton=skeleton_mode(cfg, choice),
                               reentrant=choice.record.reentrant_checkpointing or not world.distributed,

@@ -33,7 +33,8 @@ def runs(tmp_path_factory):
               "--torch-dtype", "fp32", "--seed", str(SEED), "--train-type", "full", "--logging-steps", "1",
               "--save-hf-model", "false", "--save-strategy", "no", "--learning-rate", "1e-3", "--lmbda", "0.5",
               "--max-completion-length", "6", "--gradient-accumulation-steps", "1", "--dataset", d / "d.jsonl",
-              "--max-steps", "2", "--log-completions", "true", "--sft-alpha", "0.1"]
+              "--max-steps", "2", "--log-completions", "true", "--sft-alpha", "0.1",
+              "--split-dataset-ratio", "0.25", "--eval-steps", "1"]
     run_cli([*common, "--per-device-train-batch-size", "4", "--parallelism", "single", "--output-dir", d / "one"])
     env = cli_env()
     env["NPROC_PER_NODE"] = "2"
@@ -48,9 +49,11 @@ def runs(tmp_path_factory):
         pass
     out = {}
     for name in names:
-        steps = [json.loads(x) for x in (d / name / "logging.jsonl").read_text().splitlines() if '"loss"' in x]
+        lines = (d / name / "logging.jsonl").read_text().splitlines()
+        steps = [json.loads(x) for x in lines if '"loss"' in x]
         comps = [json.loads(x) for x in (d / name / "completions.jsonl").read_text().splitlines()]
         out[name] = (steps, comps)
+        out[name + "/eval"] = [json.loads(x) for x in lines if '"eval_loss"' in x]
     return out
 
 
@@ -74,6 +77,20 @@ def test_two_processes_match_one(runs, backend):
         for k in ("loss", "grad_norm", "jsd"):
             assert b[k] == pytest.approx(a[k], rel=1e-5), (backend, a["step"], k)
     assert sorted(c["completion"] for c in c2) == sorted(c["completion"] for c in c1)
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "zero3"])
+def test_validation_samples_alike_on_two_processes(runs, backend):
+    """Validation after step 1 draws step 1's branch (sampled, seed 0) and after step 2 step 2's: each
+    validation row's completion is seeded by the row, so two processes score what one does."""
+    if backend not in runs:
+        pytest.skip("deepspeed is not installed")
+    one, two = runs["one/eval"], runs[backend + "/eval"]
+    assert [e["step"] for e in one] == [e["step"] for e in two] == [1, 2]
+    for a, b in zip(one, two):
+        assert a["eval_jsd"] > 1e-3
+        for k in ("eval_loss", "eval_jsd"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5), (backend, a["step"], k)
 
 
 @pytest.fixture(scope="module")

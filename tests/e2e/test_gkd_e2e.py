@@ -92,6 +92,28 @@ def test_validation_logs_eval_loss(data, tmp_path):
     assert evals[-1]["eval_jsd"] > 1e-3
 
 
+def test_validation_samples_with_the_steps_draw_as_msswift(data, tmp_path):
+    """ms-swift's GKD validation draws its branch as a training step does: with --lmbda 1 the validation rows'
+    responses are the student's completions, so eval_jsd differs from the dataset responses' (--lmbda 0; a
+    learning rate of 1e-9 leaves both runs' weights where they started); prompt-only rows (OPSD's) are scored
+    on their completions."""
+    evals = {}
+    for lmbda in ("0", "1"):
+        _run(data, tmp_path / lmbda, "--teacher-model", "tiny-llama", "--lmbda", lmbda, "--max-steps", "1",
+             "--learning-rate", "1e-9", "--split-dataset-ratio", "0.25", "--eval-steps", "1", "--save-strategy", "no")
+        evals[lmbda] = [json.loads(x) for x in (tmp_path / lmbda / "logging.jsonl").read_text().splitlines()
+                        if '"eval_loss"' in x][-1]
+    assert evals["1"]["eval_jsd"] > 1e-3 and evals["0"]["eval_jsd"] > 1e-3
+    assert evals["1"]["eval_jsd"] != pytest.approx(evals["0"]["eval_jsd"], rel=1e-3)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"reverse: {w}"}]}) + "\n"
+                               for w in WORDS))
+    _run(prompts, tmp_path / "p", "--teacher-model", "tiny-llama", "--lmbda", "1", "--max-steps", "1",
+         "--split-dataset-ratio", "0.25", "--eval-steps", "1", "--save-strategy", "no")
+    got = [json.loads(x) for x in (tmp_path / "p" / "logging.jsonl").read_text().splitlines() if '"eval_loss"' in x]
+    assert got and got[-1]["eval_jsd"] > 1e-3       # before: no targets, an eval_loss of 0
+
+
 def test_a_resume_continues_with_the_same_branches_and_completions(data, tmp_path):
     args = ("--teacher-model", "tiny-llama", "--lmbda", "0.5", "--max-steps", "4", "--log-completions", "true")
     _, whole = _run(data, tmp_path / "whole", *args, "--save-strategy", "no")
