@@ -162,6 +162,8 @@ def _muon_other_tensors(cfg: "RunConfig") -> str:
     """What besides 2-D matrices a run that Muon refuses trains, in a phrase."""
     if cfg.train.train_type == "llamapro":
         return "the new blocks' norms (and biases, where the model has them)"
+    if cfg.train.train_type == "adapter":
+        return "the Houlsby adapters' biases"
     if not cfg.is_peft:
         return "norms, biases and embeddings (a full fine-tune)"
     return "1-D tensors or whole modules (DoRA magnitudes, --lora_bias all, --modules-to-save)"

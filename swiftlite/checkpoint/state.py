@@ -73,14 +73,15 @@ def run_facts(cfg: "RunConfig", train_data: Any, global_batch: int) -> dict[str,
         value = cfg.flat()[key] if key != "optim" else (cfg.optim.optimizer or cfg.optim.optim)
         if value != default and (key == "optim" or cfg.is_peft):
             shape[key] = value
-    # The run's BOFT/AdaLoRA/Bone/LLaMA-Pro options off their default: they shape the adapter (blocks, ranks),
+    # The run's BOFT/AdaLoRA/Bone/LLaMA-Pro/Houlsby options off their default: they shape the adapter (blocks, ranks),
     # AdaLoRA's schedule or the expanded layers, so a resume with others is a different run; LISA's (a full
     # run) decide which layers each step trains and which have optimizer state.
     from swiftlite.config import field_specs
-    from swiftlite.config.rules_tuners import ADALORA_KEYS, BOFT_KEYS, BONE_KEYS, LISA_KEYS, LLAMAPRO_KEYS
+    from swiftlite.config.rules_tuners import (ADALORA_KEYS, ADAPTER_KEYS, BOFT_KEYS, BONE_KEYS, LISA_KEYS,
+                                               LLAMAPRO_KEYS)
     specs, flat = field_specs(), cfg.flat()
     for key in {"boft": BOFT_KEYS, "adalora": ADALORA_KEYS, "bone": BONE_KEYS, "llamapro": LLAMAPRO_KEYS,
-                "full": LISA_KEYS}.get(cfg.train.train_type, ()):
+                "adapter": ADAPTER_KEYS, "full": LISA_KEYS}.get(cfg.train.train_type, ()):
         if flat[key] != specs[key].default:
             shape[key] = flat[key]
     # GRPO's teacher and CHORD's expert rows and schedule shape every step's loss: recorded only when given
@@ -212,7 +213,8 @@ def _save(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any,
 
 
 def export_weights(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", world: Any, ckpt_dir: Path) -> None:
-    """model/ (an HF folder of the full weights) or adapter/ (peft format) inside a checkpoint.
+    """model/ (an HF folder of the full weights) or adapter/ (peft format) inside a checkpoint; nothing
+    for --train_type adapter (its weights are in the engine's own state only).
 
     The full weights are written in --torch-dtype (16-bit for a bf16 run): under fp32 master weights
     the engine's state dict is fp32 and `write_model_folder` casts every floating tensor to the run's
@@ -220,6 +222,10 @@ def export_weights(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", wo
     The adapter is saved as the module holds it (fp32 on the torch backends, DeepSpeed's bf16 copy
     under DeepSpeed), as peft saves it."""
     from swiftlite.hf_io import write_adapter, write_model_folder
+    if cfg.train.train_type == "adapter":
+        # Houlsby adapters (models/adapter.py): no HF or peft form holds them, and transformers would drop
+        # their keys from a model/ folder without a word; dcp/ or ds/ keeps them
+        return
     if cfg.is_peft:
         sd = engine.adapter_state_dict()
         if world.is_main:
@@ -232,7 +238,7 @@ def export_weights(engine: Any, model: Any, tokenizer: Any, cfg: "RunConfig", wo
 
 #: Run facts that change the shape of the saved weights: a model-only resume must agree on these.
 WEIGHT_SHAPE = ("train_type", "lora_rank", "target_modules", "quant_bits", "llamapro_num_new_blocks",
-                "llamapro_num_groups")
+                "llamapro_num_groups", "adapter_length")
 
 
 def load_training_state(engine: Any, path: Path, world: Any, cfg: "RunConfig", choice: Any,

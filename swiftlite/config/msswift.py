@@ -79,7 +79,7 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
 
 #: ms-swift values of swiftlite fields that are refused: (field, value) -> the reason.
 _TUNERS = ("swiftlite trains full, lora, qlora (LoRA on a bitsandbytes 4-bit base), longlora (LoRA with S2-Attn), "
-           "boft, adalora, bone (peft's MiSS, formerly Bone) or llamapro")
+           "boft, adalora, bone (peft's MiSS, formerly Bone), llamapro or adapter (Houlsby)")
 _QUANT = ("quantizing at load time is bitsandbytes (--quant_method bnb --quant_bits 4|8) or HQQ (--quant_method hqq "
           "--quant_bits 1|2|3|4|8) here; for an already GPTQ/AWQ-quantized model, train a LoRA on a 16-bit copy instead")
 _OPTIM = ("not available: --optim takes the optimizers torch and transformers ship (adamw_torch_fused, adamw_torch, "
@@ -92,7 +92,7 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
     **{("optim", o): f"GaLore is --use_galore true with --optim {base} (and --galore_target_modules for HF's "
                      "--optim_target_modules)" for o, base in (("galore_adamw", "adamw_torch"),
                                                                 ("galore_adafactor", "adafactor"))},
-    **{("train_type", t): _TUNERS for t in ("adapter", "vera",
+    **{("train_type", t): _TUNERS for t in ("vera",
                                             "fourierft", "reft", "lora_llm")},
     **{("quant_method", q): _QUANT for q in ("gptq", "awq", "eetq", "quanto", "fp8", "aqlm")},
     ("rlhf_type", "ppo"): "PPO is not available",

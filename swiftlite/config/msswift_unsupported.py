@@ -22,7 +22,7 @@ from swiftlite.config.grpo_unsupported import GRPO_GROUPS
 MSSWIFT_COMMIT = "3602360a56 (2026-08-22)"
 
 _MM = "multimodal models are not supported (text causal LMs only): drop the flag"
-_TUNER = "is an option of an ms-swift tuner swiftlite does not have (it trains full, lora, qlora, longlora, boft, adalora, bone or llamapro): drop the flag"
+_TUNER = "is an option of an ms-swift tuner swiftlite does not have (it trains full, lora, qlora, longlora, boft, adalora, bone, llamapro or adapter): drop the flag"
 _GKD = ("an option of a teacher form swiftlite does not have (teacher adapters, CPU offloading of the teacher): "
         "the teacher of --rlhf_type gkd and of GRPO's on-policy distillation is --teacher_model M, a local frozen "
         "copy, or for GKD --teacher_model_server URL (docs/rlhf.md); drop the flag")
@@ -58,7 +58,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (_FREEZE, ("freeze_parameters", "freeze_parameters_regex", "freeze_parameters_ratio", "trainable_parameters",
                "trainable_parameters_regex", "target_parameters")),
     (_TUNER, ("fourier_n_frequency", "fourier_scaling", "vera_rank", "vera_projection_prng_key", "vera_dropout",
-              "vera_d_initial", "adapter_act", "adapter_length", "reft_layer_key", "reft_layers",
+              "vera_d_initial", "reft_layer_key", "reft_layers",
               "reft_intervention_type", "reft_args")),   # reft_rank is Bone's rank (config/tuner_options.py)
     # swift/arguments/base_args/generation_args.py: GenerationArguments
     (_GEN, ("repetition_penalty", "num_beams", "stream", "logprobs",

@@ -1,4 +1,4 @@
-"""The rules of the tuners besides LoRA (--train_type boft, adalora, bone, llamapro) and of LISA's layer
+"""The rules of the tuners besides LoRA (--train_type boft, adalora, bone, llamapro, adapter) and of LISA's layer
 sampling (--lisa_activated_layers, a full fine-tune): which options apply to which tuner, and the
 combinations peft or swiftlite cannot run, each with its reason. Rules of
 config/rules.py's table, kept here so that module stays short. Import-light (no torch)."""
@@ -15,6 +15,7 @@ LORA_GA_KEYS = ("lora_ga_batch_size", "lora_ga_iters", "lora_ga_max_length", "lo
 ADALORA_KEYS = ("adalora_target_r", "adalora_init_r", "adalora_tinit", "adalora_tfinal", "adalora_deltaT",
                 "adalora_beta1", "adalora_beta2", "adalora_orth_reg_weight")
 LLAMAPRO_KEYS = ("llamapro_num_new_blocks", "llamapro_num_groups")
+ADAPTER_KEYS = ("adapter_length", "adapter_act")
 BONE_KEYS = ("reft_rank",)
 #: --init_weights values of --train_type bone: ms-swift's documented ones (swift/arguments/tuner_args.py),
 #: peft MissConfig's True, False and "bat".
@@ -47,7 +48,7 @@ def _flag(key: str) -> str:
 def _tuner_options(c: RunConfig):
     t = c.train.train_type
     for keys, owner in ((BOFT_KEYS, "boft"), (ADALORA_KEYS, "adalora"), (BONE_KEYS, "bone"),
-                        (LLAMAPRO_KEYS, "llamapro")):
+                        (LLAMAPRO_KEYS, "llamapro"), (ADAPTER_KEYS, "adapter")):
         if t != owner:
             given = [k for k in keys if k in c.explicit]
             if given == ["reft_rank"]:   # ms-swift's name serves two tuners; ReFT is not one here
@@ -173,6 +174,39 @@ def _llamapro(c: RunConfig):
     if task_spec(c.task).own_options == "rlhf":
         return ("--train_type llamapro with swiftlite rlhf: swiftlite expands and trains LLaMA-Pro blocks with sft "
                 "and pt only")
+
+
+@rule("adapter options")
+def _adapter(c: RunConfig):
+    """Houlsby adapters after each MLP of a 16-bit model (models/adapter.py); whether the model has an
+    `mlp` in each decoder layer needs its config and is checked before launch (launch/preflight.py)."""
+    if c.train.train_type != "adapter":
+        return None
+    lc = c.lora
+    if lc.adapter_length < 1:
+        return f"--adapter_length must be >= 1, got {lc.adapter_length}"
+    from transformers.activations import ACT2CLS   # transformers' table, as ms-swift's AdapterModule reads it
+    if lc.adapter_act not in ACT2CLS:
+        return (f"--adapter_act {lc.adapter_act}: not an activation of transformers' ACT2CLS; choose one of "
+                f"{', '.join(sorted(ACT2CLS))}")
+    from swiftlite.config.tuner_options import LORA_ONLY
+    given = [k for k in LORA_ONLY if k in c.explicit]
+    if given:
+        return (f"{_flag(given[0])} does not apply to --train_type adapter: it trains Houlsby adapters after each "
+                "MLP (--adapter_length, --adapter_act), no LoRA: drop it")
+    if c.quant_bits is not None:
+        return (f"--quant_bits {c.quant_bits} with --train_type adapter: swiftlite trains Houlsby adapters on a "
+                "16-bit base only (a quantized base is --train_type qlora): drop --quant_bits")
+    if c.model.new_special_tokens:
+        return ("--new_special_tokens with --train_type adapter: only the adapters train, so the new tokens' "
+                "embeddings would stay untrained: drop it, or train them with --train_type full or lora")
+    from swiftlite.config.galore_options import uses_galore
+    if uses_galore(c):
+        return ("--use_galore with --train_type adapter: GaLore projects the gradients of whole weight matrices, "
+                "and this run trains only the adapters' small ones: drop it")
+    if task_spec(c.task).own_options == "rlhf":
+        return ("--train_type adapter with swiftlite rlhf: swiftlite trains Houlsby adapters with sft and pt "
+                "only")
 
 
 @rule("lisa layers")

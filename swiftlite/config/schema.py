@@ -63,7 +63,7 @@ SECRET_KEY = re.compile(r"(^|_)token$|secret|password|passwd|api_key|credential"
 TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f"})
 
-TRAIN_TYPES = ("full", "lora", "qlora", "longlora", "boft", "adalora", "bone", "llamapro")
+TRAIN_TYPES = ("full", "lora", "qlora", "longlora", "boft", "adalora", "bone", "llamapro", "adapter")
 DTYPES = _DTYPE_NAMES  # swiftlite/dtypes.py is the one dtype table
 #: transformers' scheduler names (SchedulerType), built by `transformers.get_scheduler` (optim.py);
 #: reduce_lr_on_plateau and greedy step on a metric and are refused there with the reason.
@@ -236,9 +236,9 @@ class OptimConfig(MuonClipOptions, GaloreOptions, Section):   # config/muonclip_
 
 @dataclass(kw_only=True)
 class TrainConfig(Section):
-    train_type: str = opt("lora", "full, lora, qlora (--full / --lora / --qlora are shorthands), longlora "
-                          "(LoRA trained with S2-Attn, groups of --max-length / 4), boft, adalora or bone (peft's "
-                          "BOFT, AdaLoRA, MiSS), llamapro (LLaMA-Pro: new blocks trained, the rest frozen).",
+    train_type: str = opt("lora", "full, lora, qlora (--full / --lora / --qlora are shorthands), longlora (LoRA "
+                          "trained with S2-Attn, groups of --max-length / 4), boft, adalora or bone (peft's BOFT, "
+                          "AdaLoRA, MiSS), llamapro (LLaMA-Pro: new blocks), adapter (Houlsby: after each MLP).",
                           aliases=("--tuner_type", "--tuner-type"), choices=TRAIN_TYPES)
     per_device_train_batch_size: int = opt(1, "Micro-batch size per process.", aliases=("--batch-size",))
     per_device_eval_batch_size: int = opt(1, "Batch size per process for validation (ms-swift's 1).")
@@ -334,7 +334,7 @@ class CheckpointConfig(Section):
                              "checkpoint only). The last step is always saved.", choices=STRATEGIES)
     save_steps: int | None = opt(500, "Save a checkpoint every N steps (always at the end); 500 as in ms-swift.")
     save_total_limit: int | None = opt(None, "Keep at most N checkpoints (the newest; never the last good).")
-    save_hf_model: bool = opt(True, "Also write an HF model folder (full) or peft adapter in each checkpoint.")
+    save_hf_model: bool = opt(True, "Also write an HF model folder (full) or peft adapter in each checkpoint (adapter: none).")
     save_only_model: bool = opt(False, "Checkpoints without the optimizer, LR-schedule and RNG states (the weights' "
                                 "shards, the data position, and model/ or adapter/): smaller, but --resume of one "
                                 "continues at its step with fresh AdamW moments and the LR schedule from its "

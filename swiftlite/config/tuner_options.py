@@ -1,6 +1,7 @@
 """The options of the tuners besides LoRA: BOFT (`--train_type boft`), AdaLoRA (`--train_type adalora`),
-Bone (`--train_type bone`: peft's MiSS, formerly Bone) and LLaMA-Pro (`--train_type llamapro`, block
-expansion: models/llamapro.py), and of LoRA-GA's initialisation (`--init_weights lora-ga`), with ms-swift's
+Bone (`--train_type bone`: peft's MiSS, formerly Bone), LLaMA-Pro (`--train_type llamapro`, block
+expansion: models/llamapro.py) and Houlsby adapters (`--train_type adapter`: models/adapter.py), and of
+LoRA-GA's initialisation (`--init_weights lora-ga`), with ms-swift's
 names and defaults (swift/arguments/tuner_args.py: the dataclass values, not its docstring's); and LISA's
 layer sampling of a full fine-tune (`--lisa_activated_layers`, ms-swift's swift/trainers/arguments.py, run
 by train/lisa.py). A base of schema.LoraConfig, kept here so that schema.py stays short; the shared adapter
@@ -37,7 +38,7 @@ def moves_base(init_weights: str) -> bool:
 
 @dataclass(kw_only=True)
 class TunerOptions(Section):
-    """`boft_*`, `adalora_*`, `reft_rank` and `llamapro_*`: read only by their own --train_type; `lora_ga_*`
+    """`boft_*`, `adalora_*`, `reft_rank`, `llamapro_*` and `adapter_*`: read only by their own --train_type; `lora_ga_*`
     by --init_weights lora-ga; `lisa_*` by --train_type full."""
     boft_block_size: int = opt(4, "BOFT (peft boft_block_size): size of each orthogonal block; each adapted "
                                "layer's input width must be a multiple of it. Give it or --boft_block_num, "
@@ -73,6 +74,13 @@ class TunerOptions(Section):
                                           "num_hidden_layers/groups layers, so groups blocks in all (ms-swift "
                                           "inserts one per group); must divide the layer count. Default: "
                                           "--llamapro_num_new_blocks.")
+    adapter_length: int = opt(128, "Houlsby adapter (--train_type adapter): width of each adapter's bottleneck. "
+                              "After every decoder layer's MLP, output x becomes x + linear2(act(linear1(x))), "
+                              "linear1 hidden -> adapter_length, linear2 back, both with bias; only the adapters "
+                              "train, 2 x hidden x adapter_length + adapter_length + hidden parameters per layer. "
+                              "Default 128, ms-swift's.")
+    adapter_act: str = opt("gelu", "Houlsby adapter: the activation between its two linears, a name of "
+                           "transformers' ACT2CLS (gelu, relu, silu, tanh, gelu_new, ...). Default gelu, ms-swift's.")
     # ms-swift builds Bone with r=args.reft_rank (swift/pipelines/train/tuner.py): its ReFT rank's name and
     # default serve as Bone's rank; ReFT itself (--train_type reft) is not available here.
     reft_rank: int = opt(4, "Bone (peft's MiSS, formerly Bone; peft r): rows of the trained block per adapted "

@@ -81,6 +81,9 @@ def export(opts: ExportOptions) -> ExportResult:
         raise UserError(f"--dtype {opts.dtype}: choose bf16 or fp16")
     max_shard = parse_size(opts.max_shard_size, "--max-shard-size")
     src = inspect_source(opts.ckpt, opts.base_model, log, opts.ckpt_flag)
+    if src.train_type == "adapter":   # no merge and no HF architecture reproduce it (models/adapter.py)
+        from swiftlite.models.adapter import refuse_export
+        refuse_export(opts.ckpt_flag, opts.ckpt)
     if opts.quant is not None and src.is_peft and not opts.merge_lora:
         opts.merge_lora = True
         log("the LoRA is merged into its base first: a quantized export is a full model (as ms-swift does)")

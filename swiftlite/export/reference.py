@@ -26,9 +26,12 @@ class VerifyError(Exception):
 
 def reference_model(src: Source) -> tuple[torch.nn.Module, str]:
     """The training-side model, rebuilt from the checkpoint (not from the export): the checkpoint's
-    own HF folder (full), else its fp32 weights; LoRA: the base exactly as trained (quantized for
-    QLoRA) + the checkpoint's adapter, through peft."""
+    own HF folder (full), else its fp32 weights; Houlsby adapters: the base as trained with the adapters
+    attached and loaded from the checkpoint (_adapter_model); LoRA: the base exactly as trained
+    (quantized for QLoRA) + the checkpoint's adapter, through peft."""
     from swiftlite.export.base_model import auto_class, folder_class
+    if src.train_type == "adapter":
+        return _adapter_model(src)
     if not src.is_peft:
         if src.hf_dir is not None:
             m = folder_class(src.hf_dir).from_pretrained(str(src.hf_dir), dtype=torch.float32)
@@ -74,6 +77,29 @@ def reference_model(src: Source) -> tuple[torch.nn.Module, str]:
     q = src.cfg.quant.quant_bits
     return m.eval(), (f"base {src.cfg.model.model}{f' ({q}-bit, as trained)' if q else ''} + adapter from "
                       f"{src.path.name}, {src.cfg.model.torch_dtype}")
+
+
+def _adapter_model(src: Source) -> tuple[torch.nn.Module, str]:
+    """A --train_type adapter checkpoint's model: the base as the run loaded it, the adapters attached as the
+    run attached them (models/adapter.py), their trained weights read from dcp/ (where they are the only
+    tensors) or ds/ (its trainable tensors)."""
+    from swiftlite.models.adapter import ATTR, attach
+    from swiftlite.models.loading import load_model
+    model = attach(load_model(src.cfg, resolve_base(src)), src.cfg)
+    if src.weights is layout.CheckpointFormat.DCP:
+        reader: Any = DCPReader(src.dcp_dir)
+    elif src.weights is layout.CheckpointFormat.DS:
+        reader = ZeroReader(src.path, exclude_frozen=True)
+    else:
+        raise VerifyError(f"{src.path}: no dcp/ or ds/ holding the adapters' weights")
+    names = [n for n in reader.names() if f".{ATTR}." in n]
+    want = {n for n, _ in model.named_parameters() if f".{ATTR}." in n}
+    if set(names) != want:
+        raise VerifyError(f"{src.path}: its adapter weights do not fit the model (checkpoint {len(names)} tensors, "
+                          f"model {len(want)}: another --adapter_length or base?)")
+    model.load_state_dict(reader.read(names), strict=False)
+    return model.eval(), (f"base {src.cfg.model.model} + Houlsby adapters from {src.path.name} ({src.weights}), "
+                          f"{src.cfg.model.torch_dtype}")
 
 
 def reference_tokenizer(src: Source) -> Any:

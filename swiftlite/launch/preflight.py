@@ -79,6 +79,8 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
             found.check(check_lora_targets, cfg, source)
             from swiftlite.models.llamapro import check_model
             found.check(check_model, cfg, source)
+            from swiftlite.models.adapter import check_model as check_adapter_model
+            found.check(check_adapter_model, cfg, source)
             from swiftlite.models.loading import check_moe_options
             found.check(check_moe_options, cfg, source)
             from swiftlite.train.lisa import check_layers
@@ -101,6 +103,8 @@ def preflight(cfg: RunConfig, world_size: int | None, *, data: bool = True,
         found.check(_refuse, lora_ga_problem, run_cfg, facts.choice)
         from swiftlite.models.llamapro import backend_problem
         found.check(_refuse, backend_problem, run_cfg, facts.choice)
+        from swiftlite.models.adapter import backend_problem as adapter_backend
+        found.check(_refuse, adapter_backend, run_cfg, facts.choice)
         from swiftlite.train.lisa import lisa_problem
         found.check(_refuse, lisa_problem, run_cfg, facts.choice)
         from swiftlite.models.hqq import hqq_problem

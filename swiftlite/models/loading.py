@@ -19,6 +19,7 @@ from swiftlite import dtypes
 from swiftlite.errors import UserError
 from swiftlite.models import rope   # --rope_scaling, --max_model_len: model_config applies them, once for all
 from swiftlite.models.source import ModelSource, is_moe, resolve_model
+from swiftlite.models.tuners import OWN_TUNERS, apply_own   # swiftlite's own tuners: llamapro, adapter
 
 if TYPE_CHECKING:
     import torch
@@ -354,8 +355,8 @@ def sharded_weights(cfg: "RunConfig", src: ModelSource, dtype: "torch.dtype", at
     without safetensors files, or a checkpoint whose tensor names are not the model's own (weights
     transformers converts while loading). A built-in preset's source is its seeded weights."""
     from swiftlite.models import sharded as sharding
-    if cfg.train.train_type == "llamapro":
-        return None, "--train_type llamapro inserts copies of loaded layers, which the checkpoint does not name"
+    if cfg.train.train_type in OWN_TUNERS:
+        return None, f"--train_type {cfg.train.train_type} {OWN_TUNERS[cfg.train.train_type]}"
     if cfg.model.new_special_tokens and src.kind != "preset":
         return None, "--new_special_tokens grows the embeddings beyond the checkpoint's"
     if quantized and cfg.quant.quant_bits != 4:
@@ -548,8 +549,8 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
                   init_context: Any = None, skeleton: str | None = None,
                   reentrant: bool = True, total_steps: int | None = None,
                   grad_rows: list[dict] | None = None) -> "torch.nn.Module":
-    """load -> quantize -> LoRA (or LLaMA-Pro's new blocks) -> activation checkpointing -> compile. Wrap +
-    optimizer come next.
+    """load -> quantize -> LoRA (or LLaMA-Pro's blocks, Houlsby adapters) -> activation checkpointing -> compile.
+    Wrap + optimizer come next.
     `total_steps`: the run's optimizer steps (AdaLoRA's budget schedule is part of its peft config).
     `skeleton`: "shard" (the backend shards the skeleton, then fills it) or "fill" (filled here, at
     the end, before wrapping), see `load_model`. `reentrant`: checkpointing's default form when
@@ -560,18 +561,15 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
     model = load_model(cfg, source, world, init_context=init_context, attn_impl=cfg.model.attn_impl,
                        skeleton=skeleton)
     check_loaded_attention(cfg, model)
-    frozen_input = cfg.is_peft or cfg.train.train_type == "llamapro"   # the embeddings do not train
+    frozen_input = cfg.is_peft or cfg.train.train_type in OWN_TUNERS   # the embeddings do not train
     if cfg.is_peft:
         from swiftlite.models.lora import apply_lora
         model = apply_lora(model, cfg, total_steps, grad_rows)
         if cfg.train.train_type == "longlora":   # S2-Attn in training mode (models/longlora.py)
             from swiftlite.models.longlora import install
             install(model, cfg.data.max_length or model.config.max_position_embeddings)
-    elif cfg.train.train_type == "llamapro":   # never on a skeleton (sharded_weights says why)
-        from swiftlite.models.llamapro import describe, expand
-        if world is None or world.is_main:
-            print(describe(cfg, model.config.num_hidden_layers), flush=True)
-        model = expand(model, cfg)
+    elif cfg.train.train_type in OWN_TUNERS:   # LLaMA-Pro, Houlsby; never on a skeleton (sharded_weights says why)
+        model = apply_own(model, cfg, world)
     if cfg.train.neftune_noise_alpha:
         add_neftune(model, cfg.train.neftune_noise_alpha)
     if cfg.train.gradient_checkpointing:

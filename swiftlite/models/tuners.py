@@ -123,3 +123,26 @@ def check_schedule(cfg: "RunConfig", total_steps: int) -> None:
         from swiftlite.models.quant import peft_without_bnb
         with peft_without_bnb(quantized=False):
             peft_config(cfg, "all-linear", "CAUSAL_LM", total_steps)
+
+
+#: swiftlite's own tuners (no peft): --train_type -> why its model is loaded whole on each rank, never as a
+#: skeleton (models/loading.sharded_weights): each changes the loaded model before the backend wraps it.
+OWN_TUNERS = {"llamapro": "inserts copies of loaded layers, which the checkpoint does not name",
+              "adapter": "attaches its adapters (drawn under --seed) to the loaded model before it is sharded"}
+
+
+def apply_own(model: Any, cfg: "RunConfig", world: Any = None) -> Any:
+    """The loaded `model` with this run's own tuner applied: LLaMA-Pro's new blocks (models/llamapro.py) or
+    Houlsby adapters (models/adapter.py), only those left trainable; each says what it did in one line
+    (rank 0)."""
+    log = print if world is None or world.is_main else None
+    if cfg.train.train_type == "llamapro":
+        from swiftlite.models.llamapro import describe, expand
+        if log:
+            log(describe(cfg, model.config.num_hidden_layers), flush=True)
+        return expand(model, cfg)
+    from swiftlite.models.adapter import attach, describe as describe_adapter
+    model = attach(model, cfg)
+    if log:
+        log(describe_adapter(cfg, model), flush=True)
+    return model

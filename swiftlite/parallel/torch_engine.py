@@ -213,8 +213,9 @@ class TorchEngine:
 
     @property
     def _frozen_ok(self) -> bool:
-        # LoRA: the frozen base comes from the base model at resume; only trainable state is saved.
-        return bool(getattr(self.cfg, "is_peft", False))
+        # LoRA, Houlsby adapters: the frozen base comes from the base model at resume; only trainable state
+        # is saved.
+        return bool(getattr(self.cfg, "is_peft", False)) or getattr(self.cfg.train, "train_type", None) == "adapter"
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer with HF names, full tensors on CPU, on rank 0 ({} elsewhere)."""

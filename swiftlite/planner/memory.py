@@ -52,7 +52,8 @@ from swiftlite.planner.activations import (CHUNK_LOGIT_BYTES, LOGIT_BYTES,  # no
 from swiftlite.planner.load import LoadPhase, load_phase
 from swiftlite.planner.shape import ModelShape
 from swiftlite.planner.states import (_base_bytes, _ceil_div, _frozen_elem,  # noqa: F401 (re-exported)
-                                      _state_bytes_per_param, quantized_bytes, trainable_params)
+                                      _state_bytes_per_param, quantized_bytes, trainable_params,
+                                      tuner_params)
 from swiftlite.planner.transients import (autocast, autocast_copy_bytes, host_step_transient_bytes,
                                           step_transient_bytes)
 from swiftlite.planner.topology import LinkBytes, hsdp_shard_size, split_by_link
@@ -109,6 +110,7 @@ class Workload:
     boft_block: tuple[int, int, int] = (4, 0, 1)   # --boft_block_size, --boft_block_num, --boft_n_butterfly_factor
     adalora_init_r: int = 12
     llamapro_blocks: int = 4             # --train_type llamapro: the inserted layers (the shape counts them)
+    adapter_length: int = 128            # --train_type adapter: each Houlsby adapter's bottleneck width
     bone_rank: int = 4                             # --reft_rank
     quant_bits: int | None = None        # None, 4 (nf4) or 8 (LLM.int8); qlora implies 4; 1/2/3/4/8 with hqq
     double_quant: bool = True            # nf4 double quantization of the absmax constants
@@ -154,7 +156,7 @@ class Workload:
         if dtypes.normalize(self.dtype) in dtypes.NAMES:
             self.dtype = dtypes.normalize(self.dtype)   # bfloat16 -> bf16; anything else is reported as given
         self.quant_bits = base_bits(self.train_type, self.quant_bits)
-        if self.train_type == "llamapro":   # its blocks are copies of loaded layers: every rank loads whole
+        if self.train_type in ("llamapro", "adapter"):   # change the loaded model: FSDP's ranks load it whole
             self.sharded_loading = False
         if self.gpus_per_node is None:
             self.gpus_per_node = self.world_size
@@ -222,24 +224,8 @@ class Workload:
         return self.train_type in PEFT_TYPES
 
     def adapter_params(self, shape: ModelShape) -> int:
-        """Trainable adapter parameters. LoRA: r (in + out) per adapted linear. AdaLoRA: its starting
-        rank's A, B and E (init_r (in + out + 1); pruning zeroes entries of E but keeps the tensors, so
-        the count is the same at every step). BOFT: its blocks and scales (ModelShape.boft_params).
-        Bone (peft's MiSS): r x out per adapted linear (ModelShape.miss_params).
-        Approximated: BOFT's forward (and Bone's with --init_weights bat) also holds each adapted layer's
-        rotated or updated weight (out x in) until the backward; the activation formulas count LoRA's
-        input copies instead."""
-        if self.train_type == "llamapro":   # whole new decoder layers, already in `shape` (ModelShape.expanded)
-            return self.llamapro_blocks * shape.n_layer_params
-        if self.train_type == "boft":
-            return shape.boft_params(*self.boft_block, targets=self.lora_targets)
-        if self.train_type == "bone":
-            return shape.miss_params(self.bone_rank, self.lora_targets)
-        if self.train_type == "adalora":
-            return (shape.lora_params(self.adalora_init_r, self.lora_targets)
-                    + sum(self.adalora_init_r * lin.count for lin in shape.linears
-                          if "all-linear" in self.lora_targets or lin.name in self.lora_targets))
-        return shape.lora_params(self.lora_rank, self.lora_targets)
+        """Trainable parameters of a tuner on a frozen base, per train type (planner/states.tuner_params)."""
+        return tuner_params(shape, self)
 
     def trained_shape(self, shape: ModelShape) -> ModelShape:
         """The model this workload trains: `shape` itself, or for llamapro with its inserted layers."""
@@ -308,7 +294,7 @@ def model_state_bytes(shape: ModelShape, workload: Workload, backend: str | Back
     p_b, g_b, o_b = _state_bytes_per_param(w, rec.memory_family)
     trainable = trainable_params(shape, w)
     frozen = 0
-    if w.peft:
+    if w.peft or w.train_type == "adapter":   # the whole base frozen (adapter: its modules are extra)
         n_other = shape.n_params - shape.n_linear_params
         frozen = _base_bytes(w, shape.n_linear_params, n_other, shape.linear_out_rows,
                              _frozen_elem(w, rec.memory_family))
@@ -448,6 +434,8 @@ def unavailable_reason(w: Workload, backend: str | Backend) -> str:
     rec = backend_record(backend)
     if w.train_type == "llamapro" and rec.memory_family not in ("single", "ddp", "fsdp", "hsdp"):
         return "--train_type llamapro runs on single, ddp, fsdp and hsdp (models/llamapro.backend_problem)"
+    if w.train_type == "adapter" and rec.memory_family == "fsdp1":
+        return "--train_type adapter runs on every backend but fsdp1 (models/adapter.backend_problem)"
     if w.dtype == "fp16" and not rec.loss_scaling:
         return "fp16 needs loss scaling, which only the DeepSpeed backends provide"
     if w.quant_bits is not None and w.quant_method == "hqq" and rec.shards[0]:

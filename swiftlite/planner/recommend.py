@@ -225,6 +225,7 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         lora_dropout=0.0 if cfg.train.train_type in ("boft", "bone") else cfg.lora.lora_dropout,
         boft_block=(cfg.lora.boft_block_size, cfg.lora.boft_block_num, cfg.lora.boft_n_butterfly_factor),
         adalora_init_r=cfg.lora.adalora_init_r, bone_rank=cfg.lora.reft_rank, llamapro_blocks=llamapro_groups(cfg),
+        adapter_length=cfg.lora.adapter_length,
         quant_bits=cfg.quant_bits, double_quant=cfg.quant.bnb_4bit_use_double_quant,
         quant_method=cfg.quant_method or "bnb",
         max_length=seq_len, sequence_parallel=cfg.parallel.sequence_parallel_size,

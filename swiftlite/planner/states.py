@@ -59,6 +59,31 @@ def trainable_params(shape: ModelShape, w: Any) -> int:
     return shape.n_params if w.train_type == "full" else w.adapter_params(shape)
 
 
+def tuner_params(shape: ModelShape, w: Any) -> int:
+    """Trainable parameters of a tuner on a frozen base. LoRA: r (in + out) per adapted linear. AdaLoRA: its
+    starting rank's A, B and E (init_r (in + out + 1); pruning zeroes entries of E but keeps the tensors, so
+    the count is the same at every step). BOFT: its blocks and scales (ModelShape.boft_params).
+    Bone (peft's MiSS): r x out per adapted linear (ModelShape.miss_params). Houlsby adapters
+    (models/adapter.py): per decoder layer linear1 (hidden x length + length) and linear2 (length x hidden
+    + hidden), not part of `shape`.
+    Approximated: BOFT's forward (and Bone's with --init_weights bat) also holds each adapted layer's
+    rotated or updated weight (out x in) until the backward; the activation formulas count LoRA's
+    input copies instead."""
+    if w.train_type == "llamapro":   # whole new decoder layers, already in `shape` (ModelShape.expanded)
+        return w.llamapro_blocks * shape.n_layer_params
+    if w.train_type == "adapter":
+        return shape.layers * (2 * shape.hidden * w.adapter_length + w.adapter_length + shape.hidden)
+    if w.train_type == "boft":
+        return shape.boft_params(*w.boft_block, targets=w.lora_targets)
+    if w.train_type == "bone":
+        return shape.miss_params(w.bone_rank, w.lora_targets)
+    if w.train_type == "adalora":
+        return (shape.lora_params(w.adalora_init_r, w.lora_targets)
+                + sum(w.adalora_init_r * lin.count for lin in shape.linears
+                      if "all-linear" in w.lora_targets or lin.name in w.lora_targets))
+    return shape.lora_params(w.lora_rank, w.lora_targets)
+
+
 def _state_bytes_per_param(w: Any, family: str) -> tuple[int, int, int]:
     """(param, grad, optimizer) bytes per *trainable* parameter under a memory family: what the
     backend holds (measured from the tensors: TorchEngine/DeepSpeedEngine.state_bytes)."""

@@ -51,7 +51,7 @@ def test_run_help_shows_zero_defaults_and_choices():
     lines = {ln.split()[0]: ln for ln in run_help("sft").splitlines() if ln.startswith("  --")}
     assert "[default: 0]" in lines["--warmup-steps"]
     assert "[default: 0.0]" in lines["--warmup-ratio"]
-    assert "[choices: full, lora, qlora, longlora, boft, adalora, bone, llamapro]" in lines["--train-type"] and "[default: lora]" in lines["--train-type"]
+    assert "[choices: full, lora, qlora, longlora, boft, adalora, bone, llamapro, adapter]" in lines["--train-type"] and "[default: lora]" in lines["--train-type"]
     assert "[choices:" in lines["--torch-dtype"] and "fp32" in lines["--torch-dtype"]
     assert "[default:" not in lines["--template"]  # None: nothing to show
     assert "[default: False]" not in run_help("pt")  # an off switch shows no default

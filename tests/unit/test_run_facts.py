@@ -156,8 +156,10 @@ def test_a_model_only_resume_refuses_only_a_change_of_the_weights_shape(tmp_path
 
 def test_the_weights_shape_facts_are_recorded_ones():
     """Every name a model-only resume compares is one run_facts records (for a LoRA run, or for a
-    llamapro run off its default blocks and groups)."""
+    llamapro run off its default blocks and groups, or an adapter run off its default width)."""
     lora = set(run_facts(build_config(LORA), DATA, 8)["shape"])
     llamapro = build_config({"train_type": "llamapro", "llamapro_num_new_blocks": 2, "llamapro_num_groups": 1})
-    assert set(WEIGHT_SHAPE) <= lora | set(run_facts(llamapro, DATA, 8)["shape"])
     assert {"llamapro_num_new_blocks", "llamapro_num_groups"} <= set(run_facts(llamapro, DATA, 8)["shape"])
+    adapter = set(run_facts(build_config({"train_type": "adapter", "adapter_length": 8}), DATA, 8)["shape"])
+    assert set(WEIGHT_SHAPE) <= lora | set(run_facts(llamapro, DATA, 8)["shape"]) | adapter
+    assert "adapter_length" in adapter
