@@ -106,6 +106,10 @@ def test_resume_gives_the_uninterrupted_run(demo_data, tmp_path):
     a, b = _dcp_weights(tmp_path / "whole" / "checkpoint-6"), _dcp_weights(tmp_path / "cut" / "checkpoint-6")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    # the weights alone (--resume_only_model): a new run from step 0 on the trained adapters
+    _sft(demo_data, tmp_path / "only", 1, "--resume_from_checkpoint", tmp_path / "whole" / "checkpoint-4",
+         "--resume_only_model", "true")
+    assert read_losses(tmp_path / "only")[1] < whole[1] - 0.05   # not the seeded adapters' first loss
     # another width is another run: refused, naming it
     proc = run_cli(["sft", *BASE[:-1], "16", "--dataset", demo_data[0], "--output_dir", tmp_path / "cut",
                     "--max_steps", 8, "--resume", "true"], check=False)

@@ -221,6 +221,11 @@ SFT = [
                  "--num_train_epochs 1 --learning_rate 1e-4 --eval_steps 100 --save_steps 100 --save_total_limit 2 "
                  "--logging_steps 5 --model_author swift --model_name swift-robot",
      {"train_type": "llamapro", "llamapro_num_new_blocks": 4, "llamapro_num_groups": None}),
+    # examples/train/tuners/adapter/train.sh (ms-swift's defaults: --adapter_length 128, --adapter_act gelu)
+    ("adapter", f"sft {_C} --tuner_type adapter --dataset {{self_cognition}}#16 --num_train_epochs 1 "
+                "--learning_rate 1e-4 --eval_steps 100 --save_steps 100 --save_total_limit 2 --logging_steps 5 "
+                "--model_author swift --model_name swift-robot",
+     {"train_type": "adapter", "adapter_length": 128, "adapter_act": "gelu"}),
     ("orpo_messages", f"rlhf --rlhf_type orpo {_C} --dataset {{preference}}#8 --num_train_epochs 1",
      {"rlhf_type": "orpo", "num_train_epochs": 1}),
 ]
