@@ -334,8 +334,10 @@ def weights_only_problem(path: Path | None, cfg: "RunConfig", choice: Any, state
     return (f"--resume: {path.name} holds only the weights (--save_only_model), in a "
             f"{'DeepSpeed' if saved is layout.CheckpointFormat.DS else 'torch backend'}'s format, which this backend reads only "
             f"through a conversion that needs the optimizer state; resume it with the backend that wrote it "
-            f"({state.get('backend')}), or start a new run from its "
-            f"{layout.ADAPTER_DIR if cfg.is_peft else layout.MODEL_DIR}/ folder")
+            f"({state.get('backend')})" + ("; its Houlsby adapters have no HF folder to start a new run from"
+                                           if cfg.train.train_type == "adapter" else
+                                           f", or start a new run from its "
+                                           f"{layout.ADAPTER_DIR if cfg.is_peft else layout.MODEL_DIR}/ folder"))
 
 
 def saved_format(state: dict) -> layout.CheckpointFormat:

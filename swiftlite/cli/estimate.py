@@ -24,9 +24,10 @@ def estimate_cmd(
     model: str = typer.Option("tiny-llama", "--model", help="Preset name or local HF folder (config.json only)."),
     train_type: Optional[str] = typer.Option(None, "--train-type", "--train_type",
                                              help="full, lora, qlora, longlora (as lora), boft, adalora, bone, "
-                                                  "llamapro or adapter (default full; boft, adalora, bone, llamapro and adapter with "
-                                                  "ms-swift's default blocks, ranks and widths: llamapro adds 4 layers and trains "
-                                                  "them, adapter trains a 128-wide Houlsby adapter per layer)."),
+                                                  "llamapro or adapter (default full; boft, adalora, bone, "
+                                                  "llamapro and adapter with ms-swift's default blocks, ranks and "
+                                                  "widths: llamapro adds 4 layers and trains them, adapter trains "
+                                                  "a 128-wide Houlsby adapter after each MLP)."),
     lora: bool = typer.Option(False, "--lora", help="Shorthand for --train-type lora."),
     qlora: bool = typer.Option(False, "--qlora", help="Shorthand for --train-type qlora (a 4-bit base)."),
     gpus: int = typer.Option(1, "--gpus", "--gpus-per-node", "--gpus_per_node", "--nproc-per-node", "--nproc_per_node",

@@ -38,8 +38,8 @@ def moves_base(init_weights: str) -> bool:
 
 @dataclass(kw_only=True)
 class TunerOptions(Section):
-    """`boft_*`, `adalora_*`, `reft_rank`, `llamapro_*` and `adapter_*`: read only by their own --train_type; `lora_ga_*`
-    by --init_weights lora-ga; `lisa_*` by --train_type full."""
+    """`boft_*`, `adalora_*`, `reft_rank`, `llamapro_*` and `adapter_*`: read only by their own --train_type;
+    `lora_ga_*` by --init_weights lora-ga; `lisa_*` by --train_type full."""
     boft_block_size: int = opt(4, "BOFT (peft boft_block_size): size of each orthogonal block; each adapted "
                                "layer's input width must be a multiple of it. Give it or --boft_block_num, "
                                "not both (0 = unset).")

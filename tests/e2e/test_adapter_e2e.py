@@ -1,8 +1,8 @@
 """--train_type adapter end to end on the 2-layer preset (Houlsby adapters of width 8 after both MLPs): only
 the adapters change, the checkpoint keeps them in dcp/ (no model/ folder transformers would load without
 them), `swiftlite infer` rebuilds the trained model from it, resume gives the uninterrupted run, 2 DDP and
-FSDP2 processes and 2 ZeRO-2/ZeRO-3 processes give the 1-process run (a ZeRO-3 checkpoint resumes under fsdp), export and
-the backends it cannot run on are refused in one line."""
+FSDP2 processes and 2 ZeRO-2/ZeRO-3 processes give the 1-process run (a ZeRO-3 checkpoint resumes under
+fsdp), export and the backends it cannot run on are refused in one line."""
 
 from __future__ import annotations
 

@@ -244,3 +244,16 @@ def test_export_refusal_is_one_line():
     msg = str(e.value)
     assert msg.startswith("--ckpt out/checkpoint-4: a --train_type adapter checkpoint cannot be exported")
     assert "ms-swift cannot merge it either" in msg and "\n" not in msg
+
+
+def test_weights_only_checkpoint_across_formats_names_no_folder(tmp_path):
+    """A --save_only_model adapter checkpoint read by another format is refused without pointing at a model/
+    folder it does not have."""
+    from swiftlite.checkpoint.state import weights_only_problem
+    from swiftlite.parallel.base import BackendChoice
+    state = {"save_only_model": True, "format": "dcp", "backend": "single", "train_type": "adapter"}
+    why = weights_only_problem(tmp_path, cfg_of("--train_type", "adapter"), BackendChoice("zero2", "zero2"), state)
+    assert why and "its Houlsby adapters have no HF folder" in why and "model/" not in why
+    full = weights_only_problem(tmp_path, cfg_of("--train_type", "full"), BackendChoice("zero2", "zero2"),
+                                {**state, "train_type": "full"})
+    assert full and full.endswith("start a new run from its model/ folder")
