@@ -160,20 +160,26 @@ def _llamapro(c: RunConfig):
         return f"--llamapro_num_new_blocks must be >= 1, got {lc.llamapro_num_new_blocks}"
     if lc.llamapro_num_groups is not None and lc.llamapro_num_groups < 1:
         return f"--llamapro_num_groups must be >= 1, got {lc.llamapro_num_groups}"
+    return _own_modules(c, "llamapro", "the new blocks", lora_why="it trains whole new decoder blocks, no adapter",
+                        quant_why="the new blocks are copies of 16-bit layers trained in full",
+                        rlhf_what="expands and trains LLaMA-Pro blocks")
+
+
+def _own_modules(c: RunConfig, tuner: str, trained: str, *, lora_why: str, quant_why: str, rlhf_what: str):
+    """What the tuners that train modules of their own on a frozen 16-bit base (llamapro, adapter) refuse
+    alike: LoRA's options, a quantized base, new tokens (their embeddings would stay frozen), rlhf."""
     from swiftlite.config.tuner_options import LORA_ONLY
     given = [k for k in LORA_ONLY if k in c.explicit]
     if given:
-        return (f"{_flag(given[0])} does not apply to --train_type llamapro: it trains whole new decoder blocks, "
-                "no adapter: drop it")
+        return f"{_flag(given[0])} does not apply to --train_type {tuner}: {lora_why}: drop it"
     if c.quant_bits is not None:
-        return (f"--quant_bits {c.quant_bits} with --train_type llamapro: the new blocks are copies of 16-bit layers "
-                "trained in full: drop --quant_bits")
+        return f"--quant_bits {c.quant_bits} with --train_type {tuner}: {quant_why}: drop --quant_bits"
     if c.model.new_special_tokens:
-        return ("--new_special_tokens with --train_type llamapro: only the new blocks train, so the new tokens' "
+        return (f"--new_special_tokens with --train_type {tuner}: only {trained} train, so the new tokens' "
                 "embeddings would stay untrained: drop it, or train them with --train_type full or lora")
     if task_spec(c.task).own_options == "rlhf":
-        return ("--train_type llamapro with swiftlite rlhf: swiftlite expands and trains LLaMA-Pro blocks with sft "
-                "and pt only")
+        return f"--train_type {tuner} with swiftlite rlhf: swiftlite {rlhf_what} with sft and pt only"
+    return None
 
 
 @rule("adapter options")
@@ -189,24 +195,15 @@ def _adapter(c: RunConfig):
     if lc.adapter_act not in ACT2CLS:
         return (f"--adapter_act {lc.adapter_act}: not an activation of transformers' ACT2CLS; choose one of "
                 f"{', '.join(sorted(ACT2CLS))}")
-    from swiftlite.config.tuner_options import LORA_ONLY
-    given = [k for k in LORA_ONLY if k in c.explicit]
-    if given:
-        return (f"{_flag(given[0])} does not apply to --train_type adapter: it trains Houlsby adapters after each "
-                "MLP (--adapter_length, --adapter_act), no LoRA: drop it")
-    if c.quant_bits is not None:
-        return (f"--quant_bits {c.quant_bits} with --train_type adapter: swiftlite trains Houlsby adapters on a "
-                "16-bit base only (a quantized base is --train_type qlora): drop --quant_bits")
-    if c.model.new_special_tokens:
-        return ("--new_special_tokens with --train_type adapter: only the adapters train, so the new tokens' "
-                "embeddings would stay untrained: drop it, or train them with --train_type full or lora")
     from swiftlite.config.galore_options import uses_galore
     if uses_galore(c):
         return ("--use_galore with --train_type adapter: GaLore projects the gradients of whole weight matrices, "
                 "and this run trains only the adapters' small ones: drop it")
-    if task_spec(c.task).own_options == "rlhf":
-        return ("--train_type adapter with swiftlite rlhf: swiftlite trains Houlsby adapters with sft and pt "
-                "only")
+    return _own_modules(c, "adapter", "the adapters",
+                        lora_why="it trains Houlsby adapters after each MLP (--adapter_length, --adapter_act), no LoRA",
+                        quant_why=("swiftlite trains Houlsby adapters on a 16-bit base only (a quantized base is "
+                                   "--train_type qlora)"),
+                        rlhf_what="trains Houlsby adapters")
 
 
 @rule("lisa layers")

@@ -11,8 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from swiftlite.checkpoint import layout
-from swiftlite.checkpoint.readers import DCPReader, TensorReader, ZeroReader
+from swiftlite.checkpoint.readers import TensorReader
 from swiftlite.config.tuner_options import moves_base
 from swiftlite.errors import UserError
 from swiftlite.export.source import Source
@@ -108,11 +107,8 @@ def load_adapter(src: Source, log: Callable[[str], None]) -> Adapter:
                             "its tensors are relative to the base PiSSA/OLoRA/LoRA-GA rewrote; export a checkpoint "
                             "written "
                             "with --save-hf-model true (its adapter/ is converted to a plain LoRA of the base)")
-        if src.weights is layout.CheckpointFormat.DCP:
-            reader: TensorReader = DCPReader(src.dcp_dir)
-        elif src.weights is layout.CheckpointFormat.DS:
-            reader = ZeroReader(src.path, exclude_frozen=True)
-        else:
+        reader: TensorReader | None = src.sharded_reader(exclude_frozen=True)
+        if reader is None:
             raise UserError(f"--ckpt {src.arg}: no adapter in {src.path}")
         names = {n: peft_name(n) for n in reader.names()}
         if lc.lora_bias == "all":   # every bias trained: peft's adapter file names them as the model does

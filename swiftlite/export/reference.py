@@ -11,8 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from swiftlite.checkpoint import layout
-from swiftlite.checkpoint.readers import DCPReader, SafetensorsReader, ZeroReader
+from swiftlite.checkpoint.readers import SafetensorsReader
 from swiftlite.export.adapter import load_adapter
 from swiftlite.export.base_model import tied_names, tokenizer_for
 from swiftlite.export.source import Source, inspect_source, model_config_for, resolve_base
@@ -42,9 +41,9 @@ def reference_model(src: Source) -> tuple[torch.nn.Module, str]:
             from transformers import AutoConfig
             conf = AutoConfig.from_pretrained(str(src.path))
         m = auto_class(conf).from_config(conf, dtype=torch.float32)
-        reader = (DCPReader(src.dcp_dir) if src.weights is layout.CheckpointFormat.DCP else
-                  ZeroReader(src.path, exclude_frozen=False) if src.weights is layout.CheckpointFormat.DS else
-                  SafetensorsReader(src.path))
+        reader = src.sharded_reader(exclude_frozen=False)
+        if reader is None:
+            reader = SafetensorsReader(src.path)
         sd = {k: v.float() if v.is_floating_point() else v for k, v in reader.read(reader.names()).items()}
         missing, unexpected = m.load_state_dict(sd, strict=False)
         if unexpected or [k for k in missing if k not in tied_names(m)]:
@@ -86,11 +85,8 @@ def _adapter_model(src: Source) -> tuple[torch.nn.Module, str]:
     from swiftlite.models.adapter import ATTR, attach
     from swiftlite.models.loading import load_model
     model = attach(load_model(src.cfg, resolve_base(src)), src.cfg)
-    if src.weights is layout.CheckpointFormat.DCP:
-        reader: Any = DCPReader(src.dcp_dir)
-    elif src.weights is layout.CheckpointFormat.DS:
-        reader = ZeroReader(src.path, exclude_frozen=True)
-    else:
+    reader = src.sharded_reader(exclude_frozen=True)
+    if reader is None:
         raise VerifyError(f"{src.path}: no dcp/ or ds/ holding the adapters' weights")
     names = [n for n in reader.names() if f".{ATTR}." in n]
     want = {n for n, _ in model.named_parameters() if f".{ATTR}." in n}

@@ -73,6 +73,16 @@ class Source:
         d = self.path / layout.MODEL_DIR
         return d if (d / "config.json").is_file() else None
 
+    def sharded_reader(self, exclude_frozen: bool) -> Any:
+        """A reader of the checkpoint's sharded state (dcp/ or ds/; `exclude_frozen`: ZeRO's trainable tensors
+        only), or None when the weights are a folder of their own (`weights` is None)."""
+        from swiftlite.checkpoint.readers import DCPReader, ZeroReader
+        if self.weights is layout.CheckpointFormat.DCP:
+            return DCPReader(self.dcp_dir)
+        if self.weights is layout.CheckpointFormat.DS:
+            return ZeroReader(self.path, exclude_frozen=exclude_frozen)
+        return None
+
     def describe(self) -> str:
         if self.form == "checkpoint":
             return (f"{self.path} (step {self.step}, {self.train_type}, {self.backend} x {self.world_size})")
