@@ -38,7 +38,8 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
               switch=True),
     NoMeaning("logging_dir", "TensorBoard events are written to <output-dir>/runs (--report-to tensorboard)"),
     NoMeaning("max_new_tokens", "training never generates; generation length is `swiftlite infer --max-new-tokens`"),
-    NoMeaning("tuner_backend", "peft is the only tuner backend", fits=("peft",)),
+    NoMeaning("tuner_backend", "peft is the only tuner backend (unsloth's current release needs an NVIDIA GPU and "
+                               "transformers <= 5.17)", fits=("peft",)),
     NoMeaning("data_seed", "--seed sets the data order as well as the weights and dropout"),
     NoMeaning("dataset_shuffle", "the training rows are always shuffled (a permutation per epoch seeded by --seed)",
               fits=("true",), switch=True),
@@ -92,8 +93,10 @@ REFUSED_VALUES: dict[tuple[str, str], str] = {
     **{("optim", o): f"GaLore is --use_galore true with --optim {base} (and --galore_target_modules for HF's "
                      "--optim_target_modules)" for o, base in (("galore_adamw", "adamw_torch"),
                                                                 ("galore_adafactor", "adafactor"))},
-    **{("train_type", t): _TUNERS for t in ("vera",
-                                            "fourierft", "reft", "lora_llm")},
+    **{("train_type", t): _TUNERS for t in ("vera", "fourierft", "lora_llm")},
+    # ms-swift builds ReFT with pyreft, whose one release (0.1.0) pins transformers==4.45.1
+    ("train_type", "reft"): "ReFT runs on pyreft, whose release (0.1.0) requires transformers 4.45.1, and swiftlite " \
+                            "runs on transformers 5; " + _TUNERS,
     **{("quant_method", q): _QUANT for q in ("gptq", "awq", "eetq", "quanto", "fp8", "aqlm")},
     ("rlhf_type", "ppo"): "PPO is not available",
     ("optimizer", "lorap"): "give --lorap_lr_ratio (ms-swift picks its lorap optimizer from it; so does swiftlite)",

@@ -498,7 +498,7 @@ CASES: list[Case] = [
          more=("norm is a LlamaRMSNorm, which LoRA cannot adapt",)),
     # a refused --train_type: the rule on --quant_method bnb, which depends on it, is not run
     Case("stages-refused-flag-not-judged", ["sft", *GOOD, *DATA, "--train_type", "reft", "--quant_method", "bnb"],
-         "error: --train_type reft: swiftlite trains full, lora, qlora"),
+         "error: --train_type reft: ReFT runs on pyreft, whose release (0.1.0) requires transformers 4.45.1"),
     # a refused model folder is not inspected for --target_modules; the value rule is still judged
     Case("stages-refused-folder-not-inspected", ["sft", "--model", "awq", "--max-steps", "2", *DATA,
                                                  "--target_modules", "foo", "--weight_decay", "-1"],

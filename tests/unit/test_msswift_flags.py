@@ -57,7 +57,7 @@ TABLE = [
     ("--train_type bone --init_weights bat", ("init_weights", "bat")),
     ("--train_type bone --init_weights pissa", "--init_weights pissa: a LoRA initialisation; --train_type bone"),
     ("--reft_rank 8", "--reft_rank is the rank of --train_type bone here"),
-    ("--train_type reft", "--train_type reft: swiftlite trains full, lora, qlora"),
+    ("--train_type reft", "--train_type reft: ReFT runs on pyreft, whose release (0.1.0) requires transformers 4.45.1"),
     ("--train_type longlora", ("train_type", "longlora")),
     ("--train_type vera", "--train_type vera: swiftlite trains full, lora, qlora"),
     ("--tuner_backend peft", ACCEPTED),
