@@ -365,8 +365,10 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
 def _collect(b: GrpoBatches, mine: list[list[int]], sampled: list[dict[str, torch.Tensor]]) -> tuple:
     """(micro, texts, lengths, truncated) of this rank's sampled micro-batches: each micro-batch's tensors
     keyed by its completions (with a `truncated` flag per row), and per completion its text, the tokens the
-    loss counts (a multi-turn round's insertions out) and 1.0 where it has no EOS (cut at the limit)."""
-    from swiftlite.rlhf.stop_words import ended
+    loss counts (a multi-turn round's insertions out) and 1.0 where it was cut at the limit (ms-swift's
+    finish_reason 'length' of its last turn: it ends in a sampled token that is neither EOS nor completes a
+    stop word; a multi-turn completion that ends in a scheduler's insertion ended its last turn before it)."""
+    from swiftlite.rlhf.stop_words import at_limit
     micro: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
     texts: dict[int, str] = {}
     lengths: dict[int, int] = {}
@@ -378,8 +380,8 @@ def _collect(b: GrpoBatches, mine: list[list[int]], sampled: list[dict[str, torc
         for j, c in enumerate(mb):
             n = int(c_mask[j].sum())
             lengths[c] = int(counted[j])
-            truncated[c] = float(n == 0 or (int(c_ids[j, n - 1]) not in eos_ids   # neither EOS nor a stop word
-                                            and not ended(b.tokenizer, c_ids[j, :n].tolist(), b.options.stop_words)))
+            loss = t["loss_mask"][j, :n].tolist() if "loss_mask" in t else None
+            truncated[c] = float(at_limit(b.tokenizer, c_ids[j, :n].tolist(), loss, eos_ids, b.options.stop_words))
             texts[c] = b.tokenizer.decode(c_ids[j, :n].tolist(), skip_special_tokens=True)
         t["truncated"] = torch.tensor([truncated[c] for c in mb], device=c_mask.device)
     return micro, texts, lengths, truncated

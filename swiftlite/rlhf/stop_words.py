@@ -9,7 +9,7 @@ the colocated vLLM engine, a rollout server): each token is drawn from the token
 noise only (rlhf/generate.py), so the tokens up to the stop are the ones an engine that stopped there
 would have drawn; the tokens past it cost generation time, not a different result. A completion cut here
 is finished, not truncated (ms-swift's finish_reason `stop`): --overlong_filter keeps it and
-`completions/clipped_ratio` does not count it.
+`completions/clipped_ratio` does not count it. A multi-turn completion is judged by its last turn (`at_limit`).
 """
 
 from __future__ import annotations
@@ -64,4 +64,21 @@ def ended(tokenizer: Any, ids: list[int], words: list[str]) -> bool:
     return bool(words) and stop_length(tokenizer, ids, words) == len(ids)
 
 
-__all__ = ["cut", "ended", "stop_length"]
+def at_limit(tokenizer: Any, ids: list[int], loss: list[int] | None, eos_ids: set[int], words: list[str]) -> bool:
+    """Whether a completion was cut at the length limit: ms-swift's finish_reason 'length' of its last turn
+    (`completions/clipped_ratio`, --overlong_filter). Its last turn is the tokens after its last insertion
+    (`loss`: a multi-turn completion's loss mask, 0 on a scheduler's insertions; None: one turn), cut at the
+    limit when it ends in a token that is neither EOS nor completes a stop word of that turn. A completion
+    that ends in an insertion (the budget ran out after a step) ended its last turn before it."""
+    if not ids:
+        return True
+    last = ids
+    if loss is not None:
+        k = len(ids)
+        while k > 0 and loss[k - 1]:
+            k -= 1
+        last = ids[k:]
+    return bool(last) and ids[-1] not in eos_ids and not ended(tokenizer, last, words)
+
+
+__all__ = ["at_limit", "cut", "ended", "stop_length"]

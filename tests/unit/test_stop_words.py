@@ -45,3 +45,24 @@ def test_cut_resets_the_tensors_past_the_stop_and_keeps_the_others():
     assert TOK.decode(t["completion_ids"][0, :k].tolist()) == "abc STOP"
     assert (t["completion_ids"][0, k:] == 259).all() and all(math.isnan(v) for v in t["rollout_logps"][0, k:].tolist())
     assert torch.equal(t["completion_ids"][1], before) and int(t["completion_mask"][1].sum()) == len(b)
+
+
+def test_a_multi_turn_completion_is_cut_at_the_limit_by_its_last_turn_only():
+    """ms-swift's finish_reason of the last turn: a stop word or EOS at its end finishes it, whatever earlier
+    turns held; a completion ending in a scheduler's insertion ended its last turn before; a last turn that
+    ends in another sampled token was cut at the limit (before: one stop word in an earlier turn made a
+    completion ending with another count as cut)."""
+    from swiftlite.rlhf.stop_words import at_limit
+    EOS = TOK.eos_token_id
+    words = ["Observation:"]
+    turn1 = TOK.encode("Action: calc\nObservation:", add_special_tokens=False)
+    answer = TOK.encode(" 5", add_special_tokens=False)
+    turn2 = TOK.encode(" more\nObservation:", add_special_tokens=False)
+    ids, loss = turn1 + answer + turn2, [1] * len(turn1) + [0] * len(answer) + [1] * len(turn2)
+    assert not at_limit(TOK, ids, loss, {EOS}, words)              # the last turn ends at its own stop word
+    assert at_limit(TOK, ids, None, {EOS}, words)                   # one turn's rule: the first stop word is earlier
+    cut = ids[:-2]
+    assert at_limit(TOK, cut, loss[:-2], {EOS}, words)             # the last turn ran out of tokens
+    assert not at_limit(TOK, turn1 + answer, loss[:len(turn1 + answer)], {EOS}, words)   # ends in an insertion
+    assert not at_limit(TOK, ids + [EOS], loss + [1], {EOS}, [])    # EOS
+    assert at_limit(TOK, [], [], {EOS}, words)                       # nothing sampled
