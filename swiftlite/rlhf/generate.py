@@ -63,13 +63,19 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 def sample(model: Any, prompts: list[list[int]], seeds: list[int], *, pad_id: int, eos_id: int | list[int],
            max_new_tokens: int, temperature: float, top_p: float, top_k: int, device: Any, autocast: Any = None,
-           logprobs: bool = False, synced: bool = False) -> tuple[torch.Tensor, ...]:
+           logprobs: bool = False, synced: bool = False, stop_words: list[str] | None = None,
+           tokenizer: Any = None) -> tuple[torch.Tensor, ...]:
     """Sample one completion per prompt: (prompt_ids [B, P] left-padded, prompt_mask, completion_ids [B, C]
     (pad after the first EOS), completion_mask [B, C] (1 up to and including the first EOS)), and with
     `logprobs` the sampled tokens' log-probabilities at generation [B, C] (GumbelSampler's record).
     `synced`: transformers' synced_gpus, for engines whose forward runs collectives (parallel/gather.py
     `lockstep`); off otherwise, also where transformers would turn it on for a sharded model whose
-    weights `gathered` already holds, so that each process generates on its own."""
+    weights `gathered` already holds, so that each process generates on its own.
+    `stop_words` (with `tokenizer`): --stop_words end a row's generation once its text holds one, and
+    generation ends when every row is done (transformers pads a finished row; rlhf/stop_words.stopping);
+    the caller still cuts each completion at its first stop word (rlhf/stop_words.cut), and the tokens up to
+    it are those drawn without stopping (each row's noise is its own generator's, drawn for every row at
+    every step)."""
     from transformers import GenerationConfig, LogitsProcessorList
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
@@ -86,12 +92,18 @@ def sample(model: Any, prompts: list[list[int]], seeds: list[int], *, pad_id: in
     procs.append(GumbelSampler(gens, record))
     gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad_id,
                           eos_token_id=eos_id, temperature=None, top_p=None, top_k=None, use_cache=True)
+    stops = {}
+    if stop_words:
+        from transformers import StoppingCriteriaList
+
+        from swiftlite.rlhf.stop_words import stopping
+        stops["stopping_criteria"] = StoppingCriteriaList([stopping(tokenizer, list(stop_words), width)])
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), (autocast if autocast is not None else contextlib.nullcontext()):
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
-                                 logits_processor=LogitsProcessorList(procs), synced_gpus=synced)
+                                 logits_processor=LogitsProcessorList(procs), synced_gpus=synced, **stops)
     finally:
         model.train(was_training)
     completion = out[:, width:]

@@ -168,7 +168,8 @@ def _generate(engine: Any, b: GkdBatches, prompts: list[list[list[int]]], seeds:
     synced = lockstep(engine.root())          # FSDP1: the same generate calls on every process
     with gathered(engine.root()):
         return _turns(b, lambda p, s, n, first: [sample(b.model, pp, sd, autocast=engine.autocast(), synced=synced,
-                                                        max_new_tokens=n, **kw) for pp, sd in zip(p, s)],
+                                                        max_new_tokens=n, stop_words=o.stop_words,
+                                                        tokenizer=b.tokenizer, **kw) for pp, sd in zip(p, s)],
                       prompts, seeds, rows, synced)
 
 

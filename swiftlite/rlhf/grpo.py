@@ -438,7 +438,8 @@ def _sample_round(engine: Any, b: GrpoBatches, rnd: int, prompts: list[int], att
     with gathered(engine.root()):            # the wrapper (FSDP1's root, the DeepSpeed engine) or the model
         return _turns(b, lambda p, s, n, first: [
             sample(b.model, pp, ss, autocast=engine.autocast(), logprobs=bool(o.log_rollout_offpolicy_metrics),
-                   max_new_tokens=n, synced=synced, **kw) for pp, ss in zip(p, s)], ids, seeds, rows, synced)
+                   max_new_tokens=n, synced=synced, stop_words=o.stop_words, tokenizer=b.tokenizer, **kw)
+            for pp, ss in zip(p, s)], ids, seeds, rows, synced)
 
 
 def _turns(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, rows: list,

@@ -39,6 +39,33 @@ def stop_length(tokenizer: Any, ids: list[int], words: list[str]) -> int | None:
     return lo
 
 
+def stopping(tokenizer: Any, words: list[str], start: int) -> Any:
+    """A transformers StoppingCriteria for generate: a row is done once its completion (its tokens from
+    `start`) holds a stop word as `stop_length` reads it, so that generation ends when every row has one.
+    transformers' own stop strings match token strings, which for a byte-level vocabulary are not the
+    decoded text this module cuts on. Each step decodes a row's last tokens only (a stop word first found
+    ends in the newest token), and a hit there is confirmed on the whole completion's text."""
+    from transformers import StoppingCriteria
+    width = max(len(w.encode()) for w in words) + 8      # tokens that cover any stop word (>= 1 byte each)
+
+    class _Stop(StoppingCriteria):
+        def __init__(self) -> None:
+            self.done: torch.Tensor | None = None
+
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            if self.done is None:
+                self.done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            for b in (~self.done).nonzero().flatten().tolist():
+                row = input_ids[b, start:]
+                tail = tokenizer.decode(row[-width:].tolist(), skip_special_tokens=True)
+                if any(w in tail for w in words):
+                    text = tokenizer.decode(row.tolist(), skip_special_tokens=True)
+                    self.done[b] = any(w in text for w in words)
+            return self.done.clone()
+
+    return _Stop()
+
+
 def cut(t: dict[str, torch.Tensor], tokenizer: Any, words: list[str], pad_id: int) -> dict[str, torch.Tensor]:
     """A sampled micro-batch (generate.sample's tensors) with each completion cut after its first stop word,
     in place: the completion-wide tensors past the cut are reset (ids to pad_id, masks to 0, log-probs to nan).
@@ -81,4 +108,4 @@ def at_limit(tokenizer: Any, ids: list[int], loss: list[int] | None, eos_ids: se
     return bool(last) and ids[-1] not in eos_ids and not ended(tokenizer, last, words)
 
 
-__all__ = ["at_limit", "cut", "ended", "stop_length"]
+__all__ = ["at_limit", "cut", "ended", "stop_length", "stopping"]

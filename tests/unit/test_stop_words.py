@@ -66,3 +66,28 @@ def test_a_multi_turn_completion_is_cut_at_the_limit_by_its_last_turn_only():
     assert not at_limit(TOK, turn1 + answer, loss[:len(turn1 + answer)], {EOS}, words)   # ends in an insertion
     assert not at_limit(TOK, ids + [EOS], loss + [1], {EOS}, [])    # EOS
     assert at_limit(TOK, [], [], {EOS}, words)                       # nothing sampled
+
+
+def test_generate_stops_once_every_row_completed_a_stop_word_and_the_cut_is_unchanged():
+    """--stop_words end generation (generate.sample, stop_words.stopping): the cut completions are the ones sampled to
+    --max_completion_length and cut afterwards, token for token, while generation ends early (the completions'
+    width: the longest row's stop, not the limit)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from swiftlite.models.presets import get_preset
+    from swiftlite.rlhf.generate import sample
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**get_preset("tiny-llama-2l").config)).eval()
+    words = list("aeiou")                                       # random bytes: one token in a few completes one
+    prompts = [_ids("reverse: abcd"), _ids("hello"), _ids("x")]
+    kw = dict(pad_id=TOK.pad_token_id, eos_id=TOK.eos_token_id, max_new_tokens=64, temperature=1.0, top_p=1.0,
+              top_k=0, device="cpu")
+    full = sample(model, prompts, [1, 2, 3], **kw)
+    early = sample(model, prompts, [1, 2, 3], stop_words=words, tokenizer=TOK, **kw)
+    keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+    a = cut(dict(zip(keys, full)), TOK, words, TOK.pad_token_id)
+    b = cut(dict(zip(keys, early)), TOK, words, TOK.pad_token_id)
+    n = int(a["completion_mask"].sum(-1).max())
+    assert 0 < n < 64 and early[2].shape[1] < full[2].shape[1] == 64        # every row stopped well before 64
+    assert torch.equal(a["completion_mask"][:, :n], b["completion_mask"][:, :n])
+    assert torch.equal(a["completion_ids"][:, :n], b["completion_ids"][:, :n])
