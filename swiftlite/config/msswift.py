@@ -38,8 +38,8 @@ NO_MEANING: dict[str, NoMeaning] = {e.name: e for e in [
               switch=True),
     NoMeaning("logging_dir", "TensorBoard events are written to <output-dir>/runs (--report-to tensorboard)"),
     NoMeaning("max_new_tokens", "training never generates; generation length is `swiftlite infer --max-new-tokens`"),
-    NoMeaning("tuner_backend", "peft is the only tuner backend (unsloth's current release needs an NVIDIA GPU and "
-                               "transformers <= 5.17)", fits=("peft",)),
+    NoMeaning("tuner_backend", "peft is the only tuner backend (unsloth's current release needs a GPU for its triton "
+                               "kernels and transformers <= 5.17)", fits=("peft",)),
     NoMeaning("data_seed", "--seed sets the data order as well as the weights and dropout"),
     NoMeaning("dataset_shuffle", "the training rows are always shuffled (a permutation per epoch seeded by --seed)",
               fits=("true",), switch=True),
