@@ -71,8 +71,9 @@ def tuner_params(shape: ModelShape, w: Any) -> int:
     input copies instead."""
     if w.train_type == "llamapro":   # whole new decoder layers, already in `shape` (ModelShape.expanded)
         return w.llamapro_blocks * shape.n_layer_params
-    if w.train_type == "adapter":
-        return shape.layers * (2 * shape.hidden * w.adapter_length + w.adapter_length + shape.hidden)
+    if w.train_type == "adapter":   # the run's own count (models/adapter.py: import-light)
+        from swiftlite.models.adapter import adapter_params
+        return adapter_params(shape.layers, shape.hidden, w.adapter_length)
     if w.train_type == "boft":
         return shape.boft_params(*w.boft_block, targets=w.lora_targets)
     if w.train_type == "bone":
