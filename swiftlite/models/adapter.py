@@ -43,10 +43,11 @@ if TYPE_CHECKING:
 ATTR = "adapter_default"
 #: The module of each decoder layer the adapter follows (ms-swift's model_arch.mlp of the text LLMs).
 MLP = "mlp"
-#: The backends the adapter runs on (engine keys; "deepspeed": every ZeRO record). The FSDP2 ones load the
-#: whole model on each rank before the adapters are attached (models/loading.sharded_weights); under ZeRO-3
-#: the base is partitioned as it loads (zero.Init) and the adapters, created whole after it, are
-#: partitioned by deepspeed.initialize with the rest.
+#: The backends the adapter runs on (engine keys; "deepspeed": every ZeRO record). Under the FSDP2 ones the
+#: base is a skeleton (models/sharded.py): the adapters are created real next to its meta tensors, sharded
+#: with their layer, and kept while each rank fills its rows of the base; under ZeRO-3 the base is
+#: partitioned as it loads (zero.Init) and the adapters, created whole after it, are partitioned by
+#: deepspeed.initialize with the rest.
 BACKENDS = ("single", "ddp", "fsdp", "hsdp", "deepspeed")
 
 
@@ -138,8 +139,9 @@ def attach(model: "torch.nn.Module", cfg: "RunConfig") -> "torch.nn.Module":
                 raise UserError(f"--train_type adapter: {type(mlp).__name__} already has an adapter")
             ref = next(mlp.parameters(), None)
             adapter = cls(dim, length, act)
-            if ref is not None and ref.device.type != "meta":
-                adapter = adapter.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
+            if ref is not None:   # the base's dtype; its device, or the host for a skeleton's meta base
+                device = ref.device if ref.device.type != "meta" else None
+                adapter = adapter.to(device=device, dtype=ref.dtype if ref.is_floating_point() else None)
             setattr(mlp, ATTR, adapter)
             mlp.register_forward_hook(_add_adapter)
     return model

@@ -19,7 +19,7 @@ from swiftlite import dtypes
 from swiftlite.errors import UserError
 from swiftlite.models import rope   # --rope_scaling, --max_model_len: model_config applies them, once for all
 from swiftlite.models.source import ModelSource, is_moe, resolve_model
-from swiftlite.models.tuners import OWN_TUNERS, apply_own   # swiftlite's own tuners: llamapro, adapter
+from swiftlite.models.tuners import OWN_TUNERS, WHOLE_MODEL_TUNERS, apply_own   # swiftlite's own: llamapro, adapter
 
 if TYPE_CHECKING:
     import torch
@@ -355,8 +355,8 @@ def sharded_weights(cfg: "RunConfig", src: ModelSource, dtype: "torch.dtype", at
     without safetensors files, or a checkpoint whose tensor names are not the model's own (weights
     transformers converts while loading). A built-in preset's source is its seeded weights."""
     from swiftlite.models import sharded as sharding
-    if cfg.train.train_type in OWN_TUNERS:
-        return None, f"--train_type {cfg.train.train_type} {OWN_TUNERS[cfg.train.train_type]}"
+    if cfg.train.train_type in WHOLE_MODEL_TUNERS:
+        return None, f"--train_type {cfg.train.train_type} {WHOLE_MODEL_TUNERS[cfg.train.train_type]}"
     if cfg.model.new_special_tokens and src.kind != "preset":
         return None, "--new_special_tokens grows the embeddings beyond the checkpoint's"
     if quantized and cfg.quant.quant_bits != 4:
@@ -568,7 +568,7 @@ def prepare_model(cfg: "RunConfig", source: ModelSource | None = None, world: An
         if cfg.train.train_type == "longlora":   # S2-Attn in training mode (models/longlora.py)
             from swiftlite.models.longlora import install
             install(model, cfg.data.max_length or model.config.max_position_embeddings)
-    elif cfg.train.train_type in OWN_TUNERS:   # LLaMA-Pro, Houlsby; never on a skeleton (sharded_weights says why)
+    elif cfg.train.train_type in OWN_TUNERS:   # LLaMA-Pro (never on a skeleton: sharded_weights), Houlsby
         model = apply_own(model, cfg, world)
     if cfg.train.neftune_noise_alpha:
         add_neftune(model, cfg.train.neftune_noise_alpha)

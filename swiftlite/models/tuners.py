@@ -125,10 +125,12 @@ def check_schedule(cfg: "RunConfig", total_steps: int) -> None:
             peft_config(cfg, "all-linear", "CAUSAL_LM", total_steps)
 
 
-#: swiftlite's own tuners (no peft): --train_type -> why its model is loaded whole on each rank, never as a
-#: skeleton (models/loading.sharded_weights): each changes the loaded model before the backend wraps it.
-OWN_TUNERS = {"llamapro": "inserts copies of loaded layers, which the checkpoint does not name",
-              "adapter": "attaches its adapters (drawn under --seed) to the loaded model before it is sharded"}
+#: swiftlite's own tuners (no peft), applied to the model before the backend wraps it (`apply_own`).
+OWN_TUNERS = ("llamapro", "adapter")
+#: Those whose model cannot be a skeleton (models/loading.sharded_weights): --train_type -> why its model is
+#: loaded whole on each rank. The adapter can: its modules are created real (drawn under --seed) next to the
+#: meta base, as peft's LoRA layers are, and materialize keeps them (models/sharded.py).
+WHOLE_MODEL_TUNERS = {"llamapro": "inserts copies of loaded layers, which the checkpoint does not name"}
 
 
 def apply_own(model: Any, cfg: "RunConfig", world: Any = None) -> Any:

@@ -85,6 +85,7 @@ CASES = [  # (id, backend, processes, train type, extra flags, model: "split"/"t
     ("fsdp-preset-lora", "fsdp", 2, "lora", (), "tiny-llama"),
     ("fsdp-qlora", "fsdp", 2, "qlora", (), "split"),      # 4-bit: quantized as each weight arrives
     ("fsdp1-qlora", "fsdp1", 2, "qlora", (), "split"),
+    ("fsdp-adapter", "fsdp", 2, "adapter", ("--adapter-length", "8"), "split"),   # Houlsby adapters, real, on a meta base
 ]
 
 
