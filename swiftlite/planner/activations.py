@@ -39,7 +39,8 @@ def activation_bytes(shape: ModelShape, w: Any, autocast: bool = False) -> int:
     Eager attention adds the softmax matrix (heads * s^2, fp32 + a 16-bit copy); SDPA/flash keeps
     only its fp32 logsumexp (heads * s). LoRA dropout keeps a dropped-out copy of each adapted input
     plus its mask (1 byte on CUDA; on CPU, torch's dropout multiplies by a noise tensor of the
-    input's dtype and keeps that). With checkpointing, each layer keeps only its input (s * b * h) and one
+    input's dtype and keeps that). A Houlsby adapter (--train_type adapter) keeps the MLP's output and its
+    bottleneck's input and output (h + 2 * --adapter_length). With checkpointing, each layer keeps only its input (s * b * h) and one
     layer is recomputed at a time. The loss adds `logit_bytes` (its --loss-impl). Under
     --sequence_parallel_size N every per-token term counts a rank's 1/N of the tokens (`rank_tokens`), and
     k and v repeated to the query heads where N does not divide the kv heads add their copies.
@@ -61,6 +62,8 @@ def activation_bytes(shape: ModelShape, w: Any, autocast: bool = False) -> int:
         per_token += AUTOCAST_LAYER_EXTRA_H * shape.hidden
     if w.peft and w.lora_dropout > 0:
         per_token += shape.lora_input_features(w.lora_targets) * (e + (e if w.cpu else 1))
+    if w.train_type == "adapter":   # the MLP's output (linear1's input), linear1's output (act's input), act's
+        per_token += (shape.hidden + 2 * w.adapter_length) * e   # output (linear2's input); the sum saves none
     layer = tokens * per_token
     if w.flash_attention:
         layer += shape.heads * tokens * 4

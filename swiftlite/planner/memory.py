@@ -351,7 +351,8 @@ def _gathered_layer_bytes(shape: ModelShape, w: Workload) -> int:
     n_other = shape.n_layer_params - shape.n_layer_linear_params
     base = _base_bytes(w, shape.n_layer_linear_params, n_other,
                        shape.linear_out_rows // max(1, shape.layers))
-    adapters = _ceil_div(w.adapter_params(shape), shape.layers) * w.elem if w.peft else 0
+    tuned = w.peft or w.train_type == "adapter"   # (an adapter is a submodule of its layer's MLP)
+    adapters = _ceil_div(w.adapter_params(shape), shape.layers) * w.elem if tuned else 0
     return base + adapters
 
 

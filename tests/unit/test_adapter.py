@@ -257,3 +257,32 @@ def test_weights_only_checkpoint_across_formats_names_no_folder(tmp_path):
     full = weights_only_problem(tmp_path, cfg_of("--train_type", "full"), BackendChoice("zero2", "zero2"),
                                 {**state, "train_type": "full"})
     assert full and full.endswith("start a new run from its model/ folder")
+
+
+def test_planner_counts_what_the_adapter_saves_for_backward():
+    """The planner's activation term for the adapter is what autograd saves in its forward, counted with
+    saved-tensor hooks on the adapter of a real layer (its input, the MLP's output, requires grad)."""
+    from swiftlite.models.adapter import ATTR
+    from swiftlite.planner import Workload, shape_from_model_arg
+    from swiftlite.planner.activations import activation_bytes
+    model = adapted("llama", "--adapter_length", "8")
+    adapter = getattr(model.model.layers[0].mlp, ATTR)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    saved: dict[int, int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in adapter.parameters()}
+
+    def pack(t):   # activations only: the weights autograd keeps are the model's states, counted elsewhere
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        adapter(x)
+    per_token = sum(saved.values()) / (2 * 5)
+    shape = shape_from_model_arg("tiny-llama-2l")
+    args = dict(dtype="fp32", world_size=1, max_length=64, micro_batch=1, gradient_checkpointing=False,
+                loss_impl="plain")
+    extra = (activation_bytes(shape, Workload(train_type="adapter", adapter_length=8, **args))
+             - activation_bytes(shape, Workload(train_type="full", **args)))
+    assert per_token == (32 + 2 * 8) * 4   # the model's hidden (32) and the bottleneck's two (8 each), fp32
+    assert extra == shape.layers * 64 * (shape.hidden + 2 * 8) * 4
