@@ -30,7 +30,9 @@ from swiftlite.data.tokenize import IGNORE, encode_messages, encode_prompt, enco
 from swiftlite import env
 from swiftlite.errors import UserError
 
-CACHE_VERSION = 4
+#: Part of every cache entry's key: raised when the same inputs would now tokenize to other rows (5: an OPSD
+#: teacher's view is no longer held to --max_length), so an entry written before is never read as current.
+CACHE_VERSION = 5
 
 
 def cache_dir() -> Path:
@@ -192,17 +194,13 @@ def _encode_rows(items: list[tuple[dict, str]], tokenizer: Any, task: str, max_l
         extra = {}
         if TEACHER_COLUMN in keep and row.get(TEACHER_COLUMN) is not None and not task_spec(task).plain_text:
             try:   # OPSD: GKD's teacher reads its own prompt before the response (data/teacher_view.py)
-                view = teacher_prompt_ids(tokenizer, msgs, row[TEACHER_COLUMN], enc.input_ids, enc.labels, where,
-                                          system, max_length, truncation)
+                extra["teacher_prompt_ids"] = teacher_prompt_ids(tokenizer, msgs, row[TEACHER_COLUMN], enc.input_ids,
+                                                                 enc.labels, where, system)
             except UserError as e:
                 if not skip_bad_rows:
                     raise
                 stats.skipped.append(str(e))
                 continue
-            if view is None:    # the teacher's view is over --max_length: deleted as a long row is
-                stats.deleted += 1
-                continue
-            extra["teacher_prompt_ids"] = view
         rows.append({"input_ids": enc.input_ids, "labels": enc.labels,
                      **({"loss_scale": enc.weights} if enc.weights is not None else {}),
                      **({"columns": {k: row[k] for k in keep if k in row}} if keep else {}), **extra})

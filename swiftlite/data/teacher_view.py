@@ -11,12 +11,12 @@ differs only in the replaced message, so it is the chat template's rendering of 
 up to the generation prompt, followed by whatever tokens the student's prompt holds between its own
 generation prompt and the response (a template's empty think block, for instance).
 
-Length: the teacher's view (its prompt and the row's response) is held to --max_length as the row is,
-by --truncation_strategy (ms-swift encodes the view with the same template, so with the same rule):
-delete drops the row (counted with the rows deleted), left keeps the view's end, i.e. cuts the start of
-the teacher's prompt and leaves the response whole; right would cut the response the teacher scores,
-out of step with the student's, and is refused with the row. A sampled response is not known here: a
-prompt row's bound is its teacher prompt alone.
+Length: the row (the student's view) is held to --max_length by --truncation_strategy as any row is; the
+teacher's view is not, as in ms-swift: its GKD trainer encodes both views of a batch inside
+`_template_context(template)`, which sets the template's max_length to None (swift/rlhf_trainers/
+gkd_trainer.py `_encode_samples`), so a teacher prompt longer than the student's makes a longer teacher
+sequence, never a cut or dropped row. (Nor is a sampled response held to it: ms-swift encodes the sampled
+rows the same way.)
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ COLUMN = "teacher_prompt"
 
 
 def teacher_prompt_ids(tokenizer: Any, messages: list[dict], teacher_prompt: Any, input_ids: list[int],
-                       labels: list[int], where: str, system: str | None = None, max_length: int | None = None,
-                       truncation: str = "delete") -> list[int] | None:
+                       labels: list[int], where: str, system: str | None = None) -> list[int]:
     """The teacher's prompt tokens for a row whose conversation is `messages` and tokens `input_ids` /
-    `labels` (module docstring); None when its view is over `max_length` under truncation "delete"."""
+    `labels` (module docstring)."""
     if not isinstance(teacher_prompt, str) or not teacher_prompt:
         raise UserError(f"{where}: '{COLUMN}' must be a non-empty string (the teacher's last user message, OPSD)")
     msgs = with_system([dict(m) for m in messages], system)
@@ -55,17 +54,7 @@ def teacher_prompt_ids(tokenizer: Any, messages: list[dict], teacher_prompt: Any
                         "place; shorten the row or drop the column")
     msgs[users[-1]] = {**msgs[users[-1]], "content": teacher_prompt}
     mine = tokenizer(render(tokenizer, msgs[:last], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-    ids = mine + list(input_ids[len(own):start])
-    over = len(ids) + len(input_ids) - start - (max_length or 1 << 62)
-    if over <= 0:
-        return ids
-    if truncation == "delete":
-        return None
-    if truncation == "left":
-        return ids[over:]
-    raise UserError(f"{where}: the teacher's view ('{COLUMN}' and the response) is {over} tokens over --max_length "
-                    f"{max_length}; --truncation_strategy {truncation} would cut the response the teacher scores; use "
-                    "delete or left, or raise --max_length")
+    return mine + list(input_ids[len(own):start])
 
 
 __all__ = ["COLUMN", "teacher_prompt_ids"]

@@ -45,9 +45,9 @@ def test_the_teacher_reads_its_prompt_in_place_of_the_last_user_message(tok):
 
 
 @pytest.mark.parametrize("truncation", ["delete", "left", "right"])
-def test_the_teachers_view_is_held_to_max_length_by_the_truncation_strategy(tok, truncation):
-    """The student's row fits, the teacher's longer prompt does not: delete drops the row and counts it, left
-    cuts the start of the teacher's prompt and keeps the response whole, right is refused with the row."""
+def test_the_teachers_view_is_not_held_to_max_length(tok, truncation):
+    """The student's row fits, the teacher's longer prompt makes a longer view: kept whole under every
+    --truncation_strategy, as ms-swift's GKD encodes a batch's views with the template's max_length unset."""
     from swiftlite.data.pipeline import _encode_rows
     from swiftlite.data.teacher_view import COLUMN
     row = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "four"}],
@@ -57,17 +57,9 @@ def test_the_teachers_view_is_held_to_max_length_by_the_truncation_strategy(tok,
     n, response = len(student[0]["input_ids"]), len(student[0]["input_ids"]) - _start(student[0]["labels"])
     limit = n + 10
     assert len(whole) + response > limit            # the student's row fits, the teacher's view does not
-    if truncation == "right":
-        with pytest.raises(UserError, match=r"d.jsonl:1: the teacher's view .* over --max_length .* use delete or left"):
-            _encode_rows([(dict(row), "d.jsonl:1")], tok, "rlhf", limit, False, truncation, keep=(COLUMN,))
-        return
     out, stats = _encode_rows([(dict(row), "d.jsonl:1")], tok, "rlhf", limit, False, truncation, keep=(COLUMN,))
-    if truncation == "delete":
-        assert out == [] and stats.deleted == 1
-    else:
-        assert len(out[0]["teacher_prompt_ids"]) + response == limit
-        assert out[0]["teacher_prompt_ids"] == whole[len(whole) - len(out[0]["teacher_prompt_ids"]):]
-        assert out[0]["input_ids"] == student[0]["input_ids"]       # the student's row is untouched
+    assert len(out) == 1 and stats.deleted == 0 and stats.truncated == 0
+    assert out[0]["teacher_prompt_ids"] == whole and out[0]["input_ids"] == student[0]["input_ids"]
 
 
 def _start(labels):
