@@ -187,7 +187,9 @@ def test_pure_bf16_loses_an_update_that_master_weights_keep(one_step):
     for name, w in master.items():
         assert w.dtype == torch.float32
         delta = (w - 1.0).abs()
-        assert (delta > 0).all(), f"{name}: the fp32 master lost updates"
+        # every element whose gradient is not exactly 0 moved; a bf16 gradient can sum to exactly 0 (one of
+        # 256 did on a CPU whose bf16 matmuls use AMX tiles), so up to 1% may stay: pure bf16 keeps none
+        assert (delta > 0).float().mean() >= 0.99, f"{name}: the fp32 master lost updates"
         assert float(delta.median()) == pytest.approx(LR, rel=0.2), name
         assert torch.equal(w.to(torch.bfloat16).float(), torch.ones_like(w))  # invisible in bf16 ...
     # ... and the pure checkpoint's whole state is bf16
