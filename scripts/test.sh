@@ -21,4 +21,13 @@ bash scripts/setup_env.sh
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export TOKENIZERS_PARALLELISM=false
 export SWIFTLITE_CACHE=${SWIFTLITE_CACHE:-$PWD/.cache/swiftlite}
-exec python -m pytest -q --durations=30 "${select[@]}" "${args[@]}"
+# Two pytest workers (pytest-xdist, a dev extra): most tests run one single-threaded process, so one worker
+# leaves a core of this 2-core class of machine idle. The tests that start ranks run on one worker, one at a
+# time (tests/conftest.py RANK_KINDS, `--dist loadgroup`). SWIFTLITE_TEST_WORKERS=0 runs them all in this
+# process, one after another.
+workers=${SWIFTLITE_TEST_WORKERS:-2}
+par=()
+if [ "$workers" != 0 ]; then
+  par=(-n "$workers" --dist loadgroup)
+fi
+exec python -m pytest -q --durations=30 "${par[@]}" "${select[@]}" "${args[@]}"
