@@ -156,7 +156,8 @@ class Workload:
         if dtypes.normalize(self.dtype) in dtypes.NAMES:
             self.dtype = dtypes.normalize(self.dtype)   # bfloat16 -> bf16; anything else is reported as given
         self.quant_bits = base_bits(self.train_type, self.quant_bits)
-        if self.train_type == "llamapro":   # copies loaded layers: FSDP's ranks load the model whole
+        from swiftlite.models.tuners import WHOLE_MODEL_TUNERS
+        if self.train_type in WHOLE_MODEL_TUNERS:   # llamapro copies loaded layers: FSDP's ranks load it whole
             self.sharded_loading = False
         if self.gpus_per_node is None:
             self.gpus_per_node = self.world_size
