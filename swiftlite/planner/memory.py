@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from swiftlite import dtypes
+from swiftlite.models.tuners import WHOLE_MODEL_TUNERS
 from swiftlite.config import TRAIN_TYPES
 from swiftlite.errors import UserError
 from swiftlite.parallel.loss import LOSS_IMPLS
@@ -156,7 +157,6 @@ class Workload:
         if dtypes.normalize(self.dtype) in dtypes.NAMES:
             self.dtype = dtypes.normalize(self.dtype)   # bfloat16 -> bf16; anything else is reported as given
         self.quant_bits = base_bits(self.train_type, self.quant_bits)
-        from swiftlite.models.tuners import WHOLE_MODEL_TUNERS
         if self.train_type in WHOLE_MODEL_TUNERS:   # llamapro copies loaded layers: FSDP's ranks load it whole
             self.sharded_loading = False
         if self.gpus_per_node is None:
