@@ -76,29 +76,8 @@ class MathAccuracy(ORM):
             raise UserError(self.requires[1])
 
     def __call__(self, completions: list[str], solution: list[str], **kwargs: Any) -> list[float]:
-        from latex2sympy2_extended import NormalizationConfig
-        from math_verify import LatexExtractionConfig, parse, verify
-        rewards = []
-        for content, sol in zip(completions, solution):
-            m = re.search(r"<answer>(.*?)</answer>", content, re.DOTALL)
-            to_parse = m.group(1).strip() if m else content
-            sm = re.search(r"<answer>(.*?)</answer>", sol, re.DOTALL)
-            gold = parse(sm.group(1).strip() if sm else sol, extraction_mode="first_match")
-            if not gold:
-                rewards.append(0.0)      # an unparseable solution scores 0 (ms-swift: skips the example)
-                continue
-            if m:
-                answer = parse(to_parse, extraction_mode="first_match")
-            else:
-                answer = parse(to_parse, extraction_config=[LatexExtractionConfig(
-                    normalization_config=NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
-                                                             boxed=True, units=True),
-                    boxed_match_priority=0, try_extract_without_anchor=False)], extraction_mode="first_match")
-            try:
-                rewards.append(float(verify(gold, answer)))
-            except Exception:
-                rewards.append(0.0)
-        return rewards
+        from swiftlite.math_answers import accuracy
+        return [accuracy(content, sol) for content, sol in zip(completions, solution)]
 
 
 class Format(ORM):
@@ -265,6 +244,36 @@ class Reward:
         return out
 
 
+def call_reward(r: Any, completions: list[str], kwargs: dict, wheres: list[str]) -> list[float]:
+    """One reward function on this rank's completions; an exception or a wrong answer becomes a
+    UserError naming the function and the first row it fails on."""
+    def one(i: int) -> Any:
+        return r(completions[i:i + 1], **{k: v[i:i + 1] for k, v in kwargs.items() if isinstance(v, list)},
+                 trainer_state=kwargs["trainer_state"])
+    try:
+        out = r(completions, **kwargs)
+    except Exception as e:
+        for i in range(len(completions)):
+            try:
+                one(i)
+            except Exception as e1:
+                raise UserError(f"reward function {r.key} ({r.name}) raised {type(e1).__name__}: "
+                                f"{str(e1).splitlines()[0] if str(e1) else ''} on {wheres[i]}") from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise UserError(f"reward function {r.key} ({r.name}) raised {type(e).__name__}: {first} on a batch of "
+                        f"{len(completions)} completions (rows {wheres[0]} ...)") from None
+    out = list(out) if out is not None else []
+    if len(out) != len(completions):
+        raise UserError(f"reward function {r.key} ({r.name}) returned {len(out)} values for {len(completions)} "
+                        f"completions (rows {wheres[0]} ...)")
+    try:
+        return [float("nan") if v is None else float(v) for v in out]
+    except (TypeError, ValueError):
+        bad = next(i for i, v in enumerate(out) if v is not None and not isinstance(v, (int, float)))
+        raise UserError(f"reward function {r.key} ({r.name}) returned {out[bad]!r}, not a number, on {wheres[bad]}") \
+            from None
+
+
 def _required(fn: Callable) -> tuple[str, ...]:
     """The parameters of `fn` (its `__call__` for an object) without a default, other than what every
     call passes: the dataset columns it needs."""
@@ -319,4 +328,4 @@ def build_rewards(names: list[str], args: Any) -> list[Reward]:
 
 __all__ = ["AsyncORM", "CosineReward", "Format", "MathAccuracy", "ORM", "PASSED", "ReActFormat", "ReactORM", "RepetitionPenalty",
            "Reward", "SoftOverlong",
-           "build_rewards", "check_reward_funcs", "orms", "rm_plugins"]
+           "build_rewards", "call_reward", "check_reward_funcs", "orms", "rm_plugins"]

@@ -39,7 +39,7 @@ ALIASES = {"swift.rewards": "swiftlite.plugin", "swift.rewards.orm": "swiftlite.
            "swift.template": "swiftlite.msswift_api.template",
            "swift.utils": "swiftlite.msswift_api.utils",
            "swift.rollout.multi_turn": "swiftlite.msswift_api.rollout",
-           "swift.rollout.gym_env": "swiftlite.msswift_api.rollout",
+           "swift.rollout.gym_env": "swiftlite.msswift_api.gym_env",
            "swift.dataset": "swiftlite.msswift_api.dataset"}
 
 #: the list a refusal gives of what a plugin file can import

@@ -18,12 +18,12 @@ import typer.core
 
 from swiftlite.errors import UserError
 
-_SCHEDULER = ("gym rollouts are not available: the server samples one completion per prompt and seed, and the run "
-              "scores them with --reward_funcs; drop the flag")
+_SCHEDULER = ("a context manager rewrites a trajectory's earlier turns (ms-swift's scheduler option); swiftlite's runs "
+              "continue the sampled tokens turn by turn, so earlier turns stay as sampled: drop the flag")
 #: ms-swift rollout options (RolloutArguments and the vLLM part of DeployArguments, ms-swift 3602360a) that
 #: swiftlite's server does not take, with their reasons.
 REFUSED = {
-    **{k: _SCHEDULER for k in ("use_gym_env", "gym_env", "context_manager")},
+    "context_manager": _SCHEDULER,
     "vllm_max_lora_rank": "the server always gets the run's merged weights (base + B@A x scale), no LoRA adapter: "
                           "drop the flag",
     **{k: "the server takes the run's prompts as token ids and answers token ids: no chat template, tokenizer or "
@@ -134,6 +134,14 @@ def rollout_cmd(
         [], "--external_plugins", "--external-plugins",
         help="Python files that register --multi_turn_scheduler's scheduler (ms-swift's flag); the run loads them "
              "too, from the path the server gives (the same machine or a shared file system)."),
+    use_gym_env: Optional[str] = typer.Option(
+        None, "--use_gym_env", "--use-gym-env",
+        help="The served runs train on their gym environments' total rewards (ms-swift's default: true when "
+             "--gym_env is given); the run takes it from the server unless it gives its own."),
+    gym_env: Optional[str] = typer.Option(
+        None, "--gym_env", "--gym-env",
+        help="With --multi_turn_scheduler gym_scheduler: the environment each trajectory plays (math_env, or one "
+             "an --external_plugins file registers in envs); the run takes it from the server."),
     async_engine: str = typer.Option("false", *SWITCHES[6:],
                                      help="Accepted for ms-swift's commands (its server needs vLLM's async engine to "
                                           "run schedulers): here each turn is one batched request, so no async "
@@ -158,6 +166,13 @@ def rollout_cmd(
             print(f"{', '.join(given)}: vLLM engine options, not used by --infer_backend transformers",
                   file=sys.stderr, flush=True)
     plugins = _turn_options(multi_turn_scheduler, max_turns, external_plugins)
+    gym = _switch("--use_gym_env", use_gym_env) if use_gym_env is not None else gym_env is not None
+    if (gym or gym_env) and multi_turn_scheduler is None:
+        raise UserError(f"{'--gym_env' if gym_env else '--use_gym_env'} applies to a gym scheduler's runs: give "
+                        "--multi_turn_scheduler gym_scheduler (or a plugin's) or drop the flag")
+    if gym_env is not None:
+        from swiftlite.rlhf.plugin_turns import check_gym_env
+        check_gym_env(gym_env)
     if _switch("--vllm_use_async_engine", async_engine):   # ms-swift's multi-turn scripts carry it: said
         print("--vllm_use_async_engine true: the run asks for each turn as one batched request; vLLM's async engine "
               "is not used (the completions are the same)", file=sys.stderr, flush=True)
@@ -172,7 +187,7 @@ def rollout_cmd(
         vllm_enable_prefix_caching=_switch("--vllm_enable_prefix_caching", prefix_caching),
         vllm_enforce_eager=_switch("--vllm_enforce_eager", enforce_eager),
         vllm_enable_lora=lora, vllm_data_parallel_size=dp, multi_turn_scheduler=multi_turn_scheduler,
-        max_turns=max_turns, external_plugins=plugins)))
+        max_turns=max_turns, external_plugins=plugins, use_gym_env=gym, gym_env=gym_env)))
 
 
 def _turn_options(name: str | None, max_turns: int | None, plugins: list[str]) -> tuple[str, ...]:

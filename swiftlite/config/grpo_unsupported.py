@@ -14,9 +14,6 @@ _ENGINE = ("is not passed to swiftlite's colocated vLLM engine (the options it t
            "the flag")
 _VARIANT = ("is an option of a GRPO variant swiftlite does not have (its GRPO: --loss-type grpo, bnpo, dr_grpo, "
             "dapo, real or fipo, --delta, --dynamic-sample; docs/rlhf.md): drop the flag")
-_ROLLOUT = ("gym rollouts are not available: a completion is sampled per prompt and sample (with "
-            "--multi_turn_scheduler math_tip_trick or a plugin's MultiTurnScheduler, continued over turns, tool calls "
-            "included) and scored by --reward-funcs")
 
 #: (reason, names), as config/msswift_unsupported.GROUPS.
 GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -35,7 +32,6 @@ GRPO_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "sdar_gate_beta", "sdar_loss_coef",
       "rlsd_lambda", "rlsd_lambda_decay_steps", "rlsd_lambda_warmup_steps", "rlsd_negative_only",
       "rlsd_reweight_clip_range", "teacher_tag_key", "ref_model_sync_steps", "ref_model_mixup_alpha", "sync_ref_model")),
-    (_ROLLOUT, ("gym_env", "use_gym_env")),
     ("sampling takes --temperature, --top-p and --top-k only: drop the flag", ("min_p",)),
     ("GRPO has no validation yet (the training metrics log every round's rewards): drop the flag",
      ("num_generations_eval",)),

@@ -6,9 +6,11 @@ schema.RlhfConfig, kept here so that schema.py stays short; rlhf/multi_turn.py r
 The schedulers: ms-swift's built-in `math_tip_trick`, and in GRPO any name a plugin file registers in ms-swift's
 `multi_turns` (a MultiTurnScheduler with step/check_finished: rlhf/plugin_turns.py). A plugin's name is known
 only once --external_plugins ran, so here it is taken as given and checked before launch (GrpoTask.check).
-ms-swift's other built-ins are refused with the reason: `thinking_tips_scheduler` splits one trajectory into
-several training rows (a variable number of samples per round, which ms-swift itself marks for removal),
-`gym_scheduler` and `openenv_scheduler` drive an environment server.
+ms-swift's `gym_scheduler` runs too (msswift_api/rollout.GYMScheduler, its environments `--gym_env`:
+msswift_api/gym_env.py), and `--use_gym_env` trains on the environments' total rewards. ms-swift's other
+built-ins are refused with the reason: `thinking_tips_scheduler` splits one trajectory into several training
+rows (a variable number of samples per round, which ms-swift itself marks for removal), `openenv_scheduler`
+drives an OpenEnv environment server.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ MULTI_TURN_SCHEDULERS = ("math_tip_trick",)
 OTHER_SCHEDULERS = {
     "thinking_tips_scheduler": "splits a trajectory into one training row per turn (a variable number of rows per "
                                "round, a path ms-swift marks for removal)",
-    "gym_scheduler": "drives a gym environment (--use_gym_env), which swiftlite does not have",
     "openenv_scheduler": "drives an OpenEnv environment server, which swiftlite does not have",
 }
 LIMIT_SCOPES = ("per_round", "total")
@@ -46,6 +47,14 @@ class MultiTurnOptions(Section):
                                          "the scheduler's request.data_dict holds the row's columns (ms-swift's "
                                          "default false: an empty data_dict in server mode; colocated, it always "
                                          "holds them).")
+    use_gym_env: bool | None = opt(None, "GRPO: train on each trajectory's total environment reward (a gym "
+                                   "scheduler's rollout_infos['total_reward'], its steps' rewards summed) as one more "
+                                   "reward, `gym_reward`, after --reward-funcs (the last --reward-weights value; the "
+                                   "only reward without --reward-funcs). ms-swift's default: none: true when "
+                                   "--gym-env is given, and in --vllm-mode server what the rollout server says.")
+    gym_env: str | None = opt(None, "GRPO with --multi-turn-scheduler gym_scheduler: the environment each trajectory "
+                              "plays (ms-swift's math_env, or a name an --external_plugins file registers in envs; a "
+                              "row's env_config.name overrides it). ms-swift's default: none.")
     completion_length_limit_scope: str = opt("per_round", "GRPO, GKD with --multi-turn-scheduler: per_round (ms-swift's "
                                              "default): every turn generates up to --max-completion-length tokens; "
                                              "total: all turns together, the tip included.",
@@ -53,14 +62,28 @@ class MultiTurnOptions(Section):
 
 
 #: The keys above (config/rules.py lists them among GRPO's own).
-MULTI_TURN_KEYS = ("multi_turn_scheduler", "max_turns", "completion_length_limit_scope")
+MULTI_TURN_KEYS = ("multi_turn_scheduler", "max_turns", "completion_length_limit_scope", "use_gym_env", "gym_env")
+
+
+def gym_on(r: object) -> bool:
+    """--use_gym_env as ms-swift resolves it: as given, else true when --gym_env is given."""
+    return bool(r.use_gym_env) if r.use_gym_env is not None else r.gym_env is not None
 
 
 def multi_turn_problem(r: object, explicit: set[str] | frozenset[str]) -> str | None:
-    """The options' rule: a scheduler swiftlite has; the other two only with one."""
+    """The options' rule: a scheduler swiftlite has; the other two only with one; --use_gym_env in GRPO
+    with a scheduler (in --vllm-mode server the rollout server's, known once it answers)."""
     s = r.multi_turn_scheduler
+    if gym_on(r):
+        if r.rlhf_type != "grpo":
+            return f"--use-gym-env: a gym environment's reward trains GRPO, not {r.rlhf_type}: drop it"
+        if s is None and not (r.use_vllm and r.vllm_mode == "server"):
+            return ("--use-gym-env trains on the total reward of a gym scheduler's environment: add "
+                    "--multi-turn-scheduler gym_scheduler (with --gym-env math_env or a plugin's) or a plugin's")
+    elif r.gym_env is not None:
+        return f"--gym-env {r.gym_env} with --use-gym-env false: the environment would give no reward; drop one"
     if s is None:
-        given = [k for k in MULTI_TURN_KEYS[1:] if k in explicit]
+        given = [k for k in MULTI_TURN_KEYS[1:3] if k in explicit]
         return (f"--{given[0].replace('_', '-')} applies to multi-turn rollouts (--multi-turn-scheduler "
                 f"{MULTI_TURN_SCHEDULERS[0]}): drop it or give the scheduler") if given else None
     if s in OTHER_SCHEDULERS:
@@ -74,8 +97,21 @@ def multi_turn_problem(r: object, explicit: set[str] | frozenset[str]) -> str | 
     return None
 
 
+def reward_weights_problem(r: object) -> str | None:
+    """One --reward_weights value per reward: --reward_funcs, --reward_model, then --use_gym_env's."""
+    n = len(r.reward_funcs) + len(r.reward_model or []) + gym_on(r)
+    if r.reward_weights is None or len(r.reward_weights) == n:
+        return None
+    return (f"--reward-weights has {len(r.reward_weights)} values for {len(r.reward_funcs)} --reward-funcs and "
+            f"{len(r.reward_model or [])} --reward-model" + (" and the gym reward (--use-gym-env)" if gym_on(r) else "")
+            + " (one weight each, in that order)")
+
+
 def scheduler_columns(r: object) -> tuple[str, ...]:
-    """The dataset columns the run's scheduler reads from each row (math_tip_trick: `solution`)."""
+    """The dataset columns the run's scheduler reads from each row (math_tip_trick: `solution`;
+    gym_scheduler with --gym_env math_env: `problem` and `solution`)."""
+    if r.multi_turn_scheduler == "gym_scheduler" and r.gym_env == "math_env":
+        return ("problem", "solution")
     return ("solution",) if r.multi_turn_scheduler == "math_tip_trick" else ()
 
 
@@ -109,12 +145,16 @@ def describe_turns(r: object) -> str:
 
 def taken_turns(said: object, turns: dict) -> dict:
     """The config values a run takes with its rollout server's scheduler (launch/server_turns.py): the
-    scheduler, --max_turns, and the server's plugin files after the run's own (`with_values` names)."""
+    scheduler, --max_turns, --gym_env, --use_gym_env unless the run gave it (ms-swift's rule), and the
+    server's plugin files after the run's own (`with_values` names)."""
     plugins = list(said.parallel.external_plugins)
     plugins += [p for p in turns["external_plugins"] if p not in plugins]
-    return {"multi_turn_scheduler": turns["multi_turn_scheduler"], "max_turns": turns["max_turns"],
-            "external_plugins": plugins}
+    out = {"multi_turn_scheduler": turns["multi_turn_scheduler"], "max_turns": turns["max_turns"],
+           "external_plugins": plugins, "gym_env": turns.get("gym_env") or said.rlhf.gym_env}
+    if said.rlhf.use_gym_env is None:
+        out["use_gym_env"] = bool(turns.get("use_gym_env"))
+    return out
 
 
 __all__ = ["LIMIT_SCOPES", "MULTI_TURN_KEYS", "MULTI_TURN_SCHEDULERS", "MultiTurnOptions", "completion_tokens",
-           "describe_turns", "multi_turn_problem", "scheduler_columns", "taken_turns", "turn_bound"]
+           "describe_turns", "gym_on", "multi_turn_problem", "reward_weights_problem", "scheduler_columns", "taken_turns", "turn_bound"]

@@ -18,7 +18,7 @@ from swiftlite.config.tasks import task_spec
 from swiftlite.config.tuner_options import moves_base
 from swiftlite.config.rules_vllm import vllm_problem
 from swiftlite.config.chord_options import CHORD_KEYS, chord_problem
-from swiftlite.config.multi_turn_options import MULTI_TURN_KEYS, multi_turn_problem
+from swiftlite.config.multi_turn_options import MULTI_TURN_KEYS, multi_turn_problem, reward_weights_problem
 from swiftlite.config.muonclip_options import muonclip_args
 from swiftlite.config.rules_teacher import teacher_problem
 from swiftlite.config.rules_grpo_loss import _real_problem, _reward_model_problem
@@ -459,10 +459,9 @@ def _grpo(c: RunConfig):
            or _real_problem(c))
     if why:
         return why
-    n_rewards = len(r.reward_funcs) + len(r.reward_model or [])
-    if r.reward_weights is not None and len(r.reward_weights) != n_rewards:
-        return (f"--reward-weights has {len(r.reward_weights)} values for {len(r.reward_funcs)} --reward-funcs and "
-                f"{len(r.reward_model or [])} --reward-model (one weight each, in that order)")
+    why = reward_weights_problem(r)
+    if why:
+        return why
     why = _reward_model_problem(r)
     if why:
         return why

@@ -5,6 +5,7 @@ Import-light."""
 from __future__ import annotations
 
 from swiftlite.config.grpo_variant_options import FIPO_KEYS
+from swiftlite.config.multi_turn_options import gym_on
 from swiftlite.config.rule_table import rule
 from swiftlite.config.schema import RunConfig
 from swiftlite.config.tasks import task_spec
@@ -25,7 +26,7 @@ def grpo_dynamic_sample(c: RunConfig) -> str | None:
         return None
     if r.max_resample_times < 1:
         return f"--max-resample-times {r.max_resample_times}: must be >= 1 (the resampling rounds per generation round)"
-    if not r.reward_funcs and not r.reward_model:
+    if not r.reward_funcs and not r.reward_model and not gym_on(r):
         return ("--dynamic-sample true needs --reward-funcs or --reward-model: it replaces the groups whose rewards "
                 "are all equal, and a run without rewards (on-policy distillation alone) has no reward variance "
                 "(ms-swift refuses it too)")

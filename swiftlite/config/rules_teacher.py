@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from swiftlite.config.multi_turn_options import gym_on
 from swiftlite.config.schema import RunConfig
 from swiftlite.config.teacher_options import TEACHER_DS_PRESETS
 
@@ -30,13 +31,20 @@ def same_model(cfg: RunConfig) -> bool:
         return False
 
 
+#: GRPO without anything to score its completions
+NO_REWARDS = ("--rlhf-type grpo needs --reward-funcs (built-in: accuracy, format, cosine, repetition, soft_overlong), "
+              "--reward-model, --use-gym-env (a gym scheduler's environment rewards) or --teacher-model (on-policy "
+              "distillation)")
+
+
 def teacher_problem(c: RunConfig) -> str | None:
     """GRPO's reward/group rules with or without --teacher_model, and --teacher_deepspeed's place."""
     r = c.rlhf
     if r.teacher_model is None:
-        if not r.reward_funcs and not r.reward_model:
-            return ("--rlhf-type grpo needs --reward-funcs (built-in: accuracy, format, cosine, repetition, "
-                    "soft_overlong), --reward-model or --teacher-model (on-policy distillation)")
+        if not r.reward_funcs and not r.reward_model and not gym_on(r) and not (r.use_vllm and
+                                                                           r.vllm_mode == "server"):
+            # (in --vllm-mode server the rollout server may give gym rewards: asked before launch, server_turns.py)
+            return NO_REWARDS
         if r.num_generations < 2:
             return (f"--num-generations {r.num_generations}: GRPO needs at least 2 completions per prompt (the "
                     "advantages are relative to the group); 1 is for on-policy distillation (--teacher-model)")

@@ -20,7 +20,7 @@ from typing import Any
 from swiftlite.errors import UserError
 
 #: what a server's /get_world_size/ answer holds about its scheduler (rollout/server.RolloutOptions)
-KEYS = ("multi_turn_scheduler", "max_turns", "external_plugins")
+KEYS = ("multi_turn_scheduler", "max_turns", "external_plugins", "use_gym_env", "gym_env")
 
 
 def server_turns(cfg: Any) -> dict | None:
@@ -53,6 +53,21 @@ def server_turns(cfg: Any) -> dict | None:
     return first
 
 
+def _check_rewards(cfg: Any) -> None:
+    """What the GRPO rules left to the servers' answer: rewards to train on (a server's gym rewards, where
+    the run has none of its own) and one --reward_weights value each."""
+    from swiftlite.config.multi_turn_options import gym_on, reward_weights_problem
+    from swiftlite.config.rules_teacher import NO_REWARDS
+    r = cfg.rlhf
+    if r.rlhf_type != "grpo":
+        return
+    if not (r.reward_funcs or r.reward_model or r.teacher_model or gym_on(r)):
+        raise UserError(NO_REWARDS + "; the rollout server gives no gym rewards (its --use_gym_env)")
+    why = reward_weights_problem(r)
+    if why:
+        raise UserError(why)
+
+
 def _said(t: dict | None) -> str:
     if t is None:
         return "no scheduler"
@@ -66,6 +81,7 @@ def adopt(facts: Any, world_size: int, resolve: Any, log: Any = print) -> Any:
     from dataclasses import replace
     turns = server_turns(facts.config)
     if turns is None:
+        _check_rewards(facts.config)
         return facts
     from swiftlite.msswift_api.rollout import multi_turns
     from swiftlite.rlhf.multi_turn import SCHEDULERS
@@ -82,6 +98,10 @@ def adopt(facts: Any, world_size: int, resolve: Any, log: Any = print) -> Any:
     from swiftlite.config.multi_turn_options import taken_turns
     said = facts.said
     again = resolve(said.with_values(**taken_turns(said, turns)), world_size)
+    _check_rewards(again.config)
+    if again.config.rlhf.gym_env is not None:
+        from swiftlite.rlhf.plugin_turns import check_gym_env
+        check_gym_env(again.config.rlhf.gym_env)
     log(f"rollout server: {_said(turns)}" + (f" (from {', '.join(turns['external_plugins'])})"
                                               if turns["external_plugins"] else "") + "; this run drives the turns")
     return replace(again, turns=turns, said=said)

@@ -15,8 +15,8 @@ What each module implements, and where it stops:
   request's sampling settings and its default max_tokens).
 - template: `Template.encode` / `data_collator` with the model's own chat template.
 - rm_plugin: ms-swift's two built-in reward-model plugins and their registry.
-- rollout: the registries of multi-turn schedulers and gym environments. A plugin may register into
-  them (the file loads); a run that names one is refused before launch (config/multi_turn_options.py):
-  swiftlite's rollouts are its own (rlhf/multi_turn.py).
+- rollout: the registry of multi-turn schedulers and ms-swift's gym scheduler. A plugin's scheduler with
+  ms-swift's turn hooks runs in GRPO (rlhf/plugin_turns.py drives it); one that overrides `run` is refused.
+- gym_env: the gym environments' base class, ms-swift's `math_env` and their registry (`--gym_env`).
 - utils: get_logger, to_device.
 """

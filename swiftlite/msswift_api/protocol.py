@@ -56,10 +56,12 @@ class ChatCompletionResponse:
 
 @dataclass
 class RolloutInferRequest:
-    """A request as ms-swift's rollout passes it: the conversation and the row's other columns."""
+    """A request as ms-swift's rollout passes it: the conversation, the row's other columns and the
+    trajectory's id (ms-swift's `uuid`, which a gym scheduler keys its environments by)."""
 
     messages: list[dict[str, Any]]
     data_dict: dict[str, Any] = field(default_factory=dict)
+    uuid: str = field(default_factory=lambda: __import__("uuid").uuid4().hex)
 
 
 InferRequest = RolloutInferRequest

@@ -1,24 +1,21 @@
-"""ms-swift's multi-turn scheduler and gym environment registries (swift/rollout/multi_turn.py
-`RolloutScheduler`, `MultiTurnScheduler`, `multi_turns`; swift/rollout/gym_env.py `Env`, `envs`).
+"""ms-swift's multi-turn scheduler registry and its gym scheduler (swift/rollout/multi_turn.py
+`RolloutScheduler`, `MultiTurnScheduler`, `GYMScheduler`, `multi_turns`); the gym environments are in
+msswift_api/gym_env.py (swift/rollout/gym_env.py).
 
 A plugin's scheduler that implements ms-swift's turn-by-turn hooks runs (rlhf/plugin_turns.py drives it):
-`check_finished(infer_request, response_choice, current_turn)` (this base's default is ms-swift's: stop at
-finish_reason 'length' or at max_turns), `step(...)` (the next turn's request, optionally the turn's
-token ids and loss mask), and the async `on_turn_end` hook. A scheduler that overrides `run` (its own
-whole rollout, ms-swift's "full customization", which calls ms-swift's inference engine itself) or
-`on_trajectory_start` (which rewrites the prompt before the first turn, that swiftlite samples before any
-scheduler sees it) is refused before launch with that reason (`unsupported`). Gym environments do not
-run: `Env` registers, building one raises WHY.
+the async `on_trajectory_start(requests)` (the prompts' conversations, which it may rewrite before the first
+turn: a gym scheduler replaces them with its environment's first observation), `check_finished(infer_request,
+response_choice, current_turn)` (this base's default is ms-swift's: stop at finish_reason 'length' or at
+max_turns), `step(...)` (the next turn's request, optionally the turn's token ids and loss mask), and the
+async `on_turn_end` hook (its 'done' decides, its 'rollout_infos' are kept: a gym trajectory's
+'total_reward' is what --use_gym_env trains on). A scheduler that overrides `run` (its own whole rollout,
+ms-swift's "full customization", which calls ms-swift's inference engine itself) is refused before launch
+with that reason (`unsupported`).
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-WHY = ("ms-swift's gym environments drive an environment server turn by turn, which swiftlite does not have; "
-       "its multi-turn rollouts are --multi_turn_scheduler math_tip_trick or a plugin's MultiTurnScheduler with "
-       "step/check_finished (docs/rlhf.md)")
-
 
 class RolloutScheduler:
     """ms-swift's base: the inference engine (None here: swiftlite samples the turns), max_turns, and the
@@ -66,22 +63,85 @@ def unsupported(cls: Any) -> str | None:
     if cls.run is not RolloutScheduler.run:
         return ("overrides run(): its whole rollout calls ms-swift's inference engine itself; a scheduler that "
                 "implements step (and check_finished) runs here")
-    if cls.on_trajectory_start is not RolloutScheduler.on_trajectory_start:
-        return ("overrides on_trajectory_start(), which rewrites the prompt before the first turn; swiftlite samples "
-                "the first turn before a scheduler sees it")
     return None
 
 
-class Env:
-    """The base class a plugin's gym environment subclasses; registering works, running does not."""
+class GYMScheduler(MultiTurnScheduler):
+    """ms-swift's `gym_scheduler`: one environment per trajectory (`--gym_env NAME`, or the row's
+    `env_config.name`; msswift_api/gym_env.envs). Its reset gives the trajectory's conversation (its system
+    message and first observation, replacing the prompt's) before the first turn; after every turn its step
+    scores the conversation, says whether the episode is done and gives the next observation, which `step`
+    adds as the user's next message. The steps' rewards add up to the trajectory's 'total_reward'."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError(WHY)
+    def __init__(self, infer_engine: Any = None, max_turns: int | None = None, *args: Any, **kwargs: Any):
+        super().__init__(infer_engine, max_turns, *args, **kwargs)
+        self.gym_env_name = kwargs.get("gym_env")
+        self._envs: dict[str, Any] = {}
+        self._total_rewards: dict[str, float] = {}
+        self._step_rewards: dict[str, list[float]] = {}
+        self._pending_obs: dict[str, str | None] = {}
+
+    async def _close_and_remove(self, uuid: str) -> None:
+        env = self._envs.pop(uuid, None)
+        if env is not None:
+            try:
+                await env.close()
+            except Exception:    # ms-swift's: a failing close does not stop the rollout
+                pass
+        for d in (self._total_rewards, self._step_rewards, self._pending_obs):
+            d.pop(uuid, None)
+
+    async def on_trajectory_start(self, requests: list) -> None:
+        for req in requests:
+            if req.uuid in self._envs:
+                await self._close_and_remove(req.uuid)
+            env = self._create_env((req.data_dict or {}).get("env_config") or {})
+            observation, _info, system = await env.reset(req)
+            req.messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": observation}]
+            self._envs[req.uuid] = env
+            self._total_rewards[req.uuid], self._step_rewards[req.uuid] = 0.0, []
+            self._pending_obs[req.uuid] = None
+
+    async def on_turn_end(self, infer_request: Any, response_choice: Any, current_turn: int) -> dict:
+        import copy
+        uuid = infer_request.uuid
+        env = self._envs.get(uuid)
+        if env is None:
+            return {"done": True, "rollout_infos": {}}
+        next_obs, reward, done, _info = await env.step(copy.deepcopy(infer_request.messages))
+        self._total_rewards[uuid] = self._total_rewards.get(uuid, 0.0) + float(reward)
+        self._step_rewards.setdefault(uuid, []).append(float(reward))
+        self._pending_obs[uuid] = None if done else next_obs
+        infos = {"total_reward": self._total_rewards[uuid], "step_rewards": list(self._step_rewards[uuid]),
+                 "gym_done": done}
+        if done:
+            await self._close_and_remove(uuid)
+        return {"done": done, "rollout_infos": infos}
+
+    def step(self, infer_request: Any, response_choice: Any, current_turn: int) -> dict:
+        next_obs = self._pending_obs.get(infer_request.uuid)
+        if next_obs is not None:
+            infer_request.messages.append({"role": "user", "content": next_obs})
+            self._pending_obs[infer_request.uuid] = None
+        return {"infer_request": infer_request}
+
+    def _create_env(self, env_config: dict) -> Any:
+        from swiftlite.msswift_api.gym_env import SimpleMathEnv, envs
+        name = env_config.get("name", self.gym_env_name)
+        if name not in envs:
+            raise ValueError(f"Environment '{name}' not found. Available: {list(envs)}")
+        env = envs[name](env_config)
+        if isinstance(env, SimpleMathEnv):    # it counts the conversation's tokens with the run's tokenizer
+            env.tokenizer = self.tokenizer
+        return env
 
 
-#: name -> scheduler class (ms-swift's built-ins are named in config/multi_turn_options.py)
-multi_turns: dict[str, Any] = {}
-#: name -> environment class
-envs: dict[str, Any] = {}
+#: name -> scheduler class: ms-swift's gym_scheduler, and what plugin files register (math_tip_trick is
+#: swiftlite's own, rlhf/multi_turn.py; ms-swift's other built-ins are refused: config/multi_turn_options.py)
+multi_turns: dict[str, Any] = {"gym_scheduler": GYMScheduler}
 
-__all__ = ["Env", "MultiTurnScheduler", "RolloutScheduler", "WHY", "envs", "multi_turns", "unsupported"]
+from swiftlite.msswift_api.gym_env import Env, envs  # noqa: E402  (ms-swift's gym_env names, for plugins that
+#                                                       import them from multi_turn)
+
+__all__ = ["Env", "GYMScheduler", "MultiTurnScheduler", "RolloutScheduler", "envs", "multi_turns", "unsupported"]

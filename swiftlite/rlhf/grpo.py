@@ -39,6 +39,7 @@ from swiftlite.checkpoint import layout
 from swiftlite.distributed import all_reduce_sum, gather_objects
 from swiftlite.errors import UserError
 from swiftlite.metrics import StepStats
+from swiftlite.plugin import call_reward
 from swiftlite.rlhf.generate import completion_seed, gathered, sample, token_logps
 from swiftlite.rlhf.grpo_loss import (ESTIMATOR_DEFAULTS, GrpoLoss, advantages, clip_stats, micro_batch_loss, real_terms,
                                       token_terms)
@@ -176,6 +177,8 @@ def setup(run: Any) -> Any:
         from swiftlite.rlhf.reward_model import build_reward_models
         b.rewards = [*b.rewards, *build_reward_models(cfg.rlhf, run.world.device, torch_dtype(cfg.model.torch_dtype),
                                                       cfg.model.trust_remote_code, cfg.data.max_length)]
+    from swiftlite.rlhf.plugin_turns import gym_rewards
+    b.rewards = [*b.rewards, *gym_rewards(cfg.rlhf)]   # last, as ms-swift's `gym_reward` column
     from swiftlite.rlhf.generators import build_generator   # --use_vllm: a rollout server's client or colocated
     b.vllm = build_generator(run, per_device=b.plan.per_device, steps_per_generation=b.plan.steps_per_generation)
     if cfg.rlhf.log_completions and run.world.is_main:
@@ -229,36 +232,6 @@ def _load_round(ckpt: Any, world: Any, rnd: int) -> Round:
                         "not match this run's --steps-per-generation/--num-iterations")
     micro = {tuple(k): {n: t.to(world.device) for n, t in v.items()} for k, v in d["micro"]}
     return Round(rnd, micro, d["metrics"], d["tokens"])
-
-
-def _call_reward(r: Any, completions: list[str], kwargs: dict, wheres: list[str]) -> list[float]:
-    """One reward function on this rank's completions; an exception or a wrong answer becomes a
-    UserError naming the function and the first row it fails on."""
-    def one(i: int) -> Any:
-        return r(completions[i:i + 1], **{k: v[i:i + 1] for k, v in kwargs.items() if isinstance(v, list)},
-                 trainer_state=kwargs["trainer_state"])
-    try:
-        out = r(completions, **kwargs)
-    except Exception as e:
-        for i in range(len(completions)):
-            try:
-                one(i)
-            except Exception as e1:
-                raise UserError(f"reward function {r.key} ({r.name}) raised {type(e1).__name__}: "
-                                f"{str(e1).splitlines()[0] if str(e1) else ''} on {wheres[i]}") from None
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise UserError(f"reward function {r.key} ({r.name}) raised {type(e).__name__}: {first} on a batch of "
-                        f"{len(completions)} completions (rows {wheres[0]} ...)") from None
-    out = list(out) if out is not None else []
-    if len(out) != len(completions):
-        raise UserError(f"reward function {r.key} ({r.name}) returned {len(out)} values for {len(completions)} "
-                        f"completions (rows {wheres[0]} ...)")
-    try:
-        return [float("nan") if v is None else float(v) for v in out]
-    except (TypeError, ValueError):
-        bad = next(i for i, v in enumerate(out) if v is not None and not isinstance(v, (int, float)))
-        raise UserError(f"reward function {r.key} ({r.name}) returned {out[bad]!r}, not a number, on {wheres[bad]}") \
-            from None
 
 
 def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
@@ -358,7 +331,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
         metrics[f"rewards/{r.name}/mean"] = float(torch.nanmean(rpf[:, f]))
         metrics[f"rewards/{r.name}/std"] = float(nanstd(rpf[:, f]))
     if o.log_completions:
-        _log_completions(b, step, prompts, mine_c, [texts[c] for c in mine_c], rpf, adv, world)
+        _log_completions(b, step, micro, mine_c, [texts[c] for c in mine_c], rpf, adv, world)
     return Round(rnd, micro, metrics, float(lens.sum()))
 
 
@@ -398,13 +371,15 @@ def _rewards(b: GrpoBatches, got: tuple, prompts: list[int], mine_c: list[int], 
     kwargs: dict[str, Any] = {}
     for key in sorted({k for r in rows for k in r["columns"]}):
         kwargs[key] = [r["columns"].get(key) for r in rows]
+    if any("gym_reward" in t for t in micro.values()):   # --use_gym_env: each trajectory's environment reward
+        kwargs["gym_reward"] = [float(t["gym_reward"][k.index(c)]) for c in mine_c for k, t in micro.items() if c in k]
     kwargs.update(prompts=[r["prompt"] for r in rows], completion_ids=ids, response_token_ids=ids,
                   messages=[r["prompt"] + [{"role": "assistant", "content": t}] for r, t in zip(rows, comps)],
                   trainer_state=type("TrainerState", (), {"global_step": step})())
     wheres = [r["where"] for r in rows]
     table = [0.0] * (N * F)
     for f, r in enumerate(b.rewards if mine_c else ()):
-        for c, v in zip(mine_c, _call_reward(r, comps, kwargs, wheres)):
+        for c, v in zip(mine_c, call_reward(r, comps, kwargs, wheres)):
             table[c * F + f] = v
     return all_reduce_sum(table) if b.world.world_size > 1 else table
 
@@ -470,19 +445,22 @@ def _completion_ids(micro: dict, c: int) -> list[int]:
     raise KeyError(c)
 
 
-def _log_completions(b: GrpoBatches, step: int, prompts: list[int], mine_c: list[int], comps: list[str],
+def _log_completions(b: GrpoBatches, step: int, micro: dict, mine_c: list[int], comps: list[str],
                      rpf: torch.Tensor, adv: torch.Tensor, world: Any) -> None:
-    G = b.plan.num_generations
-    parts = gather_objects(list(zip(mine_c, comps)), world.world_size)
+    """The round's completions, each with the prompt it was sampled from (the tokens sampled from: a gym
+    scheduler's environment writes its own)."""
+    def prompt_of(c: int) -> str:
+        key, t = next((k, t) for k, t in micro.items() if c in k)
+        j = key.index(c)
+        return b.tokenizer.decode(t["prompt_ids"][j][t["prompt_mask"][j].bool()].tolist())
+    parts = gather_objects([(c, text, prompt_of(c)) for c, text in zip(mine_c, comps)], world.world_size)
     if b.log_path is None:
         return
     names = [r.name for r in b.rewards]
     table = []
     with open(b.log_path, "a") as f:
-        for c, text in sorted(x for part in parts for x in part):
-            row = b.rows[prompts[c // G]]
+        for c, text, prompt in sorted(x for part in parts for x in part):
             rew = {n: (None if math.isnan(v) else v) for n, v in zip(names, rpf[c].tolist())}
-            prompt = b.tokenizer.decode(row["input_ids"])
             f.write(json.dumps({"step": step + 1, "prompt": prompt, "completion": text,
                                 "rewards": rew, "advantage": float(adv[c])}) + "\n")
             table.append([step + 1, prompt, text, *rew.values(), float(adv[c])])

@@ -223,10 +223,10 @@ def prepare_prompts(cfg: Any, tokenizer: Any, world_size: int, *,
                                 progress=progress, columns=d.columns, agent=agent)
     train, _ = train_and_validation(d, tok, t.seed, unit="prompt")
     check_rewards(rewards, train, "--reward_funcs")
-    from swiftlite.config.multi_turn_options import MULTI_TURN_SCHEDULERS
-    if r.multi_turn_scheduler in MULTI_TURN_SCHEDULERS:   # the built-in's column (a plugin's reads what it reads)
+    from swiftlite.config.multi_turn_options import scheduler_columns
+    if scheduler_columns(r):   # a built-in's columns (a plugin's reads what it reads)
         from swiftlite.rlhf.multi_turn import check_rows
-        check_rows(r.multi_turn_scheduler, train)
+        check_rows(r, train)
     if r.chord_sft_dataset:
         train.sft = _chord_rows(cfg, tokenizer, progress)
     plan = GrpoPlan(len(train.rows), t.per_device_train_batch_size, world_size, t.gradient_accumulation_steps,

@@ -101,12 +101,21 @@ def check_installed(name: str) -> None:
                         "math-verify, or swiftlite's grpo extra), as in ms-swift")
 
 
-def check_rows(name: str, data: Any) -> None:
-    """Every prompt row has the `solution` column the scheduler verifies against (one line naming the row)."""
+def check_rows(r: Any, data: Any) -> None:
+    """Every prompt row has the columns the run's built-in scheduler reads (config/multi_turn_options.
+    scheduler_columns: math_tip_trick's `solution`, math_env's `problem` and `solution`), and a gym scheduler
+    on a rollout server gets them (--vllm_server_pass_dataset); one line naming the row."""
+    from swiftlite.config.multi_turn_options import scheduler_columns
+    name, need = r.multi_turn_scheduler, scheduler_columns(r)
+    if name not in SCHEDULERS and r.use_vllm and r.vllm_mode == "server" and not r.vllm_server_pass_dataset:
+        raise UserError(f"--gym_env {r.gym_env} reads each row's {' and '.join(need)}, which the scheduler of a run in "
+                        "--vllm_mode server gets only with --vllm_server_pass_dataset true (ms-swift's rule): add it")
     for row in data.rows:
-        if SOLUTION not in row["columns"]:
-            raise UserError(f"{row['where']}: no '{SOLUTION}' column, which --multi_turn_scheduler {name} verifies "
-                            "each completion against")
+        missing = [c for c in need if c not in row["columns"]]
+        if missing:
+            what = (f"--gym_env {r.gym_env} reads from each row" if name not in SCHEDULERS
+                    else f"--multi_turn_scheduler {name} verifies each completion against")
+            raise UserError(f"{row['where']}: no '{missing[0]}' column, which {what}")
 
 
 def build(options: Any, tokenizer: Any) -> Any:
@@ -116,12 +125,14 @@ def build(options: Any, tokenizer: Any) -> Any:
         return None
     if name in SCHEDULERS:
         return SCHEDULERS[name](tokenizer)
+    from swiftlite.config.multi_turn_options import gym_on
     from swiftlite.msswift_api.rollout import multi_turns
     from swiftlite.rlhf.plugin_turns import PluginTurns, check_scheduler
     check_scheduler(name)
     server = options.use_vllm and options.vllm_mode == "server"
     return PluginTurns(name, multi_turns[name], tokenizer, options.max_turns,
-                       columns=not server or options.vllm_server_pass_dataset)
+                       columns=not server or options.vllm_server_pass_dataset, gym_env=options.gym_env,
+                       use_gym_env=gym_on(options))
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -155,21 +166,25 @@ def _ended(ids: list[int], eos_ids: set[int], stop: Callable[[list[int]], int | 
 
 def _unpack(first: list[tuple[torch.Tensor, ...]], micro_prompts: list[list[list[int]]],
             micro_rows: list[list[dict]], micro_seeds: list[list[int]], eos_ids: set[int],
-            stop: Callable[[list[int]], int | None]) -> list[list[Trajectory]]:
+            stop: Callable[[list[int]], int | None], states: list[list[Any]] | None = None) -> list[list[Trajectory]]:
     out = []
-    for (_, _, c_ids, c_mask, *lp), prompts, rows, seeds in zip(first, micro_prompts, micro_rows, micro_seeds):
+    for m, ((_, _, c_ids, c_mask, *lp), prompts, rows, seeds) in enumerate(zip(first, micro_prompts, micro_rows,
+                                                                            micro_seeds)):
         mb = []
         for j, (p, row, s) in enumerate(zip(prompts, rows, seeds)):
             ids, cut = _ended(c_ids[j, :int(c_mask[j].sum())].tolist(), eos_ids, stop)
             logps = lp[0][j, :len(ids)].tolist() if lp else None
-            mb.append(Trajectory(p, row, s, ids, [1] * len(ids), logps, length_cut=cut))
+            mb.append(Trajectory(p, row, s, ids, [1] * len(ids), logps, length_cut=cut,
+                                 state=states[m][j] if states else None))
         out.append(mb)
     return out
 
 
-def _layout(first: tuple[torch.Tensor, ...], trajs: list[Trajectory], pad_id: int, logprobs: bool) -> dict:
+def _layout(first: tuple[torch.Tensor, ...], trajs: list[Trajectory], pad_id: int, logprobs: bool,
+            reward_of: Callable[[Trajectory], float] | None = None) -> dict:
     """One micro-batch's tensors: the first turn's prompt tensors, the whole completions (padded to the
-    longest), their mask (a prefix: what attention sees) and loss mask (0 on insertions)."""
+    longest), their mask (a prefix: what attention sees) and loss mask (0 on insertions); with
+    `reward_of` (--use_gym_env) each trajectory's environment reward, `gym_reward`."""
     p_ids, p_mask = first[0], first[1]
     device = p_ids.device
     n = max(1, max(len(t.ids) for t in trajs))
@@ -187,6 +202,8 @@ def _layout(first: tuple[torch.Tensor, ...], trajs: list[Trajectory], pad_id: in
            "completion_mask": c_mask.to(device), "loss_mask": loss.to(device)}
     if logprobs:
         out["rollout_logps"] = lp.to(device)
+    if reward_of is not None:
+        out["gym_reward"] = torch.tensor([reward_of(t) for t in trajs], dtype=torch.float32, device=device)
     return out
 
 
@@ -203,6 +220,9 @@ def sample_turns(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]],
     micro-batch, FIRST_KEYS (and `loss_mask` after turns)."""
     from swiftlite.distributed import all_reduce_sum
     o = options
+    states = None
+    if sched is not None and hasattr(sched, "start"):   # a scheduler that writes the prompts (a gym's reset)
+        micro_prompts, states = sched.start(micro_prompts, micro_rows)
     first = gen(micro_prompts, micro_seeds, o.max_completion_length, True)
     if sched is None:
         from swiftlite.rlhf.stop_words import cut
@@ -213,14 +233,15 @@ def sample_turns(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]],
                    max_new_tokens=o.max_completion_length, per_round=o.completion_length_limit_scope == "per_round",
                    max_turns=o.max_turns, eos_ids=set(eos_ids), pad_id=pad_id,
                    any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0, lockstep=lockstep,
-                   stop=(lambda ids: stop_length(tokenizer, ids, words)) if words else None)
+                   stop=(lambda ids: stop_length(tokenizer, ids, words)) if words else None, states=states)
 
 
 def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], first: list[tuple[torch.Tensor, ...]],
             micro_prompts: list[list[list[int]]], micro_rows: list[list[dict]], micro_seeds: list[list[int]], *,
             max_new_tokens: int, per_round: bool, max_turns: int | None, eos_ids: set[int], pad_id: int,
             any_pending: Callable[[bool], bool], lockstep: bool = False,
-            stop: Callable[[list[int]], int | None] | None = None) -> list[dict]:
+            stop: Callable[[list[int]], int | None] | None = None, states: list[list[Any]] | None = None
+            ) -> list[dict]:
     """The turns after `first` (this process's micro-batches of the first turn, as the generator returned
     them): `gen(micro_prompts, micro_seeds, max_new_tokens)` samples a turn. Returns one dict of tensors per
     micro-batch (`_layout`). `lockstep` (parallel/gather.py): every turn asks for every micro-batch, one
@@ -232,7 +253,7 @@ def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], firs
     length limit, which ms-swift's base rule finishes), and `step(t, turn, eos_ids)` -> the completion's tokens and loss mask
     after the step (MathTips here; a plugin's, rlhf/plugin_turns.py)."""
     stop = stop or (lambda ids: None)
-    trajs = _unpack(first, micro_prompts, micro_rows, micro_seeds, eos_ids, stop)
+    trajs = _unpack(first, micro_prompts, micro_rows, micro_seeds, eos_ids, stop, states)
     logprobs = any(len(f) > 4 for f in first)
     turn = 1
     while True:
@@ -268,7 +289,8 @@ def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], firs
                 t.ids, t.loss, t.turns = t.ids + new, t.loss + [1] * len(new), t.turns + 1
                 if t.logps is not None:
                     t.logps = t.logps + (lp[0][j, :len(new)].tolist() if lp else [float("nan")] * len(new))
-    return [_layout(f, mb, pad_id, logprobs) for f, mb in zip(first, trajs)]
+    reward_of = sched.trajectory_reward if getattr(sched, "gym", False) else None
+    return [_layout(f, mb, pad_id, logprobs, reward_of) for f, mb in zip(first, trajs)]
 
 
 def scored(t: dict) -> torch.Tensor:

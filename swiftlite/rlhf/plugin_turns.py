@@ -37,23 +37,58 @@ from swiftlite.errors import UserError
 
 
 class PluginTurns:
-    """A plugin scheduler behind the loop's interface: `finished(t, turn)`, `step(t, turn)`."""
+    """A plugin scheduler behind the loop's interface: `start(prompts, rows, seeds)`, `finished(t, turn)`,
+    `step(t, turn)`, and with --use_gym_env `trajectory_reward(t)`."""
 
-    def __init__(self, name: str, cls: Any, tokenizer: Any, max_turns: int | None, columns: bool = True):
+    def __init__(self, name: str, cls: Any, tokenizer: Any, max_turns: int | None, columns: bool = True,
+                 gym_env: str | None = None, use_gym_env: bool = False):
+        from swiftlite.msswift_api.rollout import RolloutScheduler
         from swiftlite.plugin_imports import msswift_aliases
-        self.name, self.tok, self.columns = name, tokenizer, columns
+        self.name, self.tok, self.columns, self.gym = name, tokenizer, columns, use_gym_env
+        kw = {"gym_env": gym_env} if gym_env is not None else {}   # ms-swift passes it only when given
         with msswift_aliases():
-            self.sched = cls(infer_engine=None, max_turns=max_turns, tokenizer=tokenizer)
+            self.sched = cls(infer_engine=None, max_turns=max_turns, tokenizer=tokenizer, **kw)
+        self.rewrites = cls.on_trajectory_start is not RolloutScheduler.on_trajectory_start
+
+    def _request(self, row: dict) -> Any:
+        from swiftlite.msswift_api.protocol import RolloutInferRequest
+        return RolloutInferRequest(copy.deepcopy(row["prompt"]), copy.deepcopy(row["columns"]) if self.columns else {})
+
+    def start(self, micro_prompts: list[list[list[int]]], micro_rows: list[list[dict]]
+              ) -> tuple[list[list[list[int]]], list[list[Any]] | None]:
+        """The first turn's prompts and the trajectories' states: as given, unless the scheduler overrides
+        `on_trajectory_start` (a gym scheduler: its environment's reset gives the conversation), whose
+        conversations are rendered with the chat template and its generation prompt."""
+        if not self.rewrites:
+            return micro_prompts, None
+        from swiftlite.data.tokenize import render
+        from swiftlite.plugin_imports import msswift_aliases
+        reqs = [[self._request(row) for row in rows] for rows in micro_rows]
+        try:
+            with msswift_aliases():
+                asyncio.run(self.sched.on_trajectory_start([q for mb in reqs for q in mb]))
+        except Exception as e:   # a plugin's environment: one line naming it, and why its data may be missing
+            hint = ("; its requests' data_dict is empty: in --vllm_mode server the rows' columns reach the scheduler "
+                    "only with --vllm_server_pass_dataset true (ms-swift's rule)") if not self.columns else ""
+            raise UserError(f"--multi_turn_scheduler {self.name}: on_trajectory_start raised {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}{hint}") from None
+        prompts = [[self.tok(render(self.tok, q.messages, add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"] for q in mb] for mb in reqs]
+        return prompts, [[{"request": q, "seen": -1} for q in mb] for mb in reqs]
+
+    def trajectory_reward(self, t: Any) -> float:
+        """--use_gym_env: the trajectory's 'total_reward' (the scheduler's rollout_infos), NaN without one."""
+        v = ((t.state or {}).get("infos") or {}).get("total_reward")
+        return float("nan") if v is None else float(v)
 
     def _turn(self, t: Any) -> tuple[Any, Any]:
         """(request, choice) of the trajectory's latest turn; the request's conversation holds its text."""
-        from swiftlite.msswift_api.protocol import ChatCompletionResponseChoice, ChatMessage, RolloutInferRequest
+        from swiftlite.msswift_api.protocol import ChatCompletionResponseChoice, ChatMessage
         ids = t.ids[t.last:]
         text = self.tok.decode(ids, skip_special_tokens=True)
         st = t.state
         if st is None:
-            data = copy.deepcopy(t.row["columns"]) if self.columns else {}
-            st = t.state = {"request": RolloutInferRequest(copy.deepcopy(t.row["prompt"]), data), "seen": -1}
+            st = t.state = {"request": self._request(t.row), "seen": -1}
         req = st["request"]
         if st["seen"] != t.last:     # this turn's text joins the conversation once
             st["seen"] = t.last
@@ -70,6 +105,8 @@ class PluginTurns:
         req, choice = self._turn(t)
         with msswift_aliases():
             out = asyncio.run(self.sched.on_turn_end(req, choice, turn)) or {}
+            if out.get("rollout_infos"):    # merged over the turns, as ms-swift's run() does
+                t.state.setdefault("infos", {}).update(out["rollout_infos"])
             if "done" in out:
                 return bool(out["done"])
             return bool(self.sched.check_finished(req, choice, turn))
@@ -86,6 +123,8 @@ class PluginTurns:
             raise UserError(f"--multi_turn_scheduler {self.name}: step() returned {type(ret).__name__}, not a dict with "
                             "'infer_request' (ms-swift's MultiTurnScheduler.step contract)")
         new = ret["infer_request"]
+        if ret.get("rollout_infos"):
+            t.state.setdefault("infos", {}).update(ret["rollout_infos"])
         turn_ids, turn_loss = list(t.ids[t.last:]), list(t.loss[t.last:])
         if "response_token_ids" in ret:
             turn_ids = list(ret["response_token_ids"])
@@ -132,12 +171,36 @@ def check_scheduler(name: str) -> None:
     """A plugin's scheduler name: registered by --external_plugins, and a class that runs here (one line)."""
     from swiftlite.msswift_api.rollout import multi_turns, unsupported
     if name not in multi_turns:
-        have = ", ".join(sorted(multi_turns)) or "none"
-        raise UserError(f"--multi_turn_scheduler {name}: no scheduler of that name; built in: math_tip_trick; "
+        have = ", ".join(sorted(k for k in multi_turns if k != "gym_scheduler")) or "none"
+        raise UserError(f"--multi_turn_scheduler {name}: no scheduler of that name; built in: math_tip_trick, "
+                        "gym_scheduler; "
                         f"registered by --external_plugins (multi_turns['name'] = Cls): {have}")
     why = unsupported(multi_turns[name])
     if why:
         raise UserError(f"--multi_turn_scheduler {name}: {multi_turns[name].__name__} {why}")
 
 
-__all__ = ["PluginTurns", "check_scheduler"]
+def check_gym_env(name: str) -> None:
+    """--gym_env: ms-swift's math_env or a name the plugin files registered in envs (one line)."""
+    from swiftlite.msswift_api.gym_env import envs
+    if name not in envs:
+        raise UserError(f"--gym_env {name}: no environment of that name; built in: math_env; registered by "
+                        f"--external_plugins (envs['name'] = Cls): {', '.join(sorted(set(envs) - {'math_env'})) or 'none'}")
+
+
+def gym_reward(completions: list[str], gym_reward: list[float], **kwargs: Any) -> list[float]:
+    """--use_gym_env's reward: each trajectory's total environment reward (rlhf/multi_turn._layout)."""
+    import math
+    if any(math.isnan(v) for v in gym_reward):
+        raise ValueError("the multi-turn scheduler gave no rollout_infos['total_reward'] (a gym scheduler's)")
+    return gym_reward
+
+
+def gym_rewards(r: Any) -> list:
+    """--use_gym_env's reward entry (after the reward functions and models, as ms-swift orders them), or none."""
+    from swiftlite.config.multi_turn_options import gym_on
+    from swiftlite.plugin import Reward
+    return [Reward("gym_reward", gym_reward, "gym_reward", ())] if gym_on(r) else []
+
+
+__all__ = ["PluginTurns", "check_gym_env", "check_scheduler", "gym_reward", "gym_rewards"]

@@ -77,6 +77,9 @@ class RolloutOptions:
     multi_turn_scheduler: str | None = None
     max_turns: int | None = None
     external_plugins: tuple[str, ...] = ()
+    #: the served runs train on their gym environments' rewards (ms-swift's server says so in /get_world_size/)
+    use_gym_env: bool = False
+    gym_env: str | None = None
 
 
 def build_engine(o: RolloutOptions) -> Any:
@@ -211,7 +214,8 @@ def make_handler(work: EngineThread, timeout_s: float = 1800.0, o: RolloutOption
 
     e = work.backend
     turns = ({"multi_turn_scheduler": o.multi_turn_scheduler, "max_turns": o.max_turns,
-              "external_plugins": list(o.external_plugins)} if o.multi_turn_scheduler else {})
+              "external_plugins": list(o.external_plugins), "use_gym_env": o.use_gym_env, "gym_env": o.gym_env}
+             if o.multi_turn_scheduler else {})
     routes: dict[tuple[str, str], Callable[[dict], Any]] = {
         ("GET", "/health/"): lambda b: {"status": "ok"},
         ("GET", "/get_world_size/"): lambda b: {**work.call(e.info), **turns},

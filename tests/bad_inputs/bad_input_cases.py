@@ -377,8 +377,9 @@ CASES: list[Case] = [
                                   "--response_prefix", "<think>"],
          "--response_prefix: GRPO's rollouts are generated from the chat template's generation prompt"),
     Case("grpo-multi-turn-scheduler", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format",
-                                       "--multi_turn_scheduler", "gym_scheduler"],
-         "error: --multi-turn-scheduler gym_scheduler: not available here: it drives a gym environment"),
+                                       "--multi_turn_scheduler", "openenv_scheduler"],
+         "error: --multi-turn-scheduler openenv_scheduler: not available here: it drives an OpenEnv environment "
+         "server"),
     # GRPO with vLLM: colocate needs a CUDA GPU and the vllm package (neither here); server mode needs a server
     Case("grpo-vllm-no-gpu", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format", "--use_vllm",
                               "true", "--vllm_mode", "colocate"],
@@ -413,9 +414,9 @@ CASES: list[Case] = [
          "error: --vllm-mode server: no `swiftlite rollout` answered at http://127.0.0.1:9 within 1 s",
          setup=write("prompts.jsonl", "".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
                                               for i in range(8)))),
-    Case("rollout-refused-options", ["rollout", "--model", "tiny-llama-2l", "--use_gym_env", "true",
+    Case("rollout-refused-options", ["rollout", "--model", "tiny-llama-2l", "--context_manager", "summary",
                                      "--vllm_max_lora_rank", "16", "--bogus", "1"],
-         "error: --use_gym_env: gym rollouts are not available",
+         "error: --context_manager: a context manager rewrites a trajectory's earlier turns",
          more=("error: --vllm_max_lora_rank: the server always gets the run's merged weights",
                "error: --bogus: not an option of swiftlite rollout")),
     Case("rollout-unregistered-scheduler", ["rollout", "--model", "tiny-llama-2l", "--infer_backend", "transformers",

@@ -200,6 +200,7 @@ rm_plugins['my_judge'] = Judge
 
 
 def test_msswifts_plugin_imports_load_and_register_here(tmp_path):
+    import asyncio
     import sys
 
     from swiftlite.cli import parse_run_args
@@ -216,8 +217,10 @@ def test_msswifts_plugin_imports_load_and_register_here(tmp_path):
         r, = build_rewards(["async_len"], None)
         assert r(["ab", "abcd"]) == [2.0, 4.0]             # an AsyncORM is awaited
         assert "my_judge" in rm_plugins and "my_scheduler" in multi_turns and "my_env" in envs
-        with pytest.raises(NotImplementedError, match="gym environments drive an environment server"):
-            envs["my_env"]()
+        env = envs["my_env"]({"name": "my_env"})                           # builds; its hooks are the plugin's own
+        assert env.env_config == {"name": "my_env"}
+        with pytest.raises(NotImplementedError, match="implements async reset"):
+            asyncio.run(env.reset(None))
         assert multi_turns["my_scheduler"](max_turns=3).max_turns == 3      # a step scheduler runs (plugin_turns)
         config_file, values = parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl", "--rlhf_type", "grpo",
                                               "--reward_funcs", "async_len", "--multi_turn_scheduler", "my_scheduler"])

@@ -217,7 +217,7 @@ def test_the_scheduler_sees_the_rows_columns_as_msswift_passes_them(tok, registe
 
     from swiftlite.rlhf.multi_turn import build
     o = SimpleNamespace(multi_turn_scheduler="record", max_turns=2, use_vllm=mode is not None, vllm_mode=mode,
-                        vllm_server_pass_dataset=passed)
+                        vllm_server_pass_dataset=passed, gym_env=None, use_gym_env=None)
     sched = build(o, tok)
     row = {"prompt": [{"role": "user", "content": "q"}], "columns": {"solution": "5"}}
     prompt = _enc(tok, "q")
