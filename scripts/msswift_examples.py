@@ -388,7 +388,8 @@ def write_data(d: Path, n: int = 64) -> dict[str, Path]:
         rows["kto"].append({"prompt": [{"role": "user", "content": q}],
                             "completion": [{"role": "assistant", "content": a if i % 2 else a + "!"}],
                             "label": bool(i % 2)})
-        rows["grpo"].append({"messages": [{"role": "user", "content": q}], "solution": a})
+        # `problem` too, as NuminaMath-TIR's rows keep it (ms-swift's math_env reads it: grpo/external/vllm_gym.sh)
+        rows["grpo"].append({"messages": [{"role": "user", "content": q}], "problem": q, "solution": a})
         rows["messages_solution"].append({"messages": [{"role": "user", "content": q},
                                                        {"role": "assistant", "content": a}], "solution": a})
         rows["text"].append({"text": f"{q} {a}. " * 3})

@@ -32,6 +32,13 @@ def _loss_scale(c: RunConfig):
             if not scale.is_binary:
                 return (f"--loss-scale {v}: GKD's divergence takes no per-token weights; use a binary scale "
                         "(last_round, ms-swift's rlhf default; default: every assistant turn)")
+        elif spec.own_options == "rlhf" and c.rlhf.rlhf_type == "grpo" and scale in (LossScale("default"),
+                                                                                LossScale("last_round")):
+            # the completion's tokens the policy sampled, every turn of a multi-turn one (ms-swift's default
+            # there: `default`, every assistant turn); one turn is one assistant message, the same under both
+            if scale == LossScale("last_round") and c.rlhf.multi_turn_scheduler:
+                return (f"--loss-scale {v} with --multi-turn-scheduler: GRPO trains every turn the policy sampled "
+                        "(ms-swift's default with a scheduler: default); drop the flag")
         elif spec.own_options == "rlhf" and scale != LossScale("last_round"):
             return (f"--loss-scale {v}: rlhf trains on the answer of each pair or completion (last_round, ms-swift's "
                     "default there); drop the flag")

@@ -165,7 +165,8 @@ def test_total_scope_caps_the_whole_completion(files, tmp_path):
     (["--multi-turn-scheduler", "thinking_tips_scheduler"], "--multi-turn-scheduler thinking_tips_scheduler: not "
                                                             "available here: it splits a trajectory"),
     (["--multi-turn-scheduler", "my_plugin_scheduler"], "--multi_turn_scheduler my_plugin_scheduler: no scheduler "
-                                                        "of that name; built in: math_tip_trick; registered by"),
+                                                        "of that name; built in: math_tip_trick, gym_scheduler; "
+                                                        "registered by"),
     (["--max-turns", "3"], "--max-turns applies to multi-turn rollouts"),
     (["--completion-length-limit-scope", "total"], "--completion-length-limit-scope applies to multi-turn"),
     (["--multi-turn-scheduler", "math_tip_trick", "--max-turns", "0"], "--max-turns 0: out of range"),

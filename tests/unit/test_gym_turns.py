@@ -171,6 +171,14 @@ def test_the_options_rules():
              "--reward_weights", "1")
     with pytest.raises(UserError, match="needs --reward-funcs .*--use-gym-env"):
         _cfg("--multi_turn_scheduler", "gym_scheduler")
+    # --loss_scale default (ms-swift's GRPO default with a scheduler; the same targets for one turn) is what GRPO
+    # trains; last_round with a scheduler would train the last turn only in ms-swift
+    assert _cfg("--reward_funcs", "format", "--loss_scale", "default").data.loss_scale == "default"
+    _cfg("--reward_funcs", "format", "--loss_scale", "last_round")
+    with pytest.raises(UserError, match="--loss-scale last_round with --multi-turn-scheduler: GRPO trains every turn"):
+        _cfg("--multi_turn_scheduler", "gym_scheduler", "--gym_env", "math_env", "--loss_scale", "last_round")
+    with pytest.raises(UserError, match="--loss-scale all: rlhf trains on the answer"):
+        _cfg("--reward_funcs", "format", "--loss_scale", "all")
     # in server mode the server's answer decides (launch/server_turns.py): accepted here
     _cfg("--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1")
 
