@@ -425,7 +425,7 @@ def _turns(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, row
     if b.sp is not None and not lockstep:
         from swiftlite.rlhf.grpo_sp import split_sampling
         return split_sampling(b.sp, lambda i, s, r: _share(b, gen, i, s, r), ids, seeds, rows, pad_id=b.pad_id,
-                              eos_ids=b.eos_ids, device=b.world.device)
+                              device=b.world.device)
     return _share(b, gen, ids, seeds, rows, lockstep)
 
 

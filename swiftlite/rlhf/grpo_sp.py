@@ -89,7 +89,7 @@ def _completion(values: torch.Tensor, pick: Pick, completion_ids: torch.Tensor) 
 
 
 def split_sampling(sp: Any, sample: Any, ids: list[list[list[int]]], seeds: list[list[int]], rows: list[list[dict]],
-                   *, pad_id: int, eos_ids: list[int], device: Any) -> list[dict[str, torch.Tensor]]:
+                   *, pad_id: int, device: Any) -> list[dict[str, torch.Tensor]]:
     """A round's micro-batches sampled once across the group, not N times: rank r of the group samples
     every N-th completion of each micro-batch from the r-th (`sample(ids, seeds, rows)`, the micro-batches
     it has a share of; every rank calls it, with an empty list where it has none, so the generators'
@@ -107,21 +107,27 @@ def split_sampling(sp: Any, sample: Any, ids: list[list[list[int]]], seeds: list
     for m, t in zip(keep, outs):
         for k, j in enumerate(picks[m]):
             c = int(t["completion_mask"][k].sum())
-            mine[(m, j)] = tuple(t[x][k, :c].tolist() if x in t else None
-                                 for x in ("completion_ids", "loss_mask", "rollout_logps"))
+            # the prompt as sampled (a gym scheduler's environment writes its own) and its environment reward
+            mine[(m, j)] = (*(t[x][k, :c].tolist() if x in t else None
+                              for x in ("completion_ids", "loss_mask", "rollout_logps")),
+                            t["prompt_ids"][k][t["prompt_mask"][k].bool()].tolist(),
+                            float(t["gym_reward"][k]) if "gym_reward" in t else None)
     parts: list[Any] = [None] * n
     dist.all_gather_object(parts, mine, group=sp.group)
     got = {k: v for part in parts for k, v in part.items()}
     result = []
     for m, mb in enumerate(ids):
         comps = [got[(m, j)] for j in range(len(mb))]
-        p_ids, p_mask, c_ids, c_mask = completion_layout(mb, [c[0] for c in comps], pad_id=pad_id, eos_ids=eos_ids,
-                                                         device=device)
+        # each completion whole, as its sampler's mask kept it: a multi-turn one holds end-of-turn tokens inside
+        p_ids, p_mask, c_ids, c_mask = completion_layout([c[3] for c in comps], [c[0] for c in comps], pad_id=pad_id,
+                                                         eos_ids=[], device=device)
         t = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids, "completion_mask": c_mask}
         width = c_ids.shape[1]
         for x, i, fill, dtype in (("loss_mask", 1, 0, torch.long), ("rollout_logps", 2, float("nan"), torch.float32)):
             if comps[0][i] is not None:
                 t[x] = torch.tensor([c[i] + [fill] * (width - len(c[i])) for c in comps], dtype=dtype, device=device)
+        if comps[0][4] is not None:
+            t["gym_reward"] = torch.tensor([c[4] for c in comps], dtype=torch.float32, device=device)
         result.append(t)
     return result
 

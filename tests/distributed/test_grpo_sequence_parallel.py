@@ -19,9 +19,26 @@ from tests.conftest import LazyRuns, run_cli
 
 REL = 1e-5
 PLUGIN = '''from swiftlite.plugin import orms
+from swift.rollout.gym_env import Env, envs
 orms["chars"] = lambda completions, **kwargs: [sum(map(ord, c)) % 17 / 17 for c in completions]
+
+
+class Shout(Env):   # a gym environment: its own first prompt, an observation after every turn, a reward each
+    async def reset(self, config):
+        return config.messages[-1]["content"].upper(), {}, ""
+
+    async def step(self, action):
+        return "again", len(action[-1]["content"]) % 5 / 5, False, {}
+
+    async def close(self):
+        pass
+
+
+envs["shout"] = Shout
 '''
 KEYS = ("loss", "grad_norm", "kl", "entropy", "reward", "reward_std", "completions/mean_length")
+#: ms-swift's gym scheduler: the group shares the environment's prompts and rewards as one process has them
+GYM = ["--multi_turn_scheduler", "gym_scheduler", "--gym_env", "shout", "--max_turns", "2"]
 
 RUNS = {   # name -> (flags, the run it must equal)
     "one": (["--nproc_per_node", "1"], None),
@@ -29,6 +46,8 @@ RUNS = {   # name -> (flags, the run it must equal)
     "one_free": (["--nproc_per_node", "1", "--padding_free", "true"], None),
     "sp2_free": (["--nproc_per_node", "2", "--sequence_parallel_size", "2", "--padding_free", "true"], "one_free"),
     "sp2_zero3": (["--nproc_per_node", "2", "--sequence_parallel_size", "2", "--parallelism", "zero3"], "one"),
+    "one_gym": (["--nproc_per_node", "1", *GYM], None),
+    "sp2_gym": (["--nproc_per_node", "2", "--sequence_parallel_size", "2", *GYM], "one_gym"),
     "dp2_lora": (["--nproc_per_node", "2", "--train_type", "lora", "--lora_dropout", "0",
                   "--gradient_accumulation_steps", "1", "--learning_rate", "1e-2"], None),
     "dp2_sp2_lora": (["--nproc_per_node", "4", "--sequence_parallel_size", "2", "--train_type", "lora",
@@ -71,3 +90,7 @@ def test_a_sequence_parallel_group_trains_as_one_process(runs, name):
         for k in KEYS:
             assert b[k] == pytest.approx(a[k], rel=REL, abs=1e-7), (name, a["step"], k, a[k], b[k])
     assert steps[1]["kl"] > 0 and steps[0]["grad_norm"] > 0   # the reference and the advantages both act
+    if "gym" in name:   # the environment's reward is the run's second, the same in the group as in one process
+        assert [s["rewards/gym_reward/mean"] for s in steps] == pytest.approx(
+            [s["rewards/gym_reward/mean"] for s in want], rel=REL)
+        assert "rewards gym_reward" not in out and "rewards chars, gym_reward" in out
