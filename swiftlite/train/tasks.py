@@ -236,6 +236,12 @@ class GrpoTask(Task):
             from swiftlite.rlhf.plugin_turns import check_scheduler
             name = cfg.rlhf.multi_turn_scheduler
             check_installed(name) if name in SCHEDULERS else check_scheduler(name)
+        if cfg.rlhf.gym_env is not None:   # registered (a plugin's, loaded by now) and able to score
+            from swiftlite.rlhf.plugin_turns import check_gym_env
+            check_gym_env(cfg.rlhf.gym_env)
+            if cfg.rlhf.gym_env == "math_env":
+                from swiftlite.math_answers import check_installed as check_math
+                check_math("--gym_env math_env")
 
     def wait_for_services(self, cfg: Any) -> None:
         _wait_for_rollout_servers(cfg)

@@ -380,6 +380,11 @@ CASES: list[Case] = [
                                        "--multi_turn_scheduler", "openenv_scheduler"],
          "error: --multi-turn-scheduler openenv_scheduler: not available here: it drives an OpenEnv environment "
          "server"),
+    Case("grpo-gym-env-unknown", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--multi_turn_scheduler",
+                                  "gym_scheduler", "--gym_env", "sudoku"],
+         "error: --gym_env sudoku: no environment of that name; built in: math_env"),
+    Case("grpo-use-gym-env-alone", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--use_gym_env", "true"],
+         "error: --use-gym-env trains on the total reward of a gym scheduler's environment"),
     # GRPO with vLLM: colocate needs a CUDA GPU and the vllm package (neither here); server mode needs a server
     Case("grpo-vllm-no-gpu", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format", "--use_vllm",
                               "true", "--vllm_mode", "colocate"],
