@@ -3,7 +3,8 @@ ms-swift's colocate `run_multi_turn`, swift/rollout/agent_loop.py, with its buil
 swift/rollout/multi_turn.py).
 
 A round's first turn is sampled as a one-turn round is (rlhf/grpo.py `_sample_round`: generate, the
-colocated vLLM engine or the rollout server). Then, turn after turn, the scheduler looks at every
+colocated vLLM engine or the rollout server), from the prompts a scheduler's `start` wrote where it has one
+(a gym scheduler's environments: rlhf/plugin_turns.py). Then, turn after turn, the scheduler looks at every
 completion not yet finished, after every turn, the last included: it stops one that reached
 --max_turns or that the scheduler judges done (as ms-swift's, a turn cut at the length limit, its
 finish_reason 'length', is done unless a plugin's check_finished or on_turn_end says otherwise); it

@@ -20,6 +20,12 @@ way ms-swift's MultiTurnScheduler.run drives it (swift/rollout/multi_turn.py):
   that rewrites earlier turns, e.g. one that strips their reasoning, cannot be continued token by token:
   the run stops with that reason).
 
+Before the first turn, a scheduler that overrides the async `on_trajectory_start(requests)` (ms-swift's gym
+scheduler: each request's environment is reset) gets one request per completion, and the first turn is
+sampled from the conversations it leaves there (the chat template's rendering with its generation prompt),
+not from the dataset's prompt. The `rollout_infos` that `on_turn_end` and `step` return are merged over the
+turns; their `total_reward` is the trajectory's --use_gym_env reward (`trajectory_reward`).
+
 `choice.token_ids` are the turn's sampled tokens (an end-of-turn token included when sampled, as vLLM
 returns them); `choice.message.content` their text without special tokens; `finish_reason` 'stop' or
 'length'. The request's `messages` are the prompt's conversation, its `data_dict` the row's columns (with
@@ -37,7 +43,7 @@ from swiftlite.errors import UserError
 
 
 class PluginTurns:
-    """A plugin scheduler behind the loop's interface: `start(prompts, rows, seeds)`, `finished(t, turn)`,
+    """A plugin scheduler behind the loop's interface: `start(prompts, rows)`, `finished(t, turn)`,
     `step(t, turn)`, and with --use_gym_env `trajectory_reward(t)`."""
 
     def __init__(self, name: str, cls: Any, tokenizer: Any, max_turns: int | None, columns: bool = True,
