@@ -477,7 +477,8 @@ CASES: list[Case] = [
          "error: --packing with --lmbda 0.5: an on-policy step replaces each row's response by a sampled one"),
     Case("grpo-no-rewards-no-teacher", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--num_generations", "1"],
          "error: --rlhf-type grpo needs --reward-funcs (built-in: accuracy, format, cosine, repetition, soft_overlong), "
-         "--reward-model or --teacher-model (on-policy distillation)"),
+         "--reward-model, --use-gym-env (a gym scheduler's environment rewards) or --teacher-model (on-policy "
+         "distillation)"),
     # --quant_method hqq (models/hqq.py): sharding backends, HQQ's bit widths, bitsandbytes options
     Case("hqq-fsdp", ["sft", *GOOD, *DATA, "--quant_method", "hqq", "--quant_bits", "4", "--parallelism", "fsdp",
                       "--nproc_per_node", "2"],
