@@ -124,8 +124,8 @@ def rollout_cmd(
                                                                  "merged weights, so no adapter is loaded."),
     multi_turn_scheduler: Optional[str] = typer.Option(
         None, "--multi_turn_scheduler", "--multi-turn-scheduler",
-        help="The multi-turn scheduler of the GRPO runs this server serves (math_tip_trick, or one an "
-             "--external_plugins file registers). As ms-swift's, it is the server's option; here the run reads it "
+        help="The multi-turn scheduler of the GRPO runs this server serves (math_tip_trick, gym_scheduler, or "
+             "one an --external_plugins file registers). As ms-swift's, it is the server's option; here the run reads it "
              "(with --max_turns and the plugin files) from the server before launch and drives the turns, asking "
              "the server for each one."),
     max_turns: Optional[int] = typer.Option(None, "--max_turns", "--max-turns",

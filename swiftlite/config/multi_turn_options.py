@@ -37,8 +37,10 @@ class MultiTurnOptions(Section):
                                            "(math_verify) is cut at its first <answer> or </think>, gets \"But "
                                            "wait... It seems I made a mistake,\" appended (not trained on: out of "
                                            "the loss) and is continued by the policy; the tip is given once. GRPO "
-                                           "also: a name an --external_plugins file registers (ms-swift's "
-                                           "multi_turns[name] = a MultiTurnScheduler with step/check_finished). "
+                                           "also: gym_scheduler (ms-swift's: --gym-env's environment writes the "
+                                           "prompt, answers each turn and scores it), or a name an "
+                                           "--external_plugins file registers (ms-swift's multi_turns[name] = a "
+                                           "MultiTurnScheduler with step/check_finished). "
                                            "ms-swift's default: none (one turn).")
     max_turns: int | None = opt(None, "GRPO, GKD with --multi-turn-scheduler: most turns per completion (ms-swift's "
                                 "default: none, the scheduler decides; math_tip_trick stops after 2; the memory "
