@@ -83,12 +83,11 @@ def adopt(facts: Any, world_size: int, resolve: Any, log: Any = print) -> Any:
     if turns is None:
         _check_rewards(facts.config)
         return facts
-    from swiftlite.msswift_api.rollout import multi_turns
+    from swiftlite.parallel.base import load_missing_plugins
     from swiftlite.rlhf.multi_turn import SCHEDULERS
     name = turns["multi_turn_scheduler"]
-    if name not in SCHEDULERS and name not in multi_turns:
-        from swiftlite.parallel.base import load_missing_plugins
-        load_missing_plugins(turns["external_plugins"])
+    # every file the server loaded: it may register the scheduler, or (a built-in gym scheduler) its environment
+    load_missing_plugins(turns["external_plugins"])
     if name in SCHEDULERS:   # as GrpoTask.check checks a scheduler the run names itself
         from swiftlite.rlhf.multi_turn import check_installed
         check_installed(name)

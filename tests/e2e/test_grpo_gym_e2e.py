@@ -52,11 +52,11 @@ def files(tmp_path_factory):
     return d
 
 
-def _run(files, out, *extra, check=True):
+def _run(files, out, *extra, check=True, own_process=False):
     env = cli_env()
     env["GYM_LOG"] = str(out.parent / f"{out.name}.gym.jsonl")
     return run_cli(["rlhf", *COMMON, "--model", files / "model", "--dataset", files / "data.jsonl", "--max-steps", "2",
-                    *extra, "--output-dir", out], env=env, check=check)
+                    *extra, "--output-dir", out], env=env, check=check, own_process=own_process)
 
 
 def _episodes(out):
@@ -102,11 +102,13 @@ def test_a_servers_gym_scheduler_is_the_runs_as_in_msswifts_vllm_gym_script(file
     from tests.e2e.test_rollout_server import _port
     srv = ["--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port",
            str(server["port"])]
-    _run(files, tmp_path / "srv", *srv, "--vllm_server_pass_dataset", "true", "--vllm_server_group_port", str(_port()))
+    # in a process of its own: nothing registered but what the server's plugin file registers there
+    _run(files, tmp_path / "srv", *srv, "--vllm_server_pass_dataset", "true", "--vllm_server_group_port", str(_port()),
+         own_process=True)
     _run(files, tmp_path / "local", "--external-plugins", files / "env.py", *GYM)
     assert _episodes(tmp_path / "srv") == _episodes(tmp_path / "local")
     assert [s["loss"] for s in _steps(tmp_path / "srv")] == pytest.approx(
         [s["loss"] for s in _steps(tmp_path / "local")], rel=1e-6, abs=1e-9)
-    bad = _run(files, tmp_path / "x", *srv, "--vllm_server_group_port", str(_port()), check=False)
+    bad = _run(files, tmp_path / "x", *srv, "--vllm_server_group_port", str(_port()), check=False, own_process=True)
     assert bad.returncode == 2 and "on_trajectory_start raised KeyError: 'n'; its requests' data_dict is empty" \
         in bad.stderr
