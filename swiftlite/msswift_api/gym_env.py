@@ -35,7 +35,8 @@ MATH_ENV_MAX_TOKENS = 2048
 
 
 class SimpleMathEnv(Env):
-    """ms-swift's `math_env`: the row's `problem` is the first observation; an answer that verifies against
+    """ms-swift's `math_env`: the row's `problem` is the first observation (the columns it reads are checked
+    before launch: config/multi_turn_options.scheduler_columns); an answer that verifies against
     the row's `solution` (math_verify, as --reward_funcs accuracy) ends the episode with reward 1, any other
     gets the tip below as the next user message and reward 0; a conversation of 2048 tokens or more ends it.
 
@@ -50,8 +51,6 @@ class SimpleMathEnv(Env):
         The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags,
         respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>
         """
-    #: the row columns reset() reads (the run refuses a dataset without them before launch)
-    columns = ("problem", "solution")
 
     def __init__(self, env_config: Any):
         super().__init__(env_config)

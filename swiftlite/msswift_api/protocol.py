@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from uuid import uuid4
 
 
 @dataclass
@@ -61,7 +62,7 @@ class RolloutInferRequest:
 
     messages: list[dict[str, Any]]
     data_dict: dict[str, Any] = field(default_factory=dict)
-    uuid: str = field(default_factory=lambda: __import__("uuid").uuid4().hex)
+    uuid: str = field(default_factory=lambda: uuid4().hex)
 
 
 InferRequest = RolloutInferRequest

@@ -372,7 +372,7 @@ def _rewards(b: GrpoBatches, got: tuple, prompts: list[int], mine_c: list[int], 
     for key in sorted({k for r in rows for k in r["columns"]}):
         kwargs[key] = [r["columns"].get(key) for r in rows]
     if any("gym_reward" in t for t in micro.values()):   # --use_gym_env: each trajectory's environment reward
-        kwargs["gym_reward"] = [float(t["gym_reward"][k.index(c)]) for c in mine_c for k, t in micro.items() if c in k]
+        kwargs["gym_reward"] = [float(t["gym_reward"][j]) for t, j in (_at(micro, c) for c in mine_c)]
     kwargs.update(prompts=[r["prompt"] for r in rows], completion_ids=ids, response_token_ids=ids,
                   messages=[r["prompt"] + [{"role": "assistant", "content": t}] for r, t in zip(rows, comps)],
                   trainer_state=type("TrainerState", (), {"global_step": step})())
@@ -437,12 +437,17 @@ def _share(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, row
                         pad_id=b.pad_id, lockstep=lockstep)
 
 
-def _completion_ids(micro: dict, c: int) -> list[int]:
+def _at(micro: dict, c: int) -> tuple[dict, int]:
+    """The micro-batch tensors that hold completion `c`, and its row in them."""
     for key, t in micro.items():
         if c in key:
-            j = key.index(c)
-            return t["completion_ids"][j, :int(t["completion_mask"][j].sum())].tolist()
+            return t, key.index(c)
     raise KeyError(c)
+
+
+def _completion_ids(micro: dict, c: int) -> list[int]:
+    t, j = _at(micro, c)
+    return t["completion_ids"][j, :int(t["completion_mask"][j].sum())].tolist()
 
 
 def _log_completions(b: GrpoBatches, step: int, micro: dict, mine_c: list[int], comps: list[str],
@@ -450,8 +455,7 @@ def _log_completions(b: GrpoBatches, step: int, micro: dict, mine_c: list[int], 
     """The round's completions, each with the prompt it was sampled from (the tokens sampled from: a gym
     scheduler's environment writes its own)."""
     def prompt_of(c: int) -> str:
-        key, t = next((k, t) for k, t in micro.items() if c in k)
-        j = key.index(c)
+        t, j = _at(micro, c)
         return b.tokenizer.decode(t["prompt_ids"][j][t["prompt_mask"][j].bool()].tolist())
     parts = gather_objects([(c, text, prompt_of(c)) for c, text in zip(mine_c, comps)], world.world_size)
     if b.log_path is None:
