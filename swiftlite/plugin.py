@@ -223,6 +223,16 @@ orms: dict[str, Any] = {
 
 from swiftlite.msswift_api.rm_plugin import rm_plugins  # noqa: E402  (ms-swift's swift.rewards has it: plugins register theirs)
 
+
+def __getattr__(name: str) -> Any:
+    """`from swift.rewards import MultiTurnScheduler, multi_turns`: the scheduler registry under the name it had
+    before ms-swift moved it to swift.rollout (its v4 reorganisation, c4538f7); ms-swift's own
+    examples/train/grpo/plugin/treepo plugin still imports it from here, which ms-swift itself no longer serves."""
+    if name in ("MultiTurnScheduler", "multi_turns"):
+        from swiftlite.msswift_api import rollout
+        return getattr(rollout, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 #: Keyword arguments every call gets besides the dataset's columns (never "missing" from a row).
 PASSED = frozenset({"completions", "prompts", "messages", "completion_ids", "response_token_ids", "trainer_state"})
 

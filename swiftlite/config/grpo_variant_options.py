@@ -1,5 +1,6 @@
 """GRPO's variant options: two-sided clipping (--delta), DAPO's dynamic sampling (--dynamic_sample,
---max_resample_times) and FIPO's influence weights (--loss_type fipo, --fipo_*), with ms-swift's names and
+--max_resample_times), FIPO's influence weights (--loss_type fipo, --fipo_*) and the entropy options
+(--top_entropy_quantile, --log_entropy: rlhf/entropy.py), with ms-swift's names and
 defaults (swift/rlhf_trainers/args_mixin.py GRPOArgumentsMixin). A base of schema.RlhfConfig, kept here so
 that schema.py stays short; rlhf/grpo_loss.py and rlhf/dynamic_sample.py use them, config/rules_grpo_variants.py
 says which values run. Import-light (no torch)."""
@@ -28,12 +29,17 @@ class GrpoVariantOptions(Section):
                                     "--fipo-clip-range] (never below 1).")
     fipo_safety_threshold: float | None = opt(4.0, "GRPO --loss-type fipo: a token with a negative advantage and a "
                                               "ratio above this keeps its influence weight within [0.8, 1].")
+    top_entropy_quantile: float = opt(1.0, "GRPO: only the tokens whose entropy is in this top fraction of their "
+                                      "micro-batch's completion tokens keep their policy term (the 80/20 rule of "
+                                      "high-entropy tokens); 1: every token. Logs entropy/threshold.")
+    log_entropy: bool = opt(False, "GRPO: also log the step's per-completion mean entropies (entropy/mean, "
+                            "entropy/max, entropy/min); the token-mean `entropy` is logged every step anyway.")
 
 
 #: The keys above (config/rules.py's GRPO_KEYS lists them).
-GRPO_VARIANT_KEYS = ("delta", "dynamic_sample", "max_resample_times", "fipo_decay_rate", "fipo_clip_range",
-                     "fipo_clip_high_only", "fipo_safety_threshold")
-FIPO_KEYS = GRPO_VARIANT_KEYS[3:]
+FIPO_KEYS = ("fipo_decay_rate", "fipo_clip_range", "fipo_clip_high_only", "fipo_safety_threshold")
+GRPO_VARIANT_KEYS = ("delta", "dynamic_sample", "max_resample_times", *FIPO_KEYS, "top_entropy_quantile",
+                     "log_entropy")
 
 
 
@@ -50,6 +56,8 @@ def describe_variants(r: object) -> str:
         out += f", unclipped ratio capped at {r.delta:g}"
     if r.dynamic_sample:
         out += f", dynamic sampling (up to {r.max_resample_times} resamples)"
+    if r.top_entropy_quantile < 1.0:
+        out += f", loss on the top {r.top_entropy_quantile:g} of tokens by entropy"
     return out
 
 

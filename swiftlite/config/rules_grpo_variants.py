@@ -64,6 +64,20 @@ def grpo_fipo_delta(c: RunConfig) -> str | None:
     return None
 
 
+@rule("grpo top entropy quantile")
+def grpo_top_entropy(c: RunConfig) -> str | None:
+    r = c.rlhf
+    if not _grpo_run(c) or r.top_entropy_quantile == 1.0:
+        return None
+    if not 0 < r.top_entropy_quantile <= 1:
+        return (f"--top-entropy-quantile {r.top_entropy_quantile:g}: the fraction of tokens that keep their policy "
+                "term, must be in (0, 1] (1: all)")
+    if (r.loss_type or "grpo") == "real":
+        return ("--top-entropy-quantile with --loss-type real: REAL's group loss has no per-token policy term to "
+                "mask; drop it")
+    return None
+
+
 @rule("stop words")
 def stop_words(c: RunConfig) -> str | None:
     r = c.rlhf
@@ -74,4 +88,4 @@ def stop_words(c: RunConfig) -> str | None:
     return None
 
 
-__all__ = ["grpo_dynamic_sample", "grpo_fipo_delta", "stop_words"]
+__all__ = ["grpo_dynamic_sample", "grpo_fipo_delta", "grpo_top_entropy", "stop_words"]

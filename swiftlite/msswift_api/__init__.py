@@ -16,7 +16,8 @@ What each module implements, and where it stops:
 - template: `Template.encode` / `data_collator` with the model's own chat template.
 - rm_plugin: ms-swift's two built-in reward-model plugins and their registry.
 - rollout: the registry of multi-turn schedulers and ms-swift's gym scheduler. A plugin's scheduler with
-  ms-swift's turn hooks runs in GRPO (rlhf/plugin_turns.py drives it); one that overrides `run` is refused.
+  ms-swift's turn hooks runs in GRPO (rlhf/plugin_turns.py drives it); one that overrides `run` samples
+  through the engine rlhf/own_rollout.py gives it.
 - gym_env: the gym environments' base class, ms-swift's `math_env` and their registry (`--gym_env`).
 - utils: get_logger, to_device.
 """

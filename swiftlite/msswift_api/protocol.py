@@ -45,6 +45,8 @@ class ChatCompletionResponseChoice:
     message: ChatMessage
     finish_reason: str | None = None       # "stop" (EOS) or "length"
     token_ids: list[int] | None = None
+    #: with the request config's `logprobs`: {"content": [{"token", "logprob"}, ...]}, one per token id
+    logprobs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -67,5 +69,20 @@ class RolloutInferRequest:
 
 InferRequest = RolloutInferRequest
 
+
+@dataclass
+class RolloutOutput:
+    """What a scheduler's `run` returns for a trajectory (ms-swift's RolloutOutput): the last response, the
+    whole conversation (the prompt's messages, then every turn), each turn's token ids and loss mask (one list
+    per turn; none: the assistant messages' text is encoded), and JSON-able infos (`total_reward`: the
+    trajectory's --use_gym_env reward)."""
+
+    response: ChatCompletionResponse
+    messages: list[dict[str, Any]] | None = None
+    response_token_ids: list[list[int]] = field(default_factory=list)
+    response_loss_mask: list[list[int]] = field(default_factory=list)
+    rollout_infos: dict[str, Any] = field(default_factory=dict)
+    rollout_logprobs: list[list[float]] = field(default_factory=list)
+
 __all__ = ["ChatCompletionResponse", "ChatCompletionResponseChoice", "ChatMessage", "InferRequest", "RequestConfig",
-           "RolloutInferRequest"]
+           "RolloutInferRequest", "RolloutOutput"]

@@ -9,8 +9,9 @@ response_choice, current_turn)` (this base's default is ms-swift's: stop at fini
 max_turns), `step(...)` (the next turn's request, optionally the turn's token ids and loss mask), and the
 async `on_turn_end` hook (its 'done' decides, its 'rollout_infos' are kept: a gym trajectory's
 'total_reward' is what --use_gym_env trains on). A scheduler that overrides `run` (its own whole rollout,
-ms-swift's "full customization", which calls ms-swift's inference engine itself) is refused before launch
-with that reason (`unsupported`).
+ms-swift's "full customization", e.g. examples/train/grpo/plugin/treepo's tree rollout) runs too: it gets an
+engine whose `infer_async` samples a turn from the policy (rlhf/own_rollout.py), and `async_infer` (ms-swift's:
+`run` for every request at once, through the engine's `_batch_infer_stream`) is called with the round's requests.
 """
 
 from __future__ import annotations
@@ -32,8 +33,23 @@ class RolloutScheduler:
     async def on_turn_end(self, infer_request: Any, response_choice: Any, current_turn: int) -> dict:
         return {}
 
+    async def async_infer(self, infer_requests: list, request_config: Any, *, use_tqdm: bool | None = None,
+                          **kwargs: Any) -> list:
+        """ms-swift's: `run` for each request concurrently, the results flattened (a run may return a list)."""
+        from swiftlite.msswift_api.protocol import RolloutInferRequest
+        assert request_config.n == 1
+
+        async def one(req: Any) -> Any:
+            return await self.run(RolloutInferRequest(**req) if isinstance(req, dict) else req, request_config,
+                                  **kwargs)
+        results = await self.infer_engine._batch_infer_stream([one(r) for r in infer_requests],
+                                                              request_config.stream, bool(use_tqdm), None)
+        return [x for r in results for x in (r if isinstance(r, list) else [r])]
+
     async def run(self, infer_request: Any, request_config: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("a scheduler's run() drives ms-swift's inference engine, which is not here")
+        """Not called here: the turns of a scheduler that keeps this `run` are driven by rlhf/plugin_turns.py
+        (ms-swift's MultiTurnScheduler.run loop, hook by hook)."""
+        raise NotImplementedError("the turn hooks of this scheduler are driven by swiftlite's turn loop")
 
     @property
     def engine(self) -> Any:
@@ -56,13 +72,18 @@ class MultiTurnScheduler(RolloutScheduler):
         return bool(self.max_turns and current_turn >= self.max_turns)
 
 
+def owns_rollout(cls: Any) -> bool:
+    """The scheduler drives its own turns (it overrides `run`: rlhf/own_rollout.py), not the hooks."""
+    return cls.run is not RolloutScheduler.run
+
+
 def unsupported(cls: Any) -> str | None:
     """Why a registered scheduler class cannot run here, or None when it can."""
     if not (isinstance(cls, type) and issubclass(cls, MultiTurnScheduler)):
         return "is not a subclass of ms-swift's MultiTurnScheduler (swift.rollout.multi_turn)"
-    if cls.run is not RolloutScheduler.run:
-        return ("overrides run(): its whole rollout calls ms-swift's inference engine itself; a scheduler that "
-                "implements step (and check_finished) runs here")
+    if cls.async_infer is not RolloutScheduler.async_infer and not owns_rollout(cls):
+        return ("overrides async_infer() but not run(): its requests would reach ms-swift's own turn loop "
+                "(MultiTurnScheduler.run), which here is swiftlite's; override run() too, or neither")
     return None
 
 
@@ -144,4 +165,5 @@ multi_turns: dict[str, Any] = {"gym_scheduler": GYMScheduler}
 from swiftlite.msswift_api.gym_env import Env, envs  # noqa: E402  (ms-swift's gym_env names, for plugins that
 #                                                       import them from multi_turn)
 
-__all__ = ["Env", "GYMScheduler", "MultiTurnScheduler", "RolloutScheduler", "envs", "multi_turns", "unsupported"]
+__all__ = ["Env", "GYMScheduler", "MultiTurnScheduler", "RolloutScheduler", "envs", "multi_turns", "owns_rollout",
+           "unsupported"]

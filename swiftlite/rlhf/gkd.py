@@ -161,15 +161,15 @@ def _generate(engine: Any, b: GkdBatches, prompts: list[list[list[int]]], seeds:
         from swiftlite.parallel.offload import offloaded
         off = None if o.vllm_mode == "server" else offloaded(engine, model=o.offload_model, optim=o.offload_optimizer,
                                                             device=b.world.device)
-        return _turns(b, lambda p, s, n, first: b.vllm.generate_round(
-            b.model, engine.root(), gathered, p, s, offload=off, max_new_tokens=n, sync=first, **kw),
+        return _turns(b, lambda p, s, n, first, logprobs=False: b.vllm.generate_round(
+            b.model, engine.root(), gathered, p, s, offload=off, max_new_tokens=n, sync=first, logprobs=logprobs, **kw),
             prompts, seeds, rows)
     from swiftlite.parallel.gather import lockstep
     synced = lockstep(engine.root())          # FSDP1: the same generate calls on every process
     with gathered(engine.root()):
-        return _turns(b, lambda p, s, n, first: [sample(b.model, pp, sd, autocast=engine.autocast(), synced=synced,
-                                                        max_new_tokens=n, stop_words=o.stop_words,
-                                                        tokenizer=b.tokenizer, **kw) for pp, sd in zip(p, s)],
+        return _turns(b, lambda p, s, n, first, logprobs=False: [
+            sample(b.model, pp, sd, autocast=engine.autocast(), synced=synced, max_new_tokens=n, logprobs=logprobs,
+                   stop_words=o.stop_words, tokenizer=b.tokenizer, **kw) for pp, sd in zip(p, s)],
                       prompts, seeds, rows, synced)
 
 

@@ -44,6 +44,7 @@ from swiftlite.rlhf.generate import completion_seed, gathered, sample, token_log
 from swiftlite.rlhf.grpo_loss import (ESTIMATOR_DEFAULTS, GrpoLoss, advantages, clip_stats, micro_batch_loss, real_terms,
                                       token_terms)
 from swiftlite.rlhf.chord import ChordData, mu_schedule, sft_loss
+from swiftlite.rlhf.entropy import entropy_log, top_entropy_mask
 from swiftlite.rlhf.multi_turn import scored
 from swiftlite.rlhf.offpolicy import merge, offpolicy_metrics
 from swiftlite.rlhf.teacher import k3_sum, token_advantages
@@ -405,14 +406,14 @@ def _sample_round(engine: Any, b: GrpoBatches, rnd: int, prompts: list[int], att
         from swiftlite.parallel.offload import offloaded
         off = None if o.vllm_mode == "server" else offloaded(engine, model=o.offload_model, optim=o.offload_optimizer,
                                                             device=world.device)
-        return _turns(b, lambda p, s, n, first: b.vllm.generate_round(
-            b.model, engine.root(), gathered, p, s, offload=off, max_new_tokens=n, sync=first and not attempt, **kw),
-            ids, seeds, rows)
+        return _turns(b, lambda p, s, n, first, logprobs=False: b.vllm.generate_round(
+            b.model, engine.root(), gathered, p, s, offload=off, max_new_tokens=n, sync=first and not attempt,
+            logprobs=logprobs, **kw), ids, seeds, rows)
     from swiftlite.parallel.gather import lockstep
     synced = lockstep(engine.root())          # FSDP1: the same generate calls on every process
     with gathered(engine.root()):            # the wrapper (FSDP1's root, the DeepSpeed engine) or the model
-        return _turns(b, lambda p, s, n, first: [
-            sample(b.model, pp, ss, autocast=engine.autocast(), logprobs=bool(o.log_rollout_offpolicy_metrics),
+        return _turns(b, lambda p, s, n, first, logprobs=False: [
+            sample(b.model, pp, ss, autocast=engine.autocast(), logprobs=bool(o.log_rollout_offpolicy_metrics) or logprobs,
                    max_new_tokens=n, synced=synced, stop_words=o.stop_words, tokenizer=b.tokenizer, **kw)
             for pp, ss in zip(p, s)], ids, seeds, rows, synced)
 
@@ -490,6 +491,7 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     sums = {"kl": 0.0, "entropy": 0.0, "low": 0.0, "high": 0.0, "region": 0.0, "clip_n": 0.0, "kept": 0.0,
             "chord": 0.0, "future_kl": 0.0, "influence_weight": 0.0, "safety": 0.0}
     r = b.options
+    elog = entropy_log(r)      # --top_entropy_quantile, --log_entropy (rlhf/entropy.py)
     mu = 0.0 if b.chord is None else mu_schedule(step, r.chord_mu_warmup_steps, r.chord_mu_decay_steps,
                                                  r.chord_mu_peak, r.chord_mu_valley)
     from swiftlite.rlhf.reference import root_module
@@ -512,7 +514,8 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
             else:
                 logps, ent = token_logps(module, t["prompt_ids"], t["prompt_mask"], t["completion_ids"], mask, temp,
                                          ctx, entropy=True, padding_free=b.padding_free)
-            terms = token_terms(o, logps, t.get("old_logps"), t.get("ref_logps"), t["advantages"], lmask)
+            keep, thr = top_entropy_mask(ent, lmask, elog.quantile)
+            terms = token_terms(o, logps, t.get("old_logps"), t.get("ref_logps"), t["advantages"], lmask, keep)
             real = None if o.loss_type != "real" else \
                 (float(t["real_value"].sum()), b.plan.per_device * ga / b.plan.num_generations, terms.kl)
             objective = micro_batch_loss(o, terms.per_token_loss, lmask, accumulation=ga, round_tokens=cur.tokens,
@@ -538,6 +541,7 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
         if terms.kl is not None:
             sums["kl"] += float((terms.kl.detach() * m).sum())
         sums["entropy"] += float((ent * m).sum())
+        elog.add(ent, lmask, thr)
         for name, v in (terms.fipo or {}).items():   # FIPO's token means (ms-swift's fipo/* metrics)
             sums[name] += float((v.to(m.dtype) * m).sum())
         cs = clip_stats(o, terms.ratio.detach(), t["advantages"], lmask)
@@ -558,6 +562,7 @@ def grpo_step(engine: Any, batches: GrpoBatches, step: int, *, data_step: int | 
     if o.beta != 0.0 and not o.kl_in_reward:   # else the round's own (in its rewards)
         out["kl"] = agg["kl"] / denom
     out["entropy"] = agg["entropy"] / denom
+    out.update(elog.metrics(world.world_size, b.scores))
     clip_n = max(1.0, agg["clip_n"])
     out["clip_ratio/low_mean"] = agg["low"] / clip_n
     out["clip_ratio/high_mean"] = agg["high"] / clip_n

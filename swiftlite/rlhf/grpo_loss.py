@@ -192,10 +192,11 @@ def fipo_weight(o: GrpoLoss, log_ratio: torch.Tensor, ratio: torch.Tensor, adv: 
 
 
 def token_terms(o: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
-                adv: torch.Tensor, mask: torch.Tensor | None = None) -> TokenTerms:
+                adv: torch.Tensor, mask: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> TokenTerms:
     """Per-token clipped surrogate plus beta x k3 KL ([B, T] each; adv is [B], or [B, T] per token: a
     teacher's, rlhf/teacher.py). `mask` (the completion tokens) is needed by the sequence importance
-    levels; their `ratio` is [B, 1]."""
+    levels; their `ratio` is [B, 1]. `keep` ([B, T] bool, --top_entropy_quantile: rlhf/entropy.py): the tokens
+    whose surrogate term stays, the others keeping only their KL term (ms-swift's entropy mask)."""
     old = logps.detach() if old_logps is None else old_logps
     a = adv if adv.dim() == 2 else adv.unsqueeze(1)
     log_ratio = logps - old
@@ -224,6 +225,8 @@ def token_terms(o: GrpoLoss, logps: torch.Tensor, old_logps: torch.Tensor | None
     if o.loss_type == "fipo":
         fipo = fipo_weight(o, log_ratio, ratio.detach(), a, torch.ones_like(logps) if mask is None else mask)
         loss = loss * fipo["influence_weight"]
+    if keep is not None:
+        loss = loss * keep.to(loss.dtype)
     kl = None
     if o.beta != 0.0 and not o.kl_in_reward:
         d = ref_logps - logps

@@ -39,12 +39,12 @@ completion takes two turns at most.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from swiftlite.errors import UserError
+from swiftlite.rlhf.trajectory import Trajectory, ended, layout, turn_seed
 
 #: MathTipsScheduler's tip (ms-swift's `tips_prompt`).
 TIPS = "But wait... It seems I made a mistake,"
@@ -127,42 +127,17 @@ def build(options: Any, tokenizer: Any) -> Any:
     if name in SCHEDULERS:
         return SCHEDULERS[name](tokenizer)
     from swiftlite.config.multi_turn_options import gym_on
-    from swiftlite.msswift_api.rollout import multi_turns
+    from swiftlite.msswift_api.rollout import multi_turns, owns_rollout
     from swiftlite.rlhf.plugin_turns import PluginTurns, check_scheduler
     check_scheduler(name)
     server = options.use_vllm and options.vllm_mode == "server"
-    return PluginTurns(name, multi_turns[name], tokenizer, options.max_turns,
-                       columns=not server or options.vllm_server_pass_dataset, gym_env=options.gym_env,
-                       use_gym_env=gym_on(options))
-
-
-def turn_seed(seed: int, turn: int) -> int:
-    """The generator seed of a completion's turn `turn` (>= 2), from its round seed."""
-    return (seed * 1_000_003 + turn * 7_919) % (2 ** 63 - 1)
-
-
-@dataclass
-class Trajectory:
-    prompt: list[int]
-    row: dict
-    seed: int
-    ids: list[int]
-    loss: list[int]
-    logps: list[float] | None
-    done: bool = False
-    turns: int = 1
-    last: int = 0                 # where the latest turn's tokens begin in `ids`
-    length_cut: bool = False      # the latest turn ended at the length limit (ms-swift's finish_reason 'length')
-    state: Any = None             # a plugin scheduler's conversation (rlhf/plugin_turns.py)
-
-
-def _ended(ids: list[int], eos_ids: set[int], stop: Callable[[list[int]], int | None]) -> tuple[list[int], bool]:
-    """A turn's tokens cut after its first stop word, and whether it ended at the length limit (neither an
-    end-of-turn token nor a stop word)."""
-    k = stop(ids)
-    if k is not None:
-        return ids[:k], False
-    return ids, not ids or ids[-1] not in eos_ids
+    kind = PluginTurns
+    if owns_rollout(multi_turns[name]):     # its own run(): it samples through an engine (rlhf/own_rollout.py)
+        from swiftlite.rlhf.own_rollout import OwnRollout
+        kind = OwnRollout
+    return kind(name, multi_turns[name], tokenizer, options.max_turns,
+                columns=not server or options.vllm_server_pass_dataset, gym_env=options.gym_env,
+                use_gym_env=gym_on(options))
 
 
 def _unpack(first: list[tuple[torch.Tensor, ...]], micro_prompts: list[list[list[int]]],
@@ -173,38 +148,11 @@ def _unpack(first: list[tuple[torch.Tensor, ...]], micro_prompts: list[list[list
                                                                             micro_seeds)):
         mb = []
         for j, (p, row, s) in enumerate(zip(prompts, rows, seeds)):
-            ids, cut = _ended(c_ids[j, :int(c_mask[j].sum())].tolist(), eos_ids, stop)
+            ids, cut = ended(c_ids[j, :int(c_mask[j].sum())].tolist(), eos_ids, stop)
             logps = lp[0][j, :len(ids)].tolist() if lp else None
             mb.append(Trajectory(p, row, s, ids, [1] * len(ids), logps, length_cut=cut,
                                  state=states[m][j] if states else None))
         out.append(mb)
-    return out
-
-
-def _layout(first: tuple[torch.Tensor, ...], trajs: list[Trajectory], pad_id: int, logprobs: bool,
-            reward_of: Callable[[Trajectory], float] | None = None) -> dict:
-    """One micro-batch's tensors: the first turn's prompt tensors, the whole completions (padded to the
-    longest), their mask (a prefix: what attention sees) and loss mask (0 on insertions); with
-    `reward_of` (--use_gym_env) each trajectory's environment reward, `gym_reward`."""
-    p_ids, p_mask = first[0], first[1]
-    device = p_ids.device
-    n = max(1, max(len(t.ids) for t in trajs))
-    c_ids = torch.full((len(trajs), n), pad_id, dtype=torch.long)
-    c_mask = torch.zeros((len(trajs), n), dtype=torch.long)
-    loss = torch.zeros((len(trajs), n), dtype=torch.long)
-    lp = torch.full((len(trajs), n), float("nan"), dtype=torch.float32)
-    for j, t in enumerate(trajs):
-        c_ids[j, :len(t.ids)] = torch.tensor(t.ids, dtype=torch.long)
-        c_mask[j, :len(t.ids)] = 1
-        loss[j, :len(t.ids)] = torch.tensor(t.loss, dtype=torch.long)
-        if t.logps is not None:
-            lp[j, :len(t.logps)] = torch.tensor(t.logps, dtype=torch.float32)
-    out = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids.to(device),
-           "completion_mask": c_mask.to(device), "loss_mask": loss.to(device)}
-    if logprobs:
-        out["rollout_logps"] = lp.to(device)
-    if reward_of is not None:
-        out["gym_reward"] = torch.tensor([reward_of(t) for t in trajs], dtype=torch.float32, device=device)
     return out
 
 
@@ -221,6 +169,9 @@ def sample_turns(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]],
     micro-batch, FIRST_KEYS (and `loss_mask` after turns)."""
     from swiftlite.distributed import all_reduce_sum
     o = options
+    if getattr(sched, "owns_rollout", False):     # the scheduler's own run() samples every turn
+        return sched.sample(gen, o, micro_prompts, micro_seeds, micro_rows, eos_ids=set(eos_ids), pad_id=pad_id,
+                            lockstep=lockstep, any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0)
     states = None
     if sched is not None and hasattr(sched, "start"):   # a scheduler that writes the prompts (a gym's reset)
         micro_prompts, states = sched.start(micro_prompts, micro_rows)
@@ -245,7 +196,7 @@ def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], firs
             ) -> list[dict]:
     """The turns after `first` (this process's micro-batches of the first turn, as the generator returned
     them): `gen(micro_prompts, micro_seeds, max_new_tokens)` samples a turn. Returns one dict of tensors per
-    micro-batch (`_layout`). `lockstep` (parallel/gather.py): every turn asks for every micro-batch, one
+    micro-batch (rlhf/trajectory.layout). `lockstep` (parallel/gather.py): every turn asks for every micro-batch, one
     with nothing left standing in with its first prompt (the answer unused), so that every process makes
     the same generate calls. `stop(ids)`: how many of a turn's tokens its first stop word keeps (--stop_words,
     rlhf/stop_words.py), a turn so cut ending as at its end-of-turn token (finish_reason 'stop').
@@ -285,13 +236,13 @@ def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], firs
             for j, t in enumerate(mb):
                 n = int(c_mask[j].sum())
                 room = n if per_round else min(n, max_new_tokens - len(t.ids))
-                new, cut = _ended(c_ids[j, :room].tolist(), eos_ids, stop)
+                new, cut = ended(c_ids[j, :room].tolist(), eos_ids, stop)
                 t.last, t.length_cut = len(t.ids), cut
                 t.ids, t.loss, t.turns = t.ids + new, t.loss + [1] * len(new), t.turns + 1
                 if t.logps is not None:
                     t.logps = t.logps + (lp[0][j, :len(new)].tolist() if lp else [float("nan")] * len(new))
     reward_of = sched.trajectory_reward if getattr(sched, "gym", False) else None
-    return [_layout(f, mb, pad_id, logprobs, reward_of) for f, mb in zip(first, trajs)]
+    return [layout(f, mb, pad_id, logprobs, reward_of) for f, mb in zip(first, trajs)]
 
 
 def scored(t: dict) -> torch.Tensor:

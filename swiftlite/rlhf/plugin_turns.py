@@ -47,13 +47,13 @@ class PluginTurns:
     `step(t, turn)`, and with --use_gym_env `trajectory_reward(t)`."""
 
     def __init__(self, name: str, cls: Any, tokenizer: Any, max_turns: int | None, columns: bool = True,
-                 gym_env: str | None = None, use_gym_env: bool = False):
+                 gym_env: str | None = None, use_gym_env: bool = False, engine: Any = None):
         from swiftlite.msswift_api.rollout import RolloutScheduler
         from swiftlite.plugin_imports import msswift_aliases
         self.name, self.tok, self.columns, self.gym = name, tokenizer, columns, use_gym_env
         kw = {"gym_env": gym_env} if gym_env is not None else {}   # ms-swift passes it only when given
         with msswift_aliases():
-            self.sched = cls(infer_engine=None, max_turns=max_turns, tokenizer=tokenizer, **kw)
+            self.sched = cls(infer_engine=engine, max_turns=max_turns, tokenizer=tokenizer, **kw)
         self.rewrites = cls.on_trajectory_start is not RolloutScheduler.on_trajectory_start
 
     def _request(self, row: dict) -> Any:
@@ -195,7 +195,7 @@ def check_gym_env(name: str) -> None:
 
 
 def gym_reward(completions: list[str], gym_reward: list[float], **kwargs: Any) -> list[float]:
-    """--use_gym_env's reward: each trajectory's total environment reward (rlhf/multi_turn._layout)."""
+    """--use_gym_env's reward: each trajectory's total environment reward (rlhf/trajectory.layout)."""
     import math
     if any(math.isnan(v) for v in gym_reward):
         raise ValueError("the multi-turn scheduler gave no rollout_infos['total_reward'] (a gym scheduler's)")

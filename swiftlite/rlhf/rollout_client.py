@@ -132,15 +132,19 @@ class RolloutClient:
         for i in range(len(self.urls)):
             self._req(i, "/reset_prefix_cache/", {})
 
-    def infer(self, groups: list[list[list[int]]], seeds: list[list[int]], sampling: dict) -> list[list[list[int]]]:
-        """Completions per group, the groups shared out to the servers in contiguous parts."""
+    def infer(self, groups: list[list[list[int]]], seeds: list[list[int]], sampling: dict) -> list[list[Any]]:
+        """Completions per group, the groups shared out to the servers in contiguous parts; with
+        sampling["logprobs"] each completion is a pair (token ids, log-probabilities)."""
         n = len(self.urls)
         k = -(-len(groups) // n)
         parts = [(i, groups[i * k:(i + 1) * k], seeds[i * k:(i + 1) * k]) for i in range(n) if groups[i * k:(i + 1) * k]]
 
         def one(part: tuple) -> list:
             i, g, s = part
-            return self._req(i, "/infer/", {"groups": g, "seeds": s, **sampling})["completions"]
+            out = self._req(i, "/infer/", {"groups": g, "seeds": s, **sampling})
+            if "logprobs" not in out:
+                return out["completions"]
+            return [list(zip(cg, lg)) for cg, lg in zip(out["completions"], out["logprobs"])]
         with ThreadPoolExecutor(max(1, len(parts))) as ex:
             outs = list(ex.map(one, parts))
         return [c for out in outs for c in out]
@@ -199,8 +203,10 @@ class ServerGenerator:
     def generate_round(self, model: Any, root: Any, gather: Any, micro_prompts: list[list[list[int]]],
                        micro_seeds: list[list[int]], *, pad_id: int, eos_id: int | list[int], max_new_tokens: int,
                        temperature: float, top_p: float, top_k: int, device: Any, offload: Any = None,
-                       sync: bool = True) -> list[tuple[torch.Tensor, ...]]:
-        """As VllmGenerator.generate_round's; `sync` false: a later turn on the weights the servers hold."""
+                       sync: bool = True, logprobs: bool = False) -> list[tuple[torch.Tensor, ...]]:
+        """As VllmGenerator.generate_round's; `sync` false: a later turn on the weights the servers hold;
+        `logprobs`: the sampled tokens' log-probabilities too (a scheduler's own rollout asked; the servers'
+        turns carry no others)."""
         from swiftlite.rlhf.vllm_gen import completion_layout
         if sync:
             self.sync(model, root, gather)
@@ -216,7 +222,7 @@ class ServerGenerator:
             seeds = [sd for _, s in parts for sd in s]
             comps = self.client.infer(groups, seeds, {
                 "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                "stop_token_ids": eos_ids, "pad_id": pad_id})
+                "stop_token_ids": eos_ids, "pad_id": pad_id, **({"logprobs": True} if logprobs else {})})
             shares, k = [], 0
             for p, _ in parts:
                 shares.append(comps[k:k + len(p)])
@@ -225,8 +231,16 @@ class ServerGenerator:
         if dist:
             torch.distributed.broadcast_object_list(answer, src=0)
         mine = answer[0][self.world.rank if dist else 0]
-        return [completion_layout(mb, c, pad_id=pad_id, eos_ids=eos_ids, device=device)
-                for mb, c in zip(micro_prompts, mine)]
+        if not logprobs:
+            return [completion_layout(mb, c, pad_id=pad_id, eos_ids=eos_ids, device=device)
+                    for mb, c in zip(micro_prompts, mine)]
+        out = []
+        for mb, c in zip(micro_prompts, mine):
+            layout = completion_layout(mb, [x[0] for x in c], pad_id=pad_id, eos_ids=eos_ids, device=device)
+            C = layout[2].shape[1]       # [B, C] as the completion ids, nan past each completion's tokens
+            out.append((*layout, torch.tensor([list(x[1])[:C] + [float("nan")] * (C - len(list(x[1])[:C])) for x in c],
+                                              dtype=torch.float32, device=device)))
+        return out
 
     def close(self) -> None:
         if self.client is not None:

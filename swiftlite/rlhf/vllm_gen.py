@@ -275,11 +275,12 @@ class VllmGenerator:
     def generate_round(self, model: Any, root: Any, gather: Any, micro_prompts: list[list[list[int]]],
                        micro_seeds: list[list[int]], *, pad_id: int, eos_id: int | list[int], max_new_tokens: int,
                        temperature: float, top_p: float, top_k: int, device: Any, offload: Any = None,
-                       sync: bool = True) -> list[tuple[torch.Tensor, ...]]:
+                       sync: bool = True, logprobs: bool = False) -> list[tuple[torch.Tensor, ...]]:
         """This process's micro-batches of a round: one (prompt_ids, prompt_mask, completion_ids,
-        completion_mask) per micro-batch, as `generate.sample` returns them. `offload`: a context
-        (parallel/offload.py) held while vLLM generates. `sync` false: a multi-turn round's later turn, on
-        the weights already synced (again where --sleep_level 2 discarded them)."""
+        completion_mask) per micro-batch, as `generate.sample` returns them, and the sampled tokens'
+        log-probabilities with --log_rollout_offpolicy_metrics or `logprobs` (a scheduler's own rollout asked).
+        `offload`: a context (parallel/offload.py) held while vLLM generates. `sync` false: a multi-turn round's
+        later turn, on the weights already synced (again where --sleep_level 2 discarded them)."""
         from vllm import SamplingParams
         if self.llm is None:
             self._build(model)
@@ -298,7 +299,7 @@ class VllmGenerator:
         eos_ids = list(eos_id) if isinstance(eos_id, list) else [eos_id]
         prompts = [p for mb in micro_prompts for p in mb]
         seeds = [s for mb in micro_seeds for s in mb]
-        want_lp = bool(getattr(self.o, "log_rollout_offpolicy_metrics", False))
+        want_lp = bool(getattr(self.o, "log_rollout_offpolicy_metrics", False)) or logprobs
         params = sampling_params(SamplingParams, seeds, temperature=temperature, top_p=top_p, top_k=top_k,
                                  max_tokens=max_new_tokens, eos_ids=eos_ids, logprobs=want_lp)
         tp = self.o.vllm_tensor_parallel_size

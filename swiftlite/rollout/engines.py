@@ -9,7 +9,8 @@ one at a time from the server's engine thread (rollout/server.py):
   copy's place, rollout/replicas.py);
 - `receive(name, dtype, shape)`: one tensor broadcast by the run, loaded under that name;
 - `after_sync()`: the weights of a round are all in (vLLM: its prefix cache is stale now);
-- `generate(groups, seeds, sampling)`: completions, token ids, one list per group of prompts;
+- `generate(groups, seeds, sampling)`: completions, token ids, one list per group of prompts; with
+  `sampling.logprobs` each completion is a pair (token ids, the sampled tokens' log-probabilities);
 - `prompt_logprobs(prompts, k)`: per prompt, (vLLM's prompt_logprobs: None for the first token, then for
   each later token {token id: (log-probability, rank)} of the k most likely next tokens after the prefix
   and the token itself; the greedy token after the whole prompt): a GKD teacher's scores
@@ -48,6 +49,7 @@ class Sampling:
     top_k: int
     stop_token_ids: list[int]
     pad_id: int
+    logprobs: bool = False      # also the sampled tokens' log-probabilities (a scheduler's own rollout asked)
 
 
 class TransformersEngine:
@@ -92,10 +94,11 @@ class TransformersEngine:
         from swiftlite.rlhf.generate import sample
         out = []
         for prompts, sd in zip(groups, seeds):
-            _, _, cids, cmask = sample(self.model, prompts, sd, pad_id=s.pad_id, eos_id=list(s.stop_token_ids),
-                                       max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                       top_k=s.top_k, device=self.device)
-            out.append([cids[j, :int(cmask[j].sum())].tolist() for j in range(len(prompts))])
+            _, _, cids, cmask, *lp = sample(self.model, prompts, sd, pad_id=s.pad_id, eos_id=list(s.stop_token_ids),
+                                            max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                                            top_k=s.top_k, device=self.device, logprobs=s.logprobs)
+            ids = [cids[j, :int(cmask[j].sum())].tolist() for j in range(len(prompts))]
+            out.append([(c, lp[0][j, :len(c)].tolist()) for j, c in enumerate(ids)] if s.logprobs else ids)
         return out
 
     def prompt_logprobs(self, prompts: list[list[int]], k: int) -> list[tuple[list, int]]:
@@ -153,12 +156,15 @@ class VllmEngine:
     def generate(self, groups: list[list[list[int]]], seeds: list[list[int]], s: Sampling) -> list[list[list[int]]]:
         from vllm import SamplingParams
 
-        from swiftlite.rlhf.vllm_gen import output_token_ids, sampling_params
+        from swiftlite.rlhf.vllm_gen import output_logprobs, output_token_ids, sampling_params
         prompts = [p for g in groups for p in g]
         params = sampling_params(SamplingParams, [x for sd in seeds for x in sd], temperature=s.temperature,
-                                 top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens, eos_ids=s.stop_token_ids)
+                                 top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens, eos_ids=s.stop_token_ids,
+                                 logprobs=s.logprobs)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params, use_tqdm=False)
-        comps = [output_token_ids(o) for o in outs]
+        comps: list[Any] = [output_token_ids(o) for o in outs]
+        if s.logprobs:
+            comps = [(c, output_logprobs(o, len(c))) for c, o in zip(comps, outs)]
         result, k = [], 0
         for g in groups:
             result.append(comps[k:k + len(g)])

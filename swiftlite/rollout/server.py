@@ -14,7 +14,8 @@ The HTTP API (JSON in and out; the paths are ms-swift's where they mean the same
   weight; answered at once, received in order.
 - POST /reset_prefix_cache/ the round's weights are all in.
 - POST /infer/             {"groups": [[prompt ids, ...], ...], "seeds": [[...], ...], "max_tokens",
-  "temperature", "top_p", "top_k", "stop_token_ids", "pad_id"} -> {"completions": [[ids, ...], ...]}.
+  "temperature", "top_p", "top_k", "stop_token_ids", "pad_id"} -> {"completions": [[ids, ...], ...]};
+  with "logprobs": true also {"logprobs": [[[the sampled tokens' log-probabilities], ...], ...]}.
 - POST /close_communicator/ the run leaves the group.
 - GET  /v1/models          vLLM's OpenAI model list: the served model's name.
 - POST /v1/completions     vLLM's OpenAI completions API for scoring prompts, as a GKD teacher is asked
@@ -206,11 +207,15 @@ def make_handler(work: EngineThread, timeout_s: float = 1800.0, o: RolloutOption
     def infer(body: dict) -> dict:
         s = Sampling(max_tokens=int(body["max_tokens"]), temperature=float(body["temperature"]),
                      top_p=float(body["top_p"]), top_k=int(body["top_k"]),
-                     stop_token_ids=[int(t) for t in body["stop_token_ids"]], pad_id=int(body["pad_id"]))
+                     stop_token_ids=[int(t) for t in body["stop_token_ids"]], pad_id=int(body["pad_id"]),
+                     logprobs=bool(body.get("logprobs", False)))
         groups, seeds = body["groups"], body["seeds"]
         if len(groups) != len(seeds) or any(len(g) != len(sd) for g, sd in zip(groups, seeds)):
             raise UserError("/infer/: one seed per prompt")
-        return {"completions": work.call(lambda: work.backend.generate(groups, seeds, s))}
+        out = work.call(lambda: work.backend.generate(groups, seeds, s))
+        if not s.logprobs:
+            return {"completions": out}
+        return {"completions": [[c[0] for c in g] for g in out], "logprobs": [[c[1] for c in g] for g in out]}
 
     e = work.backend
     turns = ({"multi_turn_scheduler": o.multi_turn_scheduler, "max_turns": o.max_turns,

@@ -236,6 +236,12 @@ class GrpoTask(Task):
             from swiftlite.rlhf.plugin_turns import check_scheduler
             name = cfg.rlhf.multi_turn_scheduler
             check_installed(name) if name in SCHEDULERS else check_scheduler(name)
+            if name not in SCHEDULERS and cfg.parallel.parallelism == "fsdp1" and not cfg.rlhf.use_vllm:
+                from swiftlite.msswift_api.rollout import multi_turns, owns_rollout
+                if owns_rollout(multi_turns[name]):
+                    from swiftlite.errors import UserError
+                    from swiftlite.rlhf.own_rollout import OWN_LOCKSTEP
+                    raise UserError(f"--multi_turn_scheduler {name}: {multi_turns[name].__name__} {OWN_LOCKSTEP}")
         if cfg.rlhf.gym_env is not None:   # registered (a plugin's, loaded by now) and able to score
             from swiftlite.rlhf.plugin_turns import check_gym_env
             check_gym_env(cfg.rlhf.gym_env)

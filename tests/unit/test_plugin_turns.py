@@ -75,14 +75,14 @@ class Hooks(MultiTurnScheduler):
         return {'infer_request': infer_request}
 
 
-class OwnRun(MultiTurnScheduler):
-    async def run(self, infer_request, request_config, **kwargs):
-        return None
+class AsyncOnly(MultiTurnScheduler):
+    async def async_infer(self, infer_requests, request_config, **kwargs):
+        return await super().async_infer(infer_requests, request_config, **kwargs)
 
 
 multi_turns['tool_calls'] = ToolCalls
 multi_turns['ask_again'] = AskAgain
-multi_turns['own_run'] = OwnRun
+multi_turns['async_only'] = AsyncOnly
 multi_turns['record'] = Record
 multi_turns['hooks'] = Hooks
 '''
@@ -104,7 +104,7 @@ def registered(tmp_path):
     p.write_text(PLUGIN)
     load_plugins([str(p)])
     yield multi_turns
-    for k in ("tool_calls", "ask_again", "own_run", "record", "hooks"):
+    for k in ("tool_calls", "ask_again", "async_only", "record", "hooks"):
         multi_turns.pop(k, None)
 
 
@@ -202,8 +202,9 @@ def test_on_turn_end_runs_after_every_turn_and_a_length_cut_turn_continues_when_
 def test_schedulers_that_cannot_run_here_are_refused_with_the_reason(registered):
     from swiftlite.rlhf.plugin_turns import check_scheduler
     check_scheduler("tool_calls")
-    with pytest.raises(UserError, match=r"--multi_turn_scheduler own_run: OwnRun overrides run\(\)"):
-        check_scheduler("own_run")
+    with pytest.raises(UserError, match=r"--multi_turn_scheduler async_only: AsyncOnly overrides async_infer\(\) "
+                                        r"but not run\(\)"):
+        check_scheduler("async_only")
     with pytest.raises(UserError, match=r"--multi_turn_scheduler nope: no scheduler of that name.*ask_again"):
         check_scheduler("nope")
 

@@ -1,0 +1,134 @@
+"""GRPO through the CLI with a plugin scheduler that overrides ms-swift's `run` (rlhf/own_rollout.py),
+colocated and with the scheduler given to the rollout server, as ms-swift's
+examples/train/grpo/plugin/treepo/tree_rollout.sh gives its tree scheduler. The scheduler is treepo's shape
+reduced: `async_infer` merges the identical requests of a group, `run` grows each merged request back into
+`num_generations` trajectories of two turns (a user message between them), asking for the sampled tokens'
+log-probabilities, and writes down every trajectory's turns; the reward is the completion's token count."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.conftest import cli_env, run_cli
+from tests.e2e.test_grpo_multi_turn_e2e import COMMON, build_eos_prone
+
+PLUGIN = '''import asyncio, json, os
+from swift.rewards import MultiTurnScheduler, multi_turns, orms
+from swift.infer_engine.protocol import RolloutInferRequest, RolloutOutput
+
+
+class Tree(MultiTurnScheduler):
+    width = 4
+
+    async def async_infer(self, infer_requests, request_config, *, use_tqdm=None, **kwargs):
+        keep, seen, uuids = [], set(), []
+        for req in infer_requests:
+            uuids.append(req.uuid)
+            key = json.dumps(req.messages, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                keep.append(req)
+        request_config.logprobs = True
+        outs = await super().async_infer(keep, request_config, use_tqdm=use_tqdm, **kwargs)
+        assert len(outs) == len(uuids), 'width must equal num_generations'
+        for i, o in enumerate(outs):
+            o.response.id = uuids[i]
+        return outs
+
+    async def run(self, infer_request, request_config, **kwargs):
+        reqs = [RolloutInferRequest(messages=[dict(m) for m in infer_request.messages], uuid=f'{infer_request.uuid}-{k}')
+                for k in range(self.width)]
+        turns = [[] for _ in reqs]
+        for t in range(2):
+            outs = await asyncio.gather(*[self.infer_engine.infer_async(r, request_config) for r in reqs])
+            for r, o, tt in zip(reqs, outs, turns):
+                c = o.choices[0]
+                r.messages.append({'role': 'assistant', 'content': c.message.content})
+                tt.append((list(c.token_ids), [x['logprob'] for x in c.logprobs['content']]))
+                if t == 0:
+                    r.messages.append({'role': 'user', 'content': 'again'})
+        with open(os.environ['OWN_LOG'], 'a') as f:
+            for tt in turns:
+                f.write(json.dumps(tt) + '\\n')
+        return [RolloutOutput(response=o, messages=r.messages, response_token_ids=[x[0] for x in tt],
+                              rollout_infos={'num_turns': 2}) for r, o, tt in zip(reqs, outs, turns)]
+
+
+multi_turns['tree'] = Tree
+orms['length'] = lambda completions, completion_ids, **kw: [float(len(c)) for c in completion_ids]
+'''
+TREE = ["--multi_turn_scheduler", "tree", "--max_turns", "2"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("own")
+    build_eos_prone(d / "model")
+    (d / "data.jsonl").write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n" for i in range(4)))
+    (d / "tree.py").write_text(PLUGIN)
+    return d
+
+
+def _run(files, out, *extra, check=True, own_process=False):
+    env = cli_env()
+    env["OWN_LOG"] = str(out.parent / f"{out.name}.own.jsonl")
+    return run_cli(["rlhf", *COMMON, "--model", files / "model", "--dataset", files / "data.jsonl", "--max-steps", "2",
+                    "--reward_funcs", "length", *extra, "--output-dir", out], env=env, check=check,
+                   own_process=own_process)
+
+
+def _turns(out):
+    return [json.loads(x) for x in (out.parent / f"{out.name}.own.jsonl").read_text().splitlines()]
+
+
+def _steps(out):
+    return [json.loads(x) for x in (out / "logging.jsonl").read_text().splitlines() if '"loss"' in x]
+
+
+def test_a_schedulers_own_run_samples_the_policy_and_its_trajectories_are_trained(files, tmp_path):
+    out = tmp_path / "a"
+    _run(files, out, "--external-plugins", files / "tree.py", *TREE)
+    trajs = _turns(out)
+    assert len(trajs) == 16                          # 2 rounds x 8 completions, each one trajectory of the scheduler
+    assert all(len(t) == 2 for t in trajs)
+    for t in trajs:   # every sampled token has its log-probability, a real one
+        assert all(len(ids) == len(lps) and all(math.isfinite(v) and v <= 0 for v in lps) for ids, lps in t)
+    rows = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and all("again" in r["completion"] for r in rows)   # the user turn is in the sequence
+    # the reward saw the whole completion: both turns and the template's text between them
+    for r, t in zip(sorted(rows, key=lambda r: r["rewards"]["length"]),
+                    sorted(trajs, key=lambda t: len(t[0][0]) + len(t[1][0]))):
+        assert r["rewards"]["length"] > len(t[0][0]) + len(t[1][0])
+    assert len(_steps(out)) == 2
+
+
+@pytest.fixture(scope="module")
+def server(files, tmp_path_factory):
+    from tests.e2e.test_rollout_server import _server
+    proc, srv = _server(tmp_path_factory, model=files / "model",
+                        extra=("--external_plugins", str(files / "tree.py"), *TREE))
+    yield srv
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0, srv["log"].read_text()
+
+
+def test_with_the_scheduler_on_the_rollout_server_the_run_samples_and_trains_the_same(files, server, tmp_path):
+    """tree_rollout.sh's split: the server names the scheduler, the training command only loads the plugin; the
+    server's engine answers the log-probabilities too (/infer/ "logprobs"), and the run trains on the same
+    trajectories, log-probabilities and losses as colocated."""
+    from tests.e2e.test_rollout_server import _port
+    srv = ["--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port",
+           str(server["port"]), "--vllm_server_group_port", str(_port())]
+    _run(files, tmp_path / "srv", "--external-plugins", files / "tree.py", *srv, own_process=True)
+    _run(files, tmp_path / "local", "--external-plugins", files / "tree.py", *TREE)
+    a, b = _turns(tmp_path / "srv"), _turns(tmp_path / "local")
+    assert [[ids for ids, _ in t] for t in a] == [[ids for ids, _ in t] for t in b]
+    for ta, tb in zip(a, b):
+        for (_, la), (_, lb) in zip(ta, tb):
+            assert la == pytest.approx(lb, rel=1e-5, abs=1e-6)
+    assert [s["loss"] for s in _steps(tmp_path / "srv")] == pytest.approx(
+        [s["loss"] for s in _steps(tmp_path / "local")], rel=1e-6, abs=1e-9)
