@@ -385,6 +385,12 @@ CASES: list[Case] = [
          "error: --gym_env sudoku: no environment of that name; built in: math_env"),
     Case("grpo-use-gym-env-alone", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--use_gym_env", "true"],
          "error: --use-gym-env trains on the total reward of a gym scheduler's environment"),
+    Case("grpo-top-entropy-quantile-range", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format",
+                                             "--top_entropy_quantile", "0"],
+         "error: --top-entropy-quantile 0: the fraction of tokens that keep their policy term, must be in (0, 1]"),
+    Case("grpo-top-entropy-quantile-real", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format",
+                                            "--top_entropy_quantile", "0.2", "--loss_type", "real"],
+         "error: --top-entropy-quantile with --loss-type real: REAL's group loss has no per-token policy term"),
     # GRPO with vLLM: colocate needs a CUDA GPU and the vllm package (neither here); server mode needs a server
     Case("grpo-vllm-no-gpu", ["rlhf", *GOOD, *DATA, "--rlhf_type", "grpo", "--reward_funcs", "format", "--use_vllm",
                               "true", "--vllm_mode", "colocate"],
