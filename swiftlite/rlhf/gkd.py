@@ -179,7 +179,8 @@ def _turns(b: GkdBatches, gen: Callable[..., list], prompts: list, seeds: list, 
     from swiftlite.rlhf.multi_turn import sample_turns
     eos = b.tokenizer.eos_token_id
     outs = sample_turns(b.turns, gen, b.options, b.tokenizer, prompts, seeds, rows,
-                        eos_ids=set(eos if isinstance(eos, list) else [eos]), pad_id=b.pad_id, lockstep=lockstep)
+                        eos_ids=set(eos if isinstance(eos, list) else [eos]), pad_id=b.pad_id, lockstep=lockstep,
+                        device=b.world.device)
     return [(t["completion_ids"], t["completion_mask"], t.get("loss_mask")) for t in outs]
 
 

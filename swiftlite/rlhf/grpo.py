@@ -435,7 +435,7 @@ def _share(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, row
     """This process's share of the round: `gen`'s first turn of each micro-batch, then the later turns."""
     from swiftlite.rlhf.multi_turn import sample_turns
     return sample_turns(b.turns, gen, b.options, b.tokenizer, ids, seeds, rows, eos_ids=set(b.eos_ids),
-                        pad_id=b.pad_id, lockstep=lockstep)
+                        pad_id=b.pad_id, lockstep=lockstep, device=b.world.device)
 
 
 def _at(micro: dict, c: int) -> tuple[dict, int]:

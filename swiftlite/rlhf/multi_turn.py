@@ -162,7 +162,7 @@ FIRST_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", 
 
 def sample_turns(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], options: Any, tokenizer: Any,
                  micro_prompts: list[list[list[int]]], micro_seeds: list[list[int]], micro_rows: list[list[dict]], *,
-                 eos_ids: set[int], pad_id: int, lockstep: bool = False) -> list[dict]:
+                 eos_ids: set[int], pad_id: int, lockstep: bool = False, device: Any = None) -> list[dict]:
     """GRPO's and GKD's sampling of this process's micro-batches: `gen`'s first turn (`gen(prompts, seeds,
     max_new_tokens, first)`), each completion cut after its first --stop_words word (rlhf/stop_words.py), or
     with `sched` (--multi_turn_scheduler) the scheduler's later turns (`rollout`). One dict of tensors per
@@ -171,7 +171,8 @@ def sample_turns(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]],
     o = options
     if getattr(sched, "owns_rollout", False):     # the scheduler's own run() samples every turn
         return sched.sample(gen, o, micro_prompts, micro_seeds, micro_rows, eos_ids=set(eos_ids), pad_id=pad_id,
-                            lockstep=lockstep, any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0)
+                            lockstep=lockstep, any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0,
+                            device=device)
     states = None
     if sched is not None and hasattr(sched, "start"):   # a scheduler that writes the prompts (a gym's reset)
         micro_prompts, states = sched.start(micro_prompts, micro_rows)

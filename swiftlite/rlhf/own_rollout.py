@@ -15,9 +15,14 @@ every coroutine run until each waits for its answer, then samples the waiting re
 micro-batches of the run's size. Every process takes part in every sampling call while any process has a
 request left (the vLLM paths and the server gather across processes), with an empty share when it has none.
 
-The round. This process's completions are the requests (one each, as ms-swift's trainer sends them: the
-prompt's conversation, the row's columns as `data_dict` under ms-swift's --vllm_server_pass_dataset rule, a
-uuid of its own), given together to the scheduler's `async_infer` (ms-swift's base: `run` for each, at once).
+The round. The completions are the requests (one each, as ms-swift's trainer sends them: the prompt's
+conversation, the row's columns as `data_dict` under ms-swift's --vllm_server_pass_dataset rule, a uuid of its
+own), given together to the scheduler's `async_infer` (ms-swift's base: `run` for each, at once): colocated,
+each process's own completions (ms-swift's colocate mode: each process's engine), a prompt's side by side (ms-swift's
+order); in --vllm_mode server, every
+process's, on the first process (ms-swift's server mode: the main process gathers the requests and the server's
+scheduler sees them all, so a tree that merges a group's requests finds the whole group), whose sampling calls
+the others join with nothing to ask, each then taking its share of the trajectories.
 It must return one rollout per request, in the requests' order (ms-swift's default path zips them); a scheduler
 that splits a trajectory into several training rows (ms-swift's dynamic_num_samples, a path it marks for
 removal) stops the run with that reason.
@@ -49,6 +54,7 @@ them; the run stops naming the scheduler).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from typing import Any, Callable
 
@@ -163,16 +169,59 @@ class OwnRollout(PluginTurns):
 
     def __init__(self, name: str, cls: Any, tokenizer: Any, max_turns: int | None, **kw: Any):
         self.policy = PolicyEngine(tokenizer)
+        self._device: Any = None
         super().__init__(name, cls, tokenizer, max_turns, engine=self.policy, **kw)
 
     def sample(self, gen: Callable[..., list], options: Any, micro_prompts: list[list[list[int]]],
                micro_seeds: list[list[int]], micro_rows: list[list[dict]], *, eos_ids: set[int], pad_id: int,
-               lockstep: bool, any_pending: Callable[[bool], bool]) -> list[dict]:
-        from swiftlite.msswift_api.protocol import RequestConfig
-        from swiftlite.plugin_imports import msswift_aliases
+               lockstep: bool, any_pending: Callable[[bool], bool], device: Any = None) -> list[dict]:
         from swiftlite.rlhf.generate import left_padded
         from swiftlite.rlhf.trajectory import Trajectory, layout
         o = options
+        if lockstep:    # refused before launch (train/tasks.py); a direct caller gets the same line
+            raise UserError(f"--multi_turn_scheduler {self.name}: {OWN_LOCKSTEP}")
+        rows = [row for mb in micro_rows for row in mb]
+        base = micro_seeds[0][0] if micro_seeds and micro_seeds[0] else 0
+        batch = len(micro_prompts[0]) if micro_prompts else 1
+        world, rank = _world()
+        if bool(getattr(o, "use_vllm", False)) and getattr(o, "vllm_mode", None) == "server" and world > 1:
+            # ms-swift's server mode: the main process gathers every process's requests and the server's
+            # scheduler sees them all (a tree merges a group's requests, which processes may share); the others
+            # take part in each sampling call with nothing to ask, then get their share of the trajectories
+            from swiftlite.distributed import gather_objects
+            shares = gather_objects((rows, base, batch), world)
+            start = sum(len(r) for r, _, _ in shares[:rank])
+            done = None
+            if rank == 0:
+                done = self._rollout(gen, o, [x for r, _, _ in shares for x in r], shares[0][1], shares[0][2],
+                                     eos_ids, any_pending)
+            else:
+                first = True
+                while any_pending(False):
+                    gen([], [], 1, first)
+                    first = False
+            done = gather_objects(done, world)[0][start:start + len(rows)]
+        else:
+            done = self._rollout(gen, o, rows, base, batch, eos_ids, any_pending)
+        trajs, k = [], 0
+        for prompts, mb_rows, seeds in zip(micro_prompts, micro_rows, micro_seeds):
+            mb = []
+            for p, row, s in zip(prompts, mb_rows, seeds):
+                ids, loss, logps, infos = done[k]
+                mb.append(Trajectory(p, row, s, ids, loss, logps, done=True, state={"infos": infos}))
+                k += 1
+            trajs.append(mb)
+        device = self._device or device or torch.device("cpu")
+        want = bool(getattr(o, "log_rollout_offpolicy_metrics", False))
+        reward_of = self.trajectory_reward if self.gym else None
+        return [layout(tuple(x.to(device) for x in left_padded(ps, pad_id)), mb, pad_id, want, reward_of)
+                for ps, mb in zip(micro_prompts, trajs)]
+
+    def _rollout(self, gen: Callable[..., list], o: Any, rows: list[dict], base: int, batch: int, eos_ids: set[int],
+                 any_pending: Callable[[bool], bool]) -> list[tuple[list[int], list[int], list[float], dict]]:
+        """The scheduler's rollout of `rows` (one request each): per row (ids, loss mask, log-probabilities, infos)."""
+        from swiftlite.msswift_api.protocol import RequestConfig
+        from swiftlite.plugin_imports import msswift_aliases
         words = list(o.stop_words or [])
         if words:
             from swiftlite.rlhf.stop_words import stop_length
@@ -182,11 +231,14 @@ class OwnRollout(PluginTurns):
         else:
             def stop(ids: list[int]) -> int | None:
                 return None
-        if lockstep:    # refused before launch (train/tasks.py); a direct caller gets the same line
-            raise UserError(f"--multi_turn_scheduler {self.name}: {OWN_LOCKSTEP}")
-        rnd = _Round(gen, self.tok, o, micro_seeds[0][0] if micro_seeds and micro_seeds[0] else 0,
-                     len(micro_prompts[0]) if micro_prompts else 1, eos_ids, stop)
-        rows = [row for mb in micro_rows for row in mb]
+        rnd = _Round(gen, self.tok, o, base, batch, eos_ids, stop)
+        # ms-swift's order: a prompt's completions side by side (its trainer's sampler lays a generation batch out
+        # group by group, and treepo's async_infer gives a merged group's trajectories to their ids in that order);
+        # a process's micro-batches may interleave groups, so the requests go grouped, first seen first
+        first: dict[str, int] = {}
+        keys = [first.setdefault(json.dumps(row["prompt"], sort_keys=True), len(first)) for row in rows]
+        order = sorted(range(len(rows)), key=lambda i: (keys[i], i))
+        rows = [rows[i] for i in order]
         reqs = [self._request(row) for row in rows]
         cfg = RequestConfig(max_tokens=o.max_completion_length, temperature=o.temperature, top_p=o.top_p,
                             top_k=o.top_k, stop=words)
@@ -196,23 +248,15 @@ class OwnRollout(PluginTurns):
                 outputs = asyncio.run(self._drive(self.sched.async_infer(reqs, cfg), rnd, any_pending))
         finally:
             self.policy.serve(None)
+        self._device = rnd.device
         if len(outputs) != len(reqs):
             raise UserError(f"--multi_turn_scheduler {self.name}: its rollout returned {len(outputs)} trajectories for "
                             f"{len(reqs)} requests: one per request trains here (a scheduler that splits a trajectory "
                             "into several training rows is not supported; ms-swift marks that path for removal)")
-        trajs, k = [], 0
-        for prompts, mb_rows, seeds in zip(micro_prompts, micro_rows, micro_seeds):
-            mb = []
-            for p, row, s in zip(prompts, mb_rows, seeds):
-                ids, loss, logps, infos = self._completion(row["prompt"], outputs[k], rnd.logps, eos_ids)
-                mb.append(Trajectory(p, row, s, ids, loss, logps, done=True, state={"infos": infos}))
-                k += 1
-            trajs.append(mb)
-        device = rnd.device if rnd.device is not None else torch.device("cpu")
-        want = bool(getattr(o, "log_rollout_offpolicy_metrics", False))
-        reward_of = self.trajectory_reward if self.gym else None
-        return [layout(tuple(x.to(device) for x in left_padded(ps, pad_id)), mb, pad_id, want, reward_of)
-                for ps, mb in zip(micro_prompts, trajs)]
+        done: list[Any] = [None] * len(rows)
+        for i, row, out in zip(order, rows, outputs):
+            done[i] = self._completion(row["prompt"], out, rnd.logps, eos_ids)
+        return done
 
     async def _drive(self, coro: Any, rnd: _Round, any_pending: Callable[[bool], bool]) -> list:
         """Run the scheduler's coroutine, sampling whenever every one of its coroutines waits for an answer;
@@ -296,6 +340,13 @@ class OwnRollout(PluginTurns):
             raise UserError(f"--multi_turn_scheduler {self.name}: a rollout's response_loss_mask has {len(loss)} values "
                             f"for {len(ids)} response_token_ids (they must align)")
         return loss
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
 
 
 def _per_turn(x: Any) -> list:

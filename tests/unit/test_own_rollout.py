@@ -131,16 +131,17 @@ class Gen:
     """A stand-in generator: the k-th call answers every prompt with `turns[k]` (and log-probabilities
     -0.5, -1.5, ... when asked); records each call's prompts, seeds and `first`."""
 
-    def __init__(self, turns):
-        self.turns, self.calls = turns, []
+    def __init__(self, turns, echo=None):
+        self.turns, self.calls, self.echo = turns, [], echo
 
     def __call__(self, micro_prompts, micro_seeds, n, first, logprobs=False):
         from swiftlite.rlhf.vllm_gen import completion_layout
         ids = self.turns[min(len(self.calls), len(self.turns) - 1)]
         self.calls.append((micro_prompts, micro_seeds, first, logprobs))
         outs = []
-        for mb in micro_prompts:
-            lay = completion_layout(mb, [ids for _ in mb], pad_id=PAD, eos_ids=[EOS], device="cpu")
+        for mb in micro_prompts:    # echo=k: each answer starts with its prompt's token at k (the question's)
+            lay = completion_layout(mb, [([p[self.echo]] if self.echo else []) + ids for p in mb], pad_id=PAD,
+                                    eos_ids=[EOS], device="cpu")
             if logprobs:
                 lay = (*lay, torch.tensor([[-0.5 - k for k in range(lay[2].shape[1])] for _ in mb]))
             outs.append(lay)
@@ -212,6 +213,15 @@ def test_treepos_shape_merges_a_group_grows_it_back_and_gets_log_probabilities(t
     for out in outs:
         assert out["completion_ids"][:, :len(t)].tolist() == [t, t]
         assert "rollout_logps" not in out         # the run did not ask for them (--log_rollout_offpolicy_metrics)
+
+    # a process's micro-batches may interleave two groups: the requests go grouped (ms-swift's order), and each
+    # trajectory comes back to its own completion
+    mixed = [rows[0], rows[2], rows[1], rows[3]]
+    at = -2 - len(_enc(tok, tok.apply_chat_template([{"role": "user", "content": "a"}], tokenize=False,
+                                                     add_generation_prompt=True).split("a<|im_end|>")[1]))
+    outs = _sample(sched, Gen([t], echo=at), mixed, [prompts[0], prompts[2], prompts[1], prompts[3]])
+    firsts = [int(out["completion_ids"][j, 0]) for out in outs for j in range(2)]
+    assert [tok.decode([x]) for x in firsts] == ["a", "b", "a", "b"]
 
     class Offpolicy(Opts):
         log_rollout_offpolicy_metrics = True
