@@ -17,15 +17,14 @@ request left (the vLLM paths and the server gather across processes), with an em
 
 The round. The completions are the requests (one each, as ms-swift's trainer sends them: the prompt's
 conversation, the row's columns as `data_dict` under ms-swift's --vllm_server_pass_dataset rule, a uuid of its
-own), given together to the scheduler's `async_infer` (ms-swift's base: `run` for each, at once): colocated,
-each process's own completions (ms-swift's colocate mode: each process's engine), a prompt's side by side (ms-swift's
-order); in --vllm_mode server, every
-process's, on the first process (ms-swift's server mode: the main process gathers the requests and the server's
-scheduler sees them all, so a tree that merges a group's requests finds the whole group), whose sampling calls
-the others join with nothing to ask, each then taking its share of the trajectories.
-It must return one rollout per request, in the requests' order (ms-swift's default path zips them); a scheduler
-that splits a trajectory into several training rows (ms-swift's dynamic_num_samples, a path it marks for
-removal) stops the run with that reason.
+own; a prompt's side by side, ms-swift's order), given together to the scheduler's `async_infer` (ms-swift's
+base: `run` for each, at once). Colocated, each process's own completions (ms-swift's colocate mode: each
+process's engine). In --vllm_mode server, every process's, on the first process (ms-swift's server mode: the
+main process gathers the requests and the server's scheduler sees them all, so a tree that merges a group's
+requests finds the whole group), whose sampling calls the others join with nothing to ask, each then taking
+its share of the trajectories. It must return one rollout per request, in the requests' order (ms-swift's
+default path zips them); a scheduler that splits a trajectory into several training rows (ms-swift's
+dynamic_num_samples, a path it marks for removal) stops the run with that reason.
 
 A rollout (ms-swift's RolloutOutput) becomes the completion trained on. Its `messages` begin with the prompt's;
 each assistant message after them is a turn, whose tokens are the rollout's `response_token_ids` (one list per
@@ -40,10 +39,10 @@ or a rollout without messages, is one turn. Its `rollout_infos` are the trajecto
 Sampling settings are the run's (--temperature, --top_p, --top_k; --stop_words end a turn as in the turn
 loop): a request config that asks for other values, or for more than one choice, stops the run naming them.
 Its `max_tokens` caps a turn below --max_completion_length, which bounds every turn (ms-swift's per-request
-max_tokens; --completion_length_limit_scope does not apply). Seeds: the k-th batch of this process's round
-samples from seeds derived from the round's first completion seed and k, so that the turns depend on --seed,
-the round and the order of the scheduler's calls (a scheduler's own randomness is its own: treepo's roll-back
-draws from Python's `random`, as in ms-swift).
+max_tokens; --completion_length_limit_scope does not apply). Seeds: request i of the k-th sampling call of a
+round is seeded from the round's first completion seed, k and i, so that the turns depend on --seed, the round
+and the order of the scheduler's calls, not on the micro-batch size (a scheduler's own randomness is its own:
+treepo's roll-back draws from Python's `random`, as in ms-swift).
 
 Not here: --parallelism fsdp1 (its processes generate in lockstep, each the same calls, which a scheduler's own
 calls cannot promise; refused before launch, train/tasks.py) and a scheduler that rewrites the prompt's
