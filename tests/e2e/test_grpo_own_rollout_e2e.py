@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import cli_env, run_cli
 from tests.e2e.test_grpo_multi_turn_e2e import COMMON, build_eos_prone
+from tests.unit.test_own_rollout import MERGE
 
 PLUGIN = '''import asyncio, json, os
 from swift.rewards import MultiTurnScheduler, multi_turns, orms
@@ -24,21 +25,7 @@ from swift.infer_engine.protocol import RolloutInferRequest, RolloutOutput
 class Tree(MultiTurnScheduler):
     width = 4
 
-    async def async_infer(self, infer_requests, request_config, *, use_tqdm=None, **kwargs):
-        keep, seen, uuids = [], set(), []
-        for req in infer_requests:
-            uuids.append(req.uuid)
-            key = json.dumps(req.messages, sort_keys=True)
-            if key not in seen:
-                seen.add(key)
-                keep.append(req)
-        request_config.logprobs = True
-        outs = await super().async_infer(keep, request_config, use_tqdm=use_tqdm, **kwargs)
-        assert len(outs) == len(uuids), 'width must equal num_generations'
-        for i, o in enumerate(outs):
-            o.response.id = uuids[i]
-        return outs
-
+''' + MERGE + '''
     async def run(self, infer_request, request_config, **kwargs):
         reqs = [RolloutInferRequest(messages=[dict(m) for m in infer_request.messages], uuid=f'{infer_request.uuid}-{k}')
                 for k in range(self.width)]

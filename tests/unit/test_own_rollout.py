@@ -14,6 +14,25 @@ from swiftlite.errors import UserError
 
 EOS, PAD = 258, 259
 
+#: treepo's async_infer (a plugin class's method): a group's identical requests merged, the trees given back
+#: to the requests' ids in order, the sampled tokens' log-probabilities asked for
+MERGE = '''
+    async def async_infer(self, infer_requests, request_config, *, use_tqdm=None, **kwargs):
+        keep, seen, uuids = [], set(), []
+        for req in infer_requests:
+            uuids.append(req.uuid)
+            key = json.dumps(req.messages, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                keep.append(req)
+        request_config.logprobs = True
+        outs = await super().async_infer(keep, request_config, use_tqdm=use_tqdm, **kwargs)
+        assert len(outs) == len(uuids), 'width must equal num_generations'
+        for i, o in enumerate(outs):
+            o.response.id = uuids[i]
+        return outs
+'''
+
 PLUGIN = '''
 import json
 from swift.rewards import MultiTurnScheduler, multi_turns
@@ -41,21 +60,7 @@ class Tree(MultiTurnScheduler):
     width = 2
     seen = []
 
-    async def async_infer(self, infer_requests, request_config, *, use_tqdm=None, **kwargs):
-        keep, seen, uuids = [], set(), []
-        for req in infer_requests:
-            uuids.append(req.uuid)
-            key = json.dumps(req.messages, sort_keys=True)
-            if key not in seen:
-                seen.add(key)
-                keep.append(req)
-        request_config.logprobs = True
-        outs = await super().async_infer(keep, request_config, use_tqdm=use_tqdm, **kwargs)
-        assert len(outs) == len(uuids), 'width must equal num_generations'
-        for i, o in enumerate(outs):
-            o.response.id = uuids[i]
-        return outs
-
+''' + MERGE + '''
     async def run(self, infer_request, request_config, **kwargs):
         import asyncio
         reqs = [RolloutInferRequest(messages=list(infer_request.messages), uuid=f'{infer_request.uuid}-{k}')
