@@ -168,11 +168,14 @@ def sample_turns(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]],
     with `sched` (--multi_turn_scheduler) the scheduler's later turns (`rollout`). One dict of tensors per
     micro-batch, FIRST_KEYS (and `loss_mask` after turns)."""
     from swiftlite.distributed import all_reduce_sum
+    from swiftlite.rlhf.stop_words import stop_length
     o = options
+    words = list(o.stop_words or [])
+    stop = (lambda ids: stop_length(tokenizer, ids, words)) if words else None
     if getattr(sched, "owns_rollout", False):     # the scheduler's own run() samples every turn
         return sched.sample(gen, o, micro_prompts, micro_seeds, micro_rows, eos_ids=set(eos_ids), pad_id=pad_id,
                             lockstep=lockstep, any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0,
-                            device=device)
+                            device=device, stop=stop)
     states = None
     if sched is not None and hasattr(sched, "start"):   # a scheduler that writes the prompts (a gym's reset)
         micro_prompts, states = sched.start(micro_prompts, micro_rows)
@@ -180,13 +183,11 @@ def sample_turns(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]],
     if sched is None:
         from swiftlite.rlhf.stop_words import cut
         return [cut(dict(zip(FIRST_KEYS, f)), tokenizer, o.stop_words, pad_id) for f in first]
-    from swiftlite.rlhf.stop_words import stop_length
-    words = list(o.stop_words or [])
     return rollout(sched, lambda p, s, n: gen(p, s, n, False), first, micro_prompts, micro_rows, micro_seeds,
                    max_new_tokens=o.max_completion_length, per_round=o.completion_length_limit_scope == "per_round",
                    max_turns=o.max_turns, eos_ids=set(eos_ids), pad_id=pad_id,
                    any_pending=lambda mine: all_reduce_sum([float(mine)])[0] > 0, lockstep=lockstep,
-                   stop=(lambda ids: stop_length(tokenizer, ids, words)) if words else None, states=states)
+                   stop=stop, states=states)
 
 
 def rollout(sched: Any, gen: Callable[..., list[tuple[torch.Tensor, ...]]], first: list[tuple[torch.Tensor, ...]],

@@ -173,7 +173,10 @@ class OwnRollout(PluginTurns):
 
     def sample(self, gen: Callable[..., list], options: Any, micro_prompts: list[list[list[int]]],
                micro_seeds: list[list[int]], micro_rows: list[list[dict]], *, eos_ids: set[int], pad_id: int,
-               lockstep: bool, any_pending: Callable[[bool], bool], device: Any = None) -> list[dict]:
+               lockstep: bool, any_pending: Callable[[bool], bool], device: Any = None,
+               stop: Callable[[list[int]], int | None] | None = None) -> list[dict]:
+        """The round's micro-batches (rlhf/trajectory.layout); `stop(ids)`: how many of a turn's tokens its first
+        --stop_words word keeps (rlhf/multi_turn.sample_turns builds it)."""
         from swiftlite.rlhf.generate import left_padded
         from swiftlite.rlhf.trajectory import Trajectory, layout
         o = options
@@ -193,7 +196,7 @@ class OwnRollout(PluginTurns):
             done = None
             if rank == 0:
                 done = self._rollout(gen, o, [x for r, _, _ in shares for x in r], shares[0][1], shares[0][2],
-                                     eos_ids, any_pending)
+                                     eos_ids, any_pending, stop)
             else:
                 first = True
                 while any_pending(False):
@@ -201,7 +204,7 @@ class OwnRollout(PluginTurns):
                     first = False
             done = gather_objects(done, world)[0][start:start + len(rows)]
         else:
-            done = self._rollout(gen, o, rows, base, batch, eos_ids, any_pending)
+            done = self._rollout(gen, o, rows, base, batch, eos_ids, any_pending, stop)
         trajs, k = [], 0
         for prompts, mb_rows, seeds in zip(micro_prompts, micro_rows, micro_seeds):
             mb = []
@@ -217,20 +220,13 @@ class OwnRollout(PluginTurns):
                 for ps, mb in zip(micro_prompts, trajs)]
 
     def _rollout(self, gen: Callable[..., list], o: Any, rows: list[dict], base: int, batch: int, eos_ids: set[int],
-                 any_pending: Callable[[bool], bool]) -> list[tuple[list[int], list[int], list[float], dict]]:
+                 any_pending: Callable[[bool], bool], stop: Callable[[list[int]], int | None] | None
+                 ) -> list[tuple[list[int], list[int], list[float], dict]]:
         """The scheduler's rollout of `rows` (one request each): per row (ids, loss mask, log-probabilities, infos)."""
         from swiftlite.msswift_api.protocol import RequestConfig
         from swiftlite.plugin_imports import msswift_aliases
         words = list(o.stop_words or [])
-        if words:
-            from swiftlite.rlhf.stop_words import stop_length
-
-            def stop(ids: list[int]) -> int | None:
-                return stop_length(self.tok, ids, words)
-        else:
-            def stop(ids: list[int]) -> int | None:
-                return None
-        rnd = _Round(gen, self.tok, o, base, batch, eos_ids, stop)
+        rnd = _Round(gen, self.tok, o, base, batch, eos_ids, stop or (lambda ids: None))
         # ms-swift's order: a prompt's completions side by side (its trainer's sampler lays a generation batch out
         # group by group, and treepo's async_infer gives a merged group's trajectories to their ids in that order);
         # a process's micro-batches may interleave groups, so the requests go grouped, first seen first
