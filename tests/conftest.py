@@ -84,18 +84,33 @@ def run_cli(args: list[str], *, timeout: float = 600, check: bool = True, env: d
     (or a command that launches ranks, injects a fault, or sets SWIFTLITE_TEST_SUBPROCESS=1) starts
     `python -m swiftlite` instead: for what a fresh interpreter shows (first-time warnings, memory
     high-water marks) or what must not happen to the test process (a kill, a hang, a plugin that
-    patches torch or swiftlite functions for good)."""
+    patches torch or swiftlite functions for good). Such a command is forked from the worker's warm
+    helper interpreter where that gives the same run (`forked_cli`, tests/cli_fork.py); `own_process=True`
+    always gets a fresh one."""
     env = env or cli_env()
     args = [str(a) for a in args]
     if own_process or wants_own_process(args, env):
-        proc = subprocess.run([sys.executable, "-m", "swiftlite", *args], capture_output=True,
-                              text=True, timeout=timeout, env=env, cwd=cwd)
+        proc = None if own_process else forked_cli(args, env, cwd, timeout)
+        if proc is None:
+            proc = subprocess.run([sys.executable, "-m", "swiftlite", *args], capture_output=True,
+                                  text=True, timeout=timeout, env=env, cwd=cwd)
     else:
         proc = main_in_process(args, env=env, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"swiftlite {' '.join(args)} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def forked_cli(args: list[str], env: dict[str, str], cwd: str | Path | None,
+               timeout: float) -> subprocess.CompletedProcess | None:
+    """A command that needs a process of its own, forked from this worker's warm helper interpreter
+    (tests/cli_fork.py); None where it needs a fresh interpreter (`cli_fork.forkable`) or is no
+    training, export or planning command."""
+    if not args or args[0] not in IN_PROCESS_COMMANDS or any(k.startswith("MALLOC_") for k in env):
+        return None
+    from tests import cli_fork
+    return cli_fork.run(args, env, cli_env(), cwd, timeout)
 
 
 def main_in_process(args: list[str], *, env: dict[str, str] | None = None,

@@ -1,0 +1,86 @@
+"""The tests' forked launch of a command (tests/cli_fork.py, conftest.run_cli) is what `python -m swiftlite`
+does in a fresh interpreter: the same resolved arguments, losses and per-rank state for a 2-process run, the
+same one-line refusal and exit code; a timeout ends the command and the ranks it started."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from tests import cli_fork
+from tests.conftest import cli_env, read_losses, read_state_bytes, run_cli
+
+
+def _args(train, out, *extra):
+    return ["sft", "--model", "tiny-llama-2l", "--train-type", "full", "--dataset", f"{train}#32",
+            "--torch-dtype", "fp32", "--max-steps", "3", "--logging-steps", "1", "--save-steps", "3",
+            "--gradient-accumulation-steps", "1", "--parallelism", "fsdp", "--nproc-per-node", "2",
+            "--per-device-train-batch-size", "2", "--seed", "7", "--output-dir", out, *extra]
+
+
+def _resolved(out):
+    args = json.loads((out / "args.json").read_text())
+    args["train"].pop("output_dir")
+    return args
+
+
+def test_a_forked_run_is_a_fresh_interpreters_run(demo_data, tmp_path):
+    if not cli_fork.forkable(cli_env(), cli_env()):
+        pytest.skip("SWIFTLITE_TEST_SUBPROCESS=1 / SWIFTLITE_TEST_FORK=0: every command is a real interpreter")
+    train, _ = demo_data
+    forked, fresh = tmp_path / "forked", tmp_path / "fresh"
+    a = run_cli(_args(train, forked), timeout=300)
+    assert cli_fork._SERVER is not None and cli_fork._SERVER.proc.poll() is None   # it went through the helper
+    b = run_cli(_args(train, fresh), timeout=300, own_process=True)
+    assert _resolved(forked) == _resolved(fresh)
+    la, lb = read_losses(forked), read_losses(fresh)
+    assert la.keys() == lb.keys() == {1, 2, 3} and la == lb
+    assert read_state_bytes(forked) == read_state_bytes(fresh)
+    assert a.stdout.count("step=") == b.stdout.count("step=") == 3
+
+
+def test_a_refusal_is_the_same_line_and_exit_code(demo_data, tmp_path):
+    train, _ = demo_data
+    bad = _args(train, tmp_path / "o", "--lora_rank", "-1")
+    a = run_cli(bad, check=False, timeout=120)
+    b = run_cli(bad, check=False, timeout=120, own_process=True)
+    assert a.returncode == b.returncode == 2
+    assert a.stderr == b.stderr and a.stderr.startswith("error: ") and "Traceback" not in a.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_timeout_ends_the_command_and_its_ranks(demo_data, tmp_path):
+    train, _ = demo_data
+    env, base = cli_env(), cli_env()
+    if not cli_fork.forkable(env, base):
+        pytest.skip("SWIFTLITE_TEST_SUBPROCESS=1 / SWIFTLITE_TEST_FORK=0: nothing is forked")
+    args = [str(a) for a in _args(train, tmp_path / "o")]
+    args[args.index("--max-steps") + 1] = "100000"
+    with pytest.raises(subprocess.TimeoutExpired):
+        cli_fork.run(args, env, base, None, timeout=8)
+    pgid = cli_fork._SERVER.last_pid
+    time.sleep(1)
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(stat[2]) == pgid and stat[0] != "Z":   # fields after the name: state, ppid, pgrp
+            left.append(pid)
+    assert not left, f"processes of the timed-out command still running: {left}"
+    assert cli_fork._SERVER.proc.poll() is None   # the helper itself lives on
+
+
+def test_what_is_forked_and_what_gets_a_fresh_interpreter(monkeypatch):
+    monkeypatch.delenv("SWIFTLITE_TEST_SUBPROCESS", raising=False)
+    monkeypatch.delenv("SWIFTLITE_TEST_FORK", raising=False)
+    base = cli_env()
+    assert cli_fork.forkable(dict(base, NPROC_PER_NODE="2", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1"), base)
+    for var, value in (("OMP_NUM_THREADS", "2"), ("HF_HUB_OFFLINE", "0"), ("PYTORCH_CUDA_ALLOC_CONF", "x"),
+                       ("MALLOC_ARENA_MAX", "2"), ("TRANSFORMERS_VERBOSITY", "info"), ("SWIFTLITE_FAULT", "kill")):
+        assert not cli_fork.forkable(dict(base, **{var: value}), base), var
