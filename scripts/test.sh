@@ -22,12 +22,11 @@ export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 export TOKENIZERS_PARALLELISM=false
 export SWIFTLITE_CACHE=${SWIFTLITE_CACHE:-$PWD/.cache/swiftlite}
 # Two pytest workers (pytest-xdist, a dev extra): most tests run one single-threaded process, so one worker
-# leaves a core of this 2-core class of machine idle. The tests that start ranks run on one worker, one at a
-# time (tests/conftest.py RANK_KINDS, `--dist loadgroup`). SWIFTLITE_TEST_WORKERS=0 runs them all in this
-# process, one after another.
+# leaves a core of this 2-core class of machine idle. Each file's tests run on one worker (`--dist loadfile`):
+# a module's shared runs are trained once. SWIFTLITE_TEST_WORKERS=0 runs them all in this process.
 workers=${SWIFTLITE_TEST_WORKERS:-2}
 par=()
 if [ "$workers" != 0 ]; then
-  par=(-n "$workers" --dist loadgroup)
+  par=(-n "$workers" --dist loadfile)
 fi
 exec python -m pytest -q --durations=30 "${par[@]}" "${select[@]}" "${args[@]}"

@@ -250,21 +250,12 @@ def _no_leaked_rank_env():
             os.environ[k] = v
 
 
-#: The kinds whose tests start several processes each: under pytest-xdist (scripts/test.sh's `-n`, `--dist
-#: loadgroup`) they run one after another on one worker, so that at most one such job shares the machine with
-#: the other workers' single-process tests (as many ranks as cores, not twice as many, and no two jobs'
-#: timeouts racing each other). Every other test goes with its file, so a module's shared fixtures (a
-#: model trained once for several tests) are built once.
-RANK_KINDS = ("distributed", "faults")
-
-
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its kind (its folder): `-m "not distributed"`, `-m e2e`, ..."""
     for item in items:
         kind = Path(str(item.fspath)).parent.name
         if kind in ("unit", "distributed", "e2e", "faults", "bad_inputs"):
             item.add_marker(getattr(pytest.mark, kind))
-        item.add_marker(pytest.mark.xdist_group("ranks" if kind in RANK_KINDS else item.nodeid.split("::")[0]))
 
 
 def cases(items, long=(), ids=lambda c: c[0]):

@@ -99,9 +99,11 @@ def test_second_signal_during_the_save_abandons_it(data):
     env = env_for(data / "cache", SWIFTLITE_FAULT="phase=checkpoint,kind=sleep")
     out = "twice"
     proc = _start(_args("fsdp", out, "--save-steps", "2"), env, data)
-    deadline = time.monotonic() + 240
-    while ckpt.read_latest(data / out) is None and time.monotonic() < deadline:  # checkpoint-2 published
-        time.sleep(0.1)
+    # Step 3 logged, not checkpoint-2 published: a signal landing between that publish and the end of its
+    # save would find step 2 saved already and end the run (75) with no save left for a second signal.
+    # After step 3 the first signal is followed by a save of its own (step 3) or by step 4's, each sleeping
+    # SLEEP_S (6 s): the second signal, 3 s later, arrives while it is being written.
+    _wait_for_step(data / out, 3, proc)
     assert ckpt.read_latest(data / out) == "checkpoint-2"
     proc.send_signal(signal.SIGTERM)
     time.sleep(3)  # the preemption save is now sleeping in its checkpoint phase
