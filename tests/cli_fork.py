@@ -124,19 +124,26 @@ class ForkServer:
 _SERVER: ForkServer | None = None
 
 
-def run(args: list[str], env: dict[str, str], base: dict[str, str], cwd: str | Path | None,
-        timeout: float) -> subprocess.CompletedProcess | None:
-    """`python -m swiftlite ARGS` forked from this process's helper (started with `base` the first time);
-    None when the command must have a real interpreter (`forkable`)."""
+def server(base: dict[str, str]) -> ForkServer | None:
+    """This process's helper, started with environment `base` the first time; None where nothing is forked
+    (SWIFTLITE_TEST_SUBPROCESS=1, SWIFTLITE_TEST_FORK=0)."""
     global _SERVER
     if _SERVER is None:
         if not forkable(base, base):
             return None
         _SERVER = ForkServer(base, Path(__file__).resolve().parents[1])
         atexit.register(_SERVER.close)
-    if not forkable(env, _SERVER.env):
+    return _SERVER
+
+
+def run(args: list[str], env: dict[str, str], base: dict[str, str], cwd: str | Path | None,
+        timeout: float) -> subprocess.CompletedProcess | None:
+    """`python -m swiftlite ARGS` forked from this process's helper (`server(base)`); None when the command
+    must have a real interpreter (`forkable`)."""
+    srv = server(base)
+    if srv is None or not forkable(env, srv.env):
         return None
-    return _SERVER.run(args, env, cwd, timeout)
+    return srv.run(args, env, cwd, timeout)
 
 
 # --- the helper interpreter ---------------------------------------------------------------------------

@@ -233,21 +233,18 @@ def _isolated_cache(tmp_path_factory):
     yield
 
 
-#: What a launcher sets for a rank. A test that joins a process group in-process (or a library it
-#: calls, such as DeepSpeed's init) may leave them in os.environ; a later CLI subprocess would then
-#: think it is a rank under torchrun and skip the launcher's checks.
-RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 @pytest.fixture(autouse=True)
-def _no_leaked_rank_env():
-    before = {k: os.environ.get(k) for k in RANK_VARS}
+def _no_leaked_env():
+    """Each test gets back the environment it started with. A test that joins a process group in-process (or
+    a library it calls: DeepSpeed's init sets RANK, WORLD_SIZE, MASTER_PORT, TORCH_EXTENSIONS_DIR) would
+    otherwise leave them in os.environ: a later CLI subprocess would think it is a rank under torchrun and
+    skip the launcher's checks, and a forked one (tests/cli_fork.py) would find its environment different
+    from the helper's and start a fresh interpreter for every command after it."""
+    before = dict(os.environ)
     yield
-    for k, v in before.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def pytest_collection_modifyitems(config, items):

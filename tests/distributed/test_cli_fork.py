@@ -33,8 +33,11 @@ def test_a_forked_run_is_a_fresh_interpreters_run(demo_data, tmp_path):
         pytest.skip("SWIFTLITE_TEST_SUBPROCESS=1 / SWIFTLITE_TEST_FORK=0: every command is a real interpreter")
     train, _ = demo_data
     forked, fresh = tmp_path / "forked", tmp_path / "fresh"
+    srv = cli_fork.server(cli_env())
+    assert srv is not None and cli_fork.forkable(cli_env(), srv.env), "this run would not be forked"
+    before = srv.last_pid
     a = run_cli(_args(train, forked), timeout=300)
-    assert cli_fork._SERVER is not None and cli_fork._SERVER.proc.poll() is None   # it went through the helper
+    assert srv.proc.poll() is None and srv.last_pid not in (None, before)   # it went through the helper
     b = run_cli(_args(train, fresh), timeout=300, own_process=True)
     assert _resolved(forked) == _resolved(fresh)
     la, lb = read_losses(forked), read_losses(fresh)
@@ -55,14 +58,16 @@ def test_a_refusal_is_the_same_line_and_exit_code(demo_data, tmp_path):
 
 def test_a_timeout_ends_the_command_and_its_ranks(demo_data, tmp_path):
     train, _ = demo_data
-    env, base = cli_env(), cli_env()
-    if not cli_fork.forkable(env, base):
+    env = cli_env()
+    srv = cli_fork.server(env)
+    if srv is None:
         pytest.skip("SWIFTLITE_TEST_SUBPROCESS=1 / SWIFTLITE_TEST_FORK=0: nothing is forked")
+    assert cli_fork.forkable(env, srv.env), "this test's environment is no longer the helper's"
     args = [str(a) for a in _args(train, tmp_path / "o")]
     args[args.index("--max-steps") + 1] = "100000"
     with pytest.raises(subprocess.TimeoutExpired):
-        cli_fork.run(args, env, base, None, timeout=8)
-    pgid = cli_fork._SERVER.last_pid
+        srv.run(args, env, None, timeout=8)
+    pgid = srv.last_pid
     time.sleep(1)
     left = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -73,7 +78,7 @@ def test_a_timeout_ends_the_command_and_its_ranks(demo_data, tmp_path):
         if int(stat[2]) == pgid and stat[0] != "Z":   # fields after the name: state, ppid, pgrp
             left.append(pid)
     assert not left, f"processes of the timed-out command still running: {left}"
-    assert cli_fork._SERVER.proc.poll() is None   # the helper itself lives on
+    assert srv.proc.poll() is None   # the helper itself lives on
 
 
 def test_what_is_forked_and_what_gets_a_fresh_interpreter(monkeypatch):
