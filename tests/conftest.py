@@ -247,28 +247,12 @@ def _no_leaked_env():
         os.environ.update(before)
 
 
-#: The kinds whose files start several processes per test.
-MULTI_PROCESS_KINDS = ("distributed", "faults")
-
-
 def pytest_collection_modifyitems(config, items):
-    """Mark each test with its kind (its folder): `-m "not distributed"`, `-m e2e`, ...; then spread the
-    multi-process files evenly among the single-process ones. xdist's `--dist loadfile` hands files out in
-    this order: in folder order, both workers would spend the first part of the suite each in a 2- to
-    4-process file (4 to 8 ranks on 2 cores) and the rest each in one process."""
-    files: dict[str, list] = {}
+    """Mark each test with its kind (its folder): `-m "not distributed"`, `-m e2e`, ..."""
     for item in items:
         kind = Path(str(item.fspath)).parent.name
         if kind in ("unit", "distributed", "e2e", "faults", "bad_inputs"):
             item.add_marker(getattr(pytest.mark, kind))
-        files.setdefault(str(item.fspath), []).append(item)
-    multi = [f for f in files if Path(f).parent.name in MULTI_PROCESS_KINDS]
-    single = [f for f in files if Path(f).parent.name not in MULTI_PROCESS_KINDS]
-    order, step = [], len(single) / max(len(multi), 1)
-    for i, f in enumerate(multi):   # multi file i goes after single files up to i * step
-        order += single[round((i - 1) * step) if i else 0:round(i * step)] + [f]
-    order += single[round((len(multi) - 1) * step) if multi else 0:]
-    items[:] = [item for f in order for item in files[f]]
 
 
 def cases(items, long=(), ids=lambda c: c[0]):
