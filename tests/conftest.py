@@ -105,9 +105,9 @@ def run_cli(args: list[str], *, timeout: float = 600, check: bool = True, env: d
 def forked_cli(args: list[str], env: dict[str, str], cwd: str | Path | None,
                timeout: float) -> subprocess.CompletedProcess | None:
     """A command that needs a process of its own, forked from this worker's warm helper interpreter
-    (tests/cli_fork.py); None where it needs a fresh interpreter (`cli_fork.forkable`) or is no
-    training, export or planning command."""
-    if not args or args[0] not in IN_PROCESS_COMMANDS or any(k.startswith("MALLOC_") for k in env):
+    (tests/cli_fork.py); None where it needs a fresh interpreter (`cli_fork.forkable`: allocator variables
+    among others) or is no training, export or planning command."""
+    if not args or args[0] not in IN_PROCESS_COMMANDS:
         return None
     from tests import cli_fork
     return cli_fork.run(args, env, cli_env(), cwd, timeout)
