@@ -234,7 +234,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: Keyword arguments every call gets besides the dataset's columns (never "missing" from a row).
-PASSED = frozenset({"completions", "prompts", "messages", "completion_ids", "response_token_ids", "trainer_state"})
+PASSED = frozenset({"completions", "prompts", "messages", "completion_ids", "response_token_ids", "request_id",
+                    "trajectory_inputs", "trainer_state"})
 
 
 class Reward:
@@ -258,8 +259,7 @@ def call_reward(r: Any, completions: list[str], kwargs: dict, wheres: list[str])
     """One reward function on this rank's completions; an exception or a wrong answer becomes a
     UserError naming the function and the first row it fails on."""
     def one(i: int) -> Any:
-        return r(completions[i:i + 1], **{k: v[i:i + 1] for k, v in kwargs.items() if isinstance(v, list)},
-                 trainer_state=kwargs["trainer_state"])
+        return r(completions[i:i + 1], **{k: v[i:i + 1] if isinstance(v, list) else v for k, v in kwargs.items()})
     try:
         out = r(completions, **kwargs)
     except Exception as e:

@@ -7,10 +7,10 @@ The schedulers: ms-swift's built-in `math_tip_trick`, and in GRPO any name a plu
 `multi_turns` (a MultiTurnScheduler with step/check_finished: rlhf/plugin_turns.py). A plugin's name is known
 only once --external_plugins ran, so here it is taken as given and checked before launch (GrpoTask.check).
 ms-swift's `gym_scheduler` runs too (msswift_api/rollout.GYMScheduler, its environments `--gym_env`:
-msswift_api/gym_env.py), and `--use_gym_env` trains on the environments' total rewards. ms-swift's other
-built-ins are refused with the reason: `thinking_tips_scheduler` splits one trajectory into several training
-rows (a variable number of samples per round, which ms-swift itself marks for removal), `openenv_scheduler`
-drives an OpenEnv environment server.
+msswift_api/gym_env.py), and `--use_gym_env` trains on the environments' total rewards. ms-swift's
+`thinking_tips_scheduler` runs (msswift_api/rollout.ThinkingModelTipsScheduler: one training row per turn,
+rlhf/turn_rows.py). ms-swift's `openenv_scheduler` is refused with the reason: it drives an OpenEnv
+environment server.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ from swiftlite.config.access import Section, opt
 MULTI_TURN_SCHEDULERS = ("math_tip_trick",)
 #: ms-swift's other built-in schedulers (swift/rollout/multi_turn.py `multi_turns`) and why each is refused.
 OTHER_SCHEDULERS = {
-    "thinking_tips_scheduler": "splits a trajectory into one training row per turn (a variable number of rows per "
-                               "round, a path ms-swift marks for removal)",
     "openenv_scheduler": "drives an OpenEnv environment server, which swiftlite does not have",
 }
 LIMIT_SCOPES = ("per_round", "total")
+#: the built-ins that verify an answer against the row's `solution` and give one tip: at most two turns
+TIPPED = ("math_tip_trick", "thinking_tips_scheduler")
+#: the built-in that makes each turn a training row of its own (ms-swift's dynamic_num_samples)
+TURN_ROWS = "thinking_tips_scheduler"
 
 
 @dataclass(kw_only=True)
@@ -37,7 +39,10 @@ class MultiTurnOptions(Section):
                                            "(math_verify) is cut at its first <answer> or </think>, gets \"But "
                                            "wait... It seems I made a mistake,\" appended (not trained on: out of "
                                            "the loss) and is continued by the policy; the tip is given once. GRPO "
-                                           "also: gym_scheduler (ms-swift's: --gym-env's environment writes the "
+                                           "also: thinking_tips_scheduler (ms-swift's: a wrong answer gets a tip as "
+                                           "the user's next message, once; each turn is a training row of its own, "
+                                           "its earlier answers without their reasoning; with --loss-scale "
+                                           "last_round each row trains its own turn), gym_scheduler (ms-swift's: --gym-env's environment writes the "
                                            "prompt, answers each turn and scores it), or a name an "
                                            "--external_plugins file registers (ms-swift's multi_turns[name] = a "
                                            "MultiTurnScheduler with step/check_finished). "
@@ -92,10 +97,25 @@ def multi_turn_problem(r: object, explicit: set[str] | frozenset[str]) -> str | 
         return (f"--multi-turn-scheduler {s}: not available here: it {OTHER_SCHEDULERS[s]}; swiftlite has "
                 f"{', '.join(MULTI_TURN_SCHEDULERS)} and the schedulers --external_plugins files register")
     if s not in MULTI_TURN_SCHEDULERS and r.rlhf_type != "grpo":
-        return (f"--multi-turn-scheduler {s}: a plugin's scheduler runs in GRPO (it reads the prompt's messages, which "
+        return (f"--multi-turn-scheduler {s}: runs in GRPO (it reads the prompt's messages, which "
                 f"{r.rlhf_type}'s rows do not keep); {r.rlhf_type} has {', '.join(MULTI_TURN_SCHEDULERS)}")
     if r.max_turns is not None and r.max_turns < 1:
         return f"--max-turns {r.max_turns}: out of range (1 or more; none lets the scheduler decide)"
+    return None
+
+
+def split_problem(c: object) -> str | None:
+    """Why this run cannot train a scheduler's several rows per request (thinking_tips_scheduler's, a plugin's
+    that returns several rollouts for one: rlhf/grpo_rows.py), or None: what counts a micro-batch's rows."""
+    if c.parallel.sequence_parallel_size > 1:
+        return (f"--sequence-parallel-size {c.parallel.sequence_parallel_size} shares out a micro-batch's completions "
+                "one row each; use 1")
+    if c.data.padding_free:
+        return "--padding-free true is not supported with them (ms-swift refuses it too); drop it"
+    if c.rlhf.dynamic_sample:
+        return "--dynamic-sample true replaces groups of one row per completion; drop it"
+    if c.rlhf.loss_type == "real":
+        return "--loss-type real weighs one row per completion; use another loss type"
     return None
 
 
@@ -114,7 +134,7 @@ def scheduler_columns(r: object) -> tuple[str, ...]:
     gym_scheduler with --gym_env math_env: `problem` and `solution`)."""
     if r.multi_turn_scheduler == "gym_scheduler" and r.gym_env == "math_env":
         return ("problem", "solution")
-    return ("solution",) if r.multi_turn_scheduler == "math_tip_trick" else ()
+    return ("solution",) if r.multi_turn_scheduler in TIPPED else ()
 
 
 def turn_bound(r: object) -> int:
@@ -122,9 +142,9 @@ def turn_bound(r: object) -> int:
     planner multiplies --max-completion-length by under --completion-length-limit-scope per_round."""
     if r.multi_turn_scheduler is None:
         return 1
-    if r.multi_turn_scheduler not in MULTI_TURN_SCHEDULERS:   # a plugin's: --max_turns, else one (said in the plan)
+    if r.multi_turn_scheduler not in TIPPED:   # a plugin's: --max_turns, else one (said in the plan)
         return r.max_turns or 1
-    most = 2    # math_tip_trick gives its tip once: one continuation at most
+    most = 2    # math_tip_trick and thinking_tips_scheduler give their tip once: one more turn at most
     return most if r.max_turns is None else min(most, r.max_turns)
 
 
@@ -138,10 +158,11 @@ def describe_turns(r: object) -> str:
     """The run line's and --dry-run's words for the turns ('' for one-turn rounds)."""
     if r.multi_turn_scheduler is None:
         return ""
-    if r.multi_turn_scheduler not in MULTI_TURN_SCHEDULERS and r.max_turns is None:
+    if r.multi_turn_scheduler not in TIPPED and r.max_turns is None:
         return (f", multi-turn: {r.multi_turn_scheduler} (turns as the scheduler decides; the memory plan counts one "
                 "turn: give --max-turns to count them)")
-    return (f", multi-turn: {r.multi_turn_scheduler} (up to {turn_bound(r)} turns, --max-completion-length "
+    rows = ", each turn a training row" if r.multi_turn_scheduler == TURN_ROWS else ""
+    return (f", multi-turn: {r.multi_turn_scheduler} (up to {turn_bound(r)} turns{rows}, --max-completion-length "
             f"{'per turn' if r.completion_length_limit_scope == 'per_round' else 'in all'})")
 
 
@@ -158,5 +179,6 @@ def taken_turns(said: object, turns: dict) -> dict:
     return out
 
 
-__all__ = ["LIMIT_SCOPES", "MULTI_TURN_KEYS", "MULTI_TURN_SCHEDULERS", "MultiTurnOptions", "completion_tokens",
-           "describe_turns", "gym_on", "multi_turn_problem", "reward_weights_problem", "scheduler_columns", "taken_turns", "turn_bound"]
+__all__ = ["LIMIT_SCOPES", "MULTI_TURN_KEYS", "MULTI_TURN_SCHEDULERS", "MultiTurnOptions", "TIPPED", "TURN_ROWS",
+           "completion_tokens", "describe_turns", "gym_on", "multi_turn_problem", "reward_weights_problem",
+           "scheduler_columns", "split_problem", "taken_turns", "turn_bound"]

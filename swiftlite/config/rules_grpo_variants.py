@@ -33,6 +33,17 @@ def grpo_dynamic_sample(c: RunConfig) -> str | None:
     return None
 
 
+@rule("grpo turn rows")
+def grpo_turn_rows(c: RunConfig) -> str | None:
+    """thinking_tips_scheduler makes each turn a training row (rlhf/grpo_rows.py): what cannot count them is
+    refused here; a plugin's scheduler that does the same is told at its first round (rlhf/own_rollout.py)."""
+    from swiftlite.config.multi_turn_options import TURN_ROWS, split_problem
+    if not _grpo_run(c) or c.rlhf.multi_turn_scheduler != TURN_ROWS:
+        return None
+    why = split_problem(c)
+    return f"--multi-turn-scheduler {TURN_ROWS} trains each turn as a row of its own: {why}" if why else None
+
+
 @rule("grpo fipo and delta")
 def grpo_fipo_delta(c: RunConfig) -> str | None:
     r = c.rlhf

@@ -36,9 +36,15 @@ def _loss_scale(c: RunConfig):
                                                                                 LossScale("last_round")):
             # the completion's tokens the policy sampled, every turn of a multi-turn one (ms-swift's default
             # there: `default`, every assistant turn); one turn is one assistant message, the same under both
-            if scale == LossScale("last_round") and c.rlhf.multi_turn_scheduler:
-                return (f"--loss-scale {v} with --multi-turn-scheduler: GRPO trains every turn the policy sampled "
-                        "(ms-swift's default with a scheduler: default); drop the flag")
+            # last_round trains the last assistant message of a scheduler's rollout (its own run(): the rollout's
+            # messages, rlhf/own_rollout.py; a plugin's is checked once its file is loaded, train/tasks.GrpoTask)
+            from swiftlite.config.multi_turn_options import MULTI_TURN_SCHEDULERS
+            if scale == LossScale("last_round") and c.rlhf.multi_turn_scheduler in (*MULTI_TURN_SCHEDULERS,
+                                                                                  "gym_scheduler"):
+                return (f"--loss-scale {v} with --multi-turn-scheduler {c.rlhf.multi_turn_scheduler}: GRPO trains "
+                        "every turn the policy sampled (ms-swift's default with a scheduler: default); last_round "
+                        "applies to schedulers that give their rollouts' messages (thinking_tips_scheduler, a "
+                        "plugin's own run()); drop the flag")
         elif spec.own_options == "rlhf" and scale != LossScale("last_round"):
             return (f"--loss-scale {v}: rlhf trains on the answer of each pair or completion (last_round, ms-swift's "
                     "default there); drop the flag")

@@ -158,12 +158,68 @@ class GYMScheduler(MultiTurnScheduler):
         return env
 
 
-#: name -> scheduler class: ms-swift's gym_scheduler, and what plugin files register (math_tip_trick is
-#: swiftlite's own, rlhf/multi_turn.py; ms-swift's other built-ins are refused: config/multi_turn_options.py)
-multi_turns: dict[str, Any] = {"gym_scheduler": GYMScheduler}
+class ThinkingModelTipsScheduler(MultiTurnScheduler):
+    """ms-swift's `thinking_tips_scheduler`: a trajectory whose answer does not verify against the row's
+    `solution` (math_verify, ms-swift's MathAccuracy) gets ms-swift's tip as the user's next message, once, and
+    is answered again. Every turn is a training row of its own (ms-swift's dynamic_num_samples: `run` returns
+    one RolloutOutput per turn, whose messages are the conversation up to that turn, each earlier assistant
+    answer without its reasoning: only the text after its last `</think>`, as a thinking model's chat template
+    keeps history). With --loss_scale last_round each row trains its own turn. A trajectory ends when the
+    answer verifies, after the tip's answer, at finish_reason 'length' or at --max_turns."""
+
+    TIPS = "The answer is not correct, It seems You made a mistake, you need to recheck very carefully."
+
+    def __init__(self, infer_engine: Any = None, max_turns: int | None = None, *args: Any, **kwargs: Any):
+        super().__init__(infer_engine, max_turns, *args, **kwargs)
+        from swiftlite.math_answers import accuracy
+        self.acc_func = kwargs.get("acc_function") or (
+            lambda completions, solutions: [accuracy(c, s) for c, s in zip(completions, solutions)])
+        self.tips_prompt = self.TIPS
+
+    async def run(self, infer_request: Any, request_config: Any, **kwargs: Any) -> list:
+        from swiftlite.msswift_api.protocol import RolloutOutput
+        request, turn, outputs = infer_request, 1, []
+        while True:
+            response = await self.infer_engine.infer_async(request, request_config, **kwargs)
+            choice = response.choices[0]
+            request.messages.append({"role": "assistant", "content": choice.message.content})
+            outputs.append(RolloutOutput(response=response, messages=self._build_messages(request.messages),
+                                         response_token_ids=choice.token_ids, rollout_infos={"num_turns": turn}))
+            if self.check_finished(request, choice, turn):
+                return outputs
+            request = self.step(request, choice, turn)["infer_request"]
+            turn += 1
+
+    def check_finished(self, infer_request: Any, response_choice: Any, current_turn: int) -> bool:
+        msgs = infer_request.messages
+        if len(msgs) >= 2 and self.tips_prompt in str(msgs[-2]["content"]):    # the tip is given once
+            return True
+        solution = infer_request.data_dict["solution"]
+        if self.acc_func([response_choice.message.content], [solution])[0] == 1:
+            return True
+        return super().check_finished(infer_request, response_choice, current_turn)
+
+    def step(self, infer_request: Any, response_choice: Any, current_turn: int) -> dict:
+        infer_request.messages.append({"role": "user", "content": self.tips_prompt})
+        return {"infer_request": infer_request}
+
+    @staticmethod
+    def _build_messages(messages: list[dict]) -> list[dict]:
+        """The conversation as this turn's row trains it: the earlier assistant answers without their reasoning."""
+        import copy
+        out = copy.deepcopy(messages)
+        for m in out[:-1]:
+            if m["role"] == "assistant" and isinstance(m["content"], str):
+                m["content"] = m["content"].split("</think>")[-1].strip()
+        return out
+
+
+#: name -> scheduler class: ms-swift's gym_scheduler and thinking_tips_scheduler, and what plugin files register
+#: (math_tip_trick is swiftlite's own, rlhf/multi_turn.py; openenv_scheduler is refused: config/multi_turn_options.py)
+multi_turns: dict[str, Any] = {"gym_scheduler": GYMScheduler, "thinking_tips_scheduler": ThinkingModelTipsScheduler}
 
 from swiftlite.msswift_api.gym_env import Env, envs  # noqa: E402  (ms-swift's gym_env names, for plugins that
 #                                                       import them from multi_turn)
 
-__all__ = ["Env", "GYMScheduler", "MultiTurnScheduler", "RolloutScheduler", "envs", "multi_turns", "owns_rollout",
+__all__ = ["Env", "GYMScheduler", "MultiTurnScheduler", "RolloutScheduler", "ThinkingModelTipsScheduler", "envs", "multi_turns", "owns_rollout",
            "unsupported"]

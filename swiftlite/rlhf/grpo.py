@@ -43,6 +43,7 @@ from swiftlite.plugin import call_reward
 from swiftlite.rlhf.generate import completion_seed, gathered, sample, token_logps
 from swiftlite.rlhf.grpo_loss import (ESTIMATOR_DEFAULTS, GrpoLoss, advantages, clip_stats, micro_batch_loss, real_terms,
                                       token_terms)
+from swiftlite.rlhf.grpo_rows import at, collapse, last_rows, per_row, reward_entries, row_owner
 from swiftlite.rlhf.chord import ChordData, mu_schedule, sft_loss
 from swiftlite.rlhf.entropy import entropy_log, top_entropy_mask
 from swiftlite.rlhf.multi_turn import scored
@@ -136,8 +137,13 @@ def grpo_batches(cfg: Any, train: Any, plan: Any, tokenizer: Any, world: Any) ->
     if r.multi_turn_scheduler:   # a rollout server's plugin files, taken with its scheduler (launch/server_turns.py)
         from swiftlite.parallel.base import load_missing_plugins
         load_missing_plugins(list(cfg.parallel.external_plugins))
+    turns = build(r, tokenizer)
+    if getattr(turns, "owns_rollout", False):   # its rollouts' turns and rows (rlhf/own_rollout.py)
+        from swiftlite.config.multi_turn_options import split_problem
+        turns.last_round = cfg.data.loss_scale == "last_round"
+        turns.split_refusal = split_problem(cfg)
     return GrpoBatches(train.rows, plan, tokenizer.pad_token_id, world, build_rewards(r.reward_funcs, r), loss,
-                       form=form, options=r, tokenizer=tokenizer, chord=chord, turns=build(r, tokenizer))
+                       form=form, options=r, tokenizer=tokenizer, chord=chord, turns=turns)
 
 
 def estimator_choices(r: Any) -> tuple[str, bool]:
@@ -255,7 +261,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
         prompts, sampled, rewards_table, resampled = dynamic_round(b, rnd, prompts, got, rewards_table, mine, attempt)
         if sampled is not None:
             got = _collect(b, mine, sampled)
-    micro, texts, lengths, truncated = got
+    micro, texts, lengths, truncated, _ = got
     rollout_of = {key: t.pop("rollout_logps") for key, t in micro.items() if "rollout_logps" in t}
     offp = bool(o.log_rollout_offpolicy_metrics)
     # the reference's and the sampling policy's log-probs (the old ones: --num_iterations > 1 or
@@ -282,7 +288,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
                 offpolicy.append(offpolicy_metrics(old, rollout_of[key], scored(t)))
             if in_reward:   # ms-swift's per-completion KL: sum over its tokens of log p_policy - log p_ref
                 kl = ((old - t["ref_logps"]) * scored(t)).sum(-1)
-                kl_of.update(zip(key, kl.tolist()))
+                kl_of.update(zip(key, kl[last_rows(t)].tolist()))
             if b.teacher is not None:
                 with torch.no_grad():
                     teacher = b.teacher(*args)
@@ -291,11 +297,13 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
                 k3 = [k3[0] + part[0], k3[1] + part[1]]
     # the whole round's lengths, truncation flags and KLs on every rank (its rewards: `_rewards`)
     N, F = plan.round_completions, len(b.rewards)
-    table = [0.0] * (3 * N + 2)                 # completion lengths, truncated flags, KL, teacher k3
+    table = [0.0] * (3 * N + 3)      # completion lengths, truncated flags, KL, rows' further tokens, teacher k3
     for c in mine_c:
         table[c] = float(lengths[c])
         table[N + c] = truncated[c]
         table[2 * N + c] = kl_of.get(c, 0.0)
+    if b.scores:   # the tokens of a split trajectory's rows before its last (dapo's normalizer counts every row)
+        table[3 * N] = float(sum(scored(t).sum() - scored(t)[last_rows(t)].sum() for t in micro.values()))
     table[-2:] = k3 if b.scores else [0.0, 0.0]
     table = all_reduce_sum(table) if world.world_size > 1 else table
     rpf = torch.tensor(rewards_table, dtype=torch.float32).view(N, F)
@@ -308,8 +316,8 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
     real = b.loss.loss_type == "real"
     if real:   # REAL's per-completion coefficients and value shares (rlhf/grpo_loss.py)
         real_coef, real_value = real_terms(adv, G, b.loss.real_tau)
-    for key, t in micro.items():
-        t["advantages"] = adv[torch.tensor(key)].to(world.device)
+    for key, t in micro.items():   # a completion's advantage, given to each of its rows (rlhf/grpo_rows.py)
+        t["advantages"] = per_row(adv[torch.tensor(key)], t).to(world.device)
         if real:
             t["advantages"] = real_coef[torch.tensor(key)].to(world.device)
             t["real_value"] = real_value[torch.tensor(key)]
@@ -333,54 +341,53 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
         metrics[f"rewards/{r.name}/std"] = float(nanstd(rpf[:, f]))
     if o.log_completions:
         _log_completions(b, step, micro, mine_c, [texts[c] for c in mine_c], rpf, adv, world)
-    return Round(rnd, micro, metrics, float(lens.sum()))
+    return Round(rnd, micro, metrics, float(lens.sum()) + table[3 * N])
 
 
 def _collect(b: GrpoBatches, mine: list[list[int]], sampled: list[dict[str, torch.Tensor]]) -> tuple:
-    """(micro, texts, lengths, truncated) of this rank's sampled micro-batches: each micro-batch's tensors
+    """(micro, texts, lengths, truncated, rows) of this rank's sampled micro-batches: each micro-batch's tensors
     keyed by its completions (with a `truncated` flag per row), and per completion its text, the tokens the
     loss counts (a multi-turn round's insertions out) and 1.0 where it was cut at the limit (ms-swift's
     finish_reason 'length' of its last turn: it ends in a sampled token that is neither EOS nor completes a
-    stop word; a multi-turn completion that ends in a scheduler's insertion ended its last turn before it)."""
+    stop word; a multi-turn completion that ends in a scheduler's insertion ended its last turn before it);
+    a completion of several rows (rlhf/grpo_rows.py) by its last. `rows`: per completion of a scheduler's own
+    rollout, its rows (text, token ids, conversation, request id, place) for the reward functions."""
     from swiftlite.rlhf.stop_words import at_limit
     micro: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}
     texts: dict[int, str] = {}
     lengths: dict[int, int] = {}
     truncated: dict[int, float] = {}
+    rows: dict[int, list[dict]] = {}
     eos_ids = set(b.eos_ids)
     for mb, t in zip(mine, sampled):
+        info = t.pop("rows_info", None)
         micro[tuple(mb)] = t
         c_ids, c_mask, counted = t["completion_ids"], t["completion_mask"], scored(t).sum(-1).tolist()
-        for j, c in enumerate(mb):
-            n = int(c_mask[j].sum())
-            lengths[c] = int(counted[j])
-            loss = t["loss_mask"][j, :n].tolist() if "loss_mask" in t else None
-            truncated[c] = float(at_limit(b.tokenizer, c_ids[j, :n].tolist(), loss, eos_ids, b.options.stop_words))
-            texts[c] = b.tokenizer.decode(c_ids[j, :n].tolist(), skip_special_tokens=True)
-        t["truncated"] = torch.tensor([truncated[c] for c in mb], device=c_mask.device)
-    return micro, texts, lengths, truncated
+        cut = []
+        for r, j in enumerate(row_owner(t, len(mb))):
+            c, n = mb[j], int(c_mask[r].sum())
+            ids = c_ids[r, :n].tolist()
+            loss = t["loss_mask"][r, :n].tolist() if "loss_mask" in t else None
+            cut.append(float(at_limit(b.tokenizer, ids, loss, eos_ids, b.options.stop_words)))
+            lengths[c], truncated[c] = int(counted[r]), cut[-1]          # the last row's, once all are seen
+            texts[c] = b.tokenizer.decode(ids, skip_special_tokens=True)
+            if info is not None:
+                rows.setdefault(c, []).append({**info[r], "text": texts[c], "ids": ids, "key": tuple(mb), "row": r})
+        t["truncated"] = torch.tensor(cut, device=c_mask.device)
+    return micro, texts, lengths, truncated, rows
 
 
 def _rewards(b: GrpoBatches, got: tuple, prompts: list[int], mine_c: list[int], step: int) -> list[float]:
     """The round's [completions x reward functions] table, flat, the same on every rank: each rank scores
     its own completions (`mine_c`) with every reward function and the table is summed over ranks."""
-    micro, texts = got[0], got[1]
     G, N, F = b.plan.num_generations, b.plan.round_completions, len(b.rewards)
     rows = [b.rows[prompts[c // G]] for c in mine_c]
-    comps = [texts[c] for c in mine_c]
-    ids = [_completion_ids(micro, c) for c in mine_c]
-    kwargs: dict[str, Any] = {}
-    for key in sorted({k for r in rows for k in r["columns"]}):
-        kwargs[key] = [r["columns"].get(key) for r in rows]
-    if any("gym_reward" in t for t in micro.values()):   # --use_gym_env: each trajectory's environment reward
-        kwargs["gym_reward"] = [float(t["gym_reward"][j]) for t, j in (_at(micro, c) for c in mine_c)]
-    kwargs.update(prompts=[r["prompt"] for r in rows], completion_ids=ids, response_token_ids=ids,
-                  messages=[r["prompt"] + [{"role": "assistant", "content": t}] for r, t in zip(rows, comps)],
-                  trainer_state=type("TrainerState", (), {"global_step": step})())
-    wheres = [r["where"] for r in rows]
+    # one entry per training row (a scheduler's split trajectory: several, which must agree: rlhf/grpo_rows.py)
+    comps, kwargs, wheres, owner = reward_entries(b, got[0], got[1], got[4], rows, mine_c, step)
     table = [0.0] * (N * F)
     for f, r in enumerate(b.rewards if mine_c else ()):
-        for c, v in zip(mine_c, call_reward(r, comps, kwargs, wheres)):
+        values = collapse(call_reward(r, comps, kwargs, wheres), owner, len(mine_c), r.name, wheres)
+        for c, v in zip(mine_c, values):
             table[c * F + f] = v
     return all_reduce_sum(table) if b.world.world_size > 1 else table
 
@@ -438,25 +445,12 @@ def _share(b: GrpoBatches, gen: Callable[..., list], ids: list, seeds: list, row
                         pad_id=b.pad_id, lockstep=lockstep, device=b.world.device)
 
 
-def _at(micro: dict, c: int) -> tuple[dict, int]:
-    """The micro-batch tensors that hold completion `c`, and its row in them."""
-    for key, t in micro.items():
-        if c in key:
-            return t, key.index(c)
-    raise KeyError(c)
-
-
-def _completion_ids(micro: dict, c: int) -> list[int]:
-    t, j = _at(micro, c)
-    return t["completion_ids"][j, :int(t["completion_mask"][j].sum())].tolist()
-
-
 def _log_completions(b: GrpoBatches, step: int, micro: dict, mine_c: list[int], comps: list[str],
                      rpf: torch.Tensor, adv: torch.Tensor, world: Any) -> None:
     """The round's completions, each with the prompt it was sampled from (the tokens sampled from: a gym
     scheduler's environment writes its own)."""
     def prompt_of(c: int) -> str:
-        t, j = _at(micro, c)
+        t, j = at(micro, c)
         return b.tokenizer.decode(t["prompt_ids"][j][t["prompt_mask"][j].bool()].tolist())
     parts = gather_objects([(c, text, prompt_of(c)) for c, text in zip(mine_c, comps)], world.world_size)
     if b.log_path is None:

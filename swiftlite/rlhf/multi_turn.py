@@ -108,13 +108,15 @@ def check_rows(r: Any, data: Any) -> None:
     on a rollout server gets them (--vllm_server_pass_dataset); one line naming the row."""
     from swiftlite.config.multi_turn_options import scheduler_columns
     name, need = r.multi_turn_scheduler, scheduler_columns(r)
+    gym = name == "gym_scheduler"
     if name not in SCHEDULERS and r.use_vllm and r.vllm_mode == "server" and not r.vllm_server_pass_dataset:
-        raise UserError(f"--gym_env {r.gym_env} reads each row's {' and '.join(need)}, which the scheduler of a run in "
+        who = f"--gym_env {r.gym_env}" if gym else f"--multi_turn_scheduler {name}"
+        raise UserError(f"{who} reads each row's {' and '.join(need)}, which the scheduler of a run in "
                         "--vllm_mode server gets only with --vllm_server_pass_dataset true (ms-swift's rule): add it")
     for row in data.rows:
         missing = [c for c in need if c not in row["columns"]]
         if missing:
-            what = (f"--gym_env {r.gym_env} reads from each row" if name not in SCHEDULERS
+            what = (f"--gym_env {r.gym_env} reads from each row" if gym
                     else f"--multi_turn_scheduler {name} verifies each completion against")
             raise UserError(f"{row['where']}: no '{missing[0]}' column, which {what}")
 

@@ -23,15 +23,19 @@ process's engine). In --vllm_mode server, every process's, on the first process 
 main process gathers the requests and the server's scheduler sees them all, so a tree that merges a group's
 requests finds the whole group), whose sampling calls the others join with nothing to ask, each then taking
 its share of the trajectories. It must return one rollout per request, in the requests' order (ms-swift's
-default path zips them); a scheduler that splits a trajectory into several training rows (ms-swift's
-dynamic_num_samples, a path it marks for removal) stops the run with that reason.
+default path zips them). A scheduler may instead return several rollouts for a request (ms-swift's
+dynamic_num_samples, e.g. its thinking_tips_scheduler: one per turn): each is a training row of its own,
+matched to its request by the response's id (the request's uuid, as the engine answers it) and laid out next
+to the request's other rows (rlhf/grpo_rows.py says how a round trains such rows); where the run cannot
+(`split_refusal`), it stops naming the reason.
 
 A rollout (ms-swift's RolloutOutput) becomes the completion trained on. Its `messages` begin with the prompt's;
 each assistant message after them is a turn, whose tokens are the rollout's `response_token_ids` (one list per
 turn, matched to the last turns when there are fewer lists) with its `response_loss_mask` (default: all
 trained), else the message's text encoded (and the end-of-turn token where the template closes the turn with
 it). Between two turns the chat template's text (the user's or a tool's message, the next generation prompt)
-is in the sequence, out of the loss, as rlhf/plugin_turns.py bridges a step. A bare ChatCompletionResponse,
+is in the sequence, out of the loss, as rlhf/plugin_turns.py bridges a step; with --loss_scale last_round only
+the last assistant turn is in the loss (ms-swift's loss scale on the rollout's messages). A bare ChatCompletionResponse,
 or a rollout without messages, is one turn. Its `rollout_infos` are the trajectory's (`total_reward`: the
 --use_gym_env reward). The sampled tokens' log-probabilities follow a turn whose tokens were sampled here
 (for --log_rollout_offpolicy_metrics); other tokens have none.
@@ -169,6 +173,8 @@ class OwnRollout(PluginTurns):
     def __init__(self, name: str, cls: Any, tokenizer: Any, max_turns: int | None, **kw: Any):
         self.policy = PolicyEngine(tokenizer)
         self._device: Any = None
+        self.last_round = False                # --loss_scale last_round: each row trains its last turn
+        self.split_refusal: str | None = None  # why this run cannot train several rows per request, if it cannot
         super().__init__(name, cls, tokenizer, max_turns, engine=self.policy, **kw)
 
     def sample(self, gen: Callable[..., list], options: Any, micro_prompts: list[list[list[int]]],
@@ -205,24 +211,33 @@ class OwnRollout(PluginTurns):
             done = gather_objects(done, world)[0][start:start + len(rows)]
         else:
             done = self._rollout(gen, o, rows, base, batch, eos_ids, any_pending, stop)
-        trajs, k = [], 0
-        for prompts, mb_rows, seeds in zip(micro_prompts, micro_rows, micro_seeds):
-            mb = []
-            for p, row, s in zip(prompts, mb_rows, seeds):
-                ids, loss, logps, infos = done[k]
-                mb.append(Trajectory(p, row, s, ids, loss, logps, done=True, state={"infos": infos}))
-                k += 1
-            trajs.append(mb)
         device = self._device or device or torch.device("cpu")
         want = bool(getattr(o, "log_rollout_offpolicy_metrics", False))
         reward_of = self.trajectory_reward if self.gym else None
-        return [layout(tuple(x.to(device) for x in left_padded(ps, pad_id)), mb, pad_id, want, reward_of)
-                for ps, mb in zip(micro_prompts, trajs)]
+        out, k = [], 0
+        for prompts, mb_rows, seeds in zip(micro_prompts, micro_rows, micro_seeds):
+            # one row per rollout: a request's rows side by side, `row_of` naming each row's request (its slot)
+            mb, ps, slots, info = [], [], [], []
+            for j, (p, row, s) in enumerate(zip(prompts, mb_rows, seeds)):
+                rid, frags = done[k]
+                for ids, loss, logps, infos, msgs in frags:
+                    mb.append(Trajectory(p, row, s, ids, loss, logps, done=True, state={"infos": infos}))
+                    ps.append(p)
+                    slots.append(j)
+                    info.append({"request_id": rid, "messages": msgs})
+                k += 1
+            t = layout(tuple(x.to(device) for x in left_padded(ps, pad_id)), mb, pad_id, want, reward_of)
+            if len(slots) != len(prompts):
+                t["row_of"] = torch.tensor(slots, dtype=torch.long, device=device)
+            t["rows_info"] = info      # the rows' request ids and conversations, for the reward functions
+            out.append(t)
+        return out
 
     def _rollout(self, gen: Callable[..., list], o: Any, rows: list[dict], base: int, batch: int, eos_ids: set[int],
                  any_pending: Callable[[bool], bool], stop: Callable[[list[int]], int | None] | None
-                 ) -> list[tuple[list[int], list[int], list[float], dict]]:
-        """The scheduler's rollout of `rows` (one request each): per row (ids, loss mask, log-probabilities, infos)."""
+                 ) -> list[tuple[str, list[tuple]]]:
+        """The scheduler's rollout of `rows` (one request each): per row its request's uuid and its rollouts, one
+        or more, each (ids, loss mask, log-probabilities, infos, messages)."""
         from swiftlite.msswift_api.protocol import RequestConfig
         from swiftlite.plugin_imports import msswift_aliases
         words = list(o.stop_words or [])
@@ -244,14 +259,33 @@ class OwnRollout(PluginTurns):
         finally:
             self.policy.serve(None)
         self._device = rnd.device
-        if len(outputs) != len(reqs):
-            raise UserError(f"--multi_turn_scheduler {self.name}: its rollout returned {len(outputs)} trajectories for "
-                            f"{len(reqs)} requests: one per request trains here (a scheduler that splits a trajectory "
-                            "into several training rows is not supported; ms-swift marks that path for removal)")
+        per_request = self._matched(reqs, outputs)
         done: list[Any] = [None] * len(rows)
-        for i, row, out in zip(order, rows, outputs):
-            done[i] = self._completion(row["prompt"], out, rnd.logps, eos_ids)
+        for i, row, req, outs in zip(order, rows, reqs, per_request):
+            done[i] = (req.uuid, [self._completion(row["prompt"], out, rnd.logps, eos_ids) for out in outs])
         return done
+
+    def _matched(self, reqs: list, outputs: list) -> list[list]:
+        """Each request's rollouts: one each, in order (ms-swift's default path zips them), or where the scheduler
+        returned another number, those whose response id is the request's uuid (ms-swift's dynamic_num_samples)."""
+        if len(outputs) == len(reqs):
+            return [[out] for out in outputs]
+        what = (f"--multi_turn_scheduler {self.name}: its rollout returned {len(outputs)} rollouts for {len(reqs)} "
+                "requests")
+        if self.split_refusal:
+            raise UserError(f"{what} (several training rows per request, ms-swift's dynamic_num_samples): "
+                            f"{self.split_refusal}")
+        by_id: dict[str, list] = {q.uuid: [] for q in reqs}
+        for out in outputs:
+            rid = getattr(getattr(out, "response", out), "id", None)
+            if rid not in by_id:
+                raise UserError(f"{what}, one with the response id {rid!r}, which is no request's uuid: a scheduler "
+                                "that returns several rollouts per request answers each with its request's id")
+            by_id[rid].append(out)
+        lost = [q.uuid for q in reqs if not by_id[q.uuid]]
+        if lost:
+            raise UserError(f"{what}, none for request {lost[0]}: each request needs at least one")
+        return [by_id[q.uuid] for q in reqs]
 
     async def _drive(self, coro: Any, rnd: _Round, any_pending: Callable[[bool], bool]) -> list:
         """Run the scheduler's coroutine, sampling whenever every one of its coroutines waits for an answer;
@@ -276,8 +310,9 @@ class OwnRollout(PluginTurns):
         raise UserError(f"--multi_turn_scheduler {self.name}: its rollout raised {type(e).__name__}: {first}") from None
 
     def _completion(self, prompt: list[dict], out: Any, logps: dict, eos_ids: set[int]
-                    ) -> tuple[list[int], list[int], list[float], dict]:
-        """A rollout's completion: tokens, loss mask, sampling log-probabilities (NaN where none), infos."""
+                    ) -> tuple[list[int], list[int], list[float], dict, list[dict] | None]:
+        """A rollout's completion: tokens, loss mask, sampling log-probabilities (NaN where none), infos, and
+        its conversation (None for a bare response)."""
         resp = getattr(out, "response", out)
         choice = resp.choices[0]
         msgs = getattr(out, "messages", None)
@@ -287,7 +322,7 @@ class OwnRollout(PluginTurns):
         if msgs is None:      # one turn: ms-swift appends the response to the prompt's conversation
             ids = turn_ids[-1] if turn_ids else list(choice.token_ids or [])
             loss = masks[-1] if masks else [1] * len(ids)
-            return ids, self._check(ids, loss), logps.get(tuple(ids), [math.nan] * len(ids)), infos
+            return ids, self._check(ids, loss), logps.get(tuple(ids), [math.nan] * len(ids)), infos, None
         p = len(prompt)
         if [dict(m) for m in msgs[:p]] != [dict(m) for m in prompt]:
             raise UserError(f"--multi_turn_scheduler {self.name}: a rollout's messages do not begin with its prompt's "
@@ -311,11 +346,13 @@ class OwnRollout(PluginTurns):
             tids = turn_ids[j] if j >= 0 else self._encoded(msgs[:a + 1])
             tmask = masks[j] if 0 <= j < len(masks) and masks[j] else [1] * len(tids)
             self._check(tids, tmask)
+            if self.last_round and k < len(turns) - 1:    # only the last assistant turn is trained
+                tmask = [0] * len(tids)
             ids += gap + tids
             loss += [0] * len(gap) + tmask
             lps += [math.nan] * len(gap) + logps.get(tuple(tids), [math.nan] * len(tids))
             prev = (msgs[:a + 1], tids)
-        return ids, loss, lps, infos
+        return ids, loss, lps, infos, [dict(m) for m in msgs]
 
     def _encoded(self, msgs: list[dict]) -> list[int]:
         """An assistant message given as text: its tokens, and the end-of-turn token where the template ends

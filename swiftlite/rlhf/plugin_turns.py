@@ -177,9 +177,10 @@ def check_scheduler(name: str) -> None:
     """A plugin's scheduler name: registered by --external_plugins, and a class that runs here (one line)."""
     from swiftlite.msswift_api.rollout import multi_turns, unsupported
     if name not in multi_turns:
-        have = ", ".join(sorted(k for k in multi_turns if k != "gym_scheduler")) or "none"
+        builtin = ("gym_scheduler", "thinking_tips_scheduler")
+        have = ", ".join(sorted(k for k in multi_turns if k not in builtin)) or "none"
         raise UserError(f"--multi_turn_scheduler {name}: no scheduler of that name; built in: math_tip_trick, "
-                        "gym_scheduler; "
+                        "gym_scheduler, thinking_tips_scheduler; "
                         f"registered by --external_plugins (multi_turns['name'] = Cls): {have}")
     why = unsupported(multi_turns[name])
     if why:

@@ -236,12 +236,18 @@ class GrpoTask(Task):
             from swiftlite.rlhf.plugin_turns import check_scheduler
             name = cfg.rlhf.multi_turn_scheduler
             check_installed(name) if name in SCHEDULERS else check_scheduler(name)
-            if name not in SCHEDULERS and cfg.parallel.parallelism == "fsdp1" and not cfg.rlhf.use_vllm:
+            if name not in SCHEDULERS:
+                from swiftlite.errors import UserError
                 from swiftlite.msswift_api.rollout import multi_turns, owns_rollout
-                if owns_rollout(multi_turns[name]):
-                    from swiftlite.errors import UserError
+                own = owns_rollout(multi_turns[name])
+                if own and cfg.parallel.parallelism == "fsdp1" and not cfg.rlhf.use_vllm:
                     from swiftlite.rlhf.own_rollout import OWN_LOCKSTEP
                     raise UserError(f"--multi_turn_scheduler {name}: {multi_turns[name].__name__} {OWN_LOCKSTEP}")
+                if not own and cfg.data.loss_scale == "last_round":   # config/rules_targets.py: known only now
+                    raise UserError(f"--loss_scale last_round with --multi_turn_scheduler {name}: its turns are driven "
+                                    "by swiftlite's turn loop, which trains every turn the policy sampled (ms-swift's "
+                                    "default with a scheduler: default); last_round applies to a scheduler whose own "
+                                    "run() gives its rollouts' messages; drop the flag")
         if cfg.rlhf.gym_env is not None:   # registered (a plugin's, loaded by now) and able to score
             from swiftlite.rlhf.plugin_turns import check_gym_env
             check_gym_env(cfg.rlhf.gym_env)

@@ -1,7 +1,7 @@
 """rlhf/own_rollout.py: a plugin scheduler that overrides ms-swift's `run` samples through the engine it is
 given, with a stand-in generator. Shapes: a two-turn `run` (a user message between the turns), treepo's
 (`async_infer` merges identical requests, `run` returns a list of trajectories per merged request and asks for
-log-probabilities), and the refusals (one line each)."""
+log-probabilities), and the refusals (one line each). Several rollouts per request: tests/unit/test_turn_rows.py."""
 
 from __future__ import annotations
 
@@ -235,13 +235,10 @@ def test_treepos_shape_merges_a_group_grows_it_back_and_gets_log_probabilities(t
     assert outs[0]["rollout_logps"][0, :len(t)].tolist() == [-0.5 - k for k in range(len(t))]
 
 
-def test_one_trajectory_per_request_other_sampling_settings_and_a_failing_run_are_refused(tok, registered):
+def test_other_sampling_settings_and_a_failing_run_are_refused(tok, registered):
     row = {"prompt": [{"role": "user", "content": "hi"}], "columns": {}}
     prompt = _enc(tok, tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True))
     t = _enc(tok, "x") + [EOS]
-    with pytest.raises(UserError, match=r"--multi_turn_scheduler split: its rollout returned 4 trajectories for 2 "
-                                        r"requests"):
-        _sample(_build("split", registered, tok), Gen([t]), [row, row], [prompt, prompt])
     with pytest.raises(UserError, match=r"asked for temperature 0.3 \(the run's --temperature 1.0\)"):
         _sample(_build("hot", registered, tok), Gen([t]), [row], [prompt])
     with pytest.raises(UserError, match=r"--multi_turn_scheduler broken: its rollout raised KeyError: 'tool'"):
