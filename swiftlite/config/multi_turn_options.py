@@ -148,6 +148,12 @@ def turn_bound(r: object) -> int:
     return most if r.max_turns is None else min(most, r.max_turns)
 
 
+def rows_per_completion(r: object) -> int:
+    """The training rows a completion can become: one per turn under thinking_tips_scheduler (the memory plan
+    counts a micro-batch of that many rows, each as long as the whole completion), else one."""
+    return turn_bound(r) if r.multi_turn_scheduler == TURN_ROWS else 1
+
+
 def completion_tokens(r: object) -> int:
     """The longest completion a round can hold: --max_completion_length, per turn under per_round."""
     per_turn = r.completion_length_limit_scope == "per_round"
@@ -181,4 +187,4 @@ def taken_turns(said: object, turns: dict) -> dict:
 
 __all__ = ["LIMIT_SCOPES", "MULTI_TURN_KEYS", "MULTI_TURN_SCHEDULERS", "MultiTurnOptions", "TIPPED", "TURN_ROWS",
            "completion_tokens", "describe_turns", "gym_on", "multi_turn_problem", "reward_weights_problem",
-           "scheduler_columns", "split_problem", "taken_turns", "turn_bound"]
+           "rows_per_completion", "scheduler_columns", "split_problem", "taken_turns", "turn_bound"]

@@ -210,7 +210,8 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
     grpo = rlhf and r.rlhf_type == "grpo"
     copy = copy or (grpo and r.beta != 0 and bool(r.ref_model or not cfg.is_peft))
     # multi-turn rounds (--multi_turn_scheduler): every turn may add --max_completion_length tokens (per_round)
-    from swiftlite.config.multi_turn_options import completion_tokens
+    # (thinking_tips_scheduler: each turn a row of the micro-batch of its own, rows_per_completion)
+    from swiftlite.config.multi_turn_options import completion_tokens, rows_per_completion
     seq_len = cfg.data.max_length + completion_tokens(r) if grpo and cfg.data.max_length else cfg.data.max_length
     # GKD (rlhf/gkd.py): a row, or (--lmbda > 0) its prompt with a sampled completion, generated like GRPO's;
     # the teacher as GRPO's; both models' full logits and the divergence's tensors (GKD_LOGIT_BYTES)
@@ -229,7 +230,8 @@ def workload_from_config(cfg: "RunConfig", world_size: int, gpu_memory_bytes: in
         quant_bits=cfg.quant_bits, double_quant=cfg.quant.bnb_4bit_use_double_quant,
         quant_method=cfg.quant_method or "bnb",
         max_length=seq_len, sequence_parallel=cfg.parallel.sequence_parallel_size,
-        micro_batch=cfg.train.per_device_train_batch_size * (1 if grpo or gkd else spec.sequences_per_sample),
+        micro_batch=cfg.train.per_device_train_batch_size * (rows_per_completion(r) if grpo else
+                                                             1 if gkd else spec.sequences_per_sample),
         reference="copy" if copy else "none", generation_length=seq_len if (grpo or sampled) and seq_len else 0,
         teacher_params=_teacher_params(cfg) if grpo or gkd else 0,
         teacher_partitioned=(grpo or gkd) and (r.teacher_deepspeed or "").startswith("zero3"),

@@ -162,11 +162,13 @@ def test_total_scope_caps_the_whole_completion(files, tmp_path):
 
 
 @pytest.mark.parametrize("extra,words", [
-    (["--multi-turn-scheduler", "thinking_tips_scheduler"], "--multi-turn-scheduler thinking_tips_scheduler: not "
-                                                            "available here: it splits a trajectory"),
+    (["--multi-turn-scheduler", "openenv_scheduler"], "--multi-turn-scheduler openenv_scheduler: not "
+                                                      "available here: it drives an OpenEnv environment server"),
     (["--multi-turn-scheduler", "my_plugin_scheduler"], "--multi_turn_scheduler my_plugin_scheduler: no scheduler "
-                                                        "of that name; built in: math_tip_trick, gym_scheduler; "
-                                                        "registered by"),
+                                                        "of that name; built in: math_tip_trick, gym_scheduler, "
+                                                        "thinking_tips_scheduler; registered by"),
+    (["--multi-turn-scheduler", "math_tip_trick", "--loss-scale", "last_round"],
+     "--loss-scale last_round with --multi-turn-scheduler math_tip_trick: GRPO trains every turn"),
     (["--max-turns", "3"], "--max-turns applies to multi-turn rollouts"),
     (["--completion-length-limit-scope", "total"], "--completion-length-limit-scope applies to multi-turn"),
     (["--multi-turn-scheduler", "math_tip_trick", "--max-turns", "0"], "--max-turns 0: out of range"),

@@ -112,3 +112,18 @@ def test_a_servers_scheduler_is_the_runs_as_in_msswifts_scripts(files, server, t
     assert conflict.returncode == 2 and "the rollout server at http://127.0.0.1:" in conflict.stderr
     assert "names --multi_turn_scheduler observe --max_turns 3; give the scheduler on one command only" in \
         conflict.stderr and not (tmp_path / "x").exists()
+
+
+def test_last_round_with_a_turn_loop_scheduler_is_refused_before_launch(files, tmp_path):
+    # its turns are the loop's (every sampled turn trained); last_round needs a scheduler's own rollout messages
+    out = tmp_path / "lr"
+    proc = _run(files, out, "--multi_turn_scheduler", "observe", "--loss_scale", "last_round", "--max-steps", "1",
+                sched=True, check=False)
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert err.endswith("--loss_scale last_round with --multi_turn_scheduler observe: its turns are driven by "
+                        "swiftlite's turn loop, which trains every turn the policy sampled (ms-swift's default with a "
+                        "scheduler: default); last_round applies to a scheduler whose own run() gives its rollouts' "
+                        "messages; drop the flag"), err
+    assert not out.exists()

@@ -175,8 +175,12 @@ def test_the_options_rules():
     # trains; last_round with a scheduler would train the last turn only in ms-swift
     assert _cfg("--reward_funcs", "format", "--loss_scale", "default").data.loss_scale == "default"
     _cfg("--reward_funcs", "format", "--loss_scale", "last_round")
-    with pytest.raises(UserError, match="--loss-scale last_round with --multi-turn-scheduler: GRPO trains every turn"):
+    with pytest.raises(UserError, match="--loss-scale last_round with --multi-turn-scheduler gym_scheduler: GRPO "
+                                        "trains every turn"):
         _cfg("--multi_turn_scheduler", "gym_scheduler", "--gym_env", "math_env", "--loss_scale", "last_round")
+    # a scheduler that gives its rollouts' messages trains their last turn (rlhf/own_rollout.py)
+    assert _cfg("--multi_turn_scheduler", "thinking_tips_scheduler", "--reward_funcs", "format", "--loss_scale",
+                "last_round").data.loss_scale == "last_round"
     with pytest.raises(UserError, match="--loss-scale all: rlhf trains on the answer"):
         _cfg("--reward_funcs", "format", "--loss_scale", "all")
     # in server mode the server's answer decides (launch/server_turns.py): accepted here

@@ -229,7 +229,7 @@ def test_msswifts_plugin_imports_load_and_register_here(tmp_path):
         task_of(cfg).check(cfg)                                            # registered, and runs here
         gkd = parse_run_args(["--model", "tiny-llama-2l", "--dataset", "d.jsonl", "--rlhf_type", "gkd",
                               "--teacher_model", "tiny-llama-2l", "--multi_turn_scheduler", "my_scheduler"])
-        with pytest.raises(UserError, match=r"--multi-turn-scheduler my_scheduler: a plugin's scheduler runs in GRPO"):
+        with pytest.raises(UserError, match=r"--multi-turn-scheduler my_scheduler: runs in GRPO"):
             load_config(*gkd, validate_paths=False, task="rlhf")
     finally:
         for reg, key in ((orms, "async_len"), (rm_plugins, "my_judge"), (multi_turns, "my_scheduler"),

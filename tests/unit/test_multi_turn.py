@@ -122,16 +122,24 @@ def test_the_planner_counts_every_turn_a_completion_can_take():
     from swiftlite.config import load_config
     from swiftlite.planner import workload_from_config
 
-    def length(*extra):
+    def workload(*extra):
         argv = ["--rlhf_type", "grpo", "--model", "tiny-llama-2l", "--dataset", "x.jsonl", "--reward_funcs", "format",
-                "--max_length", "100", "--max_completion_length", "50", *extra]
+                "--max_length", "100", "--max_completion_length", "50", "--per_device_train_batch_size", "4", *extra]
         config_file, values = parse_run_args(argv)
         return workload_from_config(load_config(config_file, values, task="rlhf", validate_paths=False), 1,
-                                    80 * 2**30).generation_length
+                                    80 * 2**30)
+
+    def length(*extra):
+        return workload(*extra).generation_length
     assert length() == 150
     assert length("--multi_turn_scheduler", "math_tip_trick") == 200
     assert length("--multi_turn_scheduler", "math_tip_trick", "--max_turns", "1") == 150
     assert length("--multi_turn_scheduler", "math_tip_trick", "--completion_length_limit_scope", "total") == 150
+    # thinking_tips_scheduler: two turns, and each a row of the micro-batch of its own
+    assert workload().micro_batch == 4 and workload("--multi_turn_scheduler", "math_tip_trick").micro_batch == 4
+    tips = workload("--multi_turn_scheduler", "thinking_tips_scheduler")
+    assert (tips.generation_length, tips.micro_batch) == (200, 8)
+    assert workload("--multi_turn_scheduler", "thinking_tips_scheduler", "--max_turns", "1").micro_batch == 4
 
 
 def test_in_lockstep_every_micro_batch_is_asked_for_at_every_turn():
