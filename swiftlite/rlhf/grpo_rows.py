@@ -7,8 +7,9 @@ tensors hold one row per rollout: `row_of` gives each row's completion (its slot
 completion's rows side by side, its last row the trajectory's final one. What ms-swift keeps per request
 stays per completion here, so the group arithmetic is GRPO's own (G completions per prompt):
 
-- the reward: the functions are called on every row (ms-swift's reward rows: the dataset's columns, the
-  row's conversation as `messages`, its `request_id`, and with a multi-turn scheduler `trajectory_inputs`,
+- the reward: the functions are called on every row (ms-swift's reward rows: the row's last assistant
+  message as its completion, the dataset's columns, the row's conversation as `messages`, its `request_id`,
+  and with a multi-turn scheduler `trajectory_inputs`,
   every row of each request by its id); the rows of one trajectory must get the same value (ms-swift's
   fail-fast rule), which is the completion's;
 - the advantage: ms-swift's request-aware form (one reward per request, grouped by prompt) is GRPO's group
@@ -82,9 +83,11 @@ def reward_entries(b: Any, micro: dict, texts: dict, frags: dict, rows: list[dic
                 rids.append(f"{step}-{c}")
             else:
                 t, j = micro[f["key"]], f["row"]
-                comps.append(f["text"])
+                conv = f["messages"] or row["prompt"] + [{"role": "assistant", "content": f["text"]}]
+                # ms-swift's completion: the conversation's last message (a rollout's last turn)
+                comps.append(conv[-1]["content"] if conv[-1]["role"] == "assistant" else f["text"])
                 ids.append(f["ids"])
-                msgs.append(f["messages"] or row["prompt"] + [{"role": "assistant", "content": f["text"]}])
+                msgs.append(conv)
                 rids.append(f["request_id"])
             if "gym_reward" in t:   # --use_gym_env: each trajectory's environment reward
                 gym.append(float(t["gym_reward"][j]))

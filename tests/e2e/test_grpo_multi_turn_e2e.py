@@ -55,15 +55,19 @@ def build_eos_prone(d):
     return d
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("mt")
+def math_files(d, plugin):
+    """The EOS-prone model, eight "what is i + 1?" prompts with their `solution`, and the plugin file."""
     build_eos_prone(d / "model")
     (d / "data.jsonl").write_text("".join(
         json.dumps({"messages": [{"role": "user", "content": f"what is {i} + 1?"}], "solution": f"${i + 1}$"}) + "\n"
         for i in range(8)))
-    (d / "plugin.py").write_text(PLUGIN)
+    (d / "plugin.py").write_text(plugin)
     return d
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return math_files(tmp_path_factory.mktemp("mt"), PLUGIN)
 
 
 def _run(files, out, *extra, check=True):

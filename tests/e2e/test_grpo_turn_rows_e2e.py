@@ -15,7 +15,7 @@ import json
 import pytest
 
 from tests.conftest import cli_env, run_cli
-from tests.e2e.test_grpo_multi_turn_e2e import COMMON, build_eos_prone
+from tests.e2e.test_grpo_multi_turn_e2e import COMMON, math_files
 
 TIPS = "The answer is not correct, It seems You made a mistake, you need to recheck very carefully."
 #: ms-swift's example reward's contract: each row's request_id, the whole trajectory in trajectory_inputs; this one
@@ -41,13 +41,7 @@ TURNS = ["--multi_turn_scheduler", "thinking_tips_scheduler", "--loss_scale", "l
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("rows")
-    build_eos_prone(d / "model")
-    (d / "data.jsonl").write_text("".join(
-        json.dumps({"messages": [{"role": "user", "content": f"what is {i} + 1?"}], "solution": f"${i + 1}$"}) + "\n"
-        for i in range(8)))
-    (d / "plugin.py").write_text(PLUGIN)
-    return d
+    return math_files(tmp_path_factory.mktemp("rows"), PLUGIN)
 
 
 def _run(files, out, *extra, check=True):
