@@ -81,7 +81,7 @@ def dynamic_round(b: Any, rnd: int, prompts: list[int], got: tuple, table: list[
     new_prompts = [attempts[a][0][g] for a, g in chosen]
     new_table = [v for a, g in chosen for v in attempts[a][2][g * G * F:(g + 1) * G * F]]
     wanted = {(a, g) for a, g in chosen}
-    records: dict[tuple[int, int], dict[str, tuple[list, torch.dtype]]] = {}
+    records: dict[tuple[int, int], dict[str, tuple[list, torch.dtype, int]]] = {}
     for a, (_, (micro, *_), _) in enumerate(attempts):
         for key, t in micro.items():
             for j, c in enumerate(key):
@@ -100,10 +100,12 @@ def dynamic_round(b: Any, rnd: int, prompts: list[int], got: tuple, table: list[
     return new_prompts, sampled, new_table, metrics
 
 
-def _record(t: dict[str, torch.Tensor], j: int) -> dict[str, tuple[list, torch.dtype]]:
-    """Row j of a sampled micro-batch as lists: its completion-wide tensors up to the completion's length."""
+def _record(t: dict[str, torch.Tensor], j: int) -> dict[str, tuple[list, torch.dtype, int]]:
+    """Row j of a sampled micro-batch as lists: its completion-wide tensors up to the completion's length, and
+    its per-completion values (a [rows] tensor: --use_gym_env's reward, the turns taken) as one-item lists."""
     n = int(t["completion_mask"][j].sum())
-    return {k: (v[j, :n].tolist(), v.dtype) for k, v in t.items() if k not in _REBUILT}
+    return {k: ((v[j, :n] if v.dim() > 1 else v[j:j + 1]).tolist(), v.dtype, v.dim())
+            for k, v in t.items() if k not in _REBUILT}
 
 
 def _layout(prompts: list[list[int]], rows: list[dict], pad_id: int, device: Any) -> dict[str, torch.Tensor]:
@@ -114,7 +116,10 @@ def _layout(prompts: list[list[int]], rows: list[dict], pad_id: int, device: Any
     out = dict(zip(("prompt_ids", "prompt_mask"), left_padded(prompts, pad_id)))
     n = max(1, max(len(r["completion_ids"][0]) for r in rows))
     out["completion_mask"] = torch.zeros((len(rows), n), dtype=torch.long)
-    for k, (_, dtype) in rows[0].items():
+    for k, (_, dtype, dim) in rows[0].items():
+        if dim == 1:     # one value per completion
+            out[k] = torch.tensor([r[k][0][0] for r in rows], dtype=dtype)
+            continue
         fill = pad_id if k == "completion_ids" else (float("nan") if dtype.is_floating_point else 0)
         out[k] = torch.full((len(rows), n), fill, dtype=dtype)
         for i, r in enumerate(rows):

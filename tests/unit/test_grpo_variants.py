@@ -172,3 +172,18 @@ def test_dynamic_round_keeps_the_round_when_too_few_groups_have_a_signal():
     # every group with a signal already: no resampling, the round as sampled
     prompts, sampled, _, metrics = dynamic_round(b, 0, [0, 1], got, [0.0, 1.0, 0.0, 1.0], [[0, 1], [2, 3]], attempt)
     assert calls == [1, 2] and sampled is None and metrics["dynamic_sample/resamples"] == 0.0
+
+
+def test_dynamic_samplings_relayout_keeps_per_completion_values():
+    """A chosen completion moves to its new micro-batch with its token-wise tensors and its per-completion ones
+    (--use_gym_env's reward): a [rows] tensor is carried as one value per completion."""
+    from swiftlite.rlhf.dynamic_sample import _layout, _record
+    t = {"prompt_ids": torch.tensor([[9, 9], [0, 8]]), "prompt_mask": torch.tensor([[1, 1], [0, 1]]),
+         "completion_ids": torch.tensor([[5, 6, 7], [4, 2, 2]]), "completion_mask": torch.tensor([[1, 1, 1], [1, 0, 0]]),
+         "loss_mask": torch.tensor([[1, 0, 1], [1, 0, 0]]), "gym_reward": torch.tensor([0.5, -1.0]),
+         "truncated": torch.tensor([0.0, 1.0])}
+    out = _layout([[8], [9, 9]], [_record(t, 1), _record(t, 0)], 2, "cpu")
+    assert out["completion_ids"].tolist() == [[4, 2, 2], [5, 6, 7]]
+    assert out["completion_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert out["loss_mask"].tolist() == [[1, 0, 0], [1, 0, 1]]
+    assert out["gym_reward"].tolist() == [-1.0, 0.5] and "truncated" not in out
