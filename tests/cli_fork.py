@@ -34,7 +34,10 @@ from pathlib import Path
 WARM = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers",
         "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
         "transformers.models.qwen2.modeling_qwen2", "peft", "deepspeed", "swiftlite.cli.main",
-        "swiftlite.launch.fork", "swiftlite.train.loop", "swiftlite.parallel.torch_engine")
+        "swiftlite.launch.fork", "swiftlite.train.loop", "swiftlite.parallel.torch_engine",
+        # the end-of-run charts' (swiftlite/metrics.plot_run): ~0.6 s a command otherwise; importing pyplot
+        # chooses no backend (the product sets Agg before its first figure)
+        "matplotlib", "matplotlib.pyplot", "matplotlib.ticker")
 
 #: Variables whose prefix marks them as possibly read when a library is imported (thread pools, caches, hub
 #: modes, accelerators, loggers): a command whose environment differs from the helper's in one of them runs
