@@ -297,13 +297,20 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
                 k3 = [k3[0] + part[0], k3[1] + part[1]]
     # the whole round's lengths, truncation flags and KLs on every rank (its rewards: `_rewards`)
     N, F = plan.round_completions, len(b.rewards)
-    table = [0.0] * (3 * N + 3)      # completion lengths, truncated flags, KL, rows' further tokens, teacher k3
+    # completion lengths, truncated flags, KL, turns; rows' further tokens, completions with turns; teacher k3
+    table = [0.0] * (4 * N + 4)
     for c in mine_c:
         table[c] = float(lengths[c])
         table[N + c] = truncated[c]
         table[2 * N + c] = kl_of.get(c, 0.0)
-    if b.scores:   # the tokens of a split trajectory's rows before its last (dapo's normalizer counts every row)
-        table[3 * N] = float(sum(scored(t).sum() - scored(t)[last_rows(t)].sum() for t in micro.values()))
+    if b.scores:
+        for key, t in micro.items():   # a multi-turn trajectory's turns (its last row's), where known
+            turns = t["num_turns"][last_rows(t)].tolist() if "num_turns" in t else []
+            for c, v in zip(key, turns):
+                if not math.isnan(v):
+                    table[3 * N + c], table[4 * N + 1] = v, table[4 * N + 1] + 1
+        # the tokens of a split trajectory's rows before its last (dapo's normalizer counts every row)
+        table[4 * N] = float(sum(scored(t).sum() - scored(t)[last_rows(t)].sum() for t in micro.values()))
     table[-2:] = k3 if b.scores else [0.0, 0.0]
     table = all_reduce_sum(table) if world.world_size > 1 else table
     rpf = torch.tensor(rewards_table, dtype=torch.float32).view(N, F)
@@ -330,6 +337,8 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
                "completions/mean_length": float(lens.mean()), "completions/min_length": float(lens.min()),
                "completions/max_length": float(lens.max()),
                "completions/clipped_ratio": float(cut.mean()), **resampled}
+    if table[4 * N + 1] == N:   # ms-swift's num_turns: every trajectory's turns known (a multi-turn round)
+        metrics["num_turns"] = sum(table[3 * N:4 * N]) / N
     if kl is not None:   # ms-swift's kl metric under --kl_in_reward: the completions' mean summed KL
         metrics["kl"] = float(kl.mean())
     if b.teacher is not None:   # ms-swift's teacher_kl: the k3 token mean (rlhf/teacher.py)
@@ -341,7 +350,7 @@ def generate_round(engine: Any, b: GrpoBatches, rnd: int, step: int) -> Round:
         metrics[f"rewards/{r.name}/std"] = float(nanstd(rpf[:, f]))
     if o.log_completions:
         _log_completions(b, step, micro, mine_c, [texts[c] for c in mine_c], rpf, adv, world)
-    return Round(rnd, micro, metrics, float(lens.sum()) + table[3 * N])
+    return Round(rnd, micro, metrics, float(lens.sum()) + table[4 * N])
 
 
 def _collect(b: GrpoBatches, mine: list[list[int]], sampled: list[dict[str, torch.Tensor]]) -> tuple:

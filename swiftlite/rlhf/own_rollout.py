@@ -221,7 +221,8 @@ class OwnRollout(PluginTurns):
             for j, (p, row, s) in enumerate(zip(prompts, mb_rows, seeds)):
                 rid, frags = done[k]
                 for ids, loss, logps, infos, msgs in frags:
-                    mb.append(Trajectory(p, row, s, ids, loss, logps, done=True, state={"infos": infos}))
+                    mb.append(Trajectory(p, row, s, ids, loss, logps, done=True, state={"infos": infos},
+                                         turns=float(infos.get("num_turns", math.nan))))
                     ps.append(p)
                     slots.append(j)
                     info.append({"request_id": rid, "messages": msgs})

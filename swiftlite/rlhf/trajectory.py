@@ -25,7 +25,7 @@ class Trajectory:
     loss: list[int]
     logps: list[float] | None
     done: bool = False
-    turns: int = 1
+    turns: float = 1              # turns taken (a scheduler's own rollout: its rollout_infos['num_turns'], else NaN)
     last: int = 0                 # where the latest turn's tokens begin in `ids`
     length_cut: bool = False      # the latest turn ended at the length limit (ms-swift's finish_reason 'length')
     state: Any = None             # a plugin scheduler's conversation (rlhf/plugin_turns.py)
@@ -44,7 +44,8 @@ def layout(first: tuple[torch.Tensor, ...], trajs: list[Trajectory], pad_id: int
             reward_of: Callable[[Trajectory], float] | None = None) -> dict:
     """One micro-batch's tensors: the first turn's prompt tensors, the whole completions (padded to the
     longest), their mask (a prefix: what attention sees) and loss mask (0 on insertions); with
-    `reward_of` (--use_gym_env) each trajectory's environment reward, `gym_reward`."""
+    `reward_of` (--use_gym_env) each trajectory's environment reward, `gym_reward`; each trajectory's turns,
+    `num_turns` (ms-swift's metric; NaN where a scheduler's own rollout gave no rollout_infos['num_turns'])."""
     p_ids, p_mask = first[0], first[1]
     device = p_ids.device
     n = max(1, max(len(t.ids) for t in trajs))
@@ -62,6 +63,7 @@ def layout(first: tuple[torch.Tensor, ...], trajs: list[Trajectory], pad_id: int
            "completion_mask": c_mask.to(device), "loss_mask": loss.to(device)}
     if logprobs:
         out["rollout_logps"] = lp.to(device)
+    out["num_turns"] = torch.tensor([float(t.turns) for t in trajs], dtype=torch.float32, device=device)
     if reward_of is not None:
         out["gym_reward"] = torch.tensor([reward_of(t) for t in trajs], dtype=torch.float32, device=device)
     return out

@@ -120,6 +120,8 @@ def test_math_tip_trick_continues_after_the_tip_which_stays_out_of_the_loss(file
     for s, step in enumerate(steps):
         part = slice(8 * s, 8 * s + 8)
         assert step["completions/mean_length"] == pytest.approx(sum(n[part]) / 8)
+        # ms-swift's num_turns: the round's mean, 2 for a tipped completion
+        assert step["num_turns"] == pytest.approx(sum(1 + bool(_at(c, tips)) for c in ids[part]) / 8)
     adv = [r["advantage"] for r in rows[:8]]
 
     def bnpo(counts):
@@ -137,6 +139,7 @@ def test_one_turn_is_the_run_without_a_scheduler(files, tmp_path):
     a, b = _logged(tmp_path / "plain"), _logged(tmp_path / "one")
     assert a[1] == b[1] and [r["completion"] for r in a[2]] == [r["completion"] for r in b[2]]
     assert [s["loss"] for s in a[0]] == pytest.approx([s["loss"] for s in b[0]], abs=1e-7)
+    assert all("num_turns" not in s for s in a[0]) and all(s["num_turns"] == 1 for s in b[0])
 
 
 def test_padding_free_turns_score_as_padded(files, tmp_path):

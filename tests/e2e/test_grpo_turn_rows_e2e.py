@@ -85,6 +85,7 @@ def test_a_wrong_answer_gets_the_tip_and_each_turn_trains_as_a_row(files, tmp_pa
     assert [s["step"] for s in steps] == [1, 2]
     # the reward is the trajectory's (1 or 2), and its spread within a group trains the policy
     assert all(1.0 <= s["reward"] <= 2.0 for s in steps) and any(s["reward_std"] > 0 for s in steps)
+    assert all(s["num_turns"] == pytest.approx(s["reward"]) for s in steps)   # a trajectory's rows: its turns
     assert any(s["grad_norm"] > 0 for s in steps)
     # each scored request is one completion of the round: 8 a round, two rounds (GA 2 x 4, one step each)
     assert len(by_rid) == 16
