@@ -91,6 +91,51 @@ def test_a_wrong_answer_gets_the_tip_and_each_turn_trains_as_a_row(files, tmp_pa
     assert len(by_rid) == 16
 
 
+@pytest.fixture(scope="module")
+def server(files, tmp_path_factory):
+    from tests.e2e.test_rollout_server import _server
+    proc, srv = _server(tmp_path_factory, model=files / "model")
+    yield srv
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0, srv["log"].read_text()
+
+
+def test_against_a_rollout_server_the_rows_are_the_in_process_ones(files, server, tmp_path):
+    """ms-swift's script's mode: two FSDP2 processes, `--vllm_mode server` with the rows' columns passed; the
+    first process drives every request's turns through the server (ms-swift's server mode) and each process
+    trains its own requests' rows. One process sampling in-process drives the same requests in the same
+    order: the same trajectories, as the reward functions saw them, and the same rewards and turns."""
+    from tests.e2e.test_rollout_server import _port
+    two = ["--parallelism", "fsdp", "--nproc-per-node", "2", "--per-device-train-batch-size", "2"]
+    _run(files, tmp_path / "srv", "--reward_funcs", "rows", "--max-steps", "2", *two, "--use_vllm", "true",
+         "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1", "--vllm_server_port", str(server["port"]),
+         "--vllm_server_group_port", str(_port()), "--vllm_server_pass_dataset", "true")
+    _run(files, tmp_path / "local", "--reward_funcs", "rows", "--max-steps", "2")
+
+    def trajectories(out):
+        return sorted(json.dumps(s["rows"]) for s in _seen(out))
+    assert trajectories(tmp_path / "srv") == trajectories(tmp_path / "local")
+    for x, y in zip(_steps(tmp_path / "srv"), _steps(tmp_path / "local")):
+        assert (x["reward"], x["reward_std"], x["num_turns"]) == (y["reward"], y["reward_std"], y["num_turns"])
+
+
+def test_a_resume_inside_a_round_trains_the_rows_it_saved(files, tmp_path):
+    """--num_iterations 2: steps 1 and 2 share a round, whose rows (several per request) checkpoint-1 keeps;
+    the run resumed from it logs step 2 as the uninterrupted run does."""
+    args = ["--reward_funcs", "rows", "--num-iterations", "2", "--lr-scheduler", "constant", "--max-steps", "2",
+            "--save-steps", "1"]
+    _run(files, tmp_path / "whole", *args)
+    cut = tmp_path / "cut"
+    _run(files, cut, *args[:-4], "--max-steps", "1", "--save-steps", "1")
+    import torch
+    saved = torch.load(cut / "checkpoint-1" / "grpo_round_rank0.pt", weights_only=True)
+    assert any("row_of" in t for _, t in saved["micro"])
+    proc = _run(files, cut, *args, "--resume", "auto")
+    assert "resuming from checkpoint-1" in proc.stdout
+    whole, resumed = _steps(tmp_path / "whole"), {s["step"]: s for s in _steps(cut)}
+    assert resumed[2]["loss"] == whole[1]["loss"] and resumed[2]["grad_norm"] == whole[1]["grad_norm"]
+
+
 def test_rows_of_one_trajectory_with_different_rewards_stop_the_run(files, tmp_path):
     out = tmp_path / "differ"
     proc = _run(files, out, "--reward_funcs", "row_length", "--max-steps", "1", check=False)
