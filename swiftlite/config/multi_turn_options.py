@@ -9,7 +9,7 @@ only once --external_plugins ran, so here it is taken as given and checked befor
 ms-swift's `gym_scheduler` runs too (msswift_api/rollout.GYMScheduler, its environments `--gym_env`:
 msswift_api/gym_env.py), and `--use_gym_env` trains on the environments' total rewards. ms-swift's
 `thinking_tips_scheduler` runs (msswift_api/rollout.ThinkingModelTipsScheduler: one training row per turn,
-rlhf/turn_rows.py). ms-swift's `openenv_scheduler` is refused with the reason: it drives an OpenEnv
+rlhf/grpo_rows.py). ms-swift's `openenv_scheduler` is refused with the reason: it drives an OpenEnv
 environment server.
 """
 
@@ -42,7 +42,8 @@ class MultiTurnOptions(Section):
                                            "also: thinking_tips_scheduler (ms-swift's: a wrong answer gets a tip as "
                                            "the user's next message, once; each turn is a training row of its own, "
                                            "its earlier answers without their reasoning; with --loss-scale "
-                                           "last_round each row trains its own turn), gym_scheduler (ms-swift's: --gym-env's environment writes the "
+                                           "last_round each row trains its own turn), gym_scheduler (ms-swift's: "
+                                           "--gym-env's environment writes the "
                                            "prompt, answers each turn and scores it), or a name an "
                                            "--external_plugins file registers (ms-swift's multi_turns[name] = a "
                                            "MultiTurnScheduler with step/check_finished). "

@@ -1,6 +1,7 @@
-"""ms-swift's multi-turn scheduler registry and its gym scheduler (swift/rollout/multi_turn.py
-`RolloutScheduler`, `MultiTurnScheduler`, `GYMScheduler`, `multi_turns`); the gym environments are in
-msswift_api/gym_env.py (swift/rollout/gym_env.py).
+"""ms-swift's multi-turn scheduler registry, its gym scheduler and its thinking-tips scheduler
+(swift/rollout/multi_turn.py `RolloutScheduler`, `MultiTurnScheduler`, `GYMScheduler`,
+`ThinkingModelTipsScheduler`, `multi_turns`); the gym environments are in msswift_api/gym_env.py
+(swift/rollout/gym_env.py).
 
 A plugin's scheduler that implements ms-swift's turn-by-turn hooks runs (rlhf/plugin_turns.py drives it):
 the async `on_trajectory_start(requests)` (the prompts' conversations, which it may rewrite before the first
@@ -221,5 +222,5 @@ multi_turns: dict[str, Any] = {"gym_scheduler": GYMScheduler, "thinking_tips_sch
 from swiftlite.msswift_api.gym_env import Env, envs  # noqa: E402  (ms-swift's gym_env names, for plugins that
 #                                                       import them from multi_turn)
 
-__all__ = ["Env", "GYMScheduler", "MultiTurnScheduler", "RolloutScheduler", "ThinkingModelTipsScheduler", "envs", "multi_turns", "owns_rollout",
-           "unsupported"]
+__all__ = ["Env", "GYMScheduler", "MultiTurnScheduler", "RolloutScheduler", "ThinkingModelTipsScheduler", "envs",
+           "multi_turns", "owns_rollout", "unsupported"]

@@ -115,9 +115,9 @@ def collapse(values: list[float], owner: list[int], n: int, name: str, wheres: l
         prev = out[k]
         if prev is not None and not (math.isclose(prev, v, abs_tol=1e-6) or (math.isnan(prev) and math.isnan(v))):
             raise UserError(f"{where}: the reward function {name} gave the rows of one trajectory different values "
-                            f"({prev} and {v}); a scheduler that splits a trajectory into several rows trains each with "
-                            "the trajectory's reward, the same for all (ms-swift's rule: score the trajectory, e.g. "
-                            "its last row in kwargs['trajectory_inputs'][request_id])")
+                            f"({prev} and {v}); a scheduler that splits a trajectory into several rows trains each "
+                            "with the trajectory's reward, the same for all (ms-swift's rule: score the trajectory, "
+                            "e.g. its last row in kwargs['trajectory_inputs'][request_id])")
         out[k] = v
     return [float(v) for v in out]
 

@@ -50,7 +50,7 @@ def test_thinking_tips_gives_a_wrong_answer_a_second_turn_and_each_turn_a_row(to
     info = out["rows_info"]
     assert info[1]["request_id"] == info[2]["request_id"] != info[0]["request_id"]
     tips = ThinkingModelTipsScheduler.TIPS
-    assert info[0]["messages"] == rows[0]["prompt"] + [{"role": "assistant", "content": "<think>hmm</think> <answer>3</answer>"}]
+    assert info[0]["messages"] == rows[0]["prompt"] + [{"role": "assistant", "content": FIRST}]
     # the second row's conversation: the first answer without its reasoning, the tip, the second answer
     assert info[2]["messages"] == rows[1]["prompt"] + [{"role": "assistant", "content": "<answer>3</answer>"},
                                                        {"role": "user", "content": tips},
