@@ -49,9 +49,11 @@ class MultiTurnOptions(Section):
                                            "MultiTurnScheduler with step/check_finished). "
                                            "ms-swift's default: none (one turn).")
     max_turns: int | None = opt(None, "GRPO, GKD with --multi-turn-scheduler: most turns per completion (ms-swift's "
-                                "default: none, the scheduler decides; math_tip_trick stops after 2; the memory "
-                                "plan counts one turn of a plugin's scheduler without it).")
-    vllm_server_pass_dataset: bool = opt(False, "GRPO with --vllm-mode server and a plugin's --multi-turn-scheduler: "
+                                "default: none, the scheduler decides; math_tip_trick and thinking_tips_scheduler "
+                                "stop after 2; the memory plan counts one turn of a plugin's scheduler without "
+                                "it).")
+    vllm_server_pass_dataset: bool = opt(False, "GRPO with --vllm-mode server and a --multi-turn-scheduler other than "
+                                         "math_tip_trick (thinking_tips_scheduler, gym_scheduler, a plugin's): "
                                          "the scheduler's request.data_dict holds the row's columns (ms-swift's "
                                          "default false: an empty data_dict in server mode; colocated, it always "
                                          "holds them).")
