@@ -15,7 +15,8 @@ import json
 import pytest
 
 from tests.conftest import cli_env, run_cli
-from tests.e2e.test_grpo_multi_turn_e2e import COMMON, math_files
+# `server`: test_grpo_multi_turn_e2e's module fixture, a rollout server on this module's `files` model
+from tests.e2e.test_grpo_multi_turn_e2e import COMMON, math_files, server  # noqa: F401
 
 TIPS = "The answer is not correct, It seems You made a mistake, you need to recheck very carefully."
 #: ms-swift's example reward's contract: each row's request_id, the whole trajectory in trajectory_inputs; this one
@@ -89,15 +90,6 @@ def test_a_wrong_answer_gets_the_tip_and_each_turn_trains_as_a_row(files, tmp_pa
     assert any(s["grad_norm"] > 0 for s in steps)
     # each scored request is one completion of the round: 8 a round, two rounds (GA 2 x 4, one step each)
     assert len(by_rid) == 16
-
-
-@pytest.fixture(scope="module")
-def server(files, tmp_path_factory):
-    from tests.e2e.test_rollout_server import _server
-    proc, srv = _server(tmp_path_factory, model=files / "model")
-    yield srv
-    proc.terminate()
-    assert proc.wait(timeout=30) == 0, srv["log"].read_text()
 
 
 def test_against_a_rollout_server_the_rows_are_the_in_process_ones(files, server, tmp_path):
