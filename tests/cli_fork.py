@@ -10,11 +10,15 @@ threads joined and exit handlers run before it ends). This is what swiftlite's o
 (launch/fork.py): the helper imports and never computes, so a fork inherits no thread pool.
 
 What a fork cannot give is a fresh import: modules were imported with the helper's environment, and the
-warnings they print the first time were printed then. So `forkable` sends a command to a real interpreter
-(`run_cli`'s subprocess) when its environment differs from the helper's in a variable a library may read at
-import, when it sets allocator variables (a memory measurement), injects a fault, or when the test asks for
-its own process; SWIFTLITE_TEST_SUBPROCESS=1 sends every command to a real interpreter, SWIFTLITE_TEST_FORK=0
-those that would be forked.
+warnings they print the first time were printed then. So a command is forked only from a helper whose
+variables a library may read at import (`IMPORT_TIME_PREFIXES`) are the command's: a worker starts one helper
+per distinct set of them (the fault tests' HF_HUB_OFFLINE=1, ...), up to MAX_HELPERS. A command that sets
+allocator or loader variables (a memory measurement), or whose test asks for a fresh interpreter, gets one
+(`run_cli`'s subprocess); SWIFTLITE_TEST_SUBPROCESS=1 sends every command to a real interpreter,
+SWIFTLITE_TEST_FORK=0 those that would be forked.
+
+Several commands may run at once (`start`: the nodes of a two-node run, a rollout server and the run that uses
+it): the helper answers each request with the child's pid at once and reports each exit when it happens.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,20 +45,86 @@ WARM = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distribut
         "matplotlib", "matplotlib.pyplot", "matplotlib.ticker")
 
 #: Variables whose prefix marks them as possibly read when a library is imported (thread pools, caches, hub
-#: modes, accelerators, loggers): a command whose environment differs from the helper's in one of them runs
-#: in a real interpreter.
+#: modes, accelerators, loggers): a command is forked only from a helper whose values of these are its own.
 IMPORT_TIME_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "HF_", "HUGGINGFACE", "TRANSFORMERS_",
                         "TORCH", "PYTORCH_", "DS_", "CUDA", "NCCL_", "LD_", "MODELSCOPE", "DATASETS_",
                         "TOKENIZERS_", "MALLOC_", "BNB_", "MPL", "WANDB_", "ACCELERATE_")
 
+#: Variables read when a process starts (the allocator, the dynamic loader, CUDA's caching allocator): a
+#: command that sets one is a memory measurement or a loader setting and gets a fresh interpreter.
+FRESH_PREFIXES = ("MALLOC_", "LD_", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+#: Helpers one pytest worker keeps at most (one per distinct set of import-time values, ~0.5 GB each); a
+#: command that would need another gets a fresh interpreter.
+MAX_HELPERS = 3
+
+
+def needs_fresh(env: dict[str, str]) -> bool:
+    """True when a command with environment `env` must get a fresh interpreter whatever helpers run."""
+    return (os.environ.get("SWIFTLITE_TEST_SUBPROCESS") == "1" or os.environ.get("SWIFTLITE_TEST_FORK") == "0"
+            or any(k.startswith(FRESH_PREFIXES) for k in env))
+
+
+def import_time_values(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
+
 
 def forkable(env: dict[str, str], base: dict[str, str]) -> bool:
-    """True when a command with environment `env` may be forked from a helper started with `base`."""
-    if (os.environ.get("SWIFTLITE_TEST_SUBPROCESS") == "1" or os.environ.get("SWIFTLITE_TEST_FORK") == "0"
-            or env.get("SWIFTLITE_FAULT")):
-        return False
-    keys = {k for k in (*env, *base) if k.startswith(IMPORT_TIME_PREFIXES)}
-    return all(env.get(k) == base.get(k) for k in keys)
+    """True when a command with environment `env` may be forked from a helper started with `base`. A fault
+    injected with SWIFTLITE_FAULT may: swiftlite/faults.py reads it when the trainer asks, not at import."""
+    return not needs_fresh(env) and import_time_values(env) == import_time_values(base)
+
+
+class Forked:
+    """A forked command, as much of subprocess.Popen as the tests use: `pid` (also its process group: the
+    child starts a session of its own), `poll`, `wait`, `communicate` (its output, read from the files it
+    wrote once it has ended), `send_signal`/`terminate`/`kill` (the command's process) and `kill_group`."""
+
+    def __init__(self, srv: ForkServer, pid: int, args: list[str], folder: Path, merged: bool):
+        self.srv, self.pid, self.args, self._folder, self._merged = srv, pid, args, folder, merged
+        self.returncode: int | None = None
+        self._output: tuple[str, str] | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.srv._await(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.srv._await(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """(stdout, stderr) once the command has ended; stderr is "" when it was merged into stdout."""
+        self.wait(timeout)
+        if self._output is None:
+            out, err = self._folder / "stdout", self._folder / "stderr"
+            self._output = tuple(p.read_text(errors="replace") if p.exists() else "" for p in (out, err))
+            shutil.rmtree(self._folder, ignore_errors=True)
+        return self._output
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def kill_group(self) -> None:
+        """SIGKILL to the command and every process it started (its session's process group)."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class ForkServer:
@@ -66,6 +137,7 @@ class ForkServer:
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.cli_fork"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=self.env, cwd=cwd)
         self._buf = b""
+        self._exits: dict[int, int] = {}   # exit codes the helper reported, by process id, not yet collected
         self.last_pid: int | None = None   # the last command's process (and process group)
         try:
             ready = self._line(timeout=300)
@@ -90,28 +162,54 @@ class ForkServer:
         line, self._buf = self._buf.split(b"\n", 1)
         return line.decode()
 
+    def _next(self, timeout: float | None) -> str | None:
+        """The helper's next line about a start ("pid N"), keeping the exit lines ("rc PID CODE") that come
+        before it; None when `timeout` (s) passes first."""
+        while True:
+            line = self._line(timeout)
+            if line is None or not line.startswith("rc "):
+                return line
+            _, pid, code = line.split()
+            self._exits[int(pid)] = int(code)
+
+    def _await(self, pid: int, timeout: float | None) -> int | None:
+        """Command `pid`'s exit code, None when `timeout` (s) passes first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while pid not in self._exits:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            line = self._line(left)
+            if line is None:
+                return None
+            if line.startswith("rc "):
+                _, p, code = line.split()
+                self._exits[int(p)] = int(code)
+        return self._exits.pop(pid)
+
+    def start(self, args: list[str], env: dict[str, str], cwd: str | Path | None, merge_stderr: bool = False,
+              log: Path | None = None) -> Forked:
+        """`python -m swiftlite ARGS` forked now; the returned handle waits for it as a Popen does. With `log`,
+        stdout and stderr both go to that file (communicate gives "" for both)."""
+        d = tempfile.mkdtemp(prefix="swiftlite-fork-")
+        out = Path(log) if log is not None else Path(d) / "stdout"
+        err = out if merge_stderr or log is not None else Path(d) / "stderr"
+        req = {"args": args, "env": env, "cwd": str(cwd or os.getcwd()), "out": str(out), "err": str(err)}
+        self.proc.stdin.write(json.dumps(req).encode() + b"\n")
+        self.proc.stdin.flush()
+        pid = self.last_pid = int(self._next(timeout=60).split()[1])
+        return Forked(self, pid, [sys.executable, "-m", "swiftlite", *args], Path(d), merge_stderr)
+
     def run(self, args: list[str], env: dict[str, str], cwd: str | Path | None,
             timeout: float) -> subprocess.CompletedProcess:
-        with tempfile.TemporaryDirectory(prefix="swiftlite-fork-") as d:
-            out, err = Path(d) / "stdout", Path(d) / "stderr"
-            req = {"args": args, "env": env, "cwd": str(cwd or os.getcwd()), "out": str(out), "err": str(err)}
-            self.proc.stdin.write(json.dumps(req).encode() + b"\n")
-            self.proc.stdin.flush()
-            pid = self.last_pid = int(self._line(timeout=60).split()[1])
-            status = self._line(timeout=timeout)
-            timed_out = status is None
-            if timed_out:   # as subprocess.run's timeout, and the ranks the command started too
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                status = self._line(timeout=60)
-            rc = int(status.split()[1])
-            stdout, stderr = (p.read_text(errors="replace") if p.exists() else "" for p in (out, err))
-        cmd = [sys.executable, "-m", "swiftlite", *args]
-        if timed_out:
-            raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
-        return subprocess.CompletedProcess(cmd, rc, stdout, stderr)
+        """As subprocess.run(capture_output=True, text=True, timeout=...) of the command; a timeout kills the
+        command's process group (the ranks it started too)."""
+        cmd = self.start(args, env, cwd)
+        try:
+            stdout, stderr = cmd.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            cmd.kill_group()
+            stdout, stderr = cmd.communicate(timeout=60)
+            raise subprocess.TimeoutExpired(cmd.args, timeout, output=stdout, stderr=stderr) from None
+        return subprocess.CompletedProcess(cmd.args, cmd.returncode, stdout, stderr)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -124,42 +222,59 @@ class ForkServer:
         Path(self.log.name).unlink(missing_ok=True)
 
 
-_SERVER: ForkServer | None = None
+_SERVERS: dict[tuple[tuple[str, str], ...], ForkServer] = {}
 
 
-def server(base: dict[str, str]) -> ForkServer | None:
-    """This process's helper, started with environment `base` the first time; None where nothing is forked
-    (SWIFTLITE_TEST_SUBPROCESS=1, SWIFTLITE_TEST_FORK=0)."""
-    global _SERVER
-    if _SERVER is None:
-        if not forkable(base, base):
+def server(env: dict[str, str], base: dict[str, str] | None = None) -> ForkServer | None:
+    """This process's helper for commands with `env`'s import-time values: started the first time with `base`
+    (the tests' usual environment) but for those values, which are `env`'s; None where `env` needs a fresh
+    interpreter (`needs_fresh`) or MAX_HELPERS already run for other values."""
+    if needs_fresh(env):
+        return None
+    key = import_time_values(env)
+    srv = _SERVERS.get(key)
+    if srv is None:
+        if len(_SERVERS) >= MAX_HELPERS:
             return None
-        _SERVER = ForkServer(base, Path(__file__).resolve().parents[1])
-        atexit.register(_SERVER.close)
-    return _SERVER
+        start_env = {k: v for k, v in (base or env).items() if not k.startswith(IMPORT_TIME_PREFIXES)}
+        srv = _SERVERS[key] = ForkServer({**start_env, **dict(key)}, Path(__file__).resolve().parents[1])
+        atexit.register(srv.close)
+    return srv
 
 
 def run(args: list[str], env: dict[str, str], base: dict[str, str], cwd: str | Path | None,
         timeout: float) -> subprocess.CompletedProcess | None:
-    """`python -m swiftlite ARGS` forked from this process's helper (`server(base)`); None when the command
-    must have a real interpreter (`forkable`)."""
-    srv = server(base)
-    if srv is None or not forkable(env, srv.env):
-        return None
-    return srv.run(args, env, cwd, timeout)
+    """`python -m swiftlite ARGS` forked from this process's helper for `env` (`server(env, base)`), waited
+    for; None when the command must have a real interpreter."""
+    srv = server(env, base)
+    return None if srv is None else srv.run(args, env, cwd, timeout)
+
+
+def start(args: list[str], env: dict[str, str], base: dict[str, str], cwd: str | Path | None,
+          merge_stderr: bool = False, log: Path | None = None) -> Forked | None:
+    """`python -m swiftlite ARGS` forked from this process's helper for `env` and left running (a node of a
+    two-node run, a server); None when the command must have a real interpreter."""
+    srv = server(env, base)
+    return None if srv is None else srv.start(args, env, cwd, merge_stderr, log)
 
 
 # --- the helper interpreter ---------------------------------------------------------------------------
 
 
-def _child(req: dict) -> None:
+def _child(req: dict, wakeup: tuple[int, int]) -> None:
     """In the forked child: become `python -m swiftlite ARGS` in the request's environment; never returns."""
     rc = 1
     try:
         os.setsid()   # its own process group: a timeout kills it and the ranks it forked
+        signal.set_wakeup_fd(-1)   # the helper's child-exit wake-up is the helper's alone
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in wakeup:
+            os.close(fd)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        for fd, path in ((1, req["out"]), (2, req["err"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        out = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)   # one open file for both where stderr is merged into stdout, as Popen's STDOUT
+        os.dup2(out if req["err"] == req["out"] else
+                os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
         os.environ.clear()
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
@@ -188,27 +303,54 @@ def _child(req: dict) -> None:
 
 
 def _serve() -> None:
+    """Import WARM, say "ready", then for each request line fork a command and answer "pid N"; when a command
+    ends, "rc PID CODE" (several commands may run at once: two nodes, a server and its client)."""
     import importlib
     for name in WARM:
         importlib.import_module(name)
     sys.stdout.flush()
     sys.stderr.flush()
+    wakeup = os.pipe()   # a child's exit (SIGCHLD) wakes the select below
+    for fd in wakeup:
+        os.set_blocking(fd, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wakeup[1])
+    running: set[int] = set()
     buf = b""
     os.write(1, b"ready\n")
     while True:
-        while b"\n" not in buf:
-            chunk = os.read(0, 65536)
-            if not chunk:
-                return
-            buf += chunk
-        line, buf = buf.split(b"\n", 1)
-        req = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _child(req)
-        os.write(1, f"pid {pid}\n".encode())
-        _, status = os.waitpid(pid, 0)
-        os.write(1, f"rc {os.waitstatus_to_exitcode(status)}\n".encode())
+        ready = select.select([0, wakeup[0]], [], [])[0]
+        if wakeup[0] in ready:
+            while True:
+                try:
+                    if not os.read(wakeup[0], 512):
+                        break
+                except BlockingIOError:
+                    break
+        while running:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            running.discard(pid)
+            os.write(1, f"rc {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
+        if 0 not in ready:
+            continue
+        chunk = os.read(0, 65536)
+        if not chunk:   # the tests are done: nothing forked outlives the helper
+            for pid in running:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            pid = os.fork()
+            if pid == 0:
+                _child(json.loads(line), wakeup)
+            running.add(pid)
+            os.write(1, f"pid {pid}\n".encode())
 
 
 if __name__ == "__main__":

@@ -76,21 +76,23 @@ def _deepspeed(value: str) -> bool:
 
 
 def run_cli(args: list[str], *, timeout: float = 600, check: bool = True, env: dict | None = None,
-            cwd: str | Path | None = None, own_process: bool = False) -> subprocess.CompletedProcess:
+            cwd: str | Path | None = None, own_process: bool = False,
+            fresh: bool = False) -> subprocess.CompletedProcess:
     """`swiftlite ARGS`; on failure (check=True) show its output.
 
     A single-process command runs in this process (`main_in_process`), with `env` as its whole
     environment and its output captured, as a subprocess would see and give them. `own_process=True`
-    (or a command that launches ranks, injects a fault, or sets SWIFTLITE_TEST_SUBPROCESS=1) starts
-    `python -m swiftlite` instead: for what a fresh interpreter shows (first-time warnings, memory
-    high-water marks) or what must not happen to the test process (a kill, a hang, a plugin that
-    patches torch or swiftlite functions for good). Such a command is forked from the worker's warm
-    helper interpreter where that gives the same run (`forked_cli`, tests/cli_fork.py); `own_process=True`
-    always gets a fresh one."""
+    (or a command that launches ranks, injects a fault, or sets SWIFTLITE_TEST_SUBPROCESS=1) runs it as
+    `python -m swiftlite` instead: for what must not happen to the test process (a kill, a hang, a plugin
+    that patches torch or swiftlite functions for good, a registration that outlives the run). Such a
+    command is forked from the worker's warm helper interpreter where that gives the same run
+    (`forked_cli`, tests/cli_fork.py: the helper never runs a command, so what one command patches or
+    registers dies with its fork). `fresh=True` always starts a new interpreter: for what only a fresh one
+    shows (first-time import warnings, memory high-water marks that include the imports)."""
     env = env or cli_env()
     args = [str(a) for a in args]
-    if own_process or wants_own_process(args, env):
-        proc = None if own_process else forked_cli(args, env, cwd, timeout)
+    if fresh or own_process or wants_own_process(args, env):
+        proc = None if fresh else forked_cli(args, env, cwd, timeout)
         if proc is None:
             proc = subprocess.run([sys.executable, "-m", "swiftlite", *args], capture_output=True,
                                   text=True, timeout=timeout, env=env, cwd=cwd)
@@ -102,15 +104,41 @@ def run_cli(args: list[str], *, timeout: float = 600, check: bool = True, env: d
     return proc
 
 
+#: Commands the warm helper may fork (tests/cli_fork.py imports what they import): those that may run in
+#: this process, and the servers (a rollout engine, a teacher's OpenAI-style endpoint).
+FORKABLE_COMMANDS = IN_PROCESS_COMMANDS | {"rollout", "deploy"}
+
+
 def forked_cli(args: list[str], env: dict[str, str], cwd: str | Path | None,
                timeout: float) -> subprocess.CompletedProcess | None:
-    """A command that needs a process of its own, forked from this worker's warm helper interpreter
-    (tests/cli_fork.py); None where it needs a fresh interpreter (`cli_fork.forkable`: allocator variables
-    among others) or is no training, export or planning command."""
-    if not args or args[0] not in IN_PROCESS_COMMANDS:
+    """A command that needs a process of its own, forked from this worker's warm helper interpreter for its
+    import-time variables (tests/cli_fork.py) and waited for; None where it needs a fresh interpreter
+    (`cli_fork.needs_fresh`: allocator variables among others) or is none of FORKABLE_COMMANDS."""
+    if not args or args[0] not in FORKABLE_COMMANDS:
         return None
     from tests import cli_fork
     return cli_fork.run(args, env, cli_env(), cwd, timeout)
+
+
+def spawn_cli(args: list, *, env: dict | None = None, cwd: str | Path | None = None,
+              merge_stderr: bool = False, log: Path | None = None):
+    """`python -m swiftlite ARGS` started and left running (a node of a two-node run, a server): a handle
+    with Popen's pid/poll/wait/communicate/terminate/kill, forked from the warm helper where `forked_cli`
+    would fork it, else a subprocess.Popen. Its output is piped (text; stderr into stdout with
+    `merge_stderr`), or written to the file `log` (both streams)."""
+    env = env or cli_env()
+    args = [str(a) for a in args]
+    if args and args[0] in FORKABLE_COMMANDS:
+        from tests import cli_fork
+        handle = cli_fork.start(args, env, cli_env(), cwd, merge_stderr, log)
+        if handle is not None:
+            return handle
+    cmd = [sys.executable, "-m", "swiftlite", *args]
+    if log is not None:
+        with open(log, "w") as f:
+            return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, env=env, cwd=cwd, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE)
 
 
 def main_in_process(args: list[str], *, env: dict[str, str] | None = None,

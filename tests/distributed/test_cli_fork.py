@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -38,7 +39,7 @@ def test_a_forked_run_is_a_fresh_interpreters_run(demo_data, tmp_path):
     before = srv.last_pid
     a = run_cli(_args(train, forked), timeout=300)
     assert srv.proc.poll() is None and srv.last_pid not in (None, before)   # it went through the helper
-    b = run_cli(_args(train, fresh), timeout=300, own_process=True)
+    b = run_cli(_args(train, fresh), timeout=300, fresh=True)
     assert _resolved(forked) == _resolved(fresh)
     la, lb = read_losses(forked), read_losses(fresh)
     assert la.keys() == lb.keys() == {1, 2, 3} and la == lb
@@ -50,7 +51,7 @@ def test_a_refusal_is_the_same_line_and_exit_code(demo_data, tmp_path):
     train, _ = demo_data
     bad = _args(train, tmp_path / "o", "--lora_rank", "-1")
     a = run_cli(bad, check=False, timeout=120)
-    b = run_cli(bad, check=False, timeout=120, own_process=True)
+    b = run_cli(bad, check=False, timeout=120, fresh=True)
     assert a.returncode == b.returncode == 2
     assert a.stderr == b.stderr and a.stderr.startswith("error: ") and "Traceback" not in a.stderr
     assert not (tmp_path / "o").exists()
@@ -81,11 +82,42 @@ def test_a_timeout_ends_the_command_and_its_ranks(demo_data, tmp_path):
     assert srv.proc.poll() is None   # the helper itself lives on
 
 
+def test_commands_run_at_once_and_each_exit_reaches_its_own_handle(demo_data, tmp_path):
+    """`start` leaves a command running (a node, a server): a second one started after it ends first and is
+    collected while the first still runs; the first, killed, is collected with its signal."""
+    train, _ = demo_data
+    env = cli_env()
+    srv = cli_fork.server(env)
+    if srv is None:
+        pytest.skip("SWIFTLITE_TEST_SUBPROCESS=1 / SWIFTLITE_TEST_FORK=0: nothing is forked")
+    args = [str(a) for a in _args(train, tmp_path / "long")]
+    args[args.index("--max-steps") + 1] = "100000"
+    args[args.index("--nproc-per-node") + 1] = "1"   # one process is enough to be still running
+    first = cli_fork.start(args, env, env, None)
+    second = cli_fork.start([str(a) for a in _args(train, tmp_path / "bad", "--lora_rank", "-1")], env, env, None)
+    assert first is not None and second is not None and first.pid != second.pid
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 2 and err.startswith("error: "), err
+    assert first.poll() is None   # still training
+    first.kill_group()
+    assert first.wait(timeout=60) == -signal.SIGKILL
+    assert not (tmp_path / "bad").exists()
+
+
 def test_what_is_forked_and_what_gets_a_fresh_interpreter(monkeypatch):
     monkeypatch.delenv("SWIFTLITE_TEST_SUBPROCESS", raising=False)
     monkeypatch.delenv("SWIFTLITE_TEST_FORK", raising=False)
     base = cli_env()
+    # a platform's world and an injected fault are read when the command runs: the usual helper forks them
     assert cli_fork.forkable(dict(base, NPROC_PER_NODE="2", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1"), base)
-    for var, value in (("OMP_NUM_THREADS", "2"), ("HF_HUB_OFFLINE", "0"), ("PYTORCH_CUDA_ALLOC_CONF", "x"),
-                       ("MALLOC_ARENA_MAX", "2"), ("TRANSFORMERS_VERBOSITY", "info"), ("SWIFTLITE_FAULT", "kill")):
-        assert not cli_fork.forkable(dict(base, **{var: value}), base), var
+    assert cli_fork.forkable(dict(base, SWIFTLITE_FAULT="step=2,kind=kill"), base)
+    # a value a library may read at import: not from the usual helper, from one started with that value
+    for var, value in (("OMP_NUM_THREADS", "2"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "info")):
+        env = dict(base, **{var: value})
+        assert not cli_fork.forkable(env, base) and not cli_fork.needs_fresh(env), var
+        assert cli_fork.import_time_values(env) != cli_fork.import_time_values(base)
+    # allocator and loader variables: a fresh interpreter, whatever helper runs
+    for var, value in (("PYTORCH_CUDA_ALLOC_CONF", "x"), ("MALLOC_ARENA_MAX", "2"), ("LD_PRELOAD", "x.so")):
+        assert cli_fork.needs_fresh(dict(base, **{var: value})), var
+    monkeypatch.setenv("SWIFTLITE_TEST_FORK", "0")
+    assert cli_fork.needs_fresh(base) and cli_fork.server(base) is None

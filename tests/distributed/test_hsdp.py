@@ -9,13 +9,11 @@ ranks, prefetch depth 2) applied by apply_fsdp2 on 4 forked ranks against the un
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.conftest import cli_env, read_losses, read_state_bytes, run_cli
+from tests.conftest import read_losses, read_state_bytes, run_cli, spawn_cli
 
 STEPS = 6
 REL = 1e-4
@@ -41,8 +39,7 @@ def _two_nodes(args: list) -> None:
     for node_rank in (0, 1):
         full = args + ["--nnodes", 2, "--node-rank", node_rank, "--nproc-per-node", 2,
                        "--master-addr", "127.0.0.1", "--master-port", port]
-        procs.append(subprocess.Popen([sys.executable, "-m", "swiftlite", *map(str, full)], env=cli_env(),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(spawn_cli(full, merge_stderr=True))
         time.sleep(0.5)  # node 0 first: it hosts the store
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     for p, text in zip(procs, outputs):

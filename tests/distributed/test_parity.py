@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.conftest import ROOT, cli_env, read_losses, read_state_bytes, run_cli
+from tests.conftest import ROOT, read_losses, read_state_bytes, run_cli, spawn_cli
 
 STEPS = 10
 REL_FP32 = 1e-4
@@ -152,8 +150,7 @@ def test_two_nodes_on_one_machine_match_single_node(runs, demo_data, tmp_path):
         args = _base(train, out) + ["--parallelism", "fsdp", "--per-device-train-batch-size", 2,
                                     "--nnodes", 2, "--node-rank", node_rank, "--nproc-per-node", 1,
                                     "--master-addr", "127.0.0.1", "--master-port", port]
-        procs.append(subprocess.Popen([sys.executable, "-m", "swiftlite", *map(str, args)], env=cli_env(),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(spawn_cli(args, merge_stderr=True))
         time.sleep(0.5)  # node 0 first: it checks the port is free, then hosts the store
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     for p, text in zip(procs, outputs):

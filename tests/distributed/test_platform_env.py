@@ -5,14 +5,12 @@ agree on the world (2 local "nodes" x 2 processes = 4), with --deepspeed zero2 t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
 
 from swiftlite.distributed import free_port
-from tests.conftest import cli_env
+from tests.conftest import cli_env, run_cli, spawn_cli
 
 
 def _node_env(rank: int, port: int) -> dict[str, str]:
@@ -33,8 +31,7 @@ def test_dlc_env_same_world_in_dry_run_and_run(demo_data, tmp_path, backend):
             "--gradient-checkpointing", "false", "--max-steps", "1", "--save-hf-model", "false",
             "--output-dir", str(out), *backend]
     port = free_port()
-    dry = subprocess.run([sys.executable, "-m", "swiftlite", *args, "--dry-run"], env=_node_env(1, port),
-                         capture_output=True, text=True, timeout=120)
+    dry = run_cli([*args, "--dry-run"], env=_node_env(1, port), check=False, timeout=120)
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert "world:          2 node(s) x 2 process(es) = 4" in dry.stdout, dry.stdout
     # ms-swift's rule on the whole world: ceil(16 / (1 x 4)) = 4 micro-batches per step
@@ -42,8 +39,7 @@ def test_dlc_env_same_world_in_dry_run_and_run(demo_data, tmp_path, backend):
     assert "--nnodes=2 --node-rank=1 --master-addr=127.0.0.1" in dry.stdout, dry.stdout
     procs = []
     for rank in (0, 1):
-        procs.append(subprocess.Popen([sys.executable, "-m", "swiftlite", *args], env=_node_env(rank, port),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(spawn_cli(args, env=_node_env(rank, port), merge_stderr=True))
         time.sleep(0.5)   # node 0 first: it hosts the rendezvous store
     outputs = [p.communicate(timeout=540)[0] for p in procs]
     for p, text in zip(procs, outputs):

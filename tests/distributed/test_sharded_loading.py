@@ -70,7 +70,7 @@ def _train(model, data, out, backend, nproc, train_type, *extra) -> tuple[list[d
                     "--parallelism", backend, "--nproc-per-node", nproc, "--torch-dtype", "fp32",
                     "--max-length", 64, "--per-device-train-batch-size", 2, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", 3,
                     "--learning-rate", "1e-3", "--logging-steps", 1, "--save-strategy", "no",
-                    "--output-dir", out, *extra], own_process=True)
+                    "--output-dir", out, *extra])
     rows = [json.loads(line) for line in (out / "logging.jsonl").read_text().splitlines()]
     return [r for r in rows if "loss" in r], proc.stdout
 

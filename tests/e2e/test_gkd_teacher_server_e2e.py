@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from tests.conftest import cli_env
+from tests.conftest import spawn_cli
 from tests.e2e.test_gkd_e2e import _run, data  # noqa: F401  (the fixture)
 
 
@@ -39,10 +37,8 @@ def teacher(tmp_path_factory):
     d = _teacher_folder(tmp_path_factory.mktemp("teacher") / "teacher")
     port = _port()
     log = d.parent / "deploy.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "swiftlite", "deploy", "--model", str(d), "--port", str(port),
-                                 "--host", "127.0.0.1", "--torch_dtype", "fp32", "--max_logprobs", "8"],
-                                stdout=f, stderr=subprocess.STDOUT, env=cli_env())
+    proc = spawn_cli(["deploy", "--model", str(d), "--port", str(port), "--host", "127.0.0.1", "--torch_dtype", "fp32",
+                      "--max_logprobs", "8"], log=log)
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 120
     while True:

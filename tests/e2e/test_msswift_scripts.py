@@ -383,7 +383,7 @@ def test_in_process_is_what_a_subprocess_does(world, tmp_path):
     rc, err = in_process(_fill(command, model, files, a) + ["--max_steps", "2", "--logging_steps", "1"], root)
     assert rc == 0, err
     run_cli(_fill(command, model, files, b) + ["--max_steps", "2", "--logging_steps", "1"], cwd=root,
-            env=cli_env(SWIFTLITE_CACHE=os.environ["SWIFTLITE_CACHE"]), own_process=True)
+            env=cli_env(SWIFTLITE_CACHE=os.environ["SWIFTLITE_CACHE"]), fresh=True)
     ra, rb = _resolved(a), _resolved(b)
     ra.pop("output_dir"), rb.pop("output_dir")
     assert ra == rb

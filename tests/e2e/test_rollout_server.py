@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from tests.conftest import cli_env, run_cli
+from tests.conftest import run_cli, spawn_cli
 
 COMMON = ["--rlhf-type", "grpo", "--model", "tiny-llama-2l", "--torch-dtype", "fp32", "--seed", "3",
           "--gradient-accumulation-steps", "2", "--num-generations", "4", "--max-completion-length", "6",
@@ -55,10 +53,8 @@ def _server(tmp_path_factory, extra=(), model="tiny-llama-2l"):
     """A server on the run's architecture with other random weights (seed 0; the runs use seed 3)."""
     port = _port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "swiftlite", "rollout", "--model", str(model), "--seed", "0",
-                                 "--infer_backend", "transformers", "--torch_dtype", "fp32", "--port", str(port),
-                                 "--host", "127.0.0.1", *extra], stdout=f, stderr=subprocess.STDOUT, env=cli_env())
+    proc = spawn_cli(["rollout", "--model", str(model), "--seed", "0", "--infer_backend", "transformers",
+                      "--torch_dtype", "fp32", "--port", str(port), "--host", "127.0.0.1", *extra], log=log)
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 120
     while True:

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
-from fault_helpers import TINY, env_for
+from fault_helpers import TINY, env_for, swiftlite
 from swiftlite import checkpoint as ckpt
-from tests.conftest import read_losses
+from tests.conftest import read_losses, spawn_cli
 
 pytestmark = pytest.mark.slow
 STEPS = 24
@@ -35,15 +33,14 @@ def _args(backend: str, out: str, *extra: str) -> list[str]:
 
 
 def _start(args, env, cwd):
-    return subprocess.Popen([sys.executable, "-m", "swiftlite", *args], env=env, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return spawn_cli(args, env=env, cwd=cwd)
 
 
 def _wait_for_step(run_dir, step: int, proc, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"run ended early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+            raise AssertionError(f"run ended early ({proc.returncode}): {proc.communicate()[1][-2000:]}")
         if (run_dir / "logging.jsonl").is_file() and max(read_losses(run_dir) or {0: 0}) >= step:
             return
         time.sleep(0.1)
@@ -57,8 +54,7 @@ def _uninterrupted(data, backend):
     """The uninterrupted run's losses (one run per backend, shared by the launchers' cases)."""
     if backend not in _FULL:
         env = env_for(data / "cache")
-        r = subprocess.run([sys.executable, "-m", "swiftlite", *_args(backend, f"full-{backend}")], env=env,
-                           cwd=data, capture_output=True, text=True, timeout=600)
+        r, _ = swiftlite(_args(backend, f"full-{backend}"), env, data, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         _FULL[backend] = read_losses(data / f"full-{backend}")
     return _FULL[backend]
@@ -86,9 +82,7 @@ def test_signal_saves_the_step_and_resume_is_exact(data, backend, how, launcher)
     assert 4 <= step < STEPS and marker["checkpoint"] == f"checkpoint-{step}"
     assert ckpt.read_latest(data / out) == f"checkpoint-{step}" and "preempted by" in stdout
     assert max(read_losses(data / out)) == step   # it stopped at the step it was on
-    r = subprocess.run([sys.executable, "-m", "swiftlite", *_args(backend, out, "--resume", "auto",
-                                                                   "--launcher", launcher)], env=env,
-                       cwd=data, capture_output=True, text=True, timeout=600)
+    r, _ = swiftlite(_args(backend, out, "--resume", "auto", "--launcher", launcher), env, data, timeout=600)
     assert r.returncode == 0 and f"resuming from checkpoint-{step}" in r.stdout, r.stderr[-3000:]
     resumed = read_losses(data / out)
     assert {s: resumed[s] for s in range(step + 1, STEPS + 1)} == {s: full[s] for s in range(step + 1, STEPS + 1)}
@@ -114,7 +108,7 @@ def test_second_signal_during_the_save_abandons_it(data):
     latest = data / out / ckpt.read_latest(data / out)
     assert ckpt.verify_checkpoint(latest) is None
     assert not (data / out / "preempted").exists()
-    r = subprocess.run([sys.executable, "-m", "swiftlite", *_args("fsdp", out, "--resume", "auto", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps",
-                                                                   "6")], env=env_for(data / "cache"), cwd=data,
-                       capture_output=True, text=True, timeout=600)
+    r, _ = swiftlite(_args("fsdp", out, "--resume", "auto", "--gradient-accumulation-steps", "1",
+                           "--gradient-checkpointing", "false", "--max-steps", "6"), env_for(data / "cache"), data,
+                     timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import time
 
 import pytest
@@ -14,6 +12,7 @@ from safetensors.torch import load_file
 
 from fault_helpers import TINY, env_for, swiftlite
 from swiftlite import checkpoint as ckpt
+from tests.conftest import spawn_cli
 
 pytestmark = pytest.mark.slow
 
@@ -102,8 +101,8 @@ def test_resume_after_the_dataset_changed_is_refused_naming_it(folder):
 def test_second_run_on_the_same_folder_stops_naming_the_first(folder):
     env = env_for(folder / "cache")
     # the first run trains until it is killed below (its lock must still be held then)
-    first = subprocess.Popen([sys.executable, "-m", "swiftlite", *BASE, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "100000"], env=env, cwd=folder,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = spawn_cli([*BASE, "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false",
+                       "--max-steps", "100000"], env=env, cwd=folder)
     try:
         lock = folder / "run" / ".lock"
         deadline = time.monotonic() + 120

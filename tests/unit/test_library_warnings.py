@@ -35,7 +35,7 @@ def test_a_ddp_run_prints_no_library_warning(tmp_path, demo_data):
     proc = run_cli(["sft", "--model", "tiny-llama-2l", "--dataset", f"{train}#16", "--max-steps", "1",
                     "--gradient-accumulation-steps", "1", "--torch-dtype", "fp32", "--parallelism", "ddp",
                     "--nproc-per-node", "2", "--save-hf-model", "false", "--output-dir", out], timeout=300,
-                    own_process=True)
+                    fresh=True)
     assert "Warning" not in proc.stderr and "warnings.warn" not in proc.stderr, proc.stderr[-2000:]
     kept = (out / "logs" / "warnings_rank0.log").read_text()
     assert "FutureWarning" in kept and "broadcast_buffers" in kept      # DDP's renamed argument, kept
@@ -51,7 +51,7 @@ def test_sharded_runs_print_no_library_warning(tmp_path, demo_data, parallelism)
     proc = run_cli(["sft", "--model", "tiny-llama-2l", "--dataset", f"{train}#16", "--max-steps", "1",
                     "--gradient-accumulation-steps", "1", "--torch-dtype", "fp32", "--parallelism", parallelism,
                     "--nproc-per-node", "2", "--save-hf-model", "false", "--output-dir", out], timeout=300,
-                    own_process=True)
+                    fresh=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Warning" not in proc.stderr and "warnings.warn" not in proc.stderr, proc.stderr[-2000:]
     if parallelism.startswith("zero"):   # DeepSpeed warns on every run here: kept, not shown
