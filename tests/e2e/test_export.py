@@ -21,15 +21,13 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import cli_env, run_cli
+from tests.conftest import cli_env, run_cli, spawn_cli
 
 pytestmark = pytest.mark.slow
 
@@ -301,9 +299,7 @@ def test_interrupted_export_leaves_nothing_that_looks_complete(runs, tmp_path):
     run = runs("single")
     out = tmp_path / "killed"
     env = cli_env(SWIFTLITE_EXPORT_THROTTLE_S="0.4")
-    proc = subprocess.Popen([sys.executable, "-m", "swiftlite", "export", "--ckpt", str(run), "--output", str(out),
-                             "--max-shard-size", "20KB"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = spawn_cli(["export", "--ckpt", str(run), "--output", str(out), "--max-shard-size", "20KB"], env=env)
     try:
         deadline = time.time() + 120
         while time.time() < deadline:  # wait until the first shard is on disk, then kill -9

@@ -86,12 +86,11 @@ def test_vllm_options_are_msswifts():
 
 def test_use_vllm_without_a_gpu_is_refused_before_launch(tmp_path):
     """The CLI on this machine (no CUDA GPU, no vllm): exit 2, one line, before anything starts."""
-    import subprocess
-    import sys
+    from tests.conftest import run_cli
     (tmp_path / "d.jsonl").write_text('{"messages": [{"role": "user", "content": "1+1?"}], "solution": "2"}\n')
-    p = subprocess.run([sys.executable, "-m", "swiftlite", "rlhf", *BASE, "--dataset", str(tmp_path / "d.jsonl"),
-                        "--use_vllm", "true", "--vllm_mode", "colocate", "--output_dir", str(tmp_path / "out")],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    p = run_cli(["rlhf", *BASE, "--dataset", str(tmp_path / "d.jsonl"), "--use_vllm", "true", "--vllm_mode",
+                 "colocate", "--output_dir", str(tmp_path / "out")], check=False, cwd=tmp_path, timeout=300,
+                own_process=True)
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(err) == 1 and "needs a CUDA GPU" in err[0], p.stderr
     assert "Traceback" not in p.stderr

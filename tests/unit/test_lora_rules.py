@@ -5,8 +5,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -14,7 +12,7 @@ from swiftlite.planner import choose_backend as resolve_backend
 from swiftlite.cli import parse_run_args
 from swiftlite.config import load_config
 from swiftlite.errors import UserError
-from tests.conftest import cli_env
+from tests.conftest import run_cli
 
 DATA = ["--dataset", "train.jsonl", "--model", "tiny-llama-2l"]
 
@@ -106,9 +104,8 @@ def _train_file(folder):
 
 def test_cli_bad_quant_bits_is_one_line_exit_2(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "swiftlite", "sft", *DATA, "--qlora", "--quant-bits", "3",
-                           "--output-dir", str(out)], capture_output=True, text=True, env=cli_env(), timeout=120,
-                          cwd=_train_file(tmp_path))
+    proc = run_cli(["sft", *DATA, "--qlora", "--quant-bits", "3", "--output-dir", str(out)], check=False,
+                   timeout=120, cwd=_train_file(tmp_path), own_process=True)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --quant-bits must be 4 or 8"), proc.stderr
@@ -116,9 +113,9 @@ def test_cli_bad_quant_bits_is_one_line_exit_2(tmp_path):
 
 
 def test_cli_qlora_with_offload_is_one_line_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "swiftlite", "sft", *DATA, "--qlora", "--parallelism", "fsdp",
-                           "--cpu-offload", "--nproc-per-node", "2", "--output-dir", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=cli_env(), timeout=120, cwd=_train_file(tmp_path))
+    proc = run_cli(["sft", *DATA, "--qlora", "--parallelism", "fsdp", "--cpu-offload", "--nproc-per-node", "2",
+                    "--output-dir", str(tmp_path / "o")],
+                   check=False, timeout=120, cwd=_train_file(tmp_path), own_process=True)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "--cpu-offload with a bitsandbytes" in proc.stderr
 
@@ -126,10 +123,10 @@ def test_cli_qlora_with_offload_is_one_line_exit_2(tmp_path):
 def test_cli_target_modules_that_match_nothing_is_one_line_exit_2(tmp_path, demo_data):
     """Checked once the model is built (after the config): still one line and exit code 2."""
     train, _ = demo_data
-    proc = subprocess.run([sys.executable, "-m", "swiftlite", "sft", "--model", "tiny-llama-2l", "--dataset",
-                           f"{train}#4", "--qlora", "--target-modules", "query_key_value", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false", "--max-steps", "1",
-                           "--output-dir", str(tmp_path / "o")], capture_output=True, text=True, env=cli_env(),
-                          timeout=300)
+    proc = run_cli(["sft", "--model", "tiny-llama-2l", "--dataset", f"{train}#4", "--qlora", "--target-modules",
+                    "query_key_value", "--gradient-accumulation-steps", "1", "--gradient-checkpointing", "false",
+                    "--max-steps", "1", "--output-dir", str(tmp_path / "o")], check=False, timeout=300,
+                   own_process=True)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
         "error: --target-modules query_key_value: query_key_value is not a module of tiny-llama-2l (its adaptable "

@@ -6,9 +6,7 @@ classes and transformers version in `_source`)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +17,8 @@ from swiftlite.config.load import alias_keys
 from swiftlite.config.msswift import NO_MEANING
 from swiftlite.config.msswift_unsupported import MSSWIFT_COMMIT, UNSUPPORTED, misspelling_of
 from swiftlite.errors import UserError, UserErrors
+from tests.conftest import cli_env, run_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 NAMES = json.loads((Path(__file__).parent / "data" / "msswift_args_3602360a.json").read_text())
 GRPO_ONLY = set(NAMES["grpo_only"])  # --rlhf_type grpo's own options: not this table's
 
@@ -138,9 +136,8 @@ def test_rlhf_types_not_implemented_say_so():
 
 
 def _cli(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "swiftlite", *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+    """The CLI in a process of its own (exit code, stderr as the user sees them), offline."""
+    return run_cli(argv, cwd=cwd, env=cli_env(HF_HUB_OFFLINE="1"), check=False, timeout=120, own_process=True)
 
 
 def test_cli_lists_every_refusal_one_line_each(tmp_path):
