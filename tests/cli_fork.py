@@ -65,8 +65,14 @@ def needs_fresh(env: dict[str, str]) -> bool:
             or any(k.startswith(FRESH_PREFIXES) for k in env))
 
 
+#: Variables under those prefixes that no library reads at import: torch and DeepSpeed read the extension
+#: folder when they build an op, torchrun's run id is for the ranks of one job.
+RUNTIME_VARS = ("TORCH_EXTENSIONS_DIR", "TORCHELASTIC_RUN_ID")
+
+
 def import_time_values(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)))
+    return tuple(sorted((k, v) for k, v in env.items()
+                        if k.startswith(IMPORT_TIME_PREFIXES) and k not in RUNTIME_VARS))
 
 
 def forkable(env: dict[str, str], base: dict[str, str]) -> bool:
@@ -80,8 +86,8 @@ class Forked:
     child starts a session of its own), `poll`, `wait`, `communicate` (its output, read from the files it
     wrote once it has ended), `send_signal`/`terminate`/`kill` (the command's process) and `kill_group`."""
 
-    def __init__(self, srv: ForkServer, pid: int, args: list[str], folder: Path, merged: bool):
-        self.srv, self.pid, self.args, self._folder, self._merged = srv, pid, args, folder, merged
+    def __init__(self, srv: ForkServer, pid: int, args: list[str], folder: Path | None):
+        self.srv, self.pid, self.args, self._folder = srv, pid, args, folder   # folder: its output files
         self.returncode: int | None = None
         self._output: tuple[str, str] | None = None
 
@@ -98,12 +104,15 @@ class Forked:
         return self.returncode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        """(stdout, stderr) once the command has ended; stderr is "" when it was merged into stdout."""
+        """(stdout, stderr) once the command has ended; stderr is "" when it was merged into stdout, both are
+        "" when the output went to a log file."""
         self.wait(timeout)
         if self._output is None:
-            out, err = self._folder / "stdout", self._folder / "stderr"
-            self._output = tuple(p.read_text(errors="replace") if p.exists() else "" for p in (out, err))
-            shutil.rmtree(self._folder, ignore_errors=True)
+            self._output = ("", "")
+            if self._folder is not None:
+                out, err = self._folder / "stdout", self._folder / "stderr"
+                self._output = tuple(p.read_text(errors="replace") if p.exists() else "" for p in (out, err))
+                shutil.rmtree(self._folder, ignore_errors=True)
         return self._output
 
     def send_signal(self, sig: int) -> None:
@@ -186,17 +195,21 @@ class ForkServer:
         return self._exits.pop(pid)
 
     def start(self, args: list[str], env: dict[str, str], cwd: str | Path | None, merge_stderr: bool = False,
-              log: Path | None = None) -> Forked:
-        """`python -m swiftlite ARGS` forked now; the returned handle waits for it as a Popen does. With `log`,
-        stdout and stderr both go to that file (communicate gives "" for both)."""
-        d = tempfile.mkdtemp(prefix="swiftlite-fork-")
-        out = Path(log) if log is not None else Path(d) / "stdout"
-        err = out if merge_stderr or log is not None else Path(d) / "stderr"
+              log: Path | None = None, script: Path | None = None, procs: int = 1) -> Forked:
+        """`python -m swiftlite ARGS` forked now (with `script`: that worker script on `procs` ranks, as
+        torchrun runs it); the returned handle waits for it as a Popen does. With `log`, stdout and stderr
+        both go to that file (communicate gives "" for both)."""
+        d = None if log is not None else Path(tempfile.mkdtemp(prefix="swiftlite-fork-"))
+        out = Path(log) if d is None else d / "stdout"
+        err = out if merge_stderr or d is None else d / "stderr"
         req = {"args": args, "env": env, "cwd": str(cwd or os.getcwd()), "out": str(out), "err": str(err)}
+        if script is not None:
+            req.update(script=str(script), procs=procs)
         self.proc.stdin.write(json.dumps(req).encode() + b"\n")
         self.proc.stdin.flush()
         pid = self.last_pid = int(self._next(timeout=60).split()[1])
-        return Forked(self, pid, [sys.executable, "-m", "swiftlite", *args], Path(d), merge_stderr)
+        cmd = [sys.executable, str(script), *args] if script is not None else [sys.executable, "-m", "swiftlite", *args]
+        return Forked(self, pid, cmd, d)
 
     def run(self, args: list[str], env: dict[str, str], cwd: str | Path | None,
             timeout: float) -> subprocess.CompletedProcess:
@@ -251,18 +264,97 @@ def run(args: list[str], env: dict[str, str], base: dict[str, str], cwd: str | P
 
 
 def start(args: list[str], env: dict[str, str], base: dict[str, str], cwd: str | Path | None,
-          merge_stderr: bool = False, log: Path | None = None) -> Forked | None:
-    """`python -m swiftlite ARGS` forked from this process's helper for `env` and left running (a node of a
-    two-node run, a server); None when the command must have a real interpreter."""
+          merge_stderr: bool = False, log: Path | None = None, script: Path | None = None,
+          procs: int = 1) -> Forked | None:
+    """`python -m swiftlite ARGS` (with `script`: that worker script on `procs` ranks) forked from this
+    process's helper for `env` and left running (a node of a two-node run, a server); None when the command
+    must have a real interpreter."""
     srv = server(env, base)
-    return None if srv is None else srv.start(args, env, cwd, merge_stderr, log)
+    return None if srv is None else srv.start(args, env, cwd, merge_stderr, log, script, procs)
 
 
 # --- the helper interpreter ---------------------------------------------------------------------------
 
 
+def _as_main(call) -> int:
+    """`call()` as an interpreter's main: its exit code (a SystemExit's too), then what the interpreter does
+    at exit (join the non-daemon threads, run the exit handlers)."""
+    try:
+        rc = call()
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    import threading
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    return rc if isinstance(rc, int) else 1
+
+
+def _flush_and_exit(rc: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:   # noqa: BLE001
+            pass
+    os._exit(rc)
+
+
+def _ranks(req: dict) -> int:
+    """A test's worker script as `python SCRIPT ARGS` runs it, or with "procs" N > 1 as `torchrun --standalone
+    --nproc-per-node=N SCRIPT ARGS` does: N ranks forked here with torchrun's variables (RANK, LOCAL_RANK,
+    WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID), their output
+    the command's; a rank that fails ends the others, as torchrun's default does. The exit code is the first
+    failure's (1 for a signal), else 0."""
+    import runpy
+    import socket
+    import uuid
+    script = str(Path(req["script"]).resolve())
+    sys.argv = [script, *req["args"]]
+    sys.path[0] = str(Path(script).parent)   # `python SCRIPT` puts the script's folder first on the path
+
+    def main() -> int:
+        runpy.run_path(script, run_name="__main__")
+        return 0
+
+    procs = int(req.get("procs", 1))
+    if procs == 1:
+        return _as_main(main)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    world = {"WORLD_SIZE": str(procs), "LOCAL_WORLD_SIZE": str(procs), "GROUP_RANK": "0",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": uuid.uuid4().hex}
+    ranks: dict[int, int] = {}
+    for rank in range(procs):
+        pid = os.fork()
+        if pid == 0:
+            rc = 1
+            try:
+                os.environ.update(world, RANK=str(rank), LOCAL_RANK=str(rank))
+                rc = _as_main(main)
+            except BaseException:   # noqa: BLE001 - printed as the interpreter prints an uncaught exception
+                import traceback
+                traceback.print_exc()
+            finally:
+                _flush_and_exit(rc)
+        ranks[pid] = rank
+    rc = 0
+    while ranks:
+        pid, status = os.wait()
+        ranks.pop(pid, None)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and rc == 0:
+            rc = code if code > 0 else 1
+            for other in ranks:
+                try:
+                    os.kill(other, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    return rc
+
+
 def _child(req: dict, wakeup: tuple[int, int]) -> None:
-    """In the forked child: become `python -m swiftlite ARGS` in the request's environment; never returns."""
+    """In the forked child: become `python -m swiftlite ARGS` (with "script": that worker script, on "procs"
+    ranks) in the request's environment; never returns."""
     rc = 1
     try:
         os.setsid()   # its own process group: a timeout kills it and the ranks it forked
@@ -278,28 +370,20 @@ def _child(req: dict, wakeup: tuple[int, int]) -> None:
         os.environ.clear()
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
-        sys.path[0] = req["cwd"]    # `python -m` puts the working directory first on the path
-        import swiftlite.__main__ as entry
-        sys.argv = [entry.__file__, *req["args"]]
-        from swiftlite.cli.main import main
-        try:
-            rc = main(list(req["args"]))
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        import threading
-        threading._shutdown()   # what the interpreter does at exit: join the non-daemon threads
-        atexit._run_exitfuncs()
+        if req.get("script"):
+            rc = _ranks(req)
+        else:
+            sys.path[0] = req["cwd"]    # `python -m` puts the working directory first on the path
+            import swiftlite.__main__ as entry
+            sys.argv = [entry.__file__, *req["args"]]
+            from swiftlite.cli.main import main
+            rc = _as_main(lambda: main(list(req["args"])))
     except BaseException:   # noqa: BLE001 - printed as the interpreter prints an uncaught exception
         import traceback
         traceback.print_exc()
         rc = 1
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:   # noqa: BLE001
-                pass
-        os._exit(rc if isinstance(rc, int) else 1)
+        _flush_and_exit(rc if isinstance(rc, int) else 1)
 
 
 def _serve() -> None:

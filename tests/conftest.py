@@ -212,20 +212,48 @@ def main_in_process(args: list[str], *, env: dict[str, str] | None = None,
     return subprocess.CompletedProcess(["swiftlite", *args], rc, out.getvalue(), err.getvalue())
 
 
-def run_plan_job(worker: Path, plan: list[dict], root: Path, name: str, procs: int, timeout: float) -> None:
-    """Run a worker script on a JSON plan of runs (root/NAME.json), on one process or under torchrun
-    with `procs` ranks, with a clean rank environment; its output goes to root/NAME.log."""
-    plan_file = root / f"{name}.json"
-    plan_file.write_text(json.dumps(plan, default=str))
-    env = cli_env()
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE"):
+#: What a launcher sets for a rank: a worker's environment starts without them (a clean rank environment).
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE",
+             "TORCHELASTIC_RUN_ID", "GROUP_RANK")
+
+
+def run_worker(worker: Path, args: list, *, procs: int = 1, env: dict | None = None, cwd: str | Path | None = None,
+               timeout: float = 600, log: Path | None = None) -> subprocess.CompletedProcess:
+    """A test's worker script (`python WORKER ARGS`, or `torchrun --standalone --nproc-per-node=PROCS WORKER
+    ARGS`) in a clean rank environment: forked from the warm helper where that gives the same run
+    (tests/cli_fork.py's `_ranks` sets torchrun's variables for each forked rank), else in fresh interpreters.
+    Its output is captured, or written to `log` (both streams). A timeout kills it and its ranks."""
+    env = dict(env or cli_env())
+    for k in RANK_VARS:
         env.pop(k, None)
+    args = [str(a) for a in args]
+    from tests import cli_fork
+    handle = cli_fork.start(args, env, cli_env(), cwd, log=log, script=Path(worker), procs=procs)
+    if handle is not None:
+        try:
+            out, err = handle.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            handle.kill_group()
+            handle.wait(60)
+            raise
+        return subprocess.CompletedProcess(handle.args, handle.returncode, out, err)
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
                 if procs > 1 else [sys.executable])
-    log = root / f"{name}.log"
+    cmd = [*launcher, str(worker), *args]
+    if log is None:
+        return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     with open(log, "w") as fh:
-        rc = subprocess.run([*launcher, str(worker), str(plan_file)], stdout=fh, stderr=subprocess.STDOUT,
-                            env=env, timeout=timeout).returncode
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=cwd, timeout=timeout).returncode
+    return subprocess.CompletedProcess(cmd, rc, "", "")
+
+
+def run_plan_job(worker: Path, plan: list[dict], root: Path, name: str, procs: int, timeout: float) -> None:
+    """Run a worker script on a JSON plan of runs (root/NAME.json), on one process or on `procs` ranks
+    (`run_worker`); its output goes to root/NAME.log."""
+    plan_file = root / f"{name}.json"
+    plan_file.write_text(json.dumps(plan, default=str))
+    log = root / f"{name}.log"
+    rc = run_worker(worker, [plan_file], procs=procs, timeout=timeout, log=log).returncode
     if rc != 0:
         raise AssertionError(f"job {name} exited {rc}\n{log.read_text()[-6000:]}")
 

@@ -104,6 +104,43 @@ def test_commands_run_at_once_and_each_exit_reaches_its_own_handle(demo_data, tm
     assert not (tmp_path / "bad").exists()
 
 
+WORKER = """
+import json, os, sys, time
+names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+out = sys.argv[1]
+with open(f"{out}.{os.environ['RANK']}", "w") as f:
+    json.dump({"env": {k: os.environ.get(k) for k in names}, "argv": sys.argv, "path0": sys.path[0]}, f)
+if sys.argv[2] == "fail" and os.environ["RANK"] == "1":
+    sys.exit(7)
+if sys.argv[2] == "fail":
+    time.sleep(300)   # ended by the launcher once rank 1 has failed
+"""
+
+
+def test_a_worker_script_runs_on_ranks_as_torchrun_runs_it(tmp_path):
+    """conftest.run_worker: torchrun's variables for each forked rank, the script's folder first on the path;
+    a rank that fails ends the others and gives the job its exit code."""
+    from tests.conftest import run_worker
+    if cli_fork.server(cli_env()) is None:
+        pytest.skip("SWIFTLITE_TEST_SUBPROCESS=1 / SWIFTLITE_TEST_FORK=0: workers run under torchrun")
+    worker = tmp_path / "w" / "worker.py"
+    worker.parent.mkdir()
+    worker.write_text(WORKER)
+    p = run_worker(worker, [tmp_path / "ok", "ok"], procs=2, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    seen = [json.loads((tmp_path / f"ok.{r}").read_text()) for r in (0, 1)]
+    for rank, rec in enumerate(seen):
+        env = rec["env"]
+        assert [env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")] == [str(rank)] * 2 + ["2"] * 2
+        assert env["MASTER_ADDR"] == "127.0.0.1" and rec["path0"] == str(worker.parent)
+        assert rec["argv"] == [str(worker), str(tmp_path / "ok"), "ok"]
+    assert seen[0]["env"]["MASTER_PORT"] == seen[1]["env"]["MASTER_PORT"]
+    assert seen[0]["env"]["TORCHELASTIC_RUN_ID"] == seen[1]["env"]["TORCHELASTIC_RUN_ID"] is not None
+    t0 = time.monotonic()
+    p = run_worker(worker, [tmp_path / "bad", "fail"], procs=2, timeout=120)
+    assert p.returncode == 7 and time.monotonic() - t0 < 60   # rank 0's sleep was cut short
+
+
 def test_what_is_forked_and_what_gets_a_fresh_interpreter(monkeypatch):
     monkeypatch.delenv("SWIFTLITE_TEST_SUBPROCESS", raising=False)
     monkeypatch.delenv("SWIFTLITE_TEST_FORK", raising=False)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import cli_env, run_worker
 
 pytest.importorskip("deepspeed")
 
@@ -27,19 +28,14 @@ TIMEOUT = 600
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env["DS_ACCELERATOR"] = "cpu"
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/swiftlite/torch_extensions"))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
+    return cli_env(DS_ACCELERATOR="cpu",
+                   TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                       os.path.expanduser("~/.cache/swiftlite/torch_extensions")))
 
 
-def _run(args: list[str], out: Path) -> dict:
+def _run(args: list[str], out: Path, procs: int = 1) -> dict:
     try:
-        p = subprocess.run([sys.executable, *args, str(out)], cwd=REPO, env=_env(), capture_output=True,
-                           text=True, timeout=TIMEOUT)
+        p = run_worker(WORKER, [*args, out], procs=procs, env=_env(), cwd=REPO, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{args} timed out after {TIMEOUT}s:\n{(e.stdout or '')[-3000:]}\n{(e.stderr or '')[-3000:]}")
     assert p.returncode == 0, f"{args} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
@@ -48,12 +44,12 @@ def _run(args: list[str], out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    return _run([str(WORKER), "reference"], tmp_path_factory.mktemp("ref") / "ref.json")
+    return _run(["reference"], tmp_path_factory.mktemp("ref") / "ref.json")
 
 
 def _torchrun(preset: str, tmp: Path) -> dict:
-    return _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER), preset],
-                tmp / f"{preset}.json")
+    """The worker on 2 ranks, as `torchrun --standalone --nproc-per-node 2` runs it (conftest.run_worker)."""
+    return _run([preset], tmp / f"{preset}.json", procs=2)
 
 
 def _assert_parity(got: dict, ref: dict) -> None:

@@ -25,14 +25,13 @@ fails if the term is dropped).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, cli_env
+from tests.conftest import ROOT, cli_env, run_worker
 
 TOLERANCE = 0.25
 WORKER = Path(__file__).with_name("_terms_worker.py")
@@ -42,14 +41,10 @@ pytestmark = pytest.mark.long   # calibration of the planner's terms, minutes on
 
 def _run(mode: str, backend: str, tmp_path: Path) -> list[dict]:
     out = tmp_path / f"{mode}-{Path(backend).stem}"
-    env = cli_env(MALLOC_MMAP_THRESHOLD_="65536")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE"):
-        env.pop(k, None)
     log = tmp_path / f"{out.name}.log"
-    with open(log, "w") as fh:
-        rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             str(WORKER), mode, backend, str(out)], stdout=fh, stderr=subprocess.STDOUT, env=env,
-                            timeout=900).returncode
+    # an allocator variable: fresh interpreters under torchrun (a memory measurement)
+    rc = run_worker(WORKER, [mode, backend, out], procs=2, env=cli_env(MALLOC_MMAP_THRESHOLD_="65536"), timeout=900,
+                    log=log).returncode
     assert rc == 0, log.read_text()[-6000:]
     return [json.loads((tmp_path / f"{out.name}.rank{r}.json").read_text()) for r in range(2)]
 

@@ -16,13 +16,11 @@ the whole loss), never in the plain run; and on the torch backends every trainab
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, cli_env, read_losses
+from tests.conftest import ROOT, read_losses, run_plan_job
 
 pytestmark = pytest.mark.slow
 
@@ -62,18 +60,7 @@ def tied_model(tmp_path_factory) -> Path:
 
 
 def _job(plan: list[dict], root: Path, name: str) -> None:
-    plan_file = root / f"{name}.json"
-    plan_file.write_text(json.dumps(plan, default=str))
-    env = cli_env()
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC_PER_NODE"):
-        env.pop(k, None)
-    log = root / f"{name}.log"
-    with open(log, "w") as fh:
-        rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             str(WORKER), str(plan_file)], stdout=fh, stderr=subprocess.STDOUT, env=env,
-                            timeout=TIMEOUT).returncode
-    if rc != 0:
-        raise AssertionError(f"job {name} exited {rc}\n{log.read_text()[-6000:]}")
+    run_plan_job(WORKER, plan, root, name, 2, TIMEOUT)
 
 
 # name -> (model, backend, extra flags, gradient accumulation)

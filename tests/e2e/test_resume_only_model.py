@@ -15,13 +15,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_env, run_cli
+from tests.conftest import cli_env, run_cli, run_worker
 
 pytestmark = pytest.mark.slow
 
@@ -62,14 +60,9 @@ def _trained(root: Path, train: Path, kind: str) -> Path:
 def _worker(root: Path, kind: str, values: dict) -> dict:
     cfg, out = root / f"cfg_{kind}.json", root / f"out_{kind}.json"
     cfg.write_text(json.dumps(values))
-    cmd = [sys.executable, str(WORKER), str(cfg), str(out)]
-    if KINDS[kind][0]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *cmd[1:]]
-    env = cli_env(SWIFTLITE_CACHE=str(root / "cache"))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, f"{cmd} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    p = run_worker(WORKER, [cfg, out], procs=2 if KINDS[kind][0] else 1, cwd=ROOT, timeout=600,
+                   env=cli_env(SWIFTLITE_CACHE=str(root / "cache")))
+    assert p.returncode == 0, f"{WORKER.name} {kind} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     return json.loads(out.read_text())
 
 
