@@ -6,7 +6,9 @@ with the reference on (beta 0.04): one process against 2 ranks in one group (fp3
 FSDP2 padded and padding-free, ZeRO-3), and 2 data-parallel ranks against 4 ranks in 2 groups (LoRA,
 the reference being the adapter switched off). The rewards, completion lengths, losses, gradient norms,
 KL and entropy agree to 1e-5 (relative): the same completions (their draws depend on the seed, round
-and index only), the same sums in another order.
+and index only), the same sums in another order. On a model that draws EOS about one token in five
+(`_eos` runs), completions end mid-way at different lengths, so the padding (or, padding-free, the packed
+row's end) falls at a different place in every sequence the group splits.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ RUNS = {   # name -> (flags, the run it must equal)
     "sp2_zero3": (["--nproc_per_node", "2", "--sequence_parallel_size", "2", "--parallelism", "zero3"], "one"),
     "one_gym": (["--nproc_per_node", "1", *GYM], None),
     "sp2_gym": (["--nproc_per_node", "2", "--sequence_parallel_size", "2", *GYM], "one_gym"),
+    "one_eos": (["--nproc_per_node", "1"], None),
+    "sp2_eos": (["--nproc_per_node", "2", "--sequence_parallel_size", "2"], "one_eos"),
+    "one_eos_free": (["--nproc_per_node", "1", "--padding_free", "true"], None),
+    "sp2_eos_free": (["--nproc_per_node", "2", "--sequence_parallel_size", "2", "--padding_free", "true"],
+                     "one_eos_free"),
     "dp2_lora": (["--nproc_per_node", "2", "--train_type", "lora", "--lora_dropout", "0",
                   "--gradient_accumulation_steps", "1", "--learning_rate", "1e-2"], None),
     "dp2_sp2_lora": (["--nproc_per_node", "4", "--sequence_parallel_size", "2", "--train_type", "lora",
@@ -67,7 +74,13 @@ def runs(tmp_path_factory):
 
     def train_one(name: str):
         d = root / name
-        proc = run_cli(["rlhf", "--rlhf_type", "grpo", "--model", "tiny-llama-2l", "--torch_dtype", "fp32",
+        model = "tiny-llama-2l"
+        if "_eos" in name:
+            from tests.e2e.test_grpo_multi_turn_e2e import build_eos_prone
+            model = root / "eos_model"
+            if not model.is_dir():
+                build_eos_prone(model)
+        proc = run_cli(["rlhf", "--rlhf_type", "grpo", "--model", model, "--torch_dtype", "fp32",
                         "--train_type", "full", "--dataset", root / "data.jsonl", "--external_plugins",
                         root / "plugin.py", "--reward_funcs", "chars", "--seed", "3",
                         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
@@ -90,6 +103,10 @@ def test_a_sequence_parallel_group_trains_as_one_process(runs, name):
         for k in KEYS:
             assert b[k] == pytest.approx(a[k], rel=REL, abs=1e-7), (name, a["step"], k, a[k], b[k])
     assert steps[1]["kl"] > 0 and steps[0]["grad_norm"] > 0   # the reference and the advantages both act
+    if "_eos" in name:   # completions that end mid-way, at lengths that differ within a batch
+        assert all(s["completions/min_length"] < s["completions/max_length"] for s in steps), steps
+        assert min(s["completions/clipped_ratio"] for s in steps) < 1 and min(
+            s["completions/min_length"] for s in steps) < 6
     if "gym" in name:   # the environment's reward is the run's second, the same in the group as in one process
         assert [s["rewards/gym_reward/mean"] for s in steps] == pytest.approx(
             [s["rewards/gym_reward/mean"] for s in want], rel=REL)
