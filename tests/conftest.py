@@ -303,12 +303,23 @@ def _no_leaked_env():
         os.environ.update(before)
 
 
+#: The order the folders run in: the files of long multi-process tests first, the many short unit tests last.
+#: pytest-xdist (`--dist loadfile`) hands files to its workers in collection order, so a long file collected last
+#: would run alone at the end while the other worker waits; short files at the end fill the workers evenly.
+STAGE_ORDER = ("faults", "distributed", "e2e", "bad_inputs", "unit")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark each test with its kind (its folder): `-m "not distributed"`, `-m e2e`, ..."""
+    """Mark each test with its kind (its folder): `-m "not distributed"`, `-m e2e`, ...; order the folders as
+    STAGE_ORDER (each file's tests keep their order)."""
+    def stage(item) -> int:
+        kind = Path(str(item.fspath)).parent.name
+        return STAGE_ORDER.index(kind) if kind in STAGE_ORDER else len(STAGE_ORDER)
     for item in items:
         kind = Path(str(item.fspath)).parent.name
-        if kind in ("unit", "distributed", "e2e", "faults", "bad_inputs"):
+        if kind in STAGE_ORDER:
             item.add_marker(getattr(pytest.mark, kind))
+    items.sort(key=stage)
 
 
 def cases(items, long=(), ids=lambda c: c[0]):
