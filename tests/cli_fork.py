@@ -171,27 +171,29 @@ class ForkServer:
         line, self._buf = self._buf.split(b"\n", 1)
         return line.decode()
 
+    def _kept(self, line: str | None) -> bool:
+        """True when `line` is an exit line ("rc PID CODE"), whose code is then kept for its handle."""
+        if line is None or not line.startswith("rc "):
+            return False
+        _, pid, code = line.split()
+        self._exits[int(pid)] = int(code)
+        return True
+
     def _next(self, timeout: float | None) -> str | None:
-        """The helper's next line about a start ("pid N"), keeping the exit lines ("rc PID CODE") that come
-        before it; None when `timeout` (s) passes first."""
-        while True:
-            line = self._line(timeout)
-            if line is None or not line.startswith("rc "):
-                return line
-            _, pid, code = line.split()
-            self._exits[int(pid)] = int(code)
+        """The helper's next line about a start ("pid N"), keeping the exit lines that come before it; None
+        when `timeout` (s) passes first."""
+        while self._kept(line := self._line(timeout)):
+            pass
+        return line
 
     def _await(self, pid: int, timeout: float | None) -> int | None:
         """Command `pid`'s exit code, None when `timeout` (s) passes first."""
         end = None if timeout is None else time.monotonic() + timeout
         while pid not in self._exits:
-            left = None if end is None else max(0.0, end - time.monotonic())
-            line = self._line(left)
+            line = self._line(None if end is None else max(0.0, end - time.monotonic()))
             if line is None:
                 return None
-            if line.startswith("rc "):
-                _, p, code = line.split()
-                self._exits[int(p)] = int(code)
+            self._kept(line)
         return self._exits.pop(pid)
 
     def start(self, args: list[str], env: dict[str, str], cwd: str | Path | None, merge_stderr: bool = False,

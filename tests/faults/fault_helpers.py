@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,12 +23,9 @@ def env_for(cache: Path, **extra: str) -> dict[str, str]:
 
 def swiftlite(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 300
               ) -> tuple[subprocess.CompletedProcess, float]:
-    """`swiftlite ARGS` in a process of its own (forked from a warm helper where that is the same run:
-    conftest.forked_cli) and its wall time."""
-    from tests.conftest import forked_cli
+    """`swiftlite ARGS` in a process of its own (conftest.run_cli's: forked from a warm helper where that is
+    the same run) and its wall time."""
+    from tests.conftest import run_cli
     t0 = time.monotonic()
-    r = forked_cli([str(a) for a in args], env, cwd, timeout)
-    if r is None:
-        r = subprocess.run([sys.executable, "-m", "swiftlite", *args], env=env, cwd=cwd, capture_output=True,
-                           text=True, timeout=timeout)
+    r = run_cli(args, env=env, cwd=cwd, timeout=timeout, check=False, own_process=True)
     return r, time.monotonic() - t0
